@@ -1,0 +1,48 @@
+"""The ``math`` backend: attention written out as its formula, returning the weights.
+
+``weights = softmax(Q K^T * scale + mask)``, ``out = dropout(weights) V``. It costs
+``O(L x S)`` memory per head, which is what lets it return the weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnlab.functional import softmax
+from attnlab.masks import causal_mask
+
+
+def math_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None = None,
+    *,
+    is_causal: bool = False,
+    scale: float,
+    dropout_p: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """Attention by the formula; inputs already checked by ``scaled_dot_product_attention``.
+
+    query ``N.. x H x L x D``, key ``N.. x G x S x D``, value ``N.. x G x S x Dv`` with ``G``
+    dividing ``H`` -> ``(out N.. x H x L x Dv, weights N.. x H x L x S)``.
+    """
+    *lead, H, L, D = query.shape
+    G, S = key.shape[-3], key.shape[-2]
+    # Grouped heads share K/V without copies: the R = H/G query heads of a group are stacked
+    # along the query axis and meet their one K/V head in a single matmul.
+    q = (query * scale).reshape(*lead, G, (H // G) * L, D)
+    scores = torch.matmul(q, key.transpose(-2, -1)).view(*lead, H, L, S)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask.to(scores.dtype)
+    if is_causal:
+        scores = scores.masked_fill(~causal_mask(L, S, device=scores.device), float("-inf"))
+    weights = softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        weights = torch.nn.functional.dropout(weights, p=dropout_p, training=True)
+    out = torch.matmul(weights.reshape(*lead, G, (H // G) * L, S), value)
+    return out.view(*lead, H, L, value.shape[-1]), weights

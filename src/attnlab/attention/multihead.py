@@ -1,0 +1,271 @@
+"""Multi-head attention: ``MultiHeadAttention`` (with GQA/MQA) and the tiny-llm style
+``SimpleMultiHeadAttention``.
+
+``MultiHead(x) = concat(head_1 .. head_H) W_o`` with ``head_h = attention(x W_q^h, k W_k^g, v W_v^g)``,
+where query head ``h`` uses key/value head ``g = h // (H / G)``. ``G = H`` is classic MHA,
+``1 < G < H`` grouped-query attention, ``G = 1`` multi-query attention.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.functional import BACKENDS, linear, scaled_dot_product_attention
+from attnlab.masks import combine_masks, key_mask_to_attention_mask
+
+__all__ = ["MultiHeadAttention", "SimpleMultiHeadAttention"]
+
+
+class MultiHeadAttention(nn.Module):
+    """Self- and cross-attention with ``H`` query heads and ``G`` key/value heads.
+
+    Tensors are batch-first: query ``B x L x E``, key ``B x S x kdim``, value ``B x S x vdim``
+    -> ``B x L x E``. ``head_dim`` ``D`` defaults to ``E / H`` but may be anything
+    (``H * D != E`` works). ``num_kv_heads`` ``G`` defaults to ``H``; it must divide ``H``.
+
+    Parameters mirror ``torch.nn.MultiheadAttention``: when ``kdim == vdim == E`` one fused
+    ``in_proj_weight`` ``((H + 2G) * D) x E`` holds W_q, W_k, W_v stacked (one GEMM for
+    self-attention); otherwise ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight``.
+    ``in_proj_bias`` ``(H + 2G) * D`` and ``out_proj`` (``E x H*D``) follow ``bias``.
+
+    ``dropout`` drops attention weights in training mode; ``output_dropout`` (default 0, as in
+    PyTorch, since Transformer layers drop the residual branch themselves) drops the output.
+    Initialisation: Xavier-uniform weights, zero biases.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        head_dim: int | None = None,
+        num_kv_heads: int | None = None,
+        dropout: float = 0.0,
+        output_dropout: float = 0.0,
+        bias: bool = True,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        _check_positive("embed_dim", embed_dim)
+        _check_positive("num_heads", num_heads)
+        if head_dim is None:
+            if embed_dim % num_heads:
+                raise ValueError(
+                    f"embed_dim: expected a multiple of num_heads={num_heads} when head_dim is "
+                    f"not given, got {embed_dim}"
+                )
+            head_dim = embed_dim // num_heads
+        _check_positive("head_dim", head_dim)
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        _check_positive("num_kv_heads", num_kv_heads)
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads: expected a divisor of num_heads={num_heads}, got {num_kv_heads}"
+            )
+        for name, p in (("dropout", dropout), ("output_dropout", output_dropout)):
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"{name}: expected a float in [0, 1), got {p}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        kdim = embed_dim if kdim is None else kdim
+        vdim = embed_dim if vdim is None else vdim
+        _check_positive("kdim", kdim)
+        _check_positive("vdim", vdim)
+
+        self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim
+        self.num_kv_heads, self.kdim, self.vdim = num_kv_heads, kdim, vdim
+        self.dropout, self.output_dropout, self.backend = dropout, output_dropout, backend
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self._sizes = (q_size, kv_size, kv_size)
+        factory = {"device": device, "dtype": dtype}
+        self.same_embed_dim = kdim == embed_dim and vdim == embed_dim
+        if self.same_embed_dim:
+            self.in_proj_weight = nn.Parameter(torch.empty(q_size + 2 * kv_size, embed_dim, **factory))
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.register_parameter("in_proj_weight", None)
+            self.q_proj_weight = nn.Parameter(torch.empty(q_size, embed_dim, **factory))
+            self.k_proj_weight = nn.Parameter(torch.empty(kv_size, kdim, **factory))
+            self.v_proj_weight = nn.Parameter(torch.empty(kv_size, vdim, **factory))
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(q_size + 2 * kv_size, **factory))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = nn.Linear(q_size, embed_dim, bias=bias, **factory)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform weights (the stacked in-projection as one matrix, as PyTorch does)."""
+        for w in (self.in_proj_weight, self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
+            if w is not None:
+                nn.init.xavier_uniform_(w)
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        if self.in_proj_bias is not None:
+            nn.init.zeros_(self.in_proj_bias)
+            nn.init.zeros_(self.out_proj.bias)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        mask: Tensor | None = None,
+        *,
+        key_mask: Tensor | None = None,
+        is_causal: bool = False,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Attend from ``query`` (``B x L x E``) to ``key``/``value`` (``B x S x kdim/vdim``).
+
+        ``key=None`` means self-attention (key = value = query); ``value=None`` means
+        value = key. ``mask`` broadcasts to ``B x H x L x S``: bool (True = may attend) or
+        additive float. ``key_mask`` is ``B x S`` with True for a real key that may be attended
+        (Hugging Face's ``attention_mask`` meaning; PyTorch's ``key_padding_mask`` is its
+        negation: pass ``~key_padding_mask``). ``is_causal`` adds the bottom-right causal mask.
+        Returns ``B x L x E``, or ``(output, weights B x H x L x S)`` with ``return_weights``.
+        """
+        self_attention = key is None or (key is query and (value is None or value is query))
+        key = query if key is None else key
+        value = key if value is None else value
+        self._check_input("query", query, self.embed_dim)
+        self._check_input("key", key, self.kdim)
+        self._check_input("value", value, self.vdim)
+        B, L, _ = query.shape
+        S = key.shape[1]
+        if key.shape[0] != B or value.shape[:2] != key.shape[:2]:
+            raise ValueError(
+                f"key, value: expected shapes ({B}, S, ...) with the same S, got key "
+                f"{tuple(key.shape)} and value {tuple(value.shape)}"
+            )
+        if key_mask is not None:
+            if tuple(key_mask.shape) != (B, S):
+                raise ValueError(
+                    f"key_mask: expected shape B x S = ({B}, {S}), got {tuple(key_mask.shape)}"
+                )
+            mask = combine_masks(mask, key_mask_to_attention_mask(key_mask))
+
+        q, k, v = self._project(query, key, value, self_attention)
+        H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q = q.view(B, L, H, D).transpose(1, 2)
+        k = k.view(B, S, G, D).transpose(1, 2)
+        v = v.view(B, S, G, D).transpose(1, 2)
+        result = scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            mask,
+            is_causal=is_causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=G != H,
+            return_weights=return_weights,
+            backend=self.backend,
+        )
+        out, weights = result if return_weights else (result, None)
+        out = linear(out.transpose(1, 2).reshape(B, L, H * D), self.out_proj.weight, self.out_proj.bias)
+        if self.output_dropout > 0.0 and self.training:
+            out = nn.functional.dropout(out, self.output_dropout, training=True)
+        return (out, weights) if return_weights else out
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor, self_attention: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """``query, key, value`` -> ``B x L x H*D``, ``B x S x G*D``, ``B x S x G*D``."""
+        biases = (None, None, None) if self.in_proj_bias is None else self.in_proj_bias.split(self._sizes)
+        if not self.same_embed_dim:
+            weights = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
+            return tuple(linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))  # type: ignore[return-value]
+        if self_attention:
+            return linear(query, self.in_proj_weight, self.in_proj_bias).split(self._sizes, dim=-1)
+        w_q, w_k, w_v = self.in_proj_weight.split(self._sizes)
+        q = linear(query, w_q, biases[0])
+        if key is value:
+            # K and V from the same memory: one GEMM over their stacked weights.
+            kv_bias = None if self.in_proj_bias is None else self.in_proj_bias[self._sizes[0]:]
+            k, v = linear(key, self.in_proj_weight[self._sizes[0]:], kv_bias).split(self._sizes[1:], dim=-1)
+            return q, k, v
+        return q, linear(key, w_k, biases[1]), linear(value, w_v, biases[2])
+
+    def _check_input(self, name: str, x: Tensor, dim: int) -> None:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name}: expected a Tensor, got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[-1] != dim:
+            raise ValueError(f"{name}: expected shape B x len x {dim} (batch first), got {tuple(x.shape)}")
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention, *, backend: str = "auto") -> MultiHeadAttention:
+        """Copy the weights of a ``torch.nn.MultiheadAttention`` so that outputs match it.
+
+        Our module is always batch-first: with a source built with ``batch_first=False``, pass
+        ``B x L x E`` tensors (transpose its ``L x B x E`` ones). Its masks map as
+        ``mask = ~attn_mask`` (bool; a float ``attn_mask`` is additive and passes as is; a
+        ``B*H x L x S`` one reshapes to ``B x H x L x S``) and ``key_mask = ~key_padding_mask``.
+        """
+        if not isinstance(module, nn.MultiheadAttention):
+            raise TypeError(f"module: expected torch.nn.MultiheadAttention, got {type(module).__name__}")
+        if module.bias_k is not None or module.add_zero_attn:
+            raise ValueError("module: add_bias_kv and add_zero_attn are not supported")
+        ref = module.in_proj_weight if module.in_proj_weight is not None else module.q_proj_weight
+        new = cls(
+            module.embed_dim,
+            module.num_heads,
+            dropout=module.dropout,
+            bias=module.in_proj_bias is not None,
+            kdim=module.kdim,
+            vdim=module.vdim,
+            backend=backend,
+            device=ref.device,
+            dtype=ref.dtype,
+        )
+        with torch.no_grad():
+            for name, param in module.named_parameters():
+                new.get_parameter(name).copy_(param)
+        return new
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, dropout={self.dropout}, backend={self.backend!r}"
+        )
+
+
+class SimpleMultiHeadAttention:
+    """Multi-head attention with the weights passed in, in the style of tiny-llm.
+
+    ``wq, wk, wv``: ``(H*D) x E``; ``wo``: ``E x (H*D)`` with ``D = hidden_size / num_heads``.
+    Called as ``mha(query, key, value, mask=None)`` with query ``N.. x L x E`` and key/value
+    ``N.. x S x E`` -> ``N.. x L x E``; ``mask`` broadcasts to ``N.. x H x L x S``.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor) -> None:
+        _check_positive("hidden_size", hidden_size)
+        _check_positive("num_heads", num_heads)
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size: expected a multiple of num_heads={num_heads}, got {hidden_size}")
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.head_dim = hidden_size // num_heads
+        inner = num_heads * self.head_dim
+        for name, w, shape in (("wq", wq, (inner, hidden_size)), ("wk", wk, (inner, hidden_size)),
+                               ("wv", wv, (inner, hidden_size)), ("wo", wo, (hidden_size, inner))):
+            if tuple(w.shape) != shape:
+                raise ValueError(f"{name}: expected shape {shape}, got {tuple(w.shape)}")
+        self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
+
+    def __call__(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None) -> Tensor:
+        H, D = self.num_heads, self.head_dim
+        *lead, L, _ = query.shape
+        S = key.shape[-2]
+        q = linear(query, self.wq).view(*lead, L, H, D).transpose(-3, -2)
+        k = linear(key, self.wk).view(*lead, S, H, D).transpose(-3, -2)
+        v = linear(value, self.wv).view(*lead, S, H, D).transpose(-3, -2)
+        out = scaled_dot_product_attention(q, k, v, mask)
+        return linear(out.transpose(-3, -2).reshape(*lead, L, H * D), self.wo)
+
+
+def _check_positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")

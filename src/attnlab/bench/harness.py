@@ -1,0 +1,168 @@
+"""Timing and memory measurement shared by the benchmarks.
+
+Times are medians of repeats after a warm-up. Peak memory is the extra memory a call needs
+beyond what exists before it: ``torch.cuda.max_memory_allocated`` on CUDA, and on CPU the
+peak resident set size (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``) with
+glibc told to return freed blocks to the system, so that a reused heap does not hide usage.
+Out-of-memory is a result (``"OOM"``), not a crash.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Measurement", "available_memory", "machine_info", "peak_memory", "time_median"]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One benchmark cell: median seconds and extra peak bytes, or why there is none."""
+
+    seconds: float | None
+    peak_bytes: int | None
+    error: str | None = None
+
+    def time_ms(self) -> str:
+        return self.error or f"{self.seconds * 1e3:.2f}"
+
+    def memory_mib(self) -> str:
+        if self.error:
+            return self.error
+        return "n/a" if self.peak_bytes is None else f"{self.peak_bytes / 2**20:.1f}"
+
+
+def time_median(fn: Callable[[], object], *, repeats: int = 5, warmup: int = 1,
+                budget_s: float = 20.0, device: torch.device | None = None) -> float:
+    """Median wall time of ``fn()`` over at least 3 and at most ``repeats`` runs.
+
+    Stops adding runs once ``budget_s`` seconds are spent (after the third).
+    """
+    for _ in range(warmup):
+        fn()
+        _sync(device)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < repeats:
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 3 and time.perf_counter() - start > budget_s:
+            break
+    return statistics.median(times)
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device | None = None) -> int | None:
+    """Extra bytes at the peak of ``fn()`` over the memory in use before it (None if unknown)."""
+    gc.collect()
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    if not _cpu_peak_supported():
+        return None
+    _release_free_memory()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kib("VmRSS")
+    fn()
+    return max(0, (_status_kib("VmHWM") - before) * 1024)
+
+
+def available_memory(device: torch.device | None = None) -> int:
+    """Bytes that can still be allocated on ``device`` (CPU: ``MemAvailable``)."""
+    if device is not None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
+def machine_info(device: torch.device | None = None) -> dict[str, str]:
+    """What the figures were measured on, saved beside them."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "torch threads": str(torch.get_num_threads()),
+        "memory": f"{_total_memory() / 2**30:.1f} GiB",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu capability": torch.backends.cpu.get_cpu_capability(),
+    }
+    if device is not None and device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def is_oom(error: BaseException) -> bool:
+    """Whether ``error`` is an allocation failure (CPU or CUDA)."""
+    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(error).lower()
+    return "out of memory" in text or "can't allocate memory" in text
+
+
+def _sync(device: torch.device | None) -> None:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cpu_peak_supported() -> bool:
+    return os.access("/proc/self/clear_refs", os.W_OK) and os.path.exists("/proc/self/status")
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def _release_free_memory() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    # Fixed thresholds stop glibc from keeping large freed blocks on its heap, where reuse
+    # would not show in the resident set size.
+    libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
+    libc.mallopt(_M_TRIM_THRESHOLD, 64 * 1024)
+    libc.malloc_trim(0)
+
+
+def _total_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0

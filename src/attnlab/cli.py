@@ -1,0 +1,73 @@
+"""The ``attnlab`` command line: ``attnlab demo``, ``attnlab bench NAME``.
+
+Each command uses the library's public API only and names the folder it wrote when it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# Each benchmark module has ``add_arguments(parser)`` and ``run(args) -> Path`` (the folder
+# or file written).
+BENCHMARKS = {
+    "attention": "attnlab.bench.attention",
+    "mha": "attnlab.bench.mha",
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``attnlab`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "handler"):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.handler(args) or 0)
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        print(f"attnlab: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("attnlab: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="attnlab", description="A Transformer toolkit for PyTorch.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    demo = sub.add_parser("demo", help="run the main demonstration")
+    demo.set_defaults(handler=_run_demo)
+
+    bench = sub.add_parser("bench", help="run a benchmark and save its table and plot")
+    bench_sub = bench.add_subparsers(dest="benchmark", metavar="NAME", required=True)
+    for name, module_name in BENCHMARKS.items():
+        module = importlib.import_module(module_name)
+        p = bench_sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        p.add_argument("--out", default="benchmarks", help="folder for the results (default: benchmarks)")
+        module.add_arguments(p)
+        p.set_defaults(handler=_bench_handler(module))
+    return parser
+
+
+def _bench_handler(module):  # noqa: ANN001, ANN202
+    def handler(args: argparse.Namespace) -> int:
+        path = module.run(args)
+        print(f"results written to {path}")
+        return 0
+
+    return handler
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from attnlab.demo import run_attention_demo
+
+    run_attention_demo()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""The functional core: ``linear``, ``softmax`` and ``scaled_dot_product_attention``.
+
+``scaled_dot_product_attention`` checks its inputs once and hands them to one of the
+backends in :mod:`attnlab.attention`: ``math`` (the formula, returns weights), ``flash``
+(our tiled online-softmax kernel) or ``fused`` (PyTorch's kernel). See ``DESIGN.md``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["BACKENDS", "linear", "scaled_dot_product_attention", "softmax"]
+
+BACKENDS = ("auto", "math", "flash", "fused")
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``y = x W^T + b``.
+
+    x ``N.. x I``, weight ``O x I`` (stored ``out x in`` like ``torch.nn.Linear``),
+    bias ``O`` -> ``N.. x O``.
+    """
+    if x.shape[-1:] != weight.shape[-1:] or weight.dim() != 2:
+        raise ValueError(
+            f"weight: expected shape O x {x.shape[-1] if x.dim() else '?'} to match x's last "
+            f"dim, got {tuple(weight.shape)} for x of shape {tuple(x.shape)}"
+        )
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    flat = x.reshape(-1, x.shape[-1])
+    # addmm folds the bias into the GEMM: one pass over the output instead of two.
+    y = torch.addmm(bias, flat, weight.t()) if bias is not None else flat.matmul(weight.t())
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """``softmax(x)_i = exp(x_i - max x) / sum_j exp(x_j - max x)`` along ``dim``.
+
+    Subtracting the max keeps ``exp`` from overflowing. A slice that is all ``-inf`` (nothing
+    to attend to) gives zeros, not NaN. Any shape.
+    """
+    # The max only stabilises: softmax is shift-invariant, so it needs no gradient.
+    m = x.detach().amax(dim=dim, keepdim=True)
+    m = m.masked_fill(m == float("-inf"), 0.0)
+    e = torch.exp(x - m)
+    total = e.sum(dim=dim, keepdim=True)
+    # total >= 1 whenever one entry is finite (the max contributes exp(0)); 0 means all -inf.
+    return e / total.masked_fill(total == 0, 1.0)
+
+
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None = None,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
+    return_weights: bool = False,
+    backend: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``softmax(Q K^T * scale + mask) V``.
+
+    query ``N.. x H x L x D``, key ``N.. x G x S x D``, value ``N.. x G x S x Dv`` (any number
+    of leading dims ``N..``, none too: ``L x D`` works) -> output ``N.. x H x L x Dv``.
+
+    - ``scale`` defaults to ``1 / sqrt(D)``.
+    - ``mask`` broadcasts to ``N.. x H x L x S``: boolean (True = may attend) or additive float.
+    - ``is_causal`` adds the bottom-right causal mask (query ``i`` sees keys up to
+      ``S - L + i``); it may be combined with ``mask``.
+    - ``enable_gqa``: ``H`` must be a multiple of ``G``; query head ``h`` uses key/value head
+      ``h // (H / G)``.
+    - A query with no key to attend to gets a zero output (and zero weights), never NaN.
+    - ``return_weights=True`` returns ``(output, weights)``, weights ``N.. x H x L x S`` being
+      the ones that multiplied ``V`` (after dropout when ``dropout_p > 0``).
+    - ``backend``: ``"math"``, ``"flash"``, ``"fused"`` or ``"auto"`` (the fused kernel, or
+      ``math`` when weights are asked for). A backend asked for something it cannot do raises.
+    """
+    from attnlab.attention import flash_attention, fused_attention, math_attention
+
+    scale = _check_inputs(query, key, value, mask, scale, dropout_p, enable_gqa, backend)
+    chosen = _choose_backend(backend, return_weights, dropout_p, mask)
+    squeeze = query.dim() == 2
+    if squeeze:
+        # A head dim of 1 lets every backend see N.. x H x L x D.
+        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+    if chosen == "math":
+        out, weights = math_attention(
+            query, key, value, mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p
+        )
+        if squeeze:
+            out, weights = out.squeeze(0), weights.squeeze(0)
+        return (out, weights) if return_weights else out
+    if chosen == "flash":
+        out = flash_attention(query, key, value, mask, is_causal=is_causal, scale=scale)
+    else:
+        out = fused_attention(
+            query, key, value, mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p
+        )
+    return out.squeeze(0) if squeeze else out
+
+
+def _choose_backend(backend: str, return_weights: bool, dropout_p: float, mask: Tensor | None) -> str:
+    if backend == "auto":
+        # torch's fused kernel is the fastest exact path on every device we run on; only the
+        # weights need the written-out formula.
+        return "math" if return_weights else "fused"
+    if return_weights and backend != "math":
+        raise ValueError(
+            f"return_weights: backend {backend!r} cannot return attention weights; "
+            "use backend='math' or 'auto'"
+        )
+    if backend == "flash":
+        if dropout_p > 0:
+            raise ValueError(
+                f"dropout_p: backend 'flash' supports only 0.0, got {dropout_p}; "
+                "use backend='math', 'fused' or 'auto' for attention dropout"
+            )
+        if mask is not None and mask.requires_grad:
+            raise ValueError(
+                "mask: backend 'flash' does not compute gradients for the mask, got a mask "
+                "with requires_grad=True; use backend='math', 'fused' or 'auto'"
+            )
+    return backend
+
+
+def _check_inputs(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Tensor | None,
+    scale: float | None,
+    dropout_p: float,
+    enable_gqa: bool,
+    backend: str,
+) -> float:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name}: expected a floating-point tensor, got dtype {t.dtype}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if query.dim() < 2:
+        raise ValueError(f"query: expected shape N.. x H x L x D (rank >= 2), got {tuple(query.shape)}")
+    if key.dim() != query.dim() or value.dim() != query.dim():
+        raise ValueError(
+            f"key, value: expected the rank of query ({query.dim()}), got key "
+            f"{tuple(key.shape)} and value {tuple(value.shape)}"
+        )
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(
+            f"key, value: expected query's dtype {query.dtype}, got {key.dtype} and {value.dtype}"
+        )
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(
+            f"key: expected head dim D={query.shape[-1]} (query's last dim), got shape "
+            f"{tuple(key.shape)}"
+        )
+    if value.shape[:-1] != key.shape[:-1]:
+        raise ValueError(
+            f"value: expected shape {(*key.shape[:-1], 'Dv')} to match key's N.. x G x S, got "
+            f"{tuple(value.shape)}"
+        )
+    if query.dim() >= 3:
+        H, G = query.shape[-3], key.shape[-3]
+        if query.shape[:-3] != key.shape[:-3]:
+            raise ValueError(
+                f"key: expected leading dims {tuple(query.shape[:-3])} (query's N..), got "
+                f"{tuple(key.shape[:-3])}"
+            )
+        if enable_gqa:
+            if G == 0 or H % G != 0:
+                raise ValueError(
+                    f"key: with enable_gqa, the query heads H={H} must be a multiple of the "
+                    f"key/value heads G={G}"
+                )
+        elif H != G:
+            raise ValueError(
+                f"key: expected {H} heads like query (dim -3), got {G}; pass enable_gqa=True "
+                "for grouped-query attention"
+            )
+    if mask is not None:
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"mask: expected a Tensor or None, got {type(mask).__name__}")
+        if mask.dtype != torch.bool and not mask.is_floating_point():
+            raise TypeError(
+                f"mask: expected a bool (True = may attend) or float (additive) tensor, "
+                f"got dtype {mask.dtype}"
+            )
+        target = (*query.shape[:-1], key.shape[-2])
+        try:
+            ok = torch.broadcast_shapes(mask.shape, target) == torch.Size(target)
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"mask: expected a shape that broadcasts to N.. x H x L x S = {target}, got "
+                f"{tuple(mask.shape)}"
+            )
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p}")
+    if scale is None:
+        return 1.0 / math.sqrt(query.shape[-1])
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    return float(scale)
