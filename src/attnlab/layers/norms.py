@@ -1,0 +1,35 @@
+"""Normalisation layers: ``RMSNorm``. (LayerNorm is PyTorch's ``torch.nn.LayerNorm``.)"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["RMSNorm"]
+
+
+class RMSNorm(nn.Module):
+    """``RMSNorm(x) = x / sqrt(mean(x^2) + eps) * weight`` over the last dim (Zhang & Sennrich).
+
+    No mean subtraction and no bias. Computed in float32 and cast back to ``x``'s dtype, as
+    Llama does. x ``N.. x dim`` -> ``N.. x dim``; ``weight`` ``dim``, initialised to ones.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim: expected a positive int, got {dim!r}")
+        if eps <= 0:
+            raise ValueError(f"eps: expected a positive float, got {eps}")
+        self.dim, self.eps = dim, eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1:] != (self.dim,):
+            raise ValueError(f"x: expected shape N.. x {self.dim}, got {tuple(x.shape)}")
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
