@@ -36,7 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnlab", description="A Transformer toolkit for PyTorch.")
+    parser = argparse.ArgumentParser(
+        prog="attnlab", description="A Transformer toolkit for PyTorch."
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="run the main demonstration")
@@ -47,13 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module_name in BENCHMARKS.items():
         module = importlib.import_module(module_name)
         p = bench_sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
-        p.add_argument("--out", default="benchmarks", help="folder for the results (default: benchmarks)")
+        p.add_argument(
+            "--out", default="benchmarks", help="folder for the results (default: benchmarks)"
+        )
         module.add_arguments(p)
         p.set_defaults(handler=_bench_handler(module))
     return parser
 
 
-def _bench_handler(module):  # noqa: ANN001, ANN202
+def _bench_handler(module):
     def handler(args: argparse.Namespace) -> int:
         path = module.run(args)
         print(f"results written to {path}")

@@ -105,7 +105,9 @@ def scaled_dot_product_attention(
     return out.squeeze(0) if squeeze else out
 
 
-def _choose_backend(backend: str, return_weights: bool, dropout_p: float, mask: Tensor | None) -> str:
+def _choose_backend(
+    backend: str, return_weights: bool, dropout_p: float, mask: Tensor | None
+) -> str:
     if backend == "auto":
         # torch's fused kernel is the fastest exact path on every device we run on; only the
         # weights need the written-out formula.
@@ -147,7 +149,9 @@ def _check_inputs(
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if query.dim() < 2:
-        raise ValueError(f"query: expected shape N.. x H x L x D (rank >= 2), got {tuple(query.shape)}")
+        raise ValueError(
+            f"query: expected shape N.. x H x L x D (rank >= 2), got {tuple(query.shape)}"
+        )
     if key.dim() != query.dim() or value.dim() != query.dim():
         raise ValueError(
             f"key, value: expected the rank of query ({query.dim()}), got key "

@@ -34,7 +34,9 @@ __all__ = [
 ]
 
 
-def causal_mask(L: int, S: int | None = None, *, device: torch.device | str | None = None) -> Tensor:
+def causal_mask(
+    L: int, S: int | None = None, *, device: torch.device | str | None = None
+) -> Tensor:
     """Bottom-right causal mask: ``mask[i, j] = j <= i + (S - L)``.
 
     Returns a boolean ``L x S`` tensor (True = may attend). ``S`` defaults to ``L``.
@@ -107,7 +109,7 @@ def padding_mask(
         raise ValueError(f"tokens_or_lengths: lengths must be >= 0, got {lengths.tolist()}")
     longest = int(lengths.max()) if lengths.numel() else 0
     S = longest if max_len is None else max_len
-    if S < longest:
+    if longest > S:
         raise ValueError(f"max_len: expected at least the longest length {longest}, got {S}")
     return torch.arange(S, device=lengths.device) < lengths.unsqueeze(-1)
 
@@ -180,9 +182,7 @@ def from_key_padding_mask(key_padding_mask: Tensor) -> Tensor:
 def from_hf_attention_mask(attention_mask: Tensor) -> Tensor:
     """Hugging Face ``attention_mask`` (1 = real token, 0 = padding, ``B x S``) -> bool key mask."""
     if attention_mask.dim() != 2:
-        raise ValueError(
-            f"attention_mask: expected shape B x S, got {tuple(attention_mask.shape)}"
-        )
+        raise ValueError(f"attention_mask: expected shape B x S, got {tuple(attention_mask.shape)}")
     return attention_mask != 0
 
 

@@ -59,8 +59,16 @@ class _Tiling:
     contiguous block of ``bq * R`` rows.
     """
 
-    def __init__(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
-                 is_causal: bool, block_q: int, block_k: int) -> None:
+    def __init__(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        mask: Tensor | None,
+        is_causal: bool,
+        block_q: int,
+        block_k: int,
+    ) -> None:
         *lead, H, L, _ = query.shape
         G, S = key.shape[-3], key.shape[-2]
         self.lead, self.H, self.G, self.R = lead, H, G, H // G
@@ -150,7 +158,7 @@ _RESCALE_MARGIN = 8.0
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, mask, is_causal, scale, block_q, block_k):  # noqa: ANN001
+    def forward(ctx, query, key, value, mask, is_causal, scale, block_q, block_k):
         t = _Tiling(query, key, value, mask, is_causal, block_q, block_k)
         q = t.q_rows(query * scale)
         k, v = t.kv_rows(key), t.kv_rows(value)
@@ -159,14 +167,22 @@ class _FlashAttention(torch.autograd.Function):
         lse = q.new_full((q.shape[0], t.L * R), float("inf"))
         for i0 in range(0, t.L, block_q):
             i1 = min(i0 + block_q, t.L)
-            _forward_tile(t, q[:, i0 * R:i1 * R], k, v, i0, i1, out[:, i0 * R:i1 * R],
-                          lse[:, i0 * R:i1 * R])
+            _forward_tile(
+                t,
+                q[:, i0 * R : i1 * R],
+                k,
+                v,
+                i0,
+                i1,
+                out[:, i0 * R : i1 * R],
+                lse[:, i0 * R : i1 * R],
+            )
         ctx.tiling, ctx.scale = t, scale
         ctx.save_for_backward(q, k, v, out, lse)
         return t.from_rows(out)
 
     @staticmethod
-    def backward(ctx, grad_out):  # noqa: ANN001
+    def backward(ctx, grad_out):
         t, scale = ctx.tiling, ctx.scale
         q, k, v, out, lse = ctx.saved_tensors
         R = t.R
@@ -197,8 +213,9 @@ class _FlashAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, None, None, None, None
 
 
-def _forward_tile(t: _Tiling, q_i: Tensor, k: Tensor, v: Tensor, i0: int, i1: int,
-                  out_i: Tensor, lse_i: Tensor) -> None:
+def _forward_tile(
+    t: _Tiling, q_i: Tensor, k: Tensor, v: Tensor, i0: int, i1: int, out_i: Tensor, lse_i: Tensor
+) -> None:
     """Online softmax over the key tiles for one query tile; writes ``out_i`` and ``lse_i``.
 
     The reference max ``m`` moves only when a score exceeds it by more than

@@ -29,7 +29,8 @@ def fused_attention(
 ) -> Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` under our conventions.
 
-    query ``N.. x H x L x D``, key ``N.. x G x S x D``, value ``N.. x G x S x Dv`` -> ``N.. x H x L x Dv``.
+    query ``N.. x H x L x D``, key ``N.. x G x S x D``, value ``N.. x G x S x Dv``
+    -> ``N.. x H x L x Dv``.
     """
     L, S = query.shape[-2], key.shape[-2]
     if is_causal and (mask is not None or L != S):
@@ -52,9 +53,18 @@ def fused_attention(
             key = key.repeat_interleave(H // G, dim=-3)
             value = value.repeat_interleave(H // G, dim=-3)
     out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **gqa
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        **gqa,
     )
     if not _TORCH_2_5 and mask is not None:
-        has_key = (mask if mask.dtype == torch.bool else mask != float("-inf")).any(-1, keepdim=True)
+        has_key = (mask if mask.dtype == torch.bool else mask != float("-inf")).any(
+            -1, keepdim=True
+        )
         out = out.masked_fill(~has_key, 0.0)
     return out

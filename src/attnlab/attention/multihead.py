@@ -1,18 +1,25 @@
 """Multi-head attention: ``MultiHeadAttention`` (with GQA/MQA) and the tiny-llm style
 ``SimpleMultiHeadAttention``.
 
-``MultiHead(x) = concat(head_1 .. head_H) W_o`` with ``head_h = attention(x W_q^h, k W_k^g, v W_v^g)``,
-where query head ``h`` uses key/value head ``g = h // (H / G)``. ``G = H`` is classic MHA,
-``1 < G < H`` grouped-query attention, ``G = 1`` multi-query attention.
+``MultiHead(x) = concat(head_1 .. head_H) W_o`` with
+``head_h = attention(x W_q^h, k W_k^g, v W_v^g)``, where query head ``h`` uses key/value
+head ``g = h // (H / G)``. ``G = H`` is classic MHA, ``1 < G < H`` grouped-query attention,
+``G = 1`` multi-query attention.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from attnlab.functional import BACKENDS, linear, scaled_dot_product_attention
 from attnlab.masks import combine_masks, key_mask_to_attention_mask
+
+if TYPE_CHECKING:
+    from attnlab.generation.kv_cache import LayerKVCache
 
 __all__ = ["MultiHeadAttention", "SimpleMultiHeadAttention"]
 
@@ -85,7 +92,9 @@ class MultiHeadAttention(nn.Module):
         factory = {"device": device, "dtype": dtype}
         self.same_embed_dim = kdim == embed_dim and vdim == embed_dim
         if self.same_embed_dim:
-            self.in_proj_weight = nn.Parameter(torch.empty(q_size + 2 * kv_size, embed_dim, **factory))
+            self.in_proj_weight = nn.Parameter(
+                torch.empty(q_size + 2 * kv_size, embed_dim, **factory)
+            )
             self.register_parameter("q_proj_weight", None)
             self.register_parameter("k_proj_weight", None)
             self.register_parameter("v_proj_weight", None)
@@ -121,6 +130,8 @@ class MultiHeadAttention(nn.Module):
         key_mask: Tensor | None = None,
         is_causal: bool = False,
         return_weights: bool = False,
+        cache: LayerKVCache | None = None,
+        rotary: Callable[[Tensor], Tensor] | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``query`` (``B x L x E``) to ``key``/``value`` (``B x S x kdim/vdim``).
 
@@ -130,6 +141,11 @@ class MultiHeadAttention(nn.Module):
         (Hugging Face's ``attention_mask`` meaning; PyTorch's ``key_padding_mask`` is its
         negation: pass ``~key_padding_mask``). ``is_causal`` adds the bottom-right causal mask.
         Returns ``B x L x E``, or ``(output, weights B x H x L x S)`` with ``return_weights``.
+
+        Incremental decoding (``attnlab.generation``): ``rotary`` maps the projected queries
+        and keys ``B x L x heads x D`` (e.g. ``partial(rope, offset=...)``); ``cache`` (a
+        ``LayerKVCache``) appends the new keys/values and the attention runs over all
+        ``offset + L`` of them, so ``mask``/``key_mask`` then cover ``S = offset + L`` keys.
         """
         self_attention = key is None or (key is query and (value is None or value is query))
         key = query if key is None else key
@@ -145,17 +161,27 @@ class MultiHeadAttention(nn.Module):
                 f"{tuple(key.shape)} and value {tuple(value.shape)}"
             )
         if key_mask is not None:
-            if tuple(key_mask.shape) != (B, S):
+            S_all = S + (cache.length if cache is not None else 0)  # cached keys come first
+            if tuple(key_mask.shape) != (B, S_all):
                 raise ValueError(
-                    f"key_mask: expected shape B x S = ({B}, {S}), got {tuple(key_mask.shape)}"
+                    f"key_mask: expected shape B x S = ({B}, {S_all}), got {tuple(key_mask.shape)}"
                 )
             mask = combine_masks(mask, key_mask_to_attention_mask(key_mask))
 
         q, k, v = self._project(query, key, value, self_attention)
         H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q = q.view(B, L, H, D).transpose(1, 2)
-        k = k.view(B, S, G, D).transpose(1, 2)
-        v = v.view(B, S, G, D).transpose(1, 2)
+        q, k = q.view(B, L, H, D), k.view(B, S, G, D)
+        if rotary is not None:
+            q, k = rotary(q), rotary(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, S, G, D).transpose(1, 2)
+        if cache is not None:
+            offset = cache.length
+            k, v = cache.update(k, v)
+            if L + offset != k.shape[-2]:
+                raise ValueError(
+                    f"cache: expected query length + offset = {L} + {offset} keys, "
+                    f"got {k.shape[-2]}"
+                )
         result = scaled_dot_product_attention(
             q,
             k,
@@ -168,14 +194,22 @@ class MultiHeadAttention(nn.Module):
             backend=self.backend,
         )
         out, weights = result if return_weights else (result, None)
-        out = linear(out.transpose(1, 2).reshape(B, L, H * D), self.out_proj.weight, self.out_proj.bias)
+        out = linear(
+            out.transpose(1, 2).reshape(B, L, H * D), self.out_proj.weight, self.out_proj.bias
+        )
         if self.output_dropout > 0.0 and self.training:
             out = nn.functional.dropout(out, self.output_dropout, training=True)
         return (out, weights) if return_weights else out
 
-    def _project(self, query: Tensor, key: Tensor, value: Tensor, self_attention: bool) -> tuple[Tensor, Tensor, Tensor]:
+    def _project(
+        self, query: Tensor, key: Tensor, value: Tensor, self_attention: bool
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """``query, key, value`` -> ``B x L x H*D``, ``B x S x G*D``, ``B x S x G*D``."""
-        biases = (None, None, None) if self.in_proj_bias is None else self.in_proj_bias.split(self._sizes)
+        biases = (
+            (None, None, None)
+            if self.in_proj_bias is None
+            else self.in_proj_bias.split(self._sizes)
+        )
         if not self.same_embed_dim:
             weights = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
             return tuple(linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))  # type: ignore[return-value]
@@ -185,8 +219,10 @@ class MultiHeadAttention(nn.Module):
         q = linear(query, w_q, biases[0])
         if key is value:
             # K and V from the same memory: one GEMM over their stacked weights.
-            kv_bias = None if self.in_proj_bias is None else self.in_proj_bias[self._sizes[0]:]
-            k, v = linear(key, self.in_proj_weight[self._sizes[0]:], kv_bias).split(self._sizes[1:], dim=-1)
+            kv_bias = None if self.in_proj_bias is None else self.in_proj_bias[self._sizes[0] :]
+            k, v = linear(key, self.in_proj_weight[self._sizes[0] :], kv_bias).split(
+                self._sizes[1:], dim=-1
+            )
             return q, k, v
         return q, linear(key, w_k, biases[1]), linear(value, w_v, biases[2])
 
@@ -194,10 +230,14 @@ class MultiHeadAttention(nn.Module):
         if not isinstance(x, Tensor):
             raise TypeError(f"{name}: expected a Tensor, got {type(x).__name__}")
         if x.dim() != 3 or x.shape[-1] != dim:
-            raise ValueError(f"{name}: expected shape B x len x {dim} (batch first), got {tuple(x.shape)}")
+            raise ValueError(
+                f"{name}: expected shape B x len x {dim} (batch first), got {tuple(x.shape)}"
+            )
 
     @classmethod
-    def from_torch(cls, module: nn.MultiheadAttention, *, backend: str = "auto") -> MultiHeadAttention:
+    def from_torch(
+        cls, module: nn.MultiheadAttention, *, backend: str = "auto"
+    ) -> MultiHeadAttention:
         """Copy the weights of a ``torch.nn.MultiheadAttention`` so that outputs match it.
 
         Our module is always batch-first: with a source built with ``batch_first=False``, pass
@@ -206,7 +246,9 @@ class MultiHeadAttention(nn.Module):
         ``B*H x L x S`` one reshapes to ``B x H x L x S``) and ``key_mask = ~key_padding_mask``.
         """
         if not isinstance(module, nn.MultiheadAttention):
-            raise TypeError(f"module: expected torch.nn.MultiheadAttention, got {type(module).__name__}")
+            raise TypeError(
+                f"module: expected torch.nn.MultiheadAttention, got {type(module).__name__}"
+            )
         if module.bias_k is not None or module.add_zero_attn:
             raise ValueError("module: add_bias_kv and add_zero_attn are not supported")
         ref = module.in_proj_weight if module.in_proj_weight is not None else module.q_proj_weight
@@ -228,8 +270,9 @@ class MultiHeadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, dropout={self.dropout}, backend={self.backend!r}"
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"dropout={self.dropout}, backend={self.backend!r}"
         )
 
 
@@ -241,21 +284,31 @@ class SimpleMultiHeadAttention:
     ``N.. x S x E`` -> ``N.. x L x E``; ``mask`` broadcasts to ``N.. x H x L x S``.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor) -> None:
+    def __init__(
+        self, hidden_size: int, num_heads: int, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor
+    ) -> None:
         _check_positive("hidden_size", hidden_size)
         _check_positive("num_heads", num_heads)
         if hidden_size % num_heads:
-            raise ValueError(f"hidden_size: expected a multiple of num_heads={num_heads}, got {hidden_size}")
+            raise ValueError(
+                f"hidden_size: expected a multiple of num_heads={num_heads}, got {hidden_size}"
+            )
         self.hidden_size, self.num_heads = hidden_size, num_heads
         self.head_dim = hidden_size // num_heads
         inner = num_heads * self.head_dim
-        for name, w, shape in (("wq", wq, (inner, hidden_size)), ("wk", wk, (inner, hidden_size)),
-                               ("wv", wv, (inner, hidden_size)), ("wo", wo, (hidden_size, inner))):
+        for name, w, shape in (
+            ("wq", wq, (inner, hidden_size)),
+            ("wk", wk, (inner, hidden_size)),
+            ("wv", wv, (inner, hidden_size)),
+            ("wo", wo, (hidden_size, inner)),
+        ):
             if tuple(w.shape) != shape:
                 raise ValueError(f"{name}: expected shape {shape}, got {tuple(w.shape)}")
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
 
-    def __call__(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None) -> Tensor:
+    def __call__(
+        self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None
+    ) -> Tensor:
         H, D = self.num_heads, self.head_dim
         *lead, L, _ = query.shape
         S = key.shape[-2]

@@ -40,8 +40,14 @@ class Measurement:
         return "n/a" if self.peak_bytes is None else f"{self.peak_bytes / 2**20:.1f}"
 
 
-def time_median(fn: Callable[[], object], *, repeats: int = 5, warmup: int = 1,
-                budget_s: float = 20.0, device: torch.device | None = None) -> float:
+def time_median(
+    fn: Callable[[], object],
+    *,
+    repeats: int = 5,
+    warmup: int = 1,
+    budget_s: float = 20.0,
+    device: torch.device | None = None,
+) -> float:
     """Median wall time of ``fn()`` over at least 3 and at most ``repeats`` runs.
 
     Stops adding runs once ``budget_s`` seconds are spent (after the third).

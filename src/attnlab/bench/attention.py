@@ -1,0 +1,176 @@
+"""Attention backends: time and peak memory of math, flash, fused and auto, forward and backward.
+
+For each length ``L`` (``B=1, H=8, D=64``, float32, causal and not) every backend is timed
+(median of repeats) forward under ``no_grad`` and forward+backward, with its extra peak
+memory; ratios are against ``fused`` measured in the same run. Writes ``attention.md``,
+``attention.json`` and ``attention.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from attnlab.bench.harness import (
+    Measurement,
+    available_memory,
+    is_oom,
+    machine_info,
+    peak_memory,
+    time_median,
+)
+from attnlab.functional import scaled_dot_product_attention
+
+__all__ = ["add_arguments", "run"]
+
+BACKENDS = ("math", "flash", "fused", "auto")
+DEFAULT_LENGTHS = (256, 1024, 4096, 8192)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--lengths",
+        type=_int_list,
+        default=DEFAULT_LENGTHS,
+        help="comma-separated sequence lengths (default 256,1024,4096,8192)",
+    )
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per cell (median)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+
+
+def run(args: argparse.Namespace) -> Path:
+    """Run the benchmark and write its files into ``args.out``; returns the markdown path."""
+    device = torch.device(args.device)
+    lengths = (64, 128) if args.quick else tuple(args.lengths)
+    repeats = 3 if args.quick else args.repeats
+    rows = []
+    cells = [(L, c, b) for L in lengths for c in (False, True) for b in BACKENDS]
+    for L, causal, backend in tqdm(cells, desc="bench attention", unit="cell"):
+        rows.append(_measure(L, causal, backend, args.heads, args.head_dim, repeats, device))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    info = machine_info(device)
+    (out / "attention.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=2))
+    md = out / "attention.md"
+    md.write_text(_markdown(rows, info, args.heads, args.head_dim))
+    _plot(rows, out / "attention.png")
+    print(md.read_text())
+    return md
+
+
+def _measure(
+    L: int, causal: bool, backend: str, H: int, D: int, repeats: int, device: torch.device
+) -> dict:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(1, H, L, D, generator=g).to(device).requires_grad_() for _ in range(3))
+
+    def forward() -> None:
+        with torch.no_grad():
+            scaled_dot_product_attention(q, k, v, is_causal=causal, backend=backend)
+
+    def forward_backward() -> None:
+        out = scaled_dot_product_attention(q, k, v, is_causal=causal, backend=backend)
+        out.backward(torch.ones_like(out))
+        q.grad = k.grad = v.grad = None
+
+    row = {"L": L, "causal": causal, "backend": backend}
+    # The math backend holds several L x L score matrices; skip what cannot fit rather than
+    # let the system kill the process.
+    need = 6 * H * L * L * 4 if backend == "math" else 0
+    for name, fn, factor in (("fwd", forward, 1), ("fwd_bwd", forward_backward, 2)):
+        if need * factor > 0.8 * available_memory(device):
+            m = Measurement(None, None, f"skipped: needs ~{need * factor / 2**30:.0f} GiB")
+        else:
+            try:
+                peak = peak_memory(fn, device)
+                m = Measurement(time_median(fn, repeats=repeats, device=device), peak)
+            except (RuntimeError, MemoryError) as error:
+                if not is_oom(error):
+                    raise
+                m = Measurement(None, None, "OOM")
+        row[name] = {"seconds": m.seconds, "peak_bytes": m.peak_bytes, "error": m.error}
+    return row
+
+
+def _markdown(rows: list[dict], info: dict[str, str], H: int, D: int) -> str:
+    by_key = {(r["L"], r["causal"], r["backend"]): r for r in rows}
+
+    def ratio(r: dict, kind: str, ref: str, field: str) -> str:
+        base = by_key[(r["L"], r["causal"], ref)][kind][field]
+        val = r[kind][field]
+        return "—" if not base or val is None else f"{val / base:.2f}x"
+
+    lines = [
+        "# Attention backends",
+        "",
+        f"B=1, H={H}, D={D}, float32. Times are medians (ms); peak is the extra memory at the",
+        "peak of the call (MiB). Time ratios are against `fused`, memory ratios against `math`,",
+        "all measured in the same run. Regenerate with `attnlab bench attention`.",
+        "",
+        "| L | causal | backend | fwd ms | fwd vs fused | fwd+bwd ms | fwd+bwd vs fused "
+        "| fwd peak MiB | fwd+bwd peak MiB | fwd peak vs math |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        f, fb = (Measurement(**r[k]) for k in ("fwd", "fwd_bwd"))
+        lines.append(
+            f"| {r['L']} | {'yes' if r['causal'] else 'no'} | {r['backend']} | {f.time_ms()} "
+            f"| {ratio(r, 'fwd', 'fused', 'seconds')} | {fb.time_ms()} "
+            f"| {ratio(r, 'fwd_bwd', 'fused', 'seconds')} | {f.memory_mib()} | {fb.memory_mib()} "
+            f"| {ratio(r, 'fwd', 'math', 'peak_bytes')} |"
+        )
+    lines += ["", "## Machine", ""] + [f"- {k}: {v}" for k, v in info.items()] + [""]
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    panels = (
+        ("fwd", "seconds", "forward time (s)"),
+        ("fwd_bwd", "seconds", "forward+backward time (s)"),
+        ("fwd", "peak_bytes", "forward extra peak memory (bytes)"),
+    )
+    for ax, (kind, field, title) in zip(axes, panels):
+        for backend in BACKENDS:
+            for causal, style in ((False, "-"), (True, "--")):
+                pts = [
+                    (r["L"], r[kind][field])
+                    for r in rows
+                    if r["backend"] == backend and r["causal"] == causal and r[kind][field]
+                ]
+                if pts:
+                    xs, ys = zip(*pts)
+                    ax.plot(
+                        xs, ys, style, marker="o", label=f"{backend}{' causal' if causal else ''}"
+                    )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length L")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
+    return values
