@@ -1,0 +1,22 @@
+"""Models: the encoder-decoder ``Transformer`` and the decoder-only ``DecoderLM``."""
+
+from attnlab.models.summary import count_parameters, summary
+from attnlab.models.transformer import (
+    Decoder,
+    DecoderLayer,
+    Encoder,
+    EncoderLayer,
+    Transformer,
+    TransformerConfig,
+)
+
+__all__ = [
+    "Decoder",
+    "DecoderLayer",
+    "Encoder",
+    "EncoderLayer",
+    "Transformer",
+    "TransformerConfig",
+    "count_parameters",
+    "summary",
+]

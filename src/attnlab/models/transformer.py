@@ -1,0 +1,336 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need" (Vaswani et al., 2017).
+
+``Transformer(config)(src B x S, tgt B x T) -> logits B x T x V``:
+
+- encoder: ``x = PE(emb(src) * sqrt(E))``, then N layers of self-attention + FFN;
+- decoder: ``y = PE(emb(tgt) * sqrt(E))``, then N layers of causal self-attention,
+  cross-attention (queries from the decoder, keys/values from the encoder's memory) + FFN;
+- logits: ``y W_out^T`` (``W_out`` tied to the target embedding by default).
+
+Each sub-layer is ``x = LN(x + Dropout(f(x)))`` (``norm_first=False``, Post-LN, the paper)
+or ``x = x + Dropout(f(LN(x)))`` (``norm_first=True``, Pre-LN, with a final LN after the
+stack). The layers mirror ``torch.nn.Transformer`` parameter for parameter, so weights copy
+across (see ``tests/models/test_transformer_parity.py``); note that ``torch.nn.Transformer``
+always adds the final norms (``final_norm=True`` here).
+
+Masks are key masks, True (or 1) = a real token: ``src_mask`` ``B x S``, ``tgt_mask``
+``B x T``; when not given they are ``tokens != pad_id``. The decoder is always causal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from attnlab.attention.multihead import MultiHeadAttention
+from attnlab.functional import linear
+from attnlab.generation.kv_cache import KVCache, LayerKVCache
+from attnlab.layers import FeedForward, SinusoidalPositionalEncoding
+from attnlab.models.config import ConfigMixin
+from attnlab.models.summary import summary
+
+__all__ = ["Decoder", "DecoderLayer", "Encoder", "EncoderLayer", "Transformer",
+           "TransformerConfig"]
+
+
+@dataclass(frozen=True)
+class TransformerConfig(ConfigMixin):
+    """Sizes and options of a ``Transformer`` (defaults: the paper's base model).
+
+    ``final_norm`` (a LayerNorm after each stack) defaults to ``norm_first``.
+    ``tie_output`` ties the output projection to the target embedding;
+    ``share_embeddings`` also ties the source embedding to it (needs equal vocabularies).
+    ``pad_id=None`` means no padding masks are built.
+    """
+
+    src_vocab_size: int
+    tgt_vocab_size: int
+    d_model: int = 512
+    num_heads: int = 8
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    d_ff: int = 2048
+    dropout: float = 0.1
+    activation: str = "relu"
+    norm_first: bool = False
+    final_norm: bool | None = None
+    layer_norm_eps: float = 1e-5
+    max_len: int = 512
+    pad_id: int | None = 0
+    tie_output: bool = True
+    share_embeddings: bool = False
+    bias: bool = True
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads",
+                     "num_encoder_layers", "num_decoder_layers", "d_ff", "max_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model: expected a multiple of num_heads={self.num_heads}, "
+                             f"got {self.d_model}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout: expected a float in [0, 1), got {self.dropout}")
+        if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
+            raise ValueError(
+                f"share_embeddings: needs src_vocab_size == tgt_vocab_size, got "
+                f"{self.src_vocab_size} and {self.tgt_vocab_size}"
+            )
+        if self.pad_id is not None and not 0 <= self.pad_id < min(self.src_vocab_size,
+                                                                  self.tgt_vocab_size):
+            raise ValueError(f"pad_id: expected None or an id below both vocabulary sizes, "
+                             f"got {self.pad_id}")
+
+    @property
+    def use_final_norm(self) -> bool:
+        return self.norm_first if self.final_norm is None else self.final_norm
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention + FFN, each with residual, dropout and LayerNorm. ``B x S x E`` -> same."""
+
+    def __init__(self, d_model: int, num_heads: int, d_ff: int, *, dropout: float = 0.1,
+                 activation: str = "relu", norm_first: bool = False, layer_norm_eps: float = 1e-5,
+                 bias: bool = True, backend: str = "auto") -> None:
+        super().__init__()
+        self.norm_first = norm_first
+        self.self_attn = MultiHeadAttention(d_model, num_heads, dropout=dropout, bias=bias,
+                                            backend=backend)
+        self.ffn = FeedForward(d_model, d_ff, activation=activation, dropout=dropout, bias=bias)
+        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
+        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """x ``B x S x E``; ``mask`` bool, broadcasting to ``B x H x S x S`` (True = attend)."""
+        def sa(h: Tensor) -> Tensor:
+            return self.dropout(self.self_attn(h, mask=mask))
+
+        def ff(h: Tensor) -> Tensor:
+            return self.dropout(self.ffn(h))
+
+        if self.norm_first:
+            x = x + sa(self.norm1(x))
+            return x + ff(self.norm2(x))
+        x = self.norm1(x + sa(x))
+        return self.norm2(x + ff(x))
+
+
+class DecoderLayer(nn.Module):
+    """Causal self-attention, cross-attention to ``memory``, FFN. ``B x T x E`` -> same."""
+
+    def __init__(self, d_model: int, num_heads: int, d_ff: int, *, dropout: float = 0.1,
+                 activation: str = "relu", norm_first: bool = False, layer_norm_eps: float = 1e-5,
+                 bias: bool = True, backend: str = "auto") -> None:
+        super().__init__()
+        self.norm_first = norm_first
+        self.self_attn = MultiHeadAttention(d_model, num_heads, dropout=dropout, bias=bias,
+                                            backend=backend)
+        self.cross_attn = MultiHeadAttention(d_model, num_heads, dropout=dropout, bias=bias,
+                                             backend=backend)
+        self.ffn = FeedForward(d_model, d_ff, activation=activation, dropout=dropout, bias=bias)
+        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
+        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
+        self.norm3 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, memory: Tensor, self_mask: Tensor | None = None,
+                memory_mask: Tensor | None = None, cache: LayerKVCache | None = None) -> Tensor:
+        """x ``B x T x E``, memory ``B x S x E``.
+
+        ``self_mask`` broadcasts to ``B x H x T x (offset + T)``, ``memory_mask`` to
+        ``B x H x T x S`` (bool, True = attend); the causal mask is always added. With
+        ``cache`` (this layer's ``LayerKVCache``), ``x`` holds only the new positions.
+        """
+        def sa(h: Tensor) -> Tensor:
+            return self.dropout(self.self_attn(h, mask=self_mask, is_causal=True, cache=cache))
+
+        def ca(h: Tensor) -> Tensor:
+            return self.dropout(self.cross_attn(h, memory, mask=memory_mask))
+
+        def ff(h: Tensor) -> Tensor:
+            return self.dropout(self.ffn(h))
+
+        if self.norm_first:
+            x = x + sa(self.norm1(x))
+            x = x + ca(self.norm2(x))
+            return x + ff(self.norm3(x))
+        x = self.norm1(x + sa(x))
+        x = self.norm2(x + ca(x))
+        return self.norm3(x + ff(x))
+
+
+class Encoder(nn.Module):
+    """``src`` ids ``B x S`` -> memory ``B x S x E``."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        c = config
+        self.scale = math.sqrt(c.d_model)
+        self.embed = nn.Embedding(c.src_vocab_size, c.d_model)
+        self.pos = SinusoidalPositionalEncoding(c.d_model, c.max_len, c.dropout)
+        self.layers = nn.ModuleList(
+            EncoderLayer(c.d_model, c.num_heads, c.d_ff, dropout=c.dropout,
+                         activation=c.activation, norm_first=c.norm_first,
+                         layer_norm_eps=c.layer_norm_eps, bias=c.bias, backend=c.backend)
+            for _ in range(c.num_encoder_layers)
+        )
+        self.norm = (nn.LayerNorm(c.d_model, eps=c.layer_norm_eps, bias=c.bias)
+                     if c.use_final_norm else None)
+
+    def forward(self, src: Tensor, mask: Tensor | None = None) -> Tensor:
+        """``mask``: bool, broadcasting to ``B x H x S x S`` (True = attend)."""
+        x = self.pos(self.embed(src) * self.scale)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x if self.norm is None else self.norm(x)
+
+
+class Decoder(nn.Module):
+    """``tgt`` ids ``B x T`` and memory ``B x S x E`` -> hidden states ``B x T x E``."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        c = config
+        self.scale = math.sqrt(c.d_model)
+        self.embed = nn.Embedding(c.tgt_vocab_size, c.d_model)
+        self.pos = SinusoidalPositionalEncoding(c.d_model, c.max_len, c.dropout)
+        self.layers = nn.ModuleList(
+            DecoderLayer(c.d_model, c.num_heads, c.d_ff, dropout=c.dropout,
+                         activation=c.activation, norm_first=c.norm_first,
+                         layer_norm_eps=c.layer_norm_eps, bias=c.bias, backend=c.backend)
+            for _ in range(c.num_decoder_layers)
+        )
+        self.norm = (nn.LayerNorm(c.d_model, eps=c.layer_norm_eps, bias=c.bias)
+                     if c.use_final_norm else None)
+
+    def forward(self, tgt: Tensor, memory: Tensor, self_mask: Tensor | None = None,
+                memory_mask: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
+        """With ``cache``, ``tgt`` holds the new tokens at positions ``cache.length ..``."""
+        offset = 0 if cache is None else cache.length
+        x = self.pos(self.embed(tgt) * self.scale, offset=offset)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, memory, self_mask, memory_mask, None if cache is None else cache[i])
+        return x if self.norm is None else self.norm(x)
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer: ``forward(src B x S, tgt B x T) -> logits B x T x V``."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        if not isinstance(config, TransformerConfig):
+            raise TypeError(f"config: expected a TransformerConfig, got {type(config).__name__}")
+        self.config = config
+        self.encoder = Encoder(config)
+        self.decoder = Decoder(config)
+        self.output_proj = nn.Linear(config.d_model, config.tgt_vocab_size, bias=False)
+        self.reset_parameters()
+        if config.tie_output or config.share_embeddings:
+            self.output_proj.weight = self.decoder.embed.weight
+        if config.share_embeddings:
+            self.encoder.embed.weight = self.decoder.embed.weight
+
+    def reset_parameters(self) -> None:
+        """Embeddings ``N(0, 1/E)`` (unit variance after the ``sqrt(E)`` scale), Xavier elsewhere
+        (attention as in ``MultiHeadAttention``, the FFN and output like ``torch.nn.Transformer``).
+        """
+        std = self.config.d_model ** -0.5
+        for emb in (self.encoder.embed, self.decoder.embed):
+            nn.init.normal_(emb.weight, std=std)
+        for name, p in self.named_parameters():
+            if p.dim() > 1 and "embed" not in name and "attn" not in name:
+                nn.init.xavier_uniform_(p)
+
+    def forward(self, src: Tensor, tgt: Tensor, src_mask: Tensor | None = None,
+                tgt_mask: Tensor | None = None) -> Tensor:
+        """src ``B x S``, tgt ``B x T`` ids -> logits ``B x T x V``.
+
+        ``src_mask`` ``B x S`` and ``tgt_mask`` ``B x T``: True (or 1) = real token; built
+        from ``pad_id`` when not given. The decoder adds the causal mask itself.
+        """
+        src_mask = self._key_mask("src_mask", src, src_mask)
+        memory = self.encode(src, src_mask)
+        return self.decode(tgt, memory, memory_mask=src_mask, tgt_mask=tgt_mask)
+
+    def encode(self, src: Tensor, src_mask: Tensor | None = None) -> Tensor:
+        """src ids ``B x S`` -> memory ``B x S x E`` (``src_mask`` as in ``forward``)."""
+        self._check_ids("src", src, self.config.src_vocab_size)
+        mask = self._key_mask("src_mask", src, src_mask)
+        return self.encoder(src, None if mask is None else mask[:, None, None, :])
+
+    def decode(self, tgt: Tensor, memory: Tensor, memory_mask: Tensor | None = None,
+               tgt_mask: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
+        """tgt ids ``B x T``, memory ``B x S x E`` -> logits ``B x T x V``.
+
+        ``memory_mask`` ``B x S``: True = real source token (no mask when ``None``).
+        ``tgt_mask``: ``B x T`` (``B x (offset + T)`` with a cache, covering the cached
+        positions too); built from ``pad_id`` when not given and there is no cache (with a
+        cache, no padding mask is built: the cached tokens are not at hand).
+        ``cache``: a ``KVCache`` from ``make_cache``; ``tgt`` then holds only the new tokens,
+        at positions ``cache.length ..``, and the cache is extended by them.
+        """
+        c = self.config
+        self._check_ids("tgt", tgt, c.tgt_vocab_size)
+        B, T = tgt.shape
+        offset = 0 if cache is None else cache.length
+        if offset + T > c.max_len:
+            raise ValueError(f"tgt: positions {offset} .. {offset + T - 1} exceed the model's "
+                             f"max_len={c.max_len}")
+        if memory.dim() != 3 or memory.shape[0] != B or memory.shape[2] != c.d_model:
+            raise ValueError(f"memory: expected shape B x S x E = ({B}, S, {c.d_model}), got "
+                             f"{tuple(memory.shape)}")
+        if tgt_mask is None and cache is None:
+            tgt_mask = self._key_mask("tgt_mask", tgt, None)
+        self_mask = _expand("tgt_mask", tgt_mask, B, offset + T)
+        cross_mask = _expand("memory_mask", memory_mask, B, memory.shape[1])
+        h = self.decoder(tgt, memory, self_mask, cross_mask, cache)
+        return linear(h, self.output_proj.weight)
+
+    def make_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+        """An empty ``KVCache`` for the decoder's self-attention (``max_len`` positions)."""
+        c, p = self.config, self.output_proj.weight
+        return KVCache(c.num_decoder_layers, batch_size, c.num_heads,
+                       c.max_len if max_len is None else max_len, c.d_model // c.num_heads,
+                       dtype=p.dtype, device=p.device)
+
+    def summary(self, max_depth: int = 2) -> str:
+        """Print and return the per-module parameter counts."""
+        text = summary(self, max_depth=max_depth)
+        print(text)
+        return text
+
+    def _key_mask(self, name: str, tokens: Tensor, mask: Tensor | None) -> Tensor | None:
+        if mask is not None:
+            if tuple(mask.shape) != tuple(tokens.shape):
+                raise ValueError(f"{name}: expected a key mask of shape B x len = "
+                                 f"{tuple(tokens.shape)}, got {tuple(mask.shape)}")
+            return mask.bool()
+        if self.config.pad_id is None:
+            return None
+        return tokens != self.config.pad_id
+
+    def _check_ids(self, name: str, ids: Tensor, vocab: int) -> None:
+        if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.is_floating_point():
+            shape = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
+            raise ValueError(f"{name}: expected integer token ids of shape B x len, got {shape}")
+        if ids.shape[1] == 0:
+            raise ValueError(f"{name}: expected at least one token, got shape {tuple(ids.shape)}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise ValueError(f"{name}: expected ids in [0, {vocab}), got min {int(ids.min())} "
+                             f"and max {int(ids.max())}")
+
+
+def _expand(name: str, mask: Tensor | None, B: int, S: int) -> Tensor | None:
+    """Key mask ``B x S`` (True/1 = real) -> ``B x 1 x 1 x S`` bool."""
+    if mask is None:
+        return None
+    if tuple(mask.shape) != (B, S):
+        raise ValueError(f"{name}: expected a key mask of shape ({B}, {S}), got "
+                         f"{tuple(mask.shape)}")
+    return mask.bool()[:, None, None, :]
+
