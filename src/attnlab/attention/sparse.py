@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["sliding_window_attention", "strided_attention", "strided_mask"]
+from attnlab.attention.projected import ProjectedAttention
+
+__all__ = ["SparseAttention", "sliding_window_attention", "strided_attention", "strided_mask"]
 
 
 def sliding_window_attention(
@@ -113,6 +115,40 @@ def strided_mask(
     return local | summary_cols
 
 
+class SparseAttention(ProjectedAttention):
+    """Drop-in multi-head layer with sliding-window (``stride=None``) or strided attention.
+
+    ``B x L x E`` in and out, parameters as ``MultiHeadAttention`` (see
+    :class:`~attnlab.attention.projected.ProjectedAttention`). ``forward(..., is_causal=True)``
+    uses the causal window ``p - window < j <= p``, otherwise the two-sided one
+    ``|j - p| < window``; with ``stride`` the summary keys are added (see the module docstring).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, window: int, *, stride: int | None = None,
+                 summary: int = 1, block_size: int | None = None, **kwargs: object) -> None:
+        super().__init__(embed_dim, num_heads, **kwargs)  # type: ignore[arg-type]
+        _check_int("window", window, 1)
+        if stride is not None:
+            _check_int("stride", stride, 1)
+            if not isinstance(summary, int) or not 1 <= summary <= stride:
+                raise ValueError(f"summary: expected an int in 1..stride={stride}, got {summary!r}")
+        self.window, self.stride, self.summary = window, stride, summary
+        self.block_size = block_size
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, *, key_mask: Tensor | None,
+               is_causal: bool) -> Tensor:
+        """``B x H x L x D`` -> ``B x H x L x D`` through the block-sparse kernel."""
+        if self.stride is None:
+            return sliding_window_attention(q, k, v, self.window, causal=is_causal,
+                                            key_mask=key_mask, block_size=self.block_size)
+        return strided_attention(q, k, v, self.window, self.stride, summary=self.summary,
+                                 causal=is_causal, key_mask=key_mask, block_size=self.block_size)
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, window={self.window}, "
+                f"stride={self.stride}, summary={self.summary}")
+
+
 def _block_sparse(
     query: Tensor,
     key: Tensor,
@@ -158,11 +194,13 @@ def _block_sparse(
     allowed = ((rel >= 0) & (rel <= before + after)) & ((kpos >= 0) & (kpos < S))  # nb x b x span
     allowed = allowed.unsqueeze(1)  # nb x 1 x b x span, broadcasting over the R heads
     if key_mask is not None:
-        km = blocks(key_mask.reshape(Bn, 1, S, 1).to(torch.uint8)).squeeze(-1).bool()  # Bn x 1 x nb x span
+        # Bn x 1 x nb x span: which keys of each block's span are real.
+        km = blocks(key_mask.reshape(Bn, 1, S, 1).to(torch.uint8)).squeeze(-1).bool()
         allowed = allowed & km[:, :, :, None, None, :]
     if summary_pos is not None:
         ks, vs = key[..., summary_pos, :], value[..., summary_pos, :]
-        g_scores = torch.matmul(q.reshape(Bn, G, nb * R * b, D), ks.reshape(Bn, G, -1, D).transpose(-1, -2))
+        ks = ks.reshape(Bn, G, -1, D).transpose(-1, -2)
+        g_scores = torch.matmul(q.reshape(Bn, G, nb * R * b, D), ks)
         scores = torch.cat([scores, g_scores.view(Bn, G, nb, R * b, -1)], dim=-1)
         # A summary key inside the window is already a local key: do not count it twice.
         dist = summary_pos - pos  # nb x b x M
@@ -203,7 +241,9 @@ def _check_qkv(query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | Non
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise TypeError(f"{name}: expected a floating-point Tensor, got {type(t).__name__}")
         if t.dim() < 3:
-            raise ValueError(f"{name}: expected shape N.. x heads x len x dim, got {tuple(t.shape)}")
+            raise ValueError(
+                f"{name}: expected shape N.. x heads x len x dim, got {tuple(t.shape)}"
+            )
     H, G = query.shape[-3], key.shape[-3]
     if key.shape[:-3] != query.shape[:-3] or key.shape[-1] != query.shape[-1] or H % G:
         raise ValueError(
@@ -212,7 +252,8 @@ def _check_qkv(query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | Non
         )
     if value.shape[:-1] != key.shape[:-1]:
         raise ValueError(
-            f"value: expected shape {(*key.shape[:-1], 'Dv')} to match key, got {tuple(value.shape)}"
+            f"value: expected shape {(*key.shape[:-1], 'Dv')} to match key, got "
+            f"{tuple(value.shape)}"
         )
     if key_mask is not None and tuple(key_mask.shape) != (*key.shape[:-3], key.shape[-2]):
         raise ValueError(
