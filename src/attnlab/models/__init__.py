@@ -1,5 +1,6 @@
 """Models: the encoder-decoder ``Transformer`` and the decoder-only ``DecoderLM``."""
 
+from attnlab.models.decoder import DecoderBlock, DecoderLM, DecoderLMConfig
 from attnlab.models.summary import count_parameters, summary
 from attnlab.models.transformer import (
     Decoder,
@@ -12,6 +13,9 @@ from attnlab.models.transformer import (
 
 __all__ = [
     "Decoder",
+    "DecoderBlock",
+    "DecoderLM",
+    "DecoderLMConfig",
     "DecoderLayer",
     "Encoder",
     "EncoderLayer",

@@ -1,0 +1,126 @@
+"""Pure functions that turn next-token logits into a token: temperature, top-k, top-p,
+repetition penalty, sampling.
+
+Each function takes logits ``N.. x V`` (usually ``B x V``) and returns a new tensor; none
+changes its input. Filtering sets the logits of removed tokens to ``-inf``; the order
+(the one of Hugging Face) is: repetition penalty, temperature, top-k, top-p.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "apply_repetition_penalty",
+    "check_sampling_args",
+    "sample_logits",
+    "sampling_probs",
+    "top_k_filter",
+    "top_p_filter",
+]
+
+
+def sample_logits(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
+                  top_p: float | None = None,
+                  generator: torch.Generator | None = None) -> Tensor:
+    """Draw one token per row from ``sampling_probs(logits, temperature, top_k, top_p)``.
+
+    logits ``N.. x V`` -> token ids ``N..`` (long). ``generator`` makes the draw reproducible.
+    """
+    probs = sampling_probs(logits, temperature, top_k, top_p)
+    flat = probs.reshape(-1, probs.shape[-1])
+    ids = torch.multinomial(flat, 1, generator=generator)
+    return ids.view(probs.shape[:-1])
+
+
+def sampling_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
+                   top_p: float | None = None) -> Tensor:
+    """``softmax(filter(logits / temperature))``: the distribution ``sample_logits`` draws from.
+
+    logits ``N.. x V`` -> probabilities ``N.. x V`` (float32 or wider).
+    """
+    check_sampling_args(temperature, top_k, top_p)
+    scaled = logits.float() / temperature
+    if top_k is not None:
+        scaled = top_k_filter(scaled, top_k)
+    if top_p is not None:
+        scaled = top_p_filter(scaled, top_p)
+    return torch.softmax(scaled, dim=-1)
+
+
+def top_k_filter(logits: Tensor, k: int) -> Tensor:
+    """Keep exactly the ``k`` largest logits of each row, set the others to ``-inf``.
+
+    Ties at the k-th value do not let more than ``k`` tokens through: among equal logits,
+    the ones ``torch.topk`` picks are kept. ``k >= V`` keeps everything.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"top_k: expected a positive int, got {k!r}")
+    if k >= logits.shape[-1]:
+        return logits.clone()
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    keep.scatter_(-1, logits.topk(k, dim=-1).indices, True)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def top_p_filter(logits: Tensor, p: float) -> Tensor:
+    """Nucleus filtering (Holtzman et al., 2019): keep the smallest set of most likely tokens
+    whose probability sums to at least ``p``; set the others to ``-inf``.
+
+    Sorted by probability ``q_1 >= q_2 >= ..``, token ``j`` is kept when
+    ``q_1 + .. + q_(j-1) < p`` (so the most likely token is always kept). ``p = 1`` keeps all.
+    """
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+        raise ValueError(f"top_p: expected a float in (0, 1], got {p!r}")
+    if p >= 1.0:
+        return logits.clone()
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    probs = torch.softmax(sorted_logits.float(), dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove_sorted = mass_before >= p
+    remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def apply_repetition_penalty(logits: Tensor, token_ids: Tensor, penalty: float,
+                             token_mask: Tensor | None = None) -> Tensor:
+    """CTRL's penalty (Keskar et al., 2019) on every token already in the sequence.
+
+    For a token ``t`` present in ``token_ids`` (``B x T``, where ``token_mask`` ``B x T``,
+    if given, is True): ``logit_t / penalty`` if ``logit_t > 0`` else ``logit_t * penalty``,
+    so ``penalty > 1`` makes repeats less likely. logits ``B x V`` -> ``B x V``.
+    """
+    check_sampling_args(1.0, None, None, penalty)
+    if token_ids.dim() != 2 or token_ids.shape[0] != logits.shape[0] or logits.dim() != 2:
+        raise ValueError(f"token_ids: expected shape B x T with B = {logits.shape[0]} for "
+                         f"logits B x V, got {tuple(token_ids.shape)} and {tuple(logits.shape)}")
+    if penalty == 1.0 or token_ids.shape[1] == 0:
+        return logits.clone()
+    weight = torch.ones_like(token_ids, dtype=torch.float32)
+    if token_mask is not None:
+        weight = weight * token_mask.float()
+    counts = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    seen = counts.scatter_add_(-1, token_ids, weight) > 0
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None,
+                        repetition_penalty: float = 1.0) -> None:
+    """Raise a ``ValueError`` naming the first bad argument."""
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+            or not temperature > 0 or not math.isfinite(temperature)):
+        raise ValueError(f"temperature: expected a finite float > 0, got {temperature!r} "
+                         "(use do_sample=False for greedy decoding)")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k: expected None or a positive int, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p: expected None or a float in (0, 1], got {top_p!r}")
+    if (isinstance(repetition_penalty, bool) or not isinstance(repetition_penalty, (int, float))
+            or not repetition_penalty > 0 or not math.isfinite(repetition_penalty)):
+        raise ValueError(f"repetition_penalty: expected a finite float > 0, got "
+                         f"{repetition_penalty!r}")
