@@ -80,13 +80,11 @@ def orthogonal_random_features(
     for name, n in (("num_features", num_features), ("head_dim", head_dim)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{name}: expected a positive int, got {n!r}")
-    blocks = []
-    for _ in range(-(-num_features // head_dim)):
-        g = torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64)
-        q, r = torch.linalg.qr(g)
-        q = q * torch.sign(torch.diagonal(r))  # a uniformly random rotation (Haar)
-        blocks.append(q.T)
-    w = torch.cat(blocks)[:num_features]
+    n_blocks = -(-num_features // head_dim)
+    g = torch.randn(n_blocks, head_dim, head_dim, generator=generator, dtype=torch.float64)
+    q, r = torch.linalg.qr(g)
+    q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)  # Haar rotations
+    w = q.transpose(-1, -2).reshape(n_blocks * head_dim, head_dim)[:num_features]
     gauss = torch.randn(num_features, head_dim, generator=generator, dtype=torch.float64)
     norms = gauss.norm(dim=1)
     return (w * norms[:, None]).to(device=device, dtype=dtype or torch.get_default_dtype())
