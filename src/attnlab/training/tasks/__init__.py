@@ -1,0 +1,1 @@
+"""Tasks as generators: dates, copy, reverse, sort, addition, and character-level text."""

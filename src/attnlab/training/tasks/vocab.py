@@ -1,0 +1,59 @@
+"""Character vocabularies with the special tokens every task shares."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["BOS", "EOS", "PAD", "SPECIALS", "UNK", "CharVocab"]
+
+PAD, BOS, EOS, UNK = 0, 1, 2, 3
+SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+
+
+@dataclass(frozen=True)
+class CharVocab:
+    """A character-level vocabulary: ids 0..3 are ``<pad> <bos> <eos> <unk>``, then ``chars``."""
+
+    chars: str
+
+    @classmethod
+    def from_texts(cls, texts: Iterable[str]) -> CharVocab:
+        """The sorted set of characters in ``texts``."""
+        return cls("".join(sorted(set("".join(texts)))))
+
+    def __len__(self) -> int:
+        return len(SPECIALS) + len(self.chars)
+
+    @property
+    def stoi(self) -> dict[str, int]:
+        return {c: i + len(SPECIALS) for i, c in enumerate(self.chars)}
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        """Characters -> ids (unknown characters -> ``<unk>``)."""
+        table = self.stoi
+        ids = [table.get(c, UNK) for c in text]
+        return ([BOS] if bos else []) + ids + ([EOS] if eos else [])
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Ids -> text, stopping at ``<eos>`` and skipping the other special tokens."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == EOS:
+                break
+            if i >= len(SPECIALS):
+                out.append(self.chars[i - len(SPECIALS)])
+        return "".join(out)
+
+    def batch(self, texts: list[str], *, bos: bool = False, eos: bool = False) -> Tensor:
+        """Encode and right-pad with ``<pad>``: ``B x T`` long tensor."""
+        seqs = [self.encode(t, bos=bos, eos=eos) for t in texts]
+        width = max((len(s) for s in seqs), default=0)
+        out = torch.full((len(seqs), width), PAD, dtype=torch.long)
+        for row, s in enumerate(seqs):
+            out[row, : len(s)] = torch.tensor(s, dtype=torch.long)
+        return out
