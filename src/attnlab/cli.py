@@ -15,6 +15,7 @@ from collections.abc import Sequence
 BENCHMARKS = {
     "attention": "attnlab.bench.attention",
     "mha": "attnlab.bench.mha",
+    "variants": "attnlab.bench.variants",
 }
 
 

@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from attnlab.attention import MultiHeadAttention
-from attnlab.attention.linformer import LinformerAttention, linformer_attention
+from attnlab.attention.linformer import (
+    LinformerAttention,
+    linformer_attention,
+    mean_pooling_projection,
+)
 from attnlab.functional import scaled_dot_product_attention
 from conftest import assert_close
 
@@ -73,3 +77,12 @@ def test_errors_name_the_argument():
         linformer_attention(q, q, q, torch.randn(3, 4), torch.randn(3, 5))
     with pytest.raises(ValueError, match="proj_len"):
         LinformerAttention(16, 2, max_len=8, proj_len=0)
+
+
+def test_mean_pooling_projection():
+    e = mean_pooling_projection(3, 7)
+    assert_close(e.sum(-1), torch.ones(3))
+    assert e.shape == (3, 7) and bool((e > 0).sum(0).eq(1).all())
+    assert_close(mean_pooling_projection(5, 5), torch.eye(5))
+    with pytest.raises(ValueError, match="proj_len"):
+        mean_pooling_projection(8, 5)

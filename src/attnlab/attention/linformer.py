@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from attnlab.attention.projected import ProjectedAttention
 from attnlab.functional import scaled_dot_product_attention
 
-__all__ = ["LinformerAttention", "linformer_attention"]
+__all__ = ["LinformerAttention", "linformer_attention", "mean_pooling_projection"]
 
 
 def linformer_attention(
@@ -69,6 +69,31 @@ def linformer_attention(
     return scaled_dot_product_attention(  # type: ignore[return-value]
         query, k, v, scale=scale, enable_gqa=gqa, backend=backend
     )
+
+
+def mean_pooling_projection(
+    proj_len: int,
+    seq_len: int,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Tensor:
+    """``P x S`` matrix averaging ``P`` contiguous segments: ``E[p, j] = 1 / |seg p|`` for
+    ``j`` in segment ``p = floor(j P / S)``.
+
+    A training-free choice of ``E`` and ``F``: pooled keys and values, which approximate full
+    attention where scores vary slowly within a segment (the random initial projections
+    approximate nothing until trained). With ``P = S`` it is the identity.
+    """
+    for name, n in (("proj_len", proj_len), ("seq_len", seq_len)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name}: expected a positive int, got {n!r}")
+    if proj_len > seq_len:
+        raise ValueError(f"proj_len: expected at most seq_len={seq_len}, got {proj_len}")
+    segment = torch.arange(seq_len, device=device) * proj_len // seq_len
+    member = (segment == torch.arange(proj_len, device=device)[:, None]).to(
+        dtype or torch.get_default_dtype())
+    return member / member.sum(-1, keepdim=True)
 
 
 class LinformerAttention(ProjectedAttention):
