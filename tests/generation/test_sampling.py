@@ -1,0 +1,106 @@
+"""Sampling functions against their formulas."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnlab.generation import (
+    apply_repetition_penalty,
+    sample_logits,
+    sampling_probs,
+    top_k_filter,
+    top_p_filter,
+)
+from conftest import assert_close
+
+NEG = float("-inf")
+
+
+def test_top_k_keeps_exactly_k_even_with_ties() -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0], [5.0, 4.0, 3.0, 2.0, 1.0]])
+    out = top_k_filter(logits, 2)
+    assert (out.isfinite().sum(-1) == 2).all()
+    assert (out[0][out[0].isfinite()] == 3.0).all()
+    assert out[1].tolist() == [5.0, 4.0, NEG, NEG, NEG]
+    assert torch.equal(top_k_filter(logits, 9), logits)
+    assert logits[0, 0] == 1.0  # input untouched
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p() -> None:
+    probs = torch.tensor([0.1, 0.5, 0.15, 0.25])  # sorted: 0.5, 0.25, 0.15, 0.1
+    logits = probs.log()
+    for p, kept in ((0.1, {1}), (0.6, {1, 3}), (0.75 - 1e-3, {1, 3}), (0.8, {1, 3, 2}),
+                    (0.95, {0, 1, 2, 3}), (1.0, {0, 1, 2, 3})):
+        out = top_p_filter(logits, p)
+        assert set(out.isfinite().nonzero().flatten().tolist()) == kept, p
+        assert_close(out[out.isfinite()], logits[out.isfinite()])
+
+
+def test_sampling_probs_formula() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, 10)
+    T, k, p = 0.7, 5, 0.8
+    expected = torch.zeros(3, 10)
+    for b in range(3):
+        z = (logits[b] / T).tolist()
+        top = sorted(range(10), key=lambda i: -z[i])[:k]
+        w = {i: math.exp(z[i]) for i in top}
+        total = sum(w.values())
+        kept, mass = [], 0.0
+        for i in sorted(top, key=lambda i: -w[i]):
+            if mass >= p:
+                break
+            kept.append(i)
+            mass += w[i] / total
+        norm = sum(w[i] for i in kept)
+        for i in kept:
+            expected[b, i] = w[i] / norm
+    assert_close(sampling_probs(logits, T, k, p), expected, atol=1e-6)
+    assert_close(sampling_probs(logits), torch.softmax(logits, -1))
+
+
+def test_sample_logits_follows_the_distribution_and_seed() -> None:
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5])
+    probs = sampling_probs(logits, 1.3, top_k=4)
+    g = torch.Generator().manual_seed(0)
+    draws = sample_logits(logits.expand(20000, 5), 1.3, top_k=4, generator=g)
+    freq = torch.bincount(draws, minlength=5).float() / 20000
+    assert freq[3] == 0  # filtered out by top-k
+    assert_close(freq, probs, atol=0.015)
+    a = sample_logits(logits.expand(50, 5), generator=torch.Generator().manual_seed(7))
+    b = sample_logits(logits.expand(50, 5), generator=torch.Generator().manual_seed(7))
+    assert torch.equal(a, b)
+    assert sample_logits(torch.randn(2, 3, 5)).shape == (2, 3)
+
+
+def test_repetition_penalty_formula() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [1.0, 1.0, -2.0, 0.0]])
+    ids = torch.tensor([[0, 1, 1], [2, 3, 0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])  # row 1's token 0 is padding
+    out = apply_repetition_penalty(logits, ids, 2.0, mask)
+    assert out.tolist() == [[1.0, -2.0, 0.5, 3.0], [1.0, 1.0, -4.0, 0.0]]
+    assert torch.equal(apply_repetition_penalty(logits, ids, 1.0), logits)
+
+
+@pytest.mark.parametrize(("kwargs", "name"), [
+    ({"temperature": 0.0}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"top_k": 0}, "top_k"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+])
+def test_sampling_bad_arguments(kwargs: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        sample_logits(torch.zeros(1, 4), **kwargs)
+
+
+def test_filter_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="top_k"):
+        top_k_filter(torch.zeros(1, 3), -1)
+    with pytest.raises(ValueError, match="top_p"):
+        top_p_filter(torch.zeros(1, 3), 0)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        apply_repetition_penalty(torch.zeros(1, 3), torch.zeros(1, 1, dtype=torch.long), 0.0)
