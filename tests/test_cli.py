@@ -6,7 +6,7 @@ from attnlab.cli import main
 
 
 def test_demo_runs(capsys):
-    assert main(["demo"]) == 0
+    assert main(["demo", "--intro"]) == 0
     assert "backends agree" in capsys.readouterr().out
 
 

@@ -10,10 +10,13 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from attnlab.cli_train import add_commands
+
 # Each benchmark module has ``add_arguments(parser)`` and ``run(args) -> Path`` (the folder
 # or file written).
 BENCHMARKS = {
     "attention": "attnlab.bench.attention",
+    "generate": "attnlab.bench.generate",
     "mha": "attnlab.bench.mha",
     "variants": "attnlab.bench.variants",
 }
@@ -42,8 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="run the main demonstration")
+    demo = sub.add_parser("demo", help="train a Transformer to translate dates into ISO 8601")
+    demo.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
+    demo.add_argument(
+        "--retrain", action="store_true", help="train again even if a checkpoint exists"
+    )
+    demo.add_argument("--steps", type=int, default=1500, help="training steps (default 1500)")
+    demo.add_argument("--batch-size", type=int, default=128)
+    demo.add_argument("--intro", action="store_true", help="only a short tour of the attention API")
     demo.set_defaults(handler=_run_demo)
+
+    add_commands(sub)
 
     bench = sub.add_parser("bench", help="run a benchmark and save its table and plot")
     bench_sub = bench.add_subparsers(dest="benchmark", metavar="NAME", required=True)
@@ -68,9 +80,12 @@ def _bench_handler(module):
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from attnlab.demo import run_attention_demo
+    from attnlab.demo import run_attention_demo, run_date_demo
 
-    run_attention_demo()
+    if args.intro:
+        run_attention_demo()
+        return 0
+    run_date_demo(args.out, retrain=args.retrain, steps=args.steps, batch_size=args.batch_size)
     return 0
 
 

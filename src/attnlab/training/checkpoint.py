@@ -18,10 +18,18 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model as load_safetensors_into
+from safetensors.torch import save_model
 from torch import nn
 
-__all__ = ["FORMAT", "load_config", "load_trainer_state", "load_weights", "save_checkpoint"]
+__all__ = [
+    "FORMAT",
+    "load_config",
+    "load_model",
+    "load_trainer_state",
+    "load_weights",
+    "save_checkpoint",
+]
 
 FORMAT = "attnlab-checkpoint"
 WEIGHTS, CONFIG, STATE = "model.safetensors", "config.json", "trainer_state.pt"
@@ -93,7 +101,7 @@ def load_weights(directory: str | Path, model: nn.Module) -> None:
     if not path.is_file():
         raise ValueError(f"checkpoint: {str(path)!r} is missing")
     try:
-        missing, unexpected = load_model(model, str(path), strict=False)
+        missing, unexpected = load_safetensors_into(model, str(path), strict=False)
     except (SafetensorError, OSError, RuntimeError) as error:
         raise ValueError(
             f"checkpoint: cannot read {str(path)!r}: the file is truncated, "
@@ -115,3 +123,35 @@ def load_trainer_state(directory: str | Path) -> dict[str, Any] | None:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as error:
         raise ValueError(f"checkpoint: cannot read {str(path)!r} ({error})") from None
+
+
+def load_model(directory: str | Path) -> tuple[nn.Module, dict[str, Any]]:
+    """Rebuild the model of a checkpoint folder and load its weights: ``(model, config)``.
+
+    The config's ``model_type`` (``"transformer"`` or ``"decoder_lm"``) picks the class and
+    ``model`` its config; a config that does not fit the weights raises a ``ValueError``.
+    """
+    from attnlab.models.decoder import DecoderLM, DecoderLMConfig
+    from attnlab.models.transformer import Transformer, TransformerConfig
+
+    config = load_config(directory)
+    classes = {
+        "transformer": (Transformer, TransformerConfig),
+        "decoder_lm": (DecoderLM, DecoderLMConfig),
+    }
+    kind = config.get("model_type")
+    if kind not in classes:
+        raise ValueError(
+            f"checkpoint: model_type {kind!r} in {str(Path(directory) / CONFIG)!r} "
+            f"is not one of {sorted(classes)}"
+        )
+    model_cls, config_cls = classes[kind]
+    try:
+        model = model_cls(config_cls.from_dict(config["model"]))
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(
+            f"checkpoint: bad model config in {str(Path(directory) / CONFIG)!r} ({error})"
+        ) from None
+    load_weights(directory, model)
+    model.eval()
+    return model, config

@@ -77,7 +77,8 @@ class Task(Protocol):
     """What the trainer needs from a task."""
 
     def batch(self, step: int, micro: int, size: int, rank: int, world: int) -> Any:
-        """Rows ``rank::world`` of the global micro-batch ``micro`` of ``step`` (``size`` rows)."""
+        """Rows ``rank::world`` of the global micro-batch ``micro`` of ``step`` (``size`` rows);
+        the batch has a ``to(device)`` method."""
 
     def count(self, batch: Any) -> int:
         """Number of target tokens in ``batch``."""
@@ -120,6 +121,7 @@ class Trainer:
         d_model: int = 512,
         progress: bool = True,
         on_step: Callable[[int, float], None] | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.task, self.config = task, config
         self.out_dir = None if out_dir is None else Path(out_dir)
@@ -128,10 +130,12 @@ class Trainer:
         self.progress, self.on_step = progress, on_step
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.model = model
+        self.device = torch.device(device)
+        self.model = model.to(self.device)
         self.ddp = None
         if self.world > 1:
-            self.ddp = nn.parallel.DistributedDataParallel(model)
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids)
         self.schedule = make_schedule(
             config.schedule,
             lr=config.lr,
@@ -223,11 +227,11 @@ class Trainer:
         module.train()
         micro_size = c.batch_size // c.grad_accum
         batches = [
-            self.task.batch(self.step, m, micro_size, self.rank, self.world)
+            self.task.batch(self.step, m, micro_size, self.rank, self.world).to(self.device)
             for m in range(c.grad_accum)
         ]
         local_tokens = sum(self.task.count(b) for b in batches)
-        total = torch.tensor(float(local_tokens))
+        total = torch.tensor(float(local_tokens), device=self.device)
         if self.world > 1:
             dist.all_reduce(total)
         # Sum of token losses over the global batch / its token count; DDP averages over ranks,
@@ -237,7 +241,7 @@ class Trainer:
         for m, batch in enumerate(batches):
             sync = self.ddp is None or m == len(batches) - 1
             ctx = self.ddp.no_sync() if not sync else nullcontext()
-            with ctx, torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.bf16):
+            with ctx, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.bf16):
                 loss_sum = self.task.loss(module, batch)
                 (loss_sum * scale).backward()
             running += loss_sum.item()
@@ -246,7 +250,7 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        mean = torch.tensor([running, float(local_tokens)])
+        mean = torch.tensor([running, float(local_tokens)], device=self.device)
         if self.world > 1:
             dist.all_reduce(mean)
         return (mean[0] / mean[1].clamp_min(1)).item(), int(mean[1].item())

@@ -36,6 +36,9 @@ class Seq2SeqBatch:
     tgt_in: Tensor
     tgt_out: Tensor
 
+    def to(self, device: torch.device | str) -> Seq2SeqBatch:
+        return Seq2SeqBatch(self.src.to(device), self.tgt_in.to(device), self.tgt_out.to(device))
+
 
 class Seq2SeqTask:
     """Pairs of strings, character vocabularies, batches, the loss, and evaluation."""
@@ -87,9 +90,10 @@ class Seq2SeqTask:
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """Validation loss (no smoothing) and greedy exact match on the first ``eval_examples``."""
         pairs = self.valid[: self.eval_examples]
+        device = next(model.parameters()).device
         total, tokens = 0.0, 0
         for i in range(0, len(pairs), 256):
-            b = self.encode(pairs[i : i + 256])
+            b = self.encode(pairs[i : i + 256]).to(device)
             logits = model(b.src, b.tgt_in)
             total += label_smoothed_cross_entropy(
                 logits, b.tgt_out, ignore_index=PAD, reduction="sum"
@@ -108,9 +112,10 @@ class Seq2SeqTask:
 
         out: list[str] = []
         model.eval()
+        device = next(model.parameters()).device
         with torch.no_grad():
             for i in range(0, len(texts), batch_size):
-                src = self.src_vocab.batch(texts[i : i + batch_size])
+                src = self.src_vocab.batch(texts[i : i + batch_size]).to(device)
                 ids = generate_seq2seq(
                     model, src, self.max_target_len, bos_id=BOS, eos_id=EOS, num_beams=num_beams
                 )
