@@ -22,6 +22,8 @@ def markdown(rows: list[dict], cfg: dict, info: dict[str, str], gqa: list[dict])
         return "—" if a is None or not b else f"{a / b:.2f}x"
 
     kinds = ["fwd"] + (["fwd_bwd"] if cfg["backward"] else [])
+    w = cfg["window"]
+    keys = f"causal: {w}" if cfg["causal"] else f"two-sided: {2 * w - 1}"
     head = "| L | variant | fwd ms | vs fused | x per 2x L | fwd peak MiB | peak vs fused |"
     rule = "|---|---|---|---|---|---|---|"
     if cfg["backward"]:
@@ -34,13 +36,15 @@ def markdown(rows: list[dict], cfg: dict, info: dict[str, str], gqa: list[dict])
         "",
         f"One attention layer `B x L x E -> B x L x E`, B=1, H={H}, D={D}, E={H * D}, float32, "
         f"{'causal' if cfg['causal'] else 'non-causal'}; every variant with the same weights. "
-        f"sliding: window {cfg['window']}; strided: window {cfg['window']} + a summary key every "
+        f"sliding: window {cfg['window']} ({keys} keys per query); strided: window "
+        f"{cfg['window']} + a summary key every "
         f"{cfg['stride']}; Linformer: k = {cfg['proj_len']}; Performer: m = {cfg['features']} "
         "features. Times are medians (ms) of forward passes under `no_grad`; peak is the extra "
         "memory at the peak of one call (MiB); ratios are against `fused` at the same L, measured "
         "in the same run; `x per 2x L` is time(L) / time(L/2). The error is "
         "`|y - y_exact| / |y_exact|` on a random input with random (untrained) weights, where "
-        "attention is diffuse: the hardest case for local and low-rank approximations. "
+        "attention is diffuse: the hardest case for local and low-rank approximations "
+        f"(measured up to L = {cfg['error_max_len']}). "
         "Regenerate with `attnlab bench variants`.",
         "",
         head,
