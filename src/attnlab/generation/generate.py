@@ -3,7 +3,7 @@
 One prefill pass runs the whole (left-padded) prompt and fills the KV cache; each later
 step feeds only the newest token, at position ``offset = cache.length``. Per step:
 
-    logits = model(last_token, attention_mask, cache)[:, -1]            B x V
+    logits = model(last_token, attention_mask, cache, logits_to_keep=1)[:, -1]    B x V
     logits = repetition_penalty(logits) -> token = argmax(logits)       (greedy)
                                         or token ~ softmax(filter(logits / T))  (sampling)
 """
@@ -82,7 +82,7 @@ def generate(
     cache = model.make_cache(B, P + max_new_tokens) if use_cache and max_new_tokens else None
     finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
     if max_new_tokens:
-        logits = model(ids, attention_mask=mask, cache=cache)[:, -1]
+        logits = model(ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]
     for step in range(max_new_tokens):
         if repetition_penalty != 1.0:
             logits = apply_repetition_penalty(logits, ids, repetition_penalty, mask)
@@ -100,9 +100,10 @@ def generate(
         if bool(finished.all()) or step == max_new_tokens - 1:
             break
         if cache is not None:
-            logits = model(token[:, None], attention_mask=mask, cache=cache)[:, -1]
+            logits = model(token[:, None], attention_mask=mask, cache=cache,
+                               logits_to_keep=1)[:, -1]
         else:
-            logits = model(ids, attention_mask=mask)[:, -1]
+            logits = model(ids, attention_mask=mask, logits_to_keep=1)[:, -1]
     if streamer is not None:
         streamer.end()
     return ids

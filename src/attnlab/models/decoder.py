@@ -140,13 +140,15 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     def forward(self, input_ids: Tensor, *, attention_mask: Tensor | None = None,
-                cache: KVCache | None = None, position_ids: Tensor | None = None) -> Tensor:
-        """input_ids ``B x L`` -> logits ``B x L x V``.
+                cache: KVCache | None = None, position_ids: Tensor | None = None,
+                logits_to_keep: int = 0) -> Tensor:
+        """input_ids ``B x L`` -> logits ``B x L x V`` (``B x min(k, L) x V`` for ``k > 0``).
 
         ``attention_mask``: ``B x (offset + L)``, 1/True = real token (covering the cached
         positions too), or ``None`` (all real). ``cache``: a ``KVCache`` from ``make_cache``
         holding ``offset`` positions; ``input_ids`` are then the next ``L`` tokens and the
         cache is extended by them. ``position_ids`` ``B x L`` overrides the positions.
+        ``logits_to_keep=k > 0`` projects only the last ``k`` positions (generation: ``k = 1``).
         """
         c = self.config
         if (not isinstance(input_ids, Tensor) or input_ids.dim() != 2
@@ -181,6 +183,8 @@ class DecoderLM(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, key_mask=key_mask, cache=None if cache is None else cache[i],
                       rotary=rotary)
+        if logits_to_keep > 0:
+            x = x[:, -logits_to_keep:]
         return linear(self.norm(x), self.lm_head.weight)
 
     def make_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:

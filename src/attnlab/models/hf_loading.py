@@ -1,0 +1,153 @@
+"""Hugging Face-format checkpoint folders, read and written without ``transformers``.
+
+A folder holds ``config.json`` and the weights: one ``model.safetensors``, or shards listed
+by ``model.safetensors.index.json`` (``{"weight_map": {tensor name: shard file}}``).
+Tensors are memory-mapped (``safetensors.safe_open``): nothing is read from disk until it is
+used, and a tensor kept in its stored dtype is used in place, without a copy.
+
+Every check names the file and the tensor: a missing file, a missing or unexpected tensor
+name, a shape other than the config implies, a dtype we cannot run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+__all__ = [
+    "CONFIG_NAME",
+    "INDEX_NAME",
+    "SUPPORTED_DTYPES",
+    "WEIGHTS_NAME",
+    "load_tensors",
+    "parse_dtype",
+    "read_json",
+    "save_tensors",
+    "weight_files",
+]
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                    "float16": torch.float16}
+# safetensors' dtype codes for the dtypes we run; any other code is refused by name.
+_STORED = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def load_tensors(folder: str | Path, expected: Mapping[str, tuple[int, ...]], *,
+                 dtype: torch.dtype | None = None,
+                 ignore: Collection[str] = ()) -> dict[str, Tensor]:
+    """Memory-map the tensors named in ``expected`` (name -> shape) from ``folder``.
+
+    Every expected name must be stored with that shape and a float dtype we run (float32,
+    bfloat16, float16); any other stored name raises, except those in ``ignore`` and
+    ``*.rotary_emb.inv_freq`` buffers (old Llama checkpoints), which are skipped. A tensor is
+    converted to ``dtype`` when given (a copy), and otherwise returned as stored (mapped).
+    """
+    files = weight_files(folder)
+    missing = [name for name in expected if name not in files]
+    if missing:
+        stored = _describe_source(Path(folder))
+        raise ValueError(f"{stored}: missing tensor {missing[0]!r} (expected shape "
+                         f"{tuple(expected[missing[0]])}); {len(missing)} of {len(expected)} "
+                         f"expected tensors are missing: {missing[:5]}")
+    for name, path in files.items():
+        if name not in expected and name not in ignore and not name.endswith("inv_freq"):
+            raise ValueError(f"{path.name}: unexpected tensor {name!r}; the config expects "
+                             f"{len(expected)} tensors such as {next(iter(expected))!r}")
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    tensors: dict[str, Tensor] = {}
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for name in names:
+                view = f.get_slice(name)
+                shape, code = tuple(view.get_shape()), view.get_dtype()
+                if shape != tuple(expected[name]):
+                    raise ValueError(f"{path.name}: tensor {name!r} has shape {shape}, "
+                                     f"expected {tuple(expected[name])} from {CONFIG_NAME}")
+                if code not in _STORED:
+                    raise ValueError(f"{path.name}: tensor {name!r} has dtype {code}, expected "
+                                     f"one of {sorted(_STORED)} (float32, bfloat16, float16)")
+                t = f.get_tensor(name)
+                tensors[name] = t if dtype is None or t.dtype == dtype else t.to(dtype)
+    return tensors
+
+
+def weight_files(folder: str | Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (single file or sharded index)."""
+    folder = _check_folder(folder)
+    index = folder / INDEX_NAME
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: expected a non-empty 'weight_map' object "
+                             "(tensor name -> shard file)")
+        files: dict[str, Path] = {}
+        for name, shard in weight_map.items():
+            path = folder / str(shard)
+            if not path.is_file():
+                raise FileNotFoundError(f"{index}: tensor {name!r} is in shard {shard!r}, "
+                                        f"which does not exist in {folder}")
+            files[name] = path
+        return files
+    single = folder / WEIGHTS_NAME
+    if not single.is_file():
+        raise FileNotFoundError(f"{folder}: no weights; expected {WEIGHTS_NAME} or "
+                                f"{INDEX_NAME} (safetensors) in the folder")
+    with safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def save_tensors(folder: str | Path, tensors: Mapping[str, Tensor]) -> Path:
+    """Write ``tensors`` (name -> tensor, none sharing memory) to ``folder/model.safetensors``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / WEIGHTS_NAME
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path),
+              metadata={"format": "pt"})
+    return path
+
+
+def read_json(path: str | Path) -> dict:
+    """A JSON object from ``path``; a missing file or bad JSON raises naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def parse_dtype(value: str | torch.dtype | None, name: str = "dtype") -> torch.dtype | None:
+    """``"bfloat16"``/``torch.bfloat16``/``None`` -> a dtype we run (or ``None``); else raise."""
+    if value is None or value in SUPPORTED_DTYPES.values():
+        return value  # type: ignore[return-value]
+    if isinstance(value, str) and value.removeprefix("torch.") in SUPPORTED_DTYPES:
+        return SUPPORTED_DTYPES[value.removeprefix("torch.")]
+    raise ValueError(f"{name}: expected one of {sorted(SUPPORTED_DTYPES)}, got {value!r}")
+
+
+def _check_folder(folder: str | Path) -> Path:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: not a folder; expected a checkpoint folder with "
+                                f"{CONFIG_NAME} and {WEIGHTS_NAME} (or {INDEX_NAME})")
+    return folder
+
+
+def _describe_source(folder: Path) -> str:
+    index = folder / INDEX_NAME
+    return str(index if index.is_file() else folder / WEIGHTS_NAME)
