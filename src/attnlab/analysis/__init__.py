@@ -1,6 +1,67 @@
-"""Looking inside models: attention capture and pictures."""
+"""Looking inside models: capture attention, measure heads, intervene, draw and view.
 
-from attnlab.analysis.capture import capture_attention
-from attnlab.analysis.plots import plot_attention_heads
+- ``capture(model, inputs, layers, heads)``: the attention weights per kind, layer and head;
+- ``metrics``: entropy, distance, diagonal / previous / first-token shares, broadness,
+  Jensen-Shannon head similarity and ``head_report``;
+- ``hooks``: named hook points (q, k, v, scores, pattern, z) and ``run_with_cache``;
+- ``ablation``: zero / mean head ablation and ``head_importance``;
+- ``plots`` (PNG) and ``viewer`` (one self-contained interactive HTML file).
+"""
 
-__all__ = ["capture_attention", "plot_attention_heads"]
+from attnlab.analysis.ablation import ablate_heads, head_importance
+from attnlab.analysis.capture import (
+    AttentionCapture,
+    AttentionMaps,
+    capture,
+    capture_attention,
+)
+from attnlab.analysis.hooks import hook_names, hooks, run_with_cache, run_with_hooks
+from attnlab.analysis.metrics import (
+    attention_distance,
+    broadness,
+    diagonal_share,
+    entropy,
+    first_token_share,
+    head_report,
+    head_similarity,
+    js_divergence,
+    previous_token_share,
+)
+from attnlab.analysis.plots import (
+    plot_attention_heads,
+    plot_head_similarity,
+    plot_masks,
+    plot_metric_map,
+    plot_single_vs_multi,
+)
+from attnlab.analysis.table import Table
+from attnlab.analysis.viewer import save_html
+
+__all__ = [
+    "AttentionCapture",
+    "AttentionMaps",
+    "Table",
+    "ablate_heads",
+    "attention_distance",
+    "broadness",
+    "capture",
+    "capture_attention",
+    "diagonal_share",
+    "entropy",
+    "first_token_share",
+    "head_importance",
+    "head_report",
+    "head_similarity",
+    "hook_names",
+    "hooks",
+    "js_divergence",
+    "plot_attention_heads",
+    "plot_head_similarity",
+    "plot_masks",
+    "plot_metric_map",
+    "plot_single_vs_multi",
+    "previous_token_share",
+    "run_with_cache",
+    "run_with_hooks",
+    "save_html",
+]

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -22,11 +24,15 @@ def math_attention(
     is_causal: bool = False,
     scale: float,
     dropout_p: float = 0.0,
+    hook: Callable[[str, Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention by the formula; inputs already checked by ``scaled_dot_product_attention``.
 
     query ``N.. x H x L x D``, key ``N.. x G x S x D``, value ``N.. x G x S x Dv`` with ``G``
     dividing ``H`` -> ``(out N.. x H x L x Dv, weights N.. x H x L x S)``.
+
+    ``hook(point, tensor) -> tensor`` (for ``attnlab.analysis``) sees and may replace the
+    masked ``"scores"`` and the ``"pattern"`` (the weights that multiply V), ``N.. x H x L x S``.
     """
     *lead, H, L, D = query.shape
     G, S = key.shape[-3], key.shape[-2]
@@ -41,8 +47,12 @@ def math_attention(
             scores = scores + mask.to(scores.dtype)
     if is_causal:
         scores = scores.masked_fill(~causal_mask(L, S, device=scores.device), float("-inf"))
+    if hook is not None:
+        scores = hook("scores", scores)
     weights = softmax(scores, dim=-1)
     if dropout_p > 0.0:
         weights = torch.nn.functional.dropout(weights, p=dropout_p, training=True)
+    if hook is not None:
+        weights = hook("pattern", weights)
     out = torch.matmul(weights.reshape(*lead, G, (H // G) * L, S), value)
     return out.view(*lead, H, L, value.shape[-1]), weights

@@ -9,12 +9,14 @@ head ``g = h // (H / G)``. ``G = H`` is classic MHA, ``1 < G < H`` grouped-query
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
+from attnlab.attention.math import math_attention
 from attnlab.functional import BACKENDS, linear, scaled_dot_product_attention
 from attnlab.masks import combine_masks, key_mask_to_attention_mask
 
@@ -39,7 +41,15 @@ class MultiHeadAttention(nn.Module):
     ``dropout`` drops attention weights in training mode; ``output_dropout`` (default 0, as in
     PyTorch, since Transformer layers drop the residual branch themselves) drops the output.
     Initialisation: Xavier-uniform weights, zero biases.
+
+    ``hook_fn`` (None by default; set by ``attnlab.analysis.hooks``): when set, the call runs
+    the ``math`` path and ``hook_fn(point, tensor) -> tensor`` sees, and may replace, ``"q"``
+    ``B x H x L x D``, ``"k"``, ``"v"`` ``B x G x S x D`` (the new keys: after ``rotary``,
+    before the cache), ``"scores"``, ``"pattern"`` ``B x H x L x S`` and ``"z"`` (per-head
+    outputs ``B x H x L x D``, before ``out_proj``).
     """
+
+    hook_fn: Callable[[str, Tensor], Tensor] | None = None
 
     def __init__(
         self,
@@ -174,6 +184,9 @@ class MultiHeadAttention(nn.Module):
         if rotary is not None:
             q, k = rotary(q), rotary(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, S, G, D).transpose(1, 2)
+        hook = self.hook_fn
+        if hook is not None:
+            q, k, v = hook("q", q), hook("k", k), hook("v", v)
         if cache is not None:
             offset = cache.length
             k, v = cache.update(k, v)
@@ -182,18 +195,26 @@ class MultiHeadAttention(nn.Module):
                     f"cache: expected query length + offset = {L} + {offset} keys, "
                     f"got {k.shape[-2]}"
                 )
-        result = scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            mask,
-            is_causal=is_causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=G != H,
-            return_weights=return_weights,
-            backend=self.backend,
-        )
-        out, weights = result if return_weights else (result, None)
+        dropout_p = self.dropout if self.training else 0.0
+        if hook is not None:
+            out, weights = math_attention(
+                q, k, v, mask, is_causal=is_causal, scale=1.0 / math.sqrt(D),
+                dropout_p=dropout_p, hook=hook,
+            )
+            out = hook("z", out)
+        else:
+            result = scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                mask,
+                is_causal=is_causal,
+                dropout_p=dropout_p,
+                enable_gqa=G != H,
+                return_weights=return_weights,
+                backend=self.backend,
+            )
+            out, weights = result if return_weights else (result, None)
         out = linear(
             out.transpose(1, 2).reshape(B, L, H * D), self.out_proj.weight, self.out_proj.bias
         )

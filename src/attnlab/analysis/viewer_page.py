@@ -1,0 +1,250 @@
+"""The viewer's page: HTML, CSS and JavaScript in one string (``__TITLE__`` and ``__DATA__``
+are filled in by ``attnlab.analysis.viewer``). No external resource is referenced."""
+
+PAGE = r"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy"
+      content="default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'">
+<title>__TITLE__</title>
+<style>
+body { font: 14px system-ui, sans-serif; margin: 12px 18px; color: #222; }
+h1 { font-size: 18px; margin: 0 0 8px; }
+.bar { display: flex; gap: 14px; align-items: center; flex-wrap: wrap; margin: 6px 0; }
+button { font: inherit; padding: 2px 8px; border: 1px solid #999; background: #f4f4f4;
+         border-radius: 4px; cursor: pointer; }
+button.on { background: #2a6fdb; color: white; border-color: #2a6fdb; }
+#status { font-weight: 600; }
+#info { min-height: 1.4em; font-family: ui-monospace, monospace; white-space: pre-wrap;
+        background: #f7f7f0; padding: 4px 8px; border-radius: 4px; }
+#notice { color: #a33; }
+#lines-view { overflow: auto; max-height: 70vh; border: 1px solid #ddd; }
+svg text.tok { font: 13px ui-monospace, monospace; cursor: pointer; }
+svg text.tok.sel { fill: #d33; font-weight: 700; }
+svg text.w { font: 11px ui-monospace, monospace; fill: #555; }
+#heatmap-view { overflow: auto; max-height: 75vh; border: 1px solid #ddd; }
+table { border-collapse: collapse; margin-top: 10px; font-size: 12px; }
+td, th { border: 1px solid #ccc; padding: 2px 6px; text-align: right; }
+tr.sel td { background: #ffe9a8; }
+tbody tr { cursor: pointer; }
+.hidden { display: none; }
+</style>
+</head>
+<body>
+<h1>__TITLE__</h1>
+<div class="bar">
+  <label>attention <select id="kind"></select></label>
+  <label>layer <select id="layer"></select></label>
+  <span>head <span id="heads"></span></span>
+  <span>view <button id="view-lines" class="on">lines</button>
+  <button id="view-heatmap">heatmap</button></span>
+</div>
+<div class="bar"><span id="status"></span><span id="notice"></span></div>
+<div id="info">Hover or click a token.</div>
+<div id="lines-view"><svg id="lines" xmlns="http://www.w3.org/2000/svg"></svg></div>
+<div id="heatmap-view" class="hidden"><canvas id="heatmap"></canvas></div>
+<table id="metrics"><thead></thead><tbody></tbody></table>
+<script id="data" type="application/json">__DATA__</script>
+<script>
+"use strict";
+const D = JSON.parse(document.getElementById("data").textContent);
+const S = {kind: 0, layer: 0, head: 0, view: "lines", pinned: null};
+const NS = "http://www.w3.org/2000/svg";
+const ROW = 18, COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
+  "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"];
+const $ = (id) => document.getElementById(id);
+const K = () => D.kinds[S.kind];
+const headName = () => (S.head < 0 ? "all heads" : "head " + K().heads[S.head]);
+
+function el(tag, attrs, text) {
+  const e = document.createElementNS(NS, tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+
+// Weights of one head (or the mean of all heads) as a flat L*S array of floats.
+const memo = new Map();
+function weights(head) {
+  const key = S.kind + "/" + S.layer + "/" + head;
+  if (!memo.has(key)) memo.set(key, meanOf(head));
+  return memo.get(key);
+}
+
+function meanOf(head) {
+  const k = K(), rows = k.weights[S.layer];
+  const n = k.queries.length * k.keys.length;
+  const out = new Float32Array(n);
+  const hs = head < 0 ? rows.map((_, i) => i) : [head];
+  for (const h of hs) for (let i = 0; i < n; i++) out[i] += rows[h][i] / 1000 / hs.length;
+  return out;
+}
+
+// The (other index, weight) pairs of token i on side "q" (a row) or "k" (a column).
+function pairs(w, side, i) {
+  const L = K().queries.length, Sn = K().keys.length, out = [];
+  if (side === "q") for (let j = 0; j < Sn; j++) out.push([j, w[i * Sn + j]]);
+  else for (let j = 0; j < L; j++) out.push([j, w[j * Sn + i]]);
+  return out.sort((a, b) => b[1] - a[1]);
+}
+
+function fillSelects() {
+  $("kind").replaceChildren(...D.kinds.map((k, i) => new Option(k.label, i)));
+  $("kind").value = S.kind;
+  $("layer").replaceChildren(...K().layers.map((l, i) => new Option(String(l), i)));
+  $("layer").value = S.layer;
+  const btns = K().heads.map((h, i) => {
+    const b = document.createElement("button");
+    b.id = "head-" + h; b.textContent = String(h); b.onclick = () => setHead(i);
+    return b;
+  });
+  const all = document.createElement("button");
+  all.id = "head-all"; all.textContent = "all"; all.onclick = () => setHead(-1);
+  $("heads").replaceChildren(...btns, all);
+}
+
+function setHead(i) { S.head = i; render(); }
+
+function render() {
+  const k = K();
+  for (const b of $("heads").children) b.classList.remove("on");
+  $(S.head < 0 ? "head-all" : "head-" + k.heads[S.head]).classList.add("on");
+  $("status").textContent = k.label + " · layer " + k.layers[S.layer] + " · " + headName();
+  $("notice").textContent = D.truncated ? "long input: only the first " + D.maxTokens +
+    " positions are shown" : "";
+  $("view-lines").classList.toggle("on", S.view === "lines");
+  $("view-heatmap").classList.toggle("on", S.view === "heatmap");
+  $("lines-view").classList.toggle("hidden", S.view !== "lines");
+  $("heatmap-view").classList.toggle("hidden", S.view !== "heatmap");
+  if (S.view === "lines") drawTokens(); else drawHeatmap();
+  drawTable();
+  if (S.pinned) showToken(S.pinned.side, S.pinned.i);
+}
+
+function drawTokens() {
+  const k = K(), svg = $("lines");
+  const n = Math.max(k.queries.length, k.keys.length);
+  svg.setAttribute("width", 640); svg.setAttribute("height", n * ROW + 30);
+  svg.replaceChildren(el("g", {id: "links"}));
+  svg.append(el("text", {x: 150, y: 14, "text-anchor": "end", class: "w"}, "queries"),
+             el("text", {x: 470, y: 14, class: "w"}, "keys"));
+  const add = (side, toks, x, anchor) => toks.forEach((t, i) => {
+    const e = el("text", {x, y: 30 + i * ROW + 4, "text-anchor": anchor, class: "tok",
+                          id: side + "-" + i}, t === " " ? "␣" : t);
+    e.addEventListener("mouseenter", () => { if (!S.pinned) showToken(side, i); });
+    e.addEventListener("click", () => {
+      const same = S.pinned && S.pinned.side === side && S.pinned.i === i;
+      S.pinned = same ? null : {side, i}; showToken(side, i);
+    });
+    svg.append(e);
+  });
+  add("q", k.queries, 150, "end");
+  add("k", k.keys, 470, "start");
+}
+
+function showToken(side, i) {
+  const k = K(), other = side === "q" ? "k" : "q";
+  const toks = side === "q" ? k.queries : k.keys, otoks = side === "q" ? k.keys : k.queries;
+  document.querySelectorAll("text.tok.sel").forEach((e) => e.classList.remove("sel"));
+  const self = $(side + "-" + i);
+  if (self) self.classList.add("sel");
+  const links = $("links");
+  if (links) {
+    links.replaceChildren();
+    document.querySelectorAll("text.w.val").forEach((e) => e.remove());
+    const heads = S.head < 0 ? k.heads.map((_, h) => h) : [S.head];
+    const budget = Math.max(1, Math.floor(D.maxLines / heads.length));
+    const y = (j) => 30 + j * ROW;
+    heads.forEach((h, hi) => {
+      const top = pairs(weights(h), side, i).filter((p) => p[1] >= 0.005).slice(0, budget);
+      for (const [j, v] of top) {
+        const [yq, yk] = side === "q" ? [y(i), y(j)] : [y(j), y(i)];
+        links.append(el("line", {x1: 156, y1: yq, x2: 464, y2: yk, class: "link",
+          stroke: S.head < 0 ? COLORS[hi % COLORS.length] : "#2a6fdb",
+          "stroke-opacity": Math.min(1, 0.15 + v), "stroke-width": 0.5 + 4 * v}));
+      }
+    });
+    const mean = pairs(weights(S.head), side, i).slice(0, D.maxLines);
+    for (const [j, v] of mean) {
+      if (v < 0.005) continue;
+      const x = side === "q" ? 560 : 80;
+      $("lines").append(el("text", {x, y: y(j) + 4, class: "w val", "text-anchor": "end"},
+                           v.toFixed(3)));
+    }
+  }
+  const best = pairs(weights(S.head), side, i).slice(0, 5)
+    .map(([j, v]) => JSON.stringify(otoks[j]) + "(" + j + ") " + v.toFixed(3)).join("  ");
+  $("info").textContent = (side === "q" ? "query " : "key ") + JSON.stringify(toks[i]) +
+    " (" + i + ") · " + headName() + (side === "q" ? " → " : " ← ") + best;
+}
+
+function color(v) {  // white -> blue -> dark blue
+  const c = v < 0.5 ? [255 - 2 * v * 213, 255 - 2 * v * 144, 255 - 2 * v * 36]
+                    : [42 - (v - 0.5) * 60, 111 - (v - 0.5) * 160, 219 - (v - 0.5) * 200];
+  return "rgb(" + c.map((x) => Math.round(Math.max(0, x))).join(",") + ")";
+}
+
+function drawHeatmap() {
+  const k = K(), w = weights(S.head), L = k.queries.length, Sn = k.keys.length;
+  const cell = Math.max(2, Math.min(22, Math.floor(900 / Math.max(L, Sn))));
+  const pad = cell >= 10 ? 70 : 4, cv = $("heatmap"), ctx = cv.getContext("2d");
+  cv.width = pad + Sn * cell + 4; cv.height = pad + L * cell + 4;
+  ctx.fillStyle = "white"; ctx.fillRect(0, 0, cv.width, cv.height);
+  for (let i = 0; i < L; i++) for (let j = 0; j < Sn; j++) {
+    ctx.fillStyle = color(w[i * Sn + j]); ctx.fillRect(pad + j * cell, pad + i * cell, cell, cell);
+  }
+  if (pad > 4) {
+    ctx.fillStyle = "#222"; ctx.font = Math.min(12, cell - 2) + "px monospace";
+    k.queries.forEach((t, i) => ctx.fillText(t.slice(0, 8), 2, pad + i * cell + cell - 3));
+    k.keys.forEach((t, j) => { ctx.save(); ctx.translate(pad + j * cell + cell - 3, pad - 3);
+      ctx.rotate(-Math.PI / 2); ctx.fillText(t.slice(0, 8), 0, 0); ctx.restore(); });
+  }
+  cv.onmousemove = (ev) => {
+    const r = cv.getBoundingClientRect();
+    const j = Math.floor((ev.clientX - r.left - pad) / cell);
+    const i = Math.floor((ev.clientY - r.top - pad) / cell);
+    if (i < 0 || j < 0 || i >= L || j >= Sn) return;
+    $("info").textContent = "query " + JSON.stringify(k.queries[i]) + " (" + i + ") → key " +
+      JSON.stringify(k.keys[j]) + " (" + j + ") · " + headName() + ": " +
+      w[i * Sn + j].toFixed(3);
+  };
+}
+
+function drawTable() {
+  const cols = D.report.columns, k = K();
+  $("metrics").tHead.replaceChildren(row(cols, "th"));
+  const body = $("metrics").tBodies[0];
+  body.replaceChildren();
+  const ki = cols.indexOf("kind"), li = cols.indexOf("layer"), hi = cols.indexOf("head");
+  for (const r of D.report.rows) {
+    if (r[ki] !== k.kind || r[li] !== k.layers[S.layer]) continue;
+    const tr = row(r.map((v) => (typeof v === "number" && !Number.isInteger(v) ?
+      v.toFixed(3) : String(v))), "td");
+    const h = k.heads.indexOf(r[hi]);
+    tr.id = "metric-head-" + r[hi];
+    if (h === S.head) tr.classList.add("sel");
+    tr.onclick = () => setHead(h);
+    body.append(tr);
+  }
+}
+
+function row(cells, tag) {
+  const tr = document.createElement("tr");
+  for (const c of cells) { const td = document.createElement(tag); td.textContent = c;
+    tr.append(td); }
+  return tr;
+}
+
+$("kind").onchange = () => { S.kind = +$("kind").value; S.layer = 0; S.head = 0;
+  S.pinned = null; fillSelects(); render(); };
+$("layer").onchange = () => { S.layer = +$("layer").value; render(); };
+$("view-lines").onclick = () => { S.view = "lines"; render(); };
+$("view-heatmap").onclick = () => { S.view = "heatmap"; render(); };
+fillSelects();
+render();
+document.body.dataset.ready = "1";
+</script>
+</body>
+</html>
+"""

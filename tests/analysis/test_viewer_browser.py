@@ -1,0 +1,118 @@
+"""The HTML viewer opened in headless Chromium: pick a head, click a token, read the page."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+import torch
+
+from attnlab.analysis import capture, save_html
+from attnlab.models.decoder import DecoderLM, DecoderLMConfig
+from attnlab.models.transformer import Transformer, TransformerConfig
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync"]
+
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="no chromium binary on PATH (Debian: apt-get install chromium)"
+)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="the playwright package is not installed (dev extra)"
+    )
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        yield b
+        b.close()
+
+
+def _open(browser, path):
+    page = browser.new_page()
+    requests: list[str] = []
+    page.on("request", lambda r: requests.append(r.url))
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(path.as_uri())
+    page.wait_for_selector("body[data-ready='1']", timeout=10_000)
+    return page, requests, errors
+
+
+def test_viewer_head_and_token_clicks(browser, tmp_path):
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(src_vocab_size=30, tgt_vocab_size=30, d_model=32,
+                                          num_heads=4, num_encoder_layers=2,
+                                          num_decoder_layers=2, d_ff=64, dropout=0.0)).eval()
+    src_text, tgt_text = "abc</d", "xyz"
+    src = torch.tensor([[4 + i for i in range(len(src_text))]])
+    tgt = torch.tensor([[1, 10, 11, 12]])
+    result = capture(model, (src, tgt),
+                     tokens={"src": [list(src_text)], "tgt": [["<bos>", *tgt_text]]})
+    path = save_html(result, tmp_path / "view.html", title="tiny <model>")
+    page, requests, errors = _open(browser, path)
+
+    assert page.title() == "tiny <model>"
+    kinds = page.eval_on_selector_all("#kind option", "os => os.map(o => o.textContent)")
+    assert kinds == ["encoder self-attention", "decoder self-attention", "cross-attention"]
+    page.select_option("#kind", label="cross-attention")
+    page.select_option("#layer", label="1")
+    page.click("#head-2")
+    assert page.inner_text("#status") == "cross-attention · layer 1 · head 2"
+    assert page.get_attribute("#head-2", "class") == "on"
+    # The metric table shows this kind and layer, with head 2's row highlighted.
+    assert page.locator("#metrics tbody tr").count() == 4
+    assert page.get_attribute("#metric-head-2", "class") == "sel"
+
+    page.click("#q-3")  # the query "z": its top key and weight, as Python computes them
+    w = result["cross"].weights[0, 1, 2, 3]
+    j = int(w.argmax())
+    info = page.inner_text("#info")
+    assert info.startswith('query "z" (3) · head 2 → ')
+    assert f'"{src_text[j]}"({j}) {w[j]:.3f}' in info
+    lines = page.locator("#links line").count()
+    assert 1 <= lines <= len(src_text)
+    labels = page.eval_on_selector_all("text.w.val", "es => es.map(e => e.textContent)")
+    assert f"{w[j]:.3f}" in labels
+
+    page.click("#head-all")
+    assert page.inner_text("#status").endswith("all heads")
+    mean = result["cross"].weights[0, 1, :, 3].mean(0)
+    assert f"{mean.max():.3f}" in page.inner_text("#info")
+
+    page.click("#metric-head-1")  # a table row picks its head
+    assert page.inner_text("#status").endswith("head 1")
+
+    page.click("#view-heatmap")
+    assert page.is_visible("#heatmap") and not page.is_visible("#lines")
+    box = page.locator("#heatmap").bounding_box()
+    assert box["width"] > 50
+    assert errors == []
+    assert all(url.startswith("file://") for url in requests), requests
+    page.close()
+
+
+def test_viewer_long_input_stays_responsive(browser, tmp_path):
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderLMConfig.llama(50, d_model=32, num_layers=1, num_heads=4,
+                                            num_kv_heads=2, max_len=700)).eval()
+    ids = torch.randint(0, 50, (1, 600))
+    result = capture(model, ids)
+    path = save_html(result, tmp_path / "long.html", max_tokens=200, max_lines=20)
+    assert path.stat().st_size < 3_000_000
+    start = time.perf_counter()
+    page, requests, errors = _open(browser, path)
+    assert "only the first 200 positions" in page.inner_text("#notice")
+    assert page.locator("text.tok").count() == 400
+    page.click("#head-all")
+    page.click("#q-150")
+    assert page.locator("#links line").count() <= 20
+    page.click("#view-heatmap")
+    assert page.is_visible("#heatmap")
+    assert time.perf_counter() - start < 15
+    assert errors == [] and all(u.startswith("file://") for u in requests)
+    page.close()
