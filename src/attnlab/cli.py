@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--retrain", action="store_true", help="train again even if a checkpoint exists"
     )
-    demo.add_argument("--steps", type=int, default=1500, help="training steps (default 1500)")
+    demo.add_argument("--steps", type=int, default=1200, help="training steps (default 1200)")
     demo.add_argument("--batch-size", type=int, default=128)
     demo.add_argument("--intro", action="store_true", help="only a short tour of the attention API")
     demo.set_defaults(handler=_run_demo)

@@ -53,7 +53,7 @@ def demo_model_config(task: Seq2SeqTask) -> TransformerConfig:
     )
 
 
-def demo_train_config(steps: int = 1500, batch_size: int = 128) -> TrainConfig:
+def demo_train_config(steps: int = 1200, batch_size: int = 128) -> TrainConfig:
     return TrainConfig(
         steps=steps,
         batch_size=batch_size,
@@ -61,8 +61,8 @@ def demo_train_config(steps: int = 1500, batch_size: int = 128) -> TrainConfig:
         schedule="cosine",
         warmup=100,
         weight_decay=0.01,
-        eval_every=250,
-        checkpoint_every=250,
+        eval_every=300,
+        checkpoint_every=300,
         log_every=10,
         seed=0,
     )
@@ -72,7 +72,7 @@ def run_date_demo(
     out_dir: str | Path = "runs/demo",
     *,
     retrain: bool = False,
-    steps: int = 1500,
+    steps: int = 1200,
     batch_size: int = 128,
     n_test: int = 2000,
     num_beams: int = 4,

@@ -29,7 +29,7 @@ __all__ = ["beam_search", "generate_seq2seq", "greedy_search"]
 
 def generate_seq2seq(model: Transformer, src: Tensor, max_new_tokens: int, *, bos_id: int,
                      eos_id: int, num_beams: int = 1, length_penalty: float = 1.0,
-                     early_stopping: bool = True, src_mask: Tensor | None = None,
+                     early_stopping: bool = False, src_mask: Tensor | None = None,
                      pad_id: int | None = None,
                      return_scores: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Translate ``src`` (``B x S`` ids): greedy for ``num_beams=1``, else beam search.
@@ -80,7 +80,7 @@ def greedy_search(model: Transformer, src: Tensor, max_new_tokens: int, *, bos_i
 @torch.no_grad()
 def beam_search(model: Transformer, src: Tensor, max_new_tokens: int, *, bos_id: int,
                 eos_id: int, num_beams: int = 4, length_penalty: float = 1.0,
-                early_stopping: bool = True, src_mask: Tensor | None = None,
+                early_stopping: bool = False, src_mask: Tensor | None = None,
                 pad_id: int | None = None,
                 return_scores: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Beam search with ``num_beams`` beams (see the module docstring and ``generate_seq2seq``)."""
