@@ -10,6 +10,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from attnlab.cli_generate import add_commands as add_generate_commands
 from attnlab.cli_train import add_commands
 
 # Each benchmark module has ``add_arguments(parser)`` and ``run(args) -> Path`` (the folder
@@ -18,6 +19,7 @@ BENCHMARKS = {
     "attention": "attnlab.bench.attention",
     "generate": "attnlab.bench.generate",
     "mha": "attnlab.bench.mha",
+    "qwen2": "attnlab.bench.qwen2",
     "variants": "attnlab.bench.variants",
 }
 
@@ -56,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_run_demo)
 
     add_commands(sub)
+    add_generate_commands(sub)
 
     bench = sub.add_parser("bench", help="run a benchmark and save its table and plot")
     bench_sub = bench.add_subparsers(dest="benchmark", metavar="NAME", required=True)

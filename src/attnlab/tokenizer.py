@@ -1,0 +1,262 @@
+"""A tokenizer for Hugging Face-format folders: ``tokenizers`` plus ``tokenizer_config.json``.
+
+``tokenizer.json`` holds the whole pipeline (normaliser, pre-tokeniser, BPE model, BOS/EOS
+post-processor, decoder), which the ``tokenizers`` library runs. ``tokenizer_config.json``
+adds what that file lacks: the special tokens' roles (``eos_token``, ``pad_token``, ...) and
+the chat template, a Jinja program that turns a list of messages into the prompt text the
+model was trained on. It may also sit in ``chat_template.jinja`` (transformers 5 writes it
+there). The template is rendered as transformers does: a sandboxed Jinja environment with
+``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``strftime_now`` and a ``tojson``
+that keeps non-ASCII characters, with the special tokens as variables.
+
+``TextStreamer`` turns generated ids into text as they arrive, holding back a partial
+UTF-8 character until it is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import torch
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _Backend
+from torch import Tensor
+
+__all__ = ["TextStreamer", "Tokenizer"]
+
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Tokenizer:
+    """``encode``/``decode``/``batch_encode`` and ``apply_chat_template`` over ``tokenizers``.
+
+    ``bos_token``, ``eos_token``, ``unk_token``, ``pad_token`` are strings or ``None``; the
+    ``*_id`` properties give their ids. ``chat_template`` is the Jinja source or ``None``.
+    """
+
+    def __init__(self, backend: _Backend, *, special_tokens: dict[str, str | None] | None = None,
+                 chat_template: str | None = None) -> None:
+        if not isinstance(backend, _Backend):
+            raise TypeError(f"backend: expected a tokenizers.Tokenizer, got "
+                            f"{type(backend).__name__}")
+        self.backend = backend
+        self.special_tokens = {k: (special_tokens or {}).get(k) for k in _SPECIAL}
+        for role, token in self.special_tokens.items():
+            if token is not None and backend.token_to_id(token) is None:
+                raise ValueError(f"special_tokens: {role} {token!r} is not in the vocabulary")
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        """Read ``tokenizer.json`` and (when present) ``tokenizer_config.json`` and
+        ``chat_template.jinja`` from the folder ``path``."""
+        folder = Path(path)
+        file = folder / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}: no such file; expected a Hugging Face "
+                                    "tokenizer.json (a 'tokenizers' file) in the folder")
+        backend = _Backend.from_file(str(file))
+        config_file = folder / "tokenizer_config.json"
+        config: dict = {}
+        if config_file.is_file():
+            try:
+                config = json.loads(config_file.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{config_file}: not valid JSON ({error})") from None
+        special = {k: _token_text(config.get(k)) for k in _SPECIAL}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": ..., "template": ...}], "default" first
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default", next(iter(named.values()), None))
+        jinja_file = folder / "chat_template.jinja"
+        if jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
+        try:
+            return cls(backend, special_tokens=special, chat_template=template)
+        except ValueError as error:
+            raise ValueError(f"{config_file}: {error}") from None
+
+    # -- ids ---------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._id("bos_token")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._id("eos_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._id("pad_token")
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens["bos_token"]
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens["eos_token"]
+
+    @property
+    def pad_token(self) -> str | None:
+        return self.special_tokens["pad_token"]
+
+    @property
+    def unk_token(self) -> str | None:
+        return self.special_tokens["unk_token"]
+
+    # -- text <-> ids ------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text`` -> token ids (BOS/EOS added by the file's post-processor when asked)."""
+        if not isinstance(text, str):
+            raise TypeError(f"text: expected a str, got {type(text).__name__}")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int] | Tensor, skip_special_tokens: bool = False) -> str:
+        """Token ids (a list or a 1-D tensor) -> text."""
+        if isinstance(ids, Tensor):
+            ids = ids.tolist()
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def batch_encode(self, texts: Sequence[str], add_special_tokens: bool = True
+                     ) -> tuple[Tensor, Tensor]:
+        """Texts -> ``(input_ids B x P, attention_mask B x P)``, **left**-padded for ``generate``.
+
+        Padding uses ``pad_token`` (else ``eos_token``, else id 0); mask 1 = real token.
+        """
+        rows = [self.encode(t, add_special_tokens) for t in texts]
+        if not rows or min(map(len, rows)) == 0:
+            raise ValueError(f"texts: expected non-empty texts that encode to >= 1 token, got "
+                             f"{list(texts)!r}")
+        pad = next((i for i in (self.pad_token_id, self.eos_token_id) if i is not None), 0)
+        P = max(map(len, rows))
+        ids = torch.tensor([[pad] * (P - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows])
+        return ids, mask
+
+    # -- chat --------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = False,
+                            tokenize: bool = False, **kwargs: object) -> str | list[int]:
+        """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the template.
+
+        The template sees ``messages``, ``add_generation_prompt``, ``tools=None``,
+        ``documents=None``, the special tokens (``bos_token``, ``eos_token``, ...) and
+        ``kwargs``. ``tokenize=True`` returns ids (encoded without adding special tokens,
+        since the template writes them).
+        """
+        if self.chat_template is None:
+            raise ValueError("chat_template: this tokenizer has none (no 'chat_template' in "
+                             "tokenizer_config.json and no chat_template.jinja)")
+        if not all(isinstance(m, dict) for m in messages):
+            raise TypeError(f"messages: expected a list of dicts, got {messages!r}")
+        variables = {"tools": None, "documents": None, **self.special_tokens, **kwargs,
+                     "messages": list(messages), "add_generation_prompt": add_generation_prompt}
+        text = _compile(self.chat_template).render(**variables)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def _id(self, role: str) -> int | None:
+        token = self.special_tokens[role]
+        return None if token is None else self.backend.token_to_id(token)
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(vocab_size={self.vocab_size}, eos_token={self.eos_token!r}, "
+                f"chat_template={'yes' if self.chat_template else 'no'})")
+
+
+class TextStreamer:
+    """A ``Streamer`` for ``generate`` (batch of one) that writes text as tokens arrive.
+
+    Each step decodes only a short window (the last printed tokens and the new ones) and writes
+    the text it adds, waiting while the text ends in an incomplete character (U+FFFD).
+    ``text`` is everything written so far; ``count`` the tokens received.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, write: Callable[[str], object] | None = None, *,
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.write = write or _stdout_write
+        self.ids: list[int] = []
+        self.prefix, self.read = 0, 0  # ids[prefix:read] were printed and give the context
+        self.text, self.count = "", 0
+
+    def put(self, token_ids: Tensor) -> None:
+        if token_ids.numel() != 1:
+            raise ValueError(f"token_ids: TextStreamer takes a batch of one, got shape "
+                             f"{tuple(token_ids.shape)}")
+        self.ids.append(int(token_ids.reshape(-1)[0]))
+        self.count += 1
+        self._flush(final=False)
+
+    def end(self) -> None:
+        self._flush(final=True)
+
+    def _flush(self, final: bool) -> None:
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix:self.read], self.skip)
+        after = decode(self.ids[self.prefix:], self.skip)
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            new = after[len(before):]
+            self.write(new)
+            self.text += new
+            self.prefix, self.read = self.read, len(self.ids)
+
+
+def _stdout_write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _token_text(value: object) -> str | None:
+    """A special token as ``tokenizer_config.json`` stores it: a string or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class _GenerationTag(Extension):
+    """``{% generation %} ... {% endgeneration %}`` (transformers' assistant-mask tag) renders
+    its body unchanged."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja's Extension API)
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+def _tojson(x: object, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+_TEMPLATES: dict[str, jinja2.Template] = {}
+
+
+def _compile(source: str) -> jinja2.Template:
+    if source not in _TEMPLATES:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[_GenerationTag, loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        _TEMPLATES[source] = env.from_string(source)
+    return _TEMPLATES[source]
