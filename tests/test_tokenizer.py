@@ -1,0 +1,120 @@
+"""Tokenizer: a ``tokenizers`` BPE trained here, against transformers' fast tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from attnlab.tokenizer import TextStreamer, Tokenizer
+
+# A Qwen-style ChatML template with a default system message, loops, conditionals and tojson.
+TEMPLATE = (
+    "{%- if messages[0]['role'] != 'system' %}{{- '<|im_start|>system\\nYou are kind.<|im_end|>"
+    "\\n' }}{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    "    {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if tools %}{{ tools | tojson }}{% endif %}\n"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}\n"
+)
+LINES = ["hello world, this is a test of the tokenizer", "the quick brown fox jumps over",
+         "héllo wörld, ünïcode and 你好 世界", "chat templates render messages"]
+MESSAGES = [{"role": "user", "content": "hi there, 你好"},
+            {"role": "assistant", "content": "hello!"},
+            {"role": "user", "content": "the fox?"}]
+
+
+def make_tokenizer(folder, *, inline_template: bool = True) -> None:
+    """Train a byte-level BPE on a few lines; write tokenizer.json + tokenizer_config.json."""
+    tok = Backend(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel
+                                  .alphabet(),
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.train_from_iterator(LINES, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+              "tokenizer_class": "PreTrainedTokenizerFast"}
+    if inline_template:
+        config["chat_template"] = TEMPLATE
+    else:
+        (folder / "chat_template.jinja").write_text(TEMPLATE)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_matches_transformers(tmp_path, inline) -> None:
+    transformers = pytest.importorskip("transformers")
+    make_tokenizer(tmp_path, inline_template=inline)
+    ours = Tokenizer.from_pretrained(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert (ours.eos_token, ours.pad_token, ours.bos_token) == ("<|im_end|>", "<|endoftext|>",
+                                                                None)
+    assert ours.eos_token_id == hf.eos_token_id and ours.pad_token_id == hf.pad_token_id
+    for text in [*LINES, "unseen wörds 🙂 here"]:
+        ids = ours.encode(text)
+        assert ids == hf.encode(text)
+        assert ours.decode(ids) == text == hf.decode(ids)
+    for gen in (False, True):
+        text = ours.apply_chat_template(MESSAGES, add_generation_prompt=gen)
+        assert text == hf.apply_chat_template(MESSAGES, add_generation_prompt=gen,
+                                              tokenize=False)
+        ids = ours.apply_chat_template(MESSAGES, add_generation_prompt=gen, tokenize=True)
+        assert ids == hf.apply_chat_template(MESSAGES, add_generation_prompt=gen,
+                                             tokenize=True, return_dict=False)
+    tools = [{"name": "wetter", "description": "Grüße"}]
+    assert ours.apply_chat_template(MESSAGES, tools=tools) == hf.apply_chat_template(
+        MESSAGES, tools=tools, tokenize=False)
+    assert ours.apply_chat_template(MESSAGES, add_generation_prompt=True).endswith(
+        "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_batch_encode_pads_left(tmp_path) -> None:
+    make_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["pad_token"] = {"content": "<|endoftext|>", "special": True}  # older files' form
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_pretrained(tmp_path)
+    ids, mask = tok.batch_encode(["the quick brown fox", "hi"])
+    short = tok.encode("hi")
+    assert ids.shape == mask.shape and ids.shape[0] == 2
+    assert ids[1, -len(short):].tolist() == short
+    assert mask[1].tolist() == [0] * (ids.shape[1] - len(short)) + [1] * len(short)
+    assert set(ids[1, : ids.shape[1] - len(short)].tolist()) == {tok.pad_token_id}
+
+
+def test_streamer_writes_whole_characters(tmp_path) -> None:
+    make_tokenizer(tmp_path)
+    tok = Tokenizer.from_pretrained(tmp_path)
+    text = "héllo 你好 world<|im_end|>"
+    pieces: list[str] = []
+    streamer = TextStreamer(tok, pieces.append)
+    for i in tok.encode(text):
+        streamer.put(torch.tensor([i]))
+    streamer.end()
+    assert "".join(pieces) == "héllo 你好 world" == streamer.text  # special token skipped
+    assert all("\ufffd" not in p for p in pieces) and len(pieces) > 3
+
+
+def test_errors(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json: no such file"):
+        Tokenizer.from_pretrained(tmp_path)
+    make_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({**config, "eos_token": "<eos>", "chat_template": None}))
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: special_tokens: eos_token "
+                       r"'<eos>' is not in the vocabulary"):
+        Tokenizer.from_pretrained(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    tok = Tokenizer.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="chat_template: this tokenizer has none"):
+        tok.apply_chat_template(MESSAGES)
+    with pytest.raises(TypeError, match="text: expected a str"):
+        tok.encode(3)
