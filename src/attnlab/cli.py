@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from attnlab.cli_generate import add_commands as add_generate_commands
 from attnlab.cli_train import add_commands
+from attnlab.cli_viz import add_commands as add_viz_commands
 
 # Each benchmark module has ``add_arguments(parser)`` and ``run(args) -> Path`` (the folder
 # or file written).
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_run_demo)
 
     add_commands(sub)
+    add_viz_commands(sub)
     add_generate_commands(sub)
 
     bench = sub.add_parser("bench", help="run a benchmark and save its table and plot")
