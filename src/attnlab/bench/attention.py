@@ -18,8 +18,10 @@ from tqdm import tqdm
 from attnlab.bench.harness import (
     Measurement,
     available_memory,
+    int_list,
     is_oom,
     machine_info,
+    machine_section,
     peak_memory,
     time_median,
 )
@@ -34,7 +36,7 @@ DEFAULT_LENGTHS = (256, 1024, 4096, 8192)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lengths",
-        type=_int_list,
+        type=int_list,
         default=DEFAULT_LENGTHS,
         help="comma-separated sequence lengths (default 256,1024,4096,8192)",
     )
@@ -126,7 +128,7 @@ def _markdown(rows: list[dict], info: dict[str, str], H: int, D: int) -> str:
             f"| {ratio(r, 'fwd_bwd', 'fused', 'seconds')} | {f.memory_mib()} | {fb.memory_mib()} "
             f"| {ratio(r, 'fwd', 'math', 'peak_bytes')} |"
         )
-    lines += ["", "## Machine", ""] + [f"- {k}: {v}" for k, v in info.items()] + [""]
+    lines += machine_section(info)
     return "\n".join(lines)
 
 
@@ -164,13 +166,3 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
-    return values

@@ -25,7 +25,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from attnlab.bench.harness import Measurement, is_oom, machine_info, time_median
+from attnlab.bench.harness import (
+    Measurement,
+    int_list,
+    is_oom,
+    machine_info,
+    machine_section,
+    time_median,
+)
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 
 __all__ = ["add_arguments", "run"]
@@ -34,7 +41,7 @@ DEFAULT_CONTEXTS = (128, 256, 512, 1024, 2048)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--contexts", type=_int_list, default=DEFAULT_CONTEXTS,
+    parser.add_argument("--contexts", type=int_list, default=DEFAULT_CONTEXTS,
                         help="comma-separated context lengths for the per-token decode time "
                              "(default 128,256,512,1024,2048)")
     parser.add_argument("--prompt", type=int, default=128, help="prompt length P (default 128)")
@@ -165,11 +172,7 @@ def _markdown(r: dict, info: dict[str, str]) -> str:
         f"From context {first['context']} to {last['context']} ({growth} longer), a cached "
         f"step's time grows {ratio(last['cached'], first['cached'])} and an uncached one's "
         f"{ratio(last['uncached'], first['uncached'])}.",
-        "",
-        "## Machine",
-        "",
-        *[f"- {k}: {v}" for k, v in info.items()],
-        "",
+        *machine_section(info),
     ]
     return "\n".join(lines)
 
@@ -196,13 +199,3 @@ def _plot(r: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
-    return values

@@ -9,6 +9,7 @@ Out-of-memory is a result (``"OOM"``), not a crash.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import gc
 import os
@@ -20,7 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Measurement", "available_memory", "machine_info", "peak_memory", "time_median"]
+__all__ = [
+    "Measurement",
+    "available_memory",
+    "int_list",
+    "machine_info",
+    "machine_section",
+    "peak_memory",
+    "time_median",
+]
 
 
 @dataclass(frozen=True)
@@ -125,6 +134,22 @@ def machine_info(device: torch.device | None = None) -> dict[str, str]:
     if device is not None and device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
+
+
+def machine_section(info: dict[str, str]) -> list[str]:
+    """The markdown lines that record the machine beside a benchmark's table."""
+    return ["", "## Machine", "", *[f"- {k}: {v}" for k, v in info.items()], ""]
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """``argparse`` type for comma-separated positive ints (``"256,1024"``)."""
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
+    return values
 
 
 def is_oom(error: BaseException) -> bool:

@@ -17,7 +17,7 @@ from torch import nn
 from tqdm import tqdm
 
 from attnlab.attention import MultiHeadAttention
-from attnlab.bench.harness import machine_info, time_median
+from attnlab.bench.harness import machine_info, machine_section, time_median
 
 __all__ = ["add_arguments", "run"]
 
@@ -111,7 +111,7 @@ def _markdown(rows: list[dict], info: dict[str, str], E: int, H: int) -> str:
             f"| {r['B']} | {r['L']} | {r['mode']} | {r['torch_s'] * 1e3:.2f} "
             f"| {r['attnlab_s'] * 1e3:.2f} | {r['ratio']:.2f} |"
         )
-    lines += ["", "## Machine", ""] + [f"- {k}: {v}" for k, v in info.items()] + [""]
+    lines += machine_section(info)
     return "\n".join(lines)
 
 

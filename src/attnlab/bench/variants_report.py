@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from attnlab.bench.harness import Measurement
+from attnlab.bench.harness import Measurement, machine_section
 
 __all__ = ["markdown", "plot"]
 
@@ -85,7 +85,7 @@ def markdown(rows: list[dict], cfg: dict, info: dict[str, str], gqa: list[dict])
             f"{g['params_vs_mha']:.3f} | {g['kv_cache_bytes'] / 2**30:.3f} | "
             f"{g['kv_cache_vs_mha']:.4f} |"
         )
-    lines += ["", "## Machine", ""] + [f"- {k}: {v}" for k, v in info.items()] + [""]
+    lines += machine_section(info)
     return "\n".join(lines)
 
 
