@@ -100,7 +100,7 @@ def capture(
     rows for a decoder-only model); each row covers the real tokens or every position
     (default: the ids as text). Runs under ``torch.no_grad()``.
     """
-    roles, masks, causal_self = _roles(model, inputs)
+    roles, masks = _roles(model, inputs)
     by_kind: dict[str, list[tuple[int, str]]] = {}
     for name in attention_modules(model):
         kind, layer = classify(model, name)
@@ -148,7 +148,7 @@ def capture(
             key_tokens=_rows(labels[k_role], masks[k_role], roles[k_role]),
             query_mask=masks[q_role],
             key_mask=masks[k_role],
-            causal=k in ("decoder", "self") and causal_self,
+            causal=k in ("decoder", "self"),  # our decoders are always causal
         )
     return AttentionCapture(maps, output)
 
@@ -198,7 +198,7 @@ def kind_label(kind: str) -> str:
     }.get(kind, kind)
 
 
-def _roles(model: nn.Module, inputs: Any) -> tuple[dict[str, Tensor], dict[str, Tensor], bool]:
+def _roles(model: nn.Module, inputs: Any) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Token ids and real-token masks (``B x len``) per role, from the model's inputs."""
     config = getattr(model, "config", None)
     pad_id = getattr(config, "pad_id", None)
@@ -211,7 +211,7 @@ def _roles(model: nn.Module, inputs: Any) -> tuple[dict[str, Tensor], dict[str, 
         roles = {"src": src, "tgt": tgt}
         masks = {r: (t != pad_id) if pad_id is not None else torch.ones_like(t, dtype=torch.bool)
                  for r, t in roles.items()}
-        return roles, masks, True
+        return roles, masks
     if isinstance(inputs, Mapping):
         ids = inputs.get("input_ids")
         mask = inputs.get("attention_mask")
@@ -223,7 +223,7 @@ def _roles(model: nn.Module, inputs: Any) -> tuple[dict[str, Tensor], dict[str, 
             f"Seq2SeqBatch, got {type(inputs).__name__}"
         )
     mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
-    return {"input": ids}, {"input": mask}, True
+    return {"input": ids}, {"input": mask}
 
 
 def _labels(tokens: Any, roles: Mapping[str, Tensor]) -> dict[str, Sequence[Sequence[str]] | None]:
