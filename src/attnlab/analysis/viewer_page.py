@@ -173,7 +173,8 @@ function showToken(side, i) {
                            v.toFixed(3)));
     }
   }
-  const best = pairs(weights(S.head), side, i).slice(0, 5)
+  const best = pairs(weights(S.head), side, i).filter((p, n) => n === 0 || p[1] >= 0.0005)
+    .slice(0, 5)
     .map(([j, v]) => JSON.stringify(otoks[j]) + "(" + j + ") " + v.toFixed(3)).join("  ");
   $("info").textContent = (side === "q" ? "query " : "key ") + JSON.stringify(toks[i]) +
     " (" + i + ") · " + headName() + (side === "q" ? " → " : " ← ") + best;
