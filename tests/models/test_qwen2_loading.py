@@ -30,7 +30,7 @@ def rewrite(folder, change) -> None:
 def test_save_load_round_trip_and_memory_map(folder) -> None:
     torch.manual_seed(0)
     original = Qwen2ForCausalLM(CONFIG).eval()
-    loaded = Qwen2ForCausalLM.from_pretrained(folder)
+    loaded = Qwen2ForCausalLM.from_pretrained(folder, layout="stored")
     assert loaded.config == CONFIG and not loaded.training
     for (name, a), (_, b) in zip(original.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
@@ -39,6 +39,15 @@ def test_save_load_round_trip_and_memory_map(folder) -> None:
         assert torch.equal(original(ids), loaded(ids))
     maps = open("/proc/self/maps").read()  # noqa: SIM115
     assert str(folder / "model.safetensors") in maps  # weights are mapped, not read
+    columns = Qwen2ForCausalLM.from_pretrained(folder)  # auto: column-major for float32
+    w = columns.layers[0].mlp.down_proj.weight
+    assert w.shape == (32, 48) and w.stride() == (1, 32)
+    assert torch.equal(w, loaded.layers[0].mlp.down_proj.weight)
+    assert columns.embed_tokens.weight.is_contiguous()  # untied: the table keeps its rows
+    with torch.no_grad():
+        torch.testing.assert_close(columns(ids), loaded(ids), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="layout: expected one of"):
+        Qwen2ForCausalLM.from_pretrained(folder, layout="rows")
     half = Qwen2ForCausalLM.from_pretrained(folder, dtype="bfloat16")
     assert half.lm_head.weight.dtype == torch.bfloat16
 

@@ -1,0 +1,36 @@
+"""``functional.linear``'s one-row path for column-major weights (embedding_bag GEMV)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab.functional import linear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_column_major_one_row_matches_matmul(dtype, threads) -> None:
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(300, 70, generator=g).to(dtype)
+        columns = w.t().contiguous().t()  # same values, column-major
+        x, b = torch.randn(1, 1, 70, generator=g).to(dtype), torch.randn(300).to(dtype)
+        expected = (x.double() @ w.double().t() + b.double()).to(dtype)
+        with torch.no_grad():
+            actual = linear(x, columns, b)
+        assert actual.shape == (1, 1, 300) and actual.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 0.05
+        torch.testing.assert_close(actual.double(), expected.double(), rtol=tol, atol=tol)
+        torch.testing.assert_close(linear(x, columns), linear(x, w), rtol=tol, atol=tol)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_gradients_still_flow_through_column_major_weights() -> None:
+    w = torch.randn(5, 4).t().contiguous().t().requires_grad_()
+    x = torch.randn(1, 4, requires_grad=True)
+    linear(x, w).sum().backward()
+    torch.testing.assert_close(w.grad, x.detach().expand(5, 4))
