@@ -15,7 +15,7 @@ def test_bench_qwen2_quick(tmp_path, capsys) -> None:
     assert "Next-token agreement" in table and "Batched decode" in table
     data = json.loads((tmp_path / "qwen2.json").read_text())
     names = [row["name"] for row in data["rows"]]
-    assert names[:2] == ["ours", "ours bfloat16"]
+    assert names[:3] == ["ours", "ours, stored layout", "ours bfloat16"]
     assert all(row["decode_tokens_per_s"] > 0 and row["prefill_s"] > 0 for row in data["rows"])
     assert data["bandwidth_gbs"] > 0 and 0 <= data["agreement"] <= 1
     assert (tmp_path / "qwen2.png").stat().st_size > 1000
