@@ -1,4 +1,5 @@
-"""``functional.linear``'s one-row path for column-major weights (embedding_bag GEMV)."""
+"""``functional.linear``'s paths for column-major (inference layout) weights: one row as an
+embedding_bag GEMV, several float32 rows through oneDNN."""
 
 from __future__ import annotations
 
@@ -34,3 +35,14 @@ def test_gradients_still_flow_through_column_major_weights() -> None:
     x = torch.randn(1, 4, requires_grad=True)
     linear(x, w).sum().backward()
     torch.testing.assert_close(w.grad, x.detach().expand(5, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_column_major_several_rows_match_matmul(dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(300, 70, generator=g).to(dtype), torch.randn(300).to(dtype)
+    x = torch.randn(2, 5, 70, generator=g).to(dtype)
+    with torch.no_grad():
+        actual = linear(x, w.t().contiguous().t(), b)
+    tol = 1e-5 if dtype == torch.float32 else 0.05
+    torch.testing.assert_close(actual, linear(x, w, b), rtol=tol, atol=tol)

@@ -31,17 +31,27 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
     flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] == 1 and _rows_gemv_applies(flat, weight):
+    # Column-major weights are the inference layout (attnlab.models.qwen2): one row is a
+    # bandwidth-bound GEMV, several float32 rows use oneDNN's GEMM (~2x MKL's on AMD CPUs).
+    inference = _inference_layout(flat, weight)
+    if inference and flat.shape[0] == 1:
         y = _rows_gemv(flat, weight, bias)
+    elif inference and weight.dtype == torch.float32 and _ONEDNN_LINEAR is not None:
+        y = _ONEDNN_LINEAR(flat, weight, bias, "none", [], "")
     else:
         # addmm folds the bias into the GEMM: one pass over the output instead of two.
         y = torch.addmm(bias, flat, weight.t()) if bias is not None else flat.matmul(weight.t())
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def _rows_gemv_applies(flat: Tensor, weight: Tensor) -> bool:
-    """One input row times a column-major ``O x I`` weight (``weight.t()`` contiguous) on
-    CPU, without autograd: the matrix-vector product that decoding a token does."""
+# oneDNN's linear on plain (not prepacked) tensors; a private op, so only when present.
+_ONEDNN_LINEAR = (getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+                  if torch.backends.mkldnn.is_available() else None)
+
+
+def _inference_layout(flat: Tensor, weight: Tensor) -> bool:
+    """A column-major ``O x I`` weight (``weight.t()`` contiguous) on CPU, float32 or
+    bfloat16, without autograd."""
     return (weight.device.type == "cpu" and weight.dim() == 2 and weight.shape[1] > 1
             and weight.t().is_contiguous() and flat.dtype == weight.dtype
             and weight.dtype in (torch.float32, torch.bfloat16)
