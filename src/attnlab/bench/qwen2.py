@@ -53,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median)")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip transformers even when it is installed")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for every model (default: torch's default)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
 
 
@@ -65,6 +67,10 @@ def run(args: argparse.Namespace) -> Path:
                         ("--batch", B), ("--repeats", args.repeats)):
         if value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads: expected a positive int, got {args.threads}")
+        torch.set_num_threads(args.threads)
     if N < 2:
         raise ValueError(f"--new-tokens: expected >= 2 (the rate is a difference), got {N}")
     g = torch.Generator().manual_seed(0)
