@@ -85,7 +85,7 @@ def _measure(
     row = {"L": L, "causal": causal, "backend": backend}
     # The math backend holds several L x L score matrices; skip what cannot fit rather than
     # let the system kill the process.
-    need = 6 * H * L * L * 4 if backend == "math" else 0
+    need = 3 * H * L * L * 4 if backend == "math" else 0
     for name, fn, factor in (("fwd", forward, 1), ("fwd_bwd", forward_backward, 2)):
         if need * factor > 0.8 * available_memory(device):
             m = Measurement(None, None, f"skipped: needs ~{need * factor / 2**30:.0f} GiB")
