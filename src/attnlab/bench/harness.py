@@ -88,12 +88,25 @@ def peak_memory(fn: Callable[[], object], device: torch.device | None = None) ->
         return torch.cuda.max_memory_allocated(device) - before
     if not _cpu_peak_supported():
         return None
-    _release_free_memory()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status_kib("VmRSS")
-    fn()
-    return max(0, (_status_kib("VmHWM") - before) * 1024)
+    libc = _libc()
+    if libc is not None:
+        # Freed blocks go back to the system during the measurement, so that a reused heap
+        # does not hide usage...
+        libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
+        libc.mallopt(_M_TRIM_THRESHOLD, 64 * 1024)
+        libc.malloc_trim(0)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _status_kib("VmRSS")
+        fn()
+        return max(0, (_status_kib("VmHWM") - before) * 1024)
+    finally:
+        if libc is not None:
+            # ...and only then: mapping every mid-size block afresh would slow the timed runs
+            # (the caps are the largest glibc's own dynamic thresholds reach).
+            libc.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)
+            libc.mallopt(_M_TRIM_THRESHOLD, 64 * 2**20)
 
 
 def available_memory(device: torch.device | None = None) -> int:
@@ -180,16 +193,11 @@ def _status_kib(field: str) -> int:
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
-def _release_free_memory() -> None:
+def _libc() -> ctypes.CDLL | None:
     try:
-        libc = ctypes.CDLL("libc.so.6")
+        return ctypes.CDLL("libc.so.6")
     except OSError:
-        return
-    # Fixed thresholds stop glibc from keeping large freed blocks on its heap, where reuse
-    # would not show in the resident set size.
-    libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
-    libc.mallopt(_M_TRIM_THRESHOLD, 64 * 1024)
-    libc.malloc_trim(0)
+        return None
 
 
 def _total_memory() -> int:
