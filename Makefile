@@ -23,6 +23,9 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/attnlab bench attention
 	$(BIN)/attnlab bench mha
+	$(BIN)/attnlab bench generate
+	$(BIN)/attnlab bench variants --max-len 32768 --repeats 3
+	$(BIN)/attnlab bench qwen2
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
