@@ -146,3 +146,27 @@ def test_bad_shapes_and_strides():
         strided_attention(q, q, q, 2, 3, summary=4)
     with pytest.raises(ValueError, match="stride"):
         strided_attention(q, q, q, 2, 0)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3]])
+def test_one_block_per_chunk_gives_the_same_result(case, causal, monkeypatch):
+    # Long inputs are processed a few query blocks at a time; force one block per chunk.
+    from attnlab.attention import sparse
+
+    monkeypatch.setattr(sparse, "_CHUNK_BYTES", 1)
+    H, G, L, S, w, bs = case
+    q, k, v = _qkv(H, G, L, S)
+    km = torch.rand(2, S, generator=torch.Generator().manual_seed(4)) > 0.3
+    mask = sliding_window_mask(L, S, w, causal=causal) & km[:, None, None, :]
+    _check_against_math(
+        lambda q, k, v: sliding_window_attention(q, k, v, w, causal=causal, block_size=bs,
+                                                 key_mask=km),
+        mask, q, k, v,
+    )
+    mask = strided_mask(L, S, w, 3, summary=2, causal=causal) & km[:, None, None, :]
+    _check_against_math(
+        lambda q, k, v: strided_attention(q, k, v, w, 3, summary=2, causal=causal,
+                                          block_size=bs, key_mask=km),
+        mask, q, k, v,
+    )

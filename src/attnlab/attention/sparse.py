@@ -185,7 +185,7 @@ def _block_sparse(
     # Queries: Bn x G x nb x (R*b) x D, rows ordered (head-in-group, position) per block.
     q = F.pad((query * scale).reshape(Bn, G, R, L, D), (0, 0, 0, nb * b - L))
     q = q.view(Bn, G, R, nb, b, D).transpose(2, 3).reshape(Bn, G, nb, R * b, D)
-    scores = torch.matmul(q, blocks(key).transpose(-1, -2))  # Bn x G x nb x R*b x span
+    k_blocks, v_blocks = blocks(key), blocks(value)
 
     # What each (block, query, span column) may see; positions as in the module docstring.
     pos = torch.arange(nb * b, device=query.device).view(nb, b, 1) + off
@@ -200,8 +200,7 @@ def _block_sparse(
     if summary_pos is not None:
         ks, vs = key[..., summary_pos, :], value[..., summary_pos, :]
         ks = ks.reshape(Bn, G, -1, D).transpose(-1, -2)
-        g_scores = torch.matmul(q.reshape(Bn, G, nb * R * b, D), ks)
-        scores = torch.cat([scores, g_scores.view(Bn, G, nb, R * b, -1)], dim=-1)
+        vs = vs.reshape(Bn, G, -1, Dv)
         # A summary key inside the window is already a local key: do not count it twice.
         dist = summary_pos - pos  # nb x b x M
         outside = (dist <= -window) if causal else (dist.abs() >= window)
@@ -209,25 +208,44 @@ def _block_sparse(
         if key_mask is not None:
             g_allowed = g_allowed & key_mask.reshape(Bn, 1, 1, 1, 1, S)[..., summary_pos]
         allowed = torch.cat(_broadcast_front(allowed, g_allowed), dim=-1)
-    scores6 = scores.view(Bn, G, nb, R, b, -1)
-    dead = ~allowed.any(-1, keepdim=True)
-    blocked = ~allowed
-    if bool(dead.any()):
-        # Rows with no key keep finite scores (so softmax and its gradient stay finite) and
-        # are zeroed after it.
-        blocked = blocked & ~dead
-    scores6.masked_fill_(blocked, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    if bool(dead.any()):
-        probs = probs.view(Bn, G, nb, R, b, -1).masked_fill(dead, 0.0).view(probs.shape)
-    out = torch.matmul(probs[..., :span], blocks(value))  # Bn x G x nb x R*b x Dv
-    if summary_pos is not None:
-        g_out = torch.matmul(
-            probs[..., span:].reshape(Bn, G, nb * R * b, -1), vs.reshape(Bn, G, -1, Dv)
-        )
-        out = out + g_out.view(out.shape)
+
+    def attend(c0: int, c1: int) -> Tensor:
+        """Blocks ``c0 .. c1 - 1``: Bn x G x nc x R*b x Dv."""
+        nc = c1 - c0
+        q_c = q[:, :, c0:c1]
+        scores = torch.matmul(q_c, k_blocks[:, :, c0:c1].transpose(-1, -2))
+        if summary_pos is not None:
+            g_scores = torch.matmul(q_c.reshape(Bn, G, nc * R * b, D), ks)
+            scores = torch.cat([scores, g_scores.view(Bn, G, nc, R * b, -1)], dim=-1)
+        ok = allowed[..., c0:c1, :, :, :]
+        scores6 = scores.view(Bn, G, nc, R, b, -1)
+        dead = ~ok.any(-1, keepdim=True)
+        blocked = ~ok
+        any_dead = bool(dead.any())
+        if any_dead:
+            # Rows with no key keep finite scores (so softmax and its gradient stay finite)
+            # and are zeroed after it.
+            blocked = blocked & ~dead
+        scores6.masked_fill_(blocked, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if any_dead:
+            probs = probs.view(Bn, G, nc, R, b, -1).masked_fill(dead, 0.0).view(probs.shape)
+        out = torch.matmul(probs[..., :span], v_blocks[:, :, c0:c1])
+        if summary_pos is not None:
+            g_out = torch.matmul(probs[..., span:].reshape(Bn, G, nc * R * b, -1), vs)
+            out = out + g_out.view(out.shape)
+        return out
+
+    # A few blocks at a time keep the working set (scores, probabilities) near
+    # _CHUNK_BYTES, so time stays linear in L instead of paging gigabytes per call.
+    per_block = Bn * G * R * b * (span + (0 if summary_pos is None else len(summary_pos))) * 4
+    step = max(1, _CHUNK_BYTES // per_block)
+    out = torch.cat([attend(c0, min(nb, c0 + step)) for c0 in range(0, nb, step)], dim=2)
     out = out.view(Bn, G, nb, R, b, Dv).transpose(2, 3).reshape(Bn, G, R, nb * b, Dv)
     return out[..., :L, :].reshape(*lead, H, L, Dv)
+
+
+_CHUNK_BYTES = 16 * 2**20
 
 
 def _broadcast_front(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
