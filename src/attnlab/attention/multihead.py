@@ -23,7 +23,7 @@ from attnlab.masks import combine_masks, key_mask_to_attention_mask
 if TYPE_CHECKING:
     from attnlab.generation.kv_cache import LayerKVCache
 
-__all__ = ["MultiHeadAttention", "SimpleMultiHeadAttention"]
+__all__ = ["MultiHeadAttention", "SimpleMultiHeadAttention", "resolve_head_dim"]
 
 
 class MultiHeadAttention(nn.Module):
@@ -68,16 +68,7 @@ class MultiHeadAttention(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        _check_positive("embed_dim", embed_dim)
-        _check_positive("num_heads", num_heads)
-        if head_dim is None:
-            if embed_dim % num_heads:
-                raise ValueError(
-                    f"embed_dim: expected a multiple of num_heads={num_heads} when head_dim is "
-                    f"not given, got {embed_dim}"
-                )
-            head_dim = embed_dim // num_heads
-        _check_positive("head_dim", head_dim)
+        head_dim = resolve_head_dim(embed_dim, num_heads, head_dim)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         _check_positive("num_kv_heads", num_kv_heads)
         if num_heads % num_kv_heads:
@@ -338,6 +329,22 @@ class SimpleMultiHeadAttention:
         v = linear(value, self.wv).view(*lead, S, H, D).transpose(-3, -2)
         out = scaled_dot_product_attention(q, k, v, mask)
         return linear(out.transpose(-3, -2).reshape(*lead, L, H * D), self.wo)
+
+
+def resolve_head_dim(embed_dim: int, num_heads: int, head_dim: int | None) -> int:
+    """The head dim ``D``: ``head_dim`` when given, else ``embed_dim / num_heads`` (which must
+    divide); every argument checked to be a positive int."""
+    _check_positive("embed_dim", embed_dim)
+    _check_positive("num_heads", num_heads)
+    if head_dim is None:
+        if embed_dim % num_heads:
+            raise ValueError(
+                f"embed_dim: expected a multiple of num_heads={num_heads} when head_dim is "
+                f"not given, got {embed_dim}"
+            )
+        head_dim = embed_dim // num_heads
+    _check_positive("head_dim", head_dim)
+    return head_dim
 
 
 def _check_positive(name: str, value: int) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from attnlab.attention.multihead import resolve_head_dim
 from attnlab.functional import linear
 
 __all__ = ["ProjectedAttention"]
@@ -36,16 +37,7 @@ class ProjectedAttention(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        _check_positive("embed_dim", embed_dim)
-        _check_positive("num_heads", num_heads)
-        if head_dim is None:
-            if embed_dim % num_heads:
-                raise ValueError(
-                    f"embed_dim: expected a multiple of num_heads={num_heads} when head_dim is "
-                    f"not given, got {embed_dim}"
-                )
-            head_dim = embed_dim // num_heads
-        _check_positive("head_dim", head_dim)
+        head_dim = resolve_head_dim(embed_dim, num_heads, head_dim)
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim
         inner = num_heads * head_dim
         factory = {"device": device, "dtype": dtype}
@@ -111,8 +103,3 @@ class ProjectedAttention(nn.Module):
                is_causal: bool) -> Tensor:
         """q ``B x H x L x D``, k/v ``B x H x S x D`` -> ``B x H x L x D`` (the subclass's)."""
         raise NotImplementedError
-
-
-def _check_positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
