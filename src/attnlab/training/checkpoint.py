@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model as load_safetensors_into
 from safetensors.torch import save_model
 from torch import nn
@@ -101,11 +101,25 @@ def load_weights(directory: str | Path, model: nn.Module) -> None:
     if not path.is_file():
         raise ValueError(f"checkpoint: {str(path)!r} is missing")
     try:
+        with safe_open(str(path), framework="pt") as f:
+            stored = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError) as error:
+        raise ValueError(
+            f"checkpoint: cannot read {str(path)!r}: the file is truncated or corrupt ({error})"
+        ) from None
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    wrong = [f"{name}: {shape} in the file, {expected[name]} from the config"
+             for name, shape in stored.items() if name in expected and shape != expected[name]]
+    if wrong:
+        raise ValueError(
+            f"checkpoint: the config does not match the weights in {str(path)!r}: "
+            + "; ".join(wrong[:4]) + (f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else "")
+        )
+    try:
         missing, unexpected = load_safetensors_into(model, str(path), strict=False)
     except (SafetensorError, OSError, RuntimeError) as error:
         raise ValueError(
-            f"checkpoint: cannot read {str(path)!r}: the file is truncated, "
-            f"corrupt or does not match the config ({error})"
+            f"checkpoint: cannot read {str(path)!r}: the file is truncated or corrupt ({error})"
         ) from None
     if missing or unexpected:
         raise ValueError(
