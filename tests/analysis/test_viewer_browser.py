@@ -68,7 +68,11 @@ def test_viewer_head_and_token_clicks(browser, tmp_path):
     assert page.locator("#metrics tbody tr").count() == 4
     assert page.get_attribute("#metric-head-2", "class") == "sel"
 
+    # Before any token is picked, the head's strongest links are drawn faintly.
+    overview = page.locator("#links line.overview").count()
+    assert 1 <= overview <= len(src_text) * len(src_text)
     page.click("#q-3")  # the query "z": its top key and weight, as Python computes them
+    assert page.locator("#links line.overview").count() == 0
     w = result["cross"].weights[0, 1, 2, 3]
     j = int(w.argmax())
     info = page.inner_text("#info")
@@ -108,6 +112,7 @@ def test_viewer_long_input_stays_responsive(browser, tmp_path):
     page, requests, errors = _open(browser, path)
     assert "only the first 200 positions" in page.inner_text("#notice")
     assert page.locator("text.tok").count() == 400
+    assert 1 <= page.locator("#links line.overview").count() <= 20
     page.click("#head-all")
     page.click("#q-150")
     assert page.locator("#links line").count() <= 20

@@ -141,6 +141,21 @@ function drawTokens() {
   });
   add("q", k.queries, 150, "end");
   add("k", k.keys, 470, "start");
+  if (!S.pinned) drawOverview();
+}
+
+// Before a token is picked: the strongest links of the whole pattern, faint, so that its
+// shape shows at a glance (at most maxLines of them).
+function drawOverview() {
+  const k = K(), w = weights(S.head), Sn = k.keys.length, top = [];
+  for (let n = 0; n < w.length; n++) if (w[n] >= 0.05) top.push([n, w[n]]);
+  top.sort((a, b) => b[1] - a[1]);
+  const y = (j) => 30 + j * ROW;
+  for (const [n, v] of top.slice(0, D.maxLines)) {
+    $("links").append(el("line", {x1: 156, y1: y(Math.floor(n / Sn)), x2: 464, y2: y(n % Sn),
+      class: "link overview", stroke: "#2a6fdb", "stroke-opacity": 0.08 + 0.5 * v,
+      "stroke-width": 0.5 + 2 * v}));
+  }
 }
 
 function showToken(side, i) {
