@@ -46,3 +46,29 @@ def test_column_major_several_rows_match_matmul(dtype) -> None:
         actual = linear(x, w.t().contiguous().t(), b)
     tol = 1e-5 if dtype == torch.float32 else 0.05
     torch.testing.assert_close(actual, linear(x, w, b), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "threads"), [(1, 2), (2, 1), (2, 4), (3, 2), (7, 2)])
+def test_embedding_bag_product_of_several_rows(dtype, rows, threads) -> None:
+    """The embedding_bag product (bfloat16 on CPUs without a native bfloat16 GEMM), rows
+    fewer and more than threads, each row cut into per-thread bags or not."""
+    from attnlab.functional import _rows_gemv
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(2)
+        w = torch.randn(300, 200, generator=g).to(dtype)
+        x, b = torch.randn(rows, 200, generator=g).to(dtype), torch.randn(300).to(dtype)
+        expected = x.double() @ w.double().t() + b.double()
+        with torch.no_grad():
+            actual = _rows_gemv(x, w.t().contiguous().t(), b)
+        assert actual.shape == (rows, 300) and actual.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 0.1
+        torch.testing.assert_close(actual.double(), expected, rtol=tol, atol=tol)
+        # The same index tensor serves fewer rows after more (a prefix of it).
+        torch.testing.assert_close(_rows_gemv(x[:1], w.t().contiguous().t(), b).double(),
+                                   expected[:1], rtol=tol, atol=tol)
+    finally:
+        torch.set_num_threads(old)

@@ -33,8 +33,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     flat = x.reshape(-1, x.shape[-1])
     # Column-major weights are the inference layout (attnlab.models.qwen2): one row is a
     # bandwidth-bound GEMV, several float32 rows use oneDNN's GEMM (~2x MKL's on AMD CPUs).
+    # Without a native bfloat16 GEMM (AVX2 CPUs), PyTorch's fallback for this layout is ~20x
+    # slower than for row-major weights, and one embedding_bag per row is ~3x faster still.
     inference = _inference_layout(flat, weight)
-    if inference and flat.shape[0] == 1:
+    if inference and (flat.shape[0] == 1
+                      or (weight.dtype == torch.bfloat16 and not _NATIVE_BF16_GEMM)):
         y = _rows_gemv(flat, weight, bias)
     elif inference and weight.dtype == torch.float32 and _ONEDNN_LINEAR is not None:
         y = _ONEDNN_LINEAR(flat, weight, bias, "none", [], "")
@@ -47,6 +50,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 # oneDNN's linear on plain (not prepacked) tensors; a private op, so only when present.
 _ONEDNN_LINEAR = (getattr(torch.ops.mkldnn, "_linear_pointwise", None)
                   if torch.backends.mkldnn.is_available() else None)
+# Whether bfloat16 matmuls run on oneDNN (AVX-512, AMX or ARM bf16) rather than the fallback.
+_NATIVE_BF16_GEMM = bool(torch.backends.mkldnn.is_available()
+                         and getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", bool)())
 
 
 def _inference_layout(flat: Tensor, weight: Tensor) -> bool:
@@ -62,22 +68,25 @@ _GEMV_INDEX: dict[int, Tensor] = {}
 
 
 def _rows_gemv(flat: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``y = x W^T = sum_i x_i W^T[i, :]``: a weighted sum of the rows of ``W^T`` (``I x O``,
-    contiguous), computed as an ``embedding_bag`` over all ``I`` rows with ``x`` as the
-    weights. Its CPU kernel streams the matrix once at close to memory bandwidth, where
-    BLAS's GEMV can read it at half that (MKL on AMD CPUs). One bag per thread, each over a
-    block of rows, lets the threads share the work; their partial sums are added in float32."""
+    """``y_m = x_m W^T = sum_i x_mi W^T[i, :]``: for each row ``m`` of ``flat`` (``M x I``), a
+    weighted sum of the rows of ``W^T`` (``I x O``, contiguous), computed as an
+    ``embedding_bag`` over all ``I`` rows with ``x_m`` as the weights. Its CPU kernel streams
+    the matrix at close to memory bandwidth, where BLAS's GEMV can read it at half that (MKL
+    on AMD CPUs). With fewer rows than threads, each row is cut into one bag per thread so
+    that the threads share the work; the partial sums are added in float32. -> ``M x O``."""
     rows = weight.t()
-    n = rows.shape[0]
-    if n not in _GEMV_INDEX:
-        _GEMV_INDEX[n] = torch.arange(n)
-    bags = max(1, min(torch.get_num_threads(), n // 64))
-    offsets = torch.arange(0, n, -(-n // bags))
+    M, n = flat.shape
+    cuts = max(1, min(torch.get_num_threads() // M, n // 64))
+    # 0..n-1 once per row; kept for the most rows seen, a prefix serves fewer.
+    if n not in _GEMV_INDEX or _GEMV_INDEX[n].numel() < M * n:
+        _GEMV_INDEX[n] = torch.arange(n).repeat(M)
+    offsets = torch.arange(0, n, -(-n // cuts))
+    offsets = (torch.arange(M)[:, None] * n + offsets).reshape(-1)
     parts = torch.nn.functional.embedding_bag(
-        _GEMV_INDEX[n], rows, offsets, mode="sum", per_sample_weights=flat[0]
+        _GEMV_INDEX[n][: M * n], rows, offsets, mode="sum", per_sample_weights=flat.reshape(-1)
     )
-    if parts.shape[0] > 1:
-        parts = parts.sum(0, keepdim=True, dtype=torch.float32).to(weight.dtype)
+    if cuts > 1:
+        parts = parts.view(M, -1, parts.shape[-1]).sum(1, dtype=torch.float32).to(weight.dtype)
     return parts + bias if bias is not None else parts
 
 
