@@ -32,14 +32,16 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
     flat = x.reshape(-1, x.shape[-1])
     # Column-major weights are the inference layout (attnlab.models.qwen2): one row is a
-    # bandwidth-bound GEMV, several float32 rows use oneDNN's GEMM (~2x MKL's on AMD CPUs).
+    # bandwidth-bound GEMV, several float32 rows use oneDNN's GEMM (~2x MKL's on AMD CPUs
+    # with AVX-512; on AVX2 ones only up to a few rows, see _ONEDNN_MAX_ROWS_AVX2).
     # Without a native bfloat16 GEMM (AVX2 CPUs), PyTorch's fallback for this layout is ~20x
     # slower than for row-major weights, and one embedding_bag per row is ~3x faster still.
     inference = _inference_layout(flat, weight)
     if inference and (flat.shape[0] == 1
                       or (weight.dtype == torch.bfloat16 and not _NATIVE_BF16_GEMM)):
         y = _rows_gemv(flat, weight, bias)
-    elif inference and weight.dtype == torch.float32 and _ONEDNN_LINEAR is not None:
+    elif (inference and weight.dtype == torch.float32 and _ONEDNN_LINEAR is not None
+          and (_AVX512 or flat.shape[0] <= _ONEDNN_MAX_ROWS_AVX2)):
         y = _ONEDNN_LINEAR(flat, weight, bias, "none", [], "")
     else:
         # addmm folds the bias into the GEMM: one pass over the output instead of two.
@@ -50,6 +52,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 # oneDNN's linear on plain (not prepacked) tensors; a private op, so only when present.
 _ONEDNN_LINEAR = (getattr(torch.ops.mkldnn, "_linear_pointwise", None)
                   if torch.backends.mkldnn.is_available() else None)
+# On AVX2 CPUs oneDNN wins only for a few rows (decoding); from ~64 rows on (prefill) MKL's
+# GEMM on the same column-major weight is ~1.3x faster. On AVX-512 CPUs oneDNN wins throughout.
+_AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+_ONEDNN_MAX_ROWS_AVX2 = 32
 # Whether bfloat16 matmuls run on oneDNN (AVX-512, AMX or ARM bf16) rather than the fallback.
 _NATIVE_BF16_GEMM = bool(torch.backends.mkldnn.is_available()
                          and getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", bool)())
