@@ -73,3 +73,47 @@ def test_embedding_bag_product_of_several_rows(dtype, rows, threads) -> None:
                                    expected[:1], rtol=tol, atol=tol)
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("out_features", [2048, 2047])  # splits over 2 threads, or not
+def test_one_row_times_a_large_row_major_matrix(out_features) -> None:
+    """The threaded GEMV path (one block of rows per thread) equals the plain product."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(3)
+        w = torch.randn(out_features, 512, generator=g)  # 4 MiB: large enough for the path
+        x, b = torch.randn(1, 1, 512, generator=g), torch.randn(out_features, generator=g)
+        expected = x.double() @ w.double().t() + b.double()
+        with torch.no_grad():
+            actual = linear(x, w, b)
+            plain = linear(x, w)
+        assert actual.shape == (1, 1, out_features)
+        torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(plain.double(), expected - b.double(), rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+def test_column_blocks_product_of_one_row(threads) -> None:
+    """One row times a column-major weight as per-thread column blocks (AVX2 CPUs)."""
+    from attnlab.functional import _column_blocks_gemv
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(4)
+        w, b = torch.randn(2048, 512, generator=g), torch.randn(2048, generator=g)
+        x = torch.randn(1, 512, generator=g)
+        expected = x.double() @ w.double().t()
+        with torch.no_grad():
+            columns = w.t().contiguous().t()
+            torch.testing.assert_close(_column_blocks_gemv(x, columns, None).double(),
+                                       expected, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(_column_blocks_gemv(x, columns, b).double(),
+                                       expected + b.double(), rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(linear(x, columns, b).double(), expected + b.double(),
+                                       rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(old)
