@@ -68,7 +68,7 @@ def test_embedding_bag_product_of_several_rows(dtype, rows, threads) -> None:
         assert actual.shape == (rows, 300) and actual.dtype == dtype
         tol = 1e-5 if dtype == torch.float32 else 0.1
         torch.testing.assert_close(actual.double(), expected, rtol=tol, atol=tol)
-        # The same index tensor serves fewer rows after more (a prefix of it).
+        # One row after several: the cached single-row index serves it.
         torch.testing.assert_close(_rows_gemv(x[:1], w.t().contiguous().t(), b).double(),
                                    expected[:1], rtol=tol, atol=tol)
     finally:
@@ -98,7 +98,7 @@ def test_one_row_times_a_large_row_major_matrix(out_features) -> None:
 @pytest.mark.parametrize("threads", [2, 4])
 def test_column_blocks_product_of_one_row(threads) -> None:
     """One row times a column-major weight as per-thread column blocks (AVX2 CPUs)."""
-    from attnlab.functional import _column_blocks_gemv
+    from attnlab.functional import _blocks_gemv
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -109,9 +109,9 @@ def test_column_blocks_product_of_one_row(threads) -> None:
         expected = x.double() @ w.double().t()
         with torch.no_grad():
             columns = w.t().contiguous().t()
-            torch.testing.assert_close(_column_blocks_gemv(x, columns, None).double(),
+            torch.testing.assert_close(_blocks_gemv(x, columns, None).double(),
                                        expected, rtol=1e-5, atol=1e-4)
-            torch.testing.assert_close(_column_blocks_gemv(x, columns, b).double(),
+            torch.testing.assert_close(_blocks_gemv(x, columns, b).double(),
                                        expected + b.double(), rtol=1e-5, atol=1e-4)
             torch.testing.assert_close(linear(x, columns, b).double(), expected + b.double(),
                                        rtol=1e-5, atol=1e-4)

@@ -37,49 +37,18 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     # Without a native bfloat16 GEMM (AVX2 CPUs), PyTorch's fallback for this layout is ~20x
     # slower than for row-major weights, and one embedding_bag per row is ~3x faster still.
     inference = _inference_layout(flat, weight)
-    if inference and _split_gemv(flat, weight):
-        y = _column_blocks_gemv(flat, weight, bias)
+    if _split_gemv(flat, weight):
+        y = _blocks_gemv(flat, weight, bias)
     elif inference and (flat.shape[0] == 1
                         or (weight.dtype == torch.bfloat16 and not _NATIVE_BF16_GEMM)):
         y = _rows_gemv(flat, weight, bias)
     elif (inference and weight.dtype == torch.float32 and _ONEDNN_LINEAR is not None
           and (_AVX512 or flat.shape[0] <= _ONEDNN_MAX_ROWS_AVX2)):
         y = _ONEDNN_LINEAR(flat, weight, bias, "none", [], "")
-    elif _split_gemv(flat, weight) and weight.is_contiguous():
-        # One row times a large row-major matrix: one block of output rows per thread.
-        T = torch.get_num_threads()
-        y = torch.bmm(weight.view(T, -1, weight.shape[1]), flat.t().expand(T, -1, 1))
-        y = y.view(1, -1) if bias is None else y.view(1, -1) + bias
     else:
         # addmm folds the bias into the GEMM: one pass over the output instead of two.
         y = torch.addmm(bias, flat, weight.t()) if bias is not None else flat.matmul(weight.t())
     return y.view(*x.shape[:-1], weight.shape[0])
-
-
-def _split_gemv(flat: Tensor, weight: Tensor) -> bool:
-    """Whether one row times ``weight`` runs faster as a batched product with one block of
-    outputs per thread: on AVX2 CPUs MKL's own GEMV threading, and the embedding_bag
-    product, stream a large float32 matrix at ~10-15 GB/s where per-thread blocks reach
-    ~25 (measured on an AMD EPYC; on AVX-512 ones the embedding_bag product is already near
-    bandwidth, so they keep it). A float32 CPU weight of at least 4 MiB whose outputs split
-    evenly over the threads, without autograd."""
-    T = torch.get_num_threads()
-    return (not _AVX512 and flat.shape[0] == 1 and T > 1 and weight.device.type == "cpu"
-            and weight.dim() == 2 and weight.dtype == torch.float32
-            and flat.dtype == torch.float32 and weight.numel() >= 2**20
-            and weight.shape[0] % T == 0
-            and not (torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad)))
-
-
-def _column_blocks_gemv(flat: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``y = x W^T`` for one row and a column-major ``W`` (``W^T`` ``I x O`` contiguous),
-    as ``T`` products ``x W^T[:, block]``, one block of ``O / T`` outputs per thread, so each
-    thread's partial output stays in its cache while it streams its columns. -> ``1 x O``."""
-    T = torch.get_num_threads()
-    columns = weight.t()
-    blocks = columns.view(columns.shape[0], T, -1).permute(1, 0, 2)  # T x I x O/T
-    y = torch.bmm(flat.expand(T, 1, -1), blocks).view(1, -1)
-    return y if bias is None else y + bias
 
 
 # oneDNN's linear on plain (not prepacked) tensors; a private op, so only when present.
@@ -97,10 +66,39 @@ _NATIVE_BF16_GEMM = bool(torch.backends.mkldnn.is_available()
 def _inference_layout(flat: Tensor, weight: Tensor) -> bool:
     """A column-major ``O x I`` weight (``weight.t()`` contiguous) on CPU, float32 or
     bfloat16, without autograd."""
-    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.shape[1] > 1
+    return (weight.device.type == "cpu" and weight.shape[1] > 1
             and weight.t().is_contiguous() and flat.dtype == weight.dtype
-            and weight.dtype in (torch.float32, torch.bfloat16)
-            and not (torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad)))
+            and weight.dtype in (torch.float32, torch.bfloat16) and _no_autograd(flat, weight))
+
+
+def _split_gemv(flat: Tensor, weight: Tensor) -> bool:
+    """Whether one row times ``weight`` runs faster as :func:`_blocks_gemv`: on AVX2 CPUs
+    MKL's own GEMV threading and the embedding_bag product stream a large float32 matrix at
+    ~10-15 GB/s where per-thread blocks reach ~25 (measured on an AMD EPYC; on AVX-512 ones
+    the embedding_bag product is already near bandwidth, so they keep it). One row, a
+    row- or column-major float32 CPU weight of at least 4 MiB whose outputs split evenly over
+    the threads, without autograd."""
+    T = torch.get_num_threads()
+    return (not _AVX512 and flat.shape[0] == 1 and T > 1 and weight.device.type == "cpu"
+            and weight.dtype == torch.float32 and flat.dtype == torch.float32
+            and weight.numel() >= 2**20 and weight.shape[0] % T == 0
+            and (weight.is_contiguous() or weight.t().is_contiguous())
+            and _no_autograd(flat, weight))
+
+
+def _no_autograd(flat: Tensor, weight: Tensor) -> bool:
+    """The fast paths compute no gradients: only when none is asked for."""
+    return not (torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad))
+
+
+def _blocks_gemv(flat: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``y = x W^T`` for one row ``x`` (``1 x I``) as ``T`` products ``x W_t^T``, ``W_t`` the
+    ``t``-th block of ``O / T`` rows of ``W``: one per thread, so each thread streams its own
+    part of the matrix (either layout) into an output that stays in its cache. -> ``1 x O``."""
+    T = torch.get_num_threads()
+    blocks = weight.view(T, -1, weight.shape[1]).transpose(1, 2)  # T x I x O/T
+    y = torch.bmm(flat.expand(T, 1, -1), blocks).view(1, -1)
+    return y if bias is None else y + bias
 
 
 _GEMV_INDEX: dict[int, Tensor] = {}
@@ -115,14 +113,17 @@ def _rows_gemv(flat: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     that the threads share the work; the partial sums are added in float32. -> ``M x O``."""
     rows = weight.t()
     M, n = flat.shape
+    if n not in _GEMV_INDEX:
+        _GEMV_INDEX[n] = torch.arange(n)
     cuts = max(1, min(torch.get_num_threads() // M, n // 64))
-    # 0..n-1 once per row; kept for the most rows seen, a prefix serves fewer.
-    if n not in _GEMV_INDEX or _GEMV_INDEX[n].numel() < M * n:
-        _GEMV_INDEX[n] = torch.arange(n).repeat(M)
-    offsets = torch.arange(0, n, -(-n // cuts))
-    offsets = (torch.arange(M)[:, None] * n + offsets).reshape(-1)
+    starts = torch.arange(0, n, -(-n // cuts))
+    if M == 1:  # decoding: the index and bags of one row, no per-call copies
+        index, offsets = _GEMV_INDEX[n], starts
+    else:
+        index = _GEMV_INDEX[n].repeat(M)
+        offsets = (torch.arange(0, M * n, n)[:, None] + starts).reshape(-1)
     parts = torch.nn.functional.embedding_bag(
-        _GEMV_INDEX[n][: M * n], rows, offsets, mode="sum", per_sample_weights=flat.reshape(-1)
+        index, rows, offsets, mode="sum", per_sample_weights=flat.reshape(-1)
     )
     if cuts > 1:
         parts = parts.view(M, -1, parts.shape[-1]).sum(1, dtype=torch.float32).to(weight.dtype)

@@ -54,6 +54,7 @@ const NS = "http://www.w3.org/2000/svg";
 const ROW = 18, COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
   "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"];
 const $ = (id) => document.getElementById(id);
+const rowY = (j) => 30 + j * ROW;  // the baseline of token j in the lines view
 const K = () => D.kinds[S.kind];
 const headName = () => (S.head < 0 ? "all heads" : "head " + K().heads[S.head]);
 
@@ -130,7 +131,7 @@ function drawTokens() {
   svg.append(el("text", {x: 150, y: 14, "text-anchor": "end", class: "w"}, "queries"),
              el("text", {x: 470, y: 14, class: "w"}, "keys"));
   const add = (side, toks, x, anchor) => toks.forEach((t, i) => {
-    const e = el("text", {x, y: 30 + i * ROW + 4, "text-anchor": anchor, class: "tok",
+    const e = el("text", {x, y: rowY(i) + 4, "text-anchor": anchor, class: "tok",
                           id: side + "-" + i}, t === " " ? "␣" : t);
     e.addEventListener("mouseenter", () => { if (!S.pinned) showToken(side, i); });
     e.addEventListener("click", () => {
@@ -150,9 +151,9 @@ function drawOverview() {
   const k = K(), w = weights(S.head), Sn = k.keys.length, top = [];
   for (let n = 0; n < w.length; n++) if (w[n] >= 0.05) top.push([n, w[n]]);
   top.sort((a, b) => b[1] - a[1]);
-  const y = (j) => 30 + j * ROW;
   for (const [n, v] of top.slice(0, D.maxLines)) {
-    $("links").append(el("line", {x1: 156, y1: y(Math.floor(n / Sn)), x2: 464, y2: y(n % Sn),
+    $("links").append(el("line", {x1: 156, y1: rowY(Math.floor(n / Sn)), x2: 464,
+      y2: rowY(n % Sn),
       class: "link overview", stroke: "#2a6fdb", "stroke-opacity": 0.08 + 0.5 * v,
       "stroke-width": 0.5 + 2 * v}));
   }
@@ -170,11 +171,10 @@ function showToken(side, i) {
     document.querySelectorAll("text.w.val").forEach((e) => e.remove());
     const heads = S.head < 0 ? k.heads.map((_, h) => h) : [S.head];
     const budget = Math.max(1, Math.floor(D.maxLines / heads.length));
-    const y = (j) => 30 + j * ROW;
-    heads.forEach((h, hi) => {
+      heads.forEach((h, hi) => {
       const top = pairs(weights(h), side, i).filter((p) => p[1] >= 0.005).slice(0, budget);
       for (const [j, v] of top) {
-        const [yq, yk] = side === "q" ? [y(i), y(j)] : [y(j), y(i)];
+        const [yq, yk] = side === "q" ? [rowY(i), rowY(j)] : [rowY(j), rowY(i)];
         links.append(el("line", {x1: 156, y1: yq, x2: 464, y2: yk, class: "link",
           stroke: S.head < 0 ? COLORS[hi % COLORS.length] : "#2a6fdb",
           "stroke-opacity": Math.min(1, 0.15 + v), "stroke-width": 0.5 + 4 * v}));
@@ -184,7 +184,7 @@ function showToken(side, i) {
     for (const [j, v] of mean) {
       if (v < 0.005) continue;
       const x = side === "q" ? 560 : 80;
-      $("lines").append(el("text", {x, y: y(j) + 4, class: "w val", "text-anchor": "end"},
+      $("lines").append(el("text", {x, y: rowY(j) + 4, class: "w val", "text-anchor": "end"},
                            v.toFixed(3)));
     }
   }

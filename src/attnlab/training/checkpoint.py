@@ -101,26 +101,9 @@ def load_weights(directory: str | Path, model: nn.Module) -> None:
     if not path.is_file():
         raise ValueError(f"checkpoint: {str(path)!r} is missing")
     try:
-        with safe_open(str(path), framework="pt") as f:
-            stored = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
-    except (SafetensorError, OSError) as error:
-        raise ValueError(
-            f"checkpoint: cannot read {str(path)!r}: the file is truncated or corrupt ({error})"
-        ) from None
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    wrong = [f"{name}: {shape} in the file, {expected[name]} from the config"
-             for name, shape in stored.items() if name in expected and shape != expected[name]]
-    if wrong:
-        raise ValueError(
-            f"checkpoint: the config does not match the weights in {str(path)!r}: "
-            + "; ".join(wrong[:4]) + (f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else "")
-        )
-    try:
         missing, unexpected = load_safetensors_into(model, str(path), strict=False)
     except (SafetensorError, OSError, RuntimeError) as error:
-        raise ValueError(
-            f"checkpoint: cannot read {str(path)!r}: the file is truncated or corrupt ({error})"
-        ) from None
+        raise ValueError(_unreadable(path, model, error)) from None
     if missing or unexpected:
         raise ValueError(
             f"checkpoint: {str(path)!r} does not match the model: missing "
@@ -169,3 +152,21 @@ def load_model(directory: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     load_weights(directory, model)
     model.eval()
     return model, config
+
+
+def _unreadable(path: Path, model: nn.Module, error: Exception) -> str:
+    """Why ``path`` did not load into ``model``: the tensors whose stored shape differs from
+    the one the config gives, or else a truncated or corrupt file."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            stored = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError):
+        stored = {}
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    wrong = [f"{name}: {shape} in the file, {expected[name]} from the config"
+             for name, shape in stored.items() if name in expected and shape != expected[name]]
+    if wrong:
+        more = f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else ""
+        return (f"checkpoint: the config does not match the weights in {str(path)!r}: "
+                + "; ".join(wrong[:4]) + more)
+    return f"checkpoint: cannot read {str(path)!r}: the file is truncated or corrupt ({error})"
