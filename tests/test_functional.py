@@ -136,6 +136,48 @@ def test_flash_is_exact_with_peaked_and_far_apart_scores():
         assert_close(out, reference(q, k, v, None, True, scale=1.0))
 
 
+@pytest.mark.parametrize("growth", [2.0, 30.0, 200.0])
+def test_flash_is_exact_when_later_keys_outscore_the_first_tiles(growth):
+    # Scores rising tile after tile pass the reference by more than the margin: the tiles
+    # whose row max is not computed must be noticed and redone, forward and backward.
+    q, k, v = make((1, 2, 24, 8), (1, 2, 48, 8), dtype=torch.float64)
+    ramp = torch.linspace(0.0, growth, 48, dtype=torch.float64).view(1, 1, 48, 1)
+    q = q.detach().abs().requires_grad_()
+    k = (k.detach().abs() * ramp).requires_grad_()
+    for blocks in [(8, 4), (24, 16)]:
+        out = flash_attention(q, k, v, None, scale=1.0, block_q=blocks[0], block_k=blocks[1])
+        ref = reference(q, k, v, None, False, scale=1.0)
+        assert_close(out, ref)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+        for name, a, b in zip("qkv", grads, ref_grads):
+            assert_close(a, b, what=f"grad {name}")
+
+
+def test_flash_is_exact_when_every_score_of_a_row_is_far_below_zero():
+    # Rows whose scores all lie near -1000 (a large negative bias) must take their own max as
+    # reference: with a reference of 0 every weight would fall under the exp floor.
+    q, k, v = make((1, 2, 6, 8), (1, 2, 20, 8), dtype=torch.float64)
+    bias = torch.zeros(6, 20, dtype=torch.float64)
+    bias[::2] = -1000.0 + torch.randn(3, 20, generator=torch.Generator().manual_seed(2))
+    bias[1, :7] = float("-inf")  # and a row whose first tiles have no key at all
+    out = flash_attention(q, k, v, bias, scale=0.5, block_q=4, block_k=7)
+    assert_close(out, reference(q, k, v, bias, False, scale=0.5))
+
+
+@pytest.mark.parametrize(("dtype", "peak"), [(torch.float16, 4.0), (torch.bfloat16, 1.0)])
+def test_flash_in_half_precision_matches_float32(dtype, peak):
+    # Peaked float16 scores would overflow sums kept in float16; bfloat16 has float32's range
+    # but rounds scores to 8 bits, so it gets milder ones.
+    q, k, v = make((1, 2, 40, 16), (1, 2, 40, 16))
+    q32 = (q * peak).detach()
+    out = flash_attention(q32.to(dtype), k.to(dtype), v.to(dtype), is_causal=True,
+                          scale=1.0, block_q=16, block_k=8)
+    assert out.dtype == dtype
+    ref = reference(q32, k, v, None, True, scale=1.0)
+    assert_close(out.float(), ref, atol=0.05, rtol=0.05)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
 def test_fully_masked_rows_give_zeros_never_nan(backend, mask_dtype):
