@@ -206,6 +206,17 @@ def test_causal_query_longer_than_keys_gives_zero_rows():
         assert torch.equal(out[0, 0, :4], torch.zeros(4, 4)), backend
 
 
+def test_no_keys_at_all_gives_zero_rows():
+    q, k, v = make((1, 2, 3, 4), (1, 2, 0, 4))
+    for backend in BACKENDS:
+        out = scaled_dot_product_attention(q, k, v, backend=backend)
+        assert torch.equal(out, torch.zeros(1, 2, 3, 4)), backend
+        out.sum().backward()
+        assert torch.equal(q.grad, torch.zeros_like(q)), backend
+        q.grad = None
+    assert softmax(torch.zeros(2, 0)).shape == (2, 0)
+
+
 def test_weights_are_the_softmax_and_multiply_the_values():
     q, k, v = make((2, 3, 5, 8), (2, 3, 6, 8))
     mask = build_mask("bool", q, k)

@@ -136,6 +136,8 @@ def softmax(x: Tensor, dim: int = -1) -> Tensor:
     Subtracting the max keeps ``exp`` from overflowing. A slice that is all ``-inf`` (nothing
     to attend to) gives zeros, not NaN. Any shape.
     """
+    if x.shape[dim] == 0:
+        return x.clone()
     # The max only stabilises: softmax is shift-invariant, so it needs no gradient.
     m = x.detach().amax(dim=dim, keepdim=True)
     m = m.masked_fill(m == float("-inf"), 0.0)

@@ -219,8 +219,8 @@ class _FlashAttention(torch.autograd.Function):
         dq.mul_(scale)
         dk.div_(_LOG2E)
         grad_q = t.from_rows(dq)
-        grad_k = dk.view(*t.lead, t.G, t.S, -1)
-        grad_v = dv.view(*t.lead, t.G, t.S, -1)
+        grad_k = dk.view(*t.lead, t.G, t.S, k.shape[-1])
+        grad_v = dv.view(*t.lead, t.G, t.S, t.Dv)
         return grad_q, grad_k, grad_v, None, None, None, None, None
 
 
@@ -246,7 +246,7 @@ def _forward_tile(
     m_is_zero, all_seen = True, False
     seen = torch.zeros(n, rows, 1, dtype=torch.bool, device=q_i.device)
     denom = q_i.new_zeros(n, rows, 1)
-    acc = q_i.new_zeros(n, rows, v_tiles[0].shape[-1])
+    acc = q_i.new_zeros(n, rows, t.Dv)
     buffer = q_i.new_empty(n * rows * t.block_k)
 
     def scores(kt_j: Tensor) -> Tensor:

@@ -1,8 +1,9 @@
 """Attention backends: time and peak memory of math, flash, fused and auto, forward and backward.
 
 For each length ``L`` (``B=1, H=8, D=64``, float32, causal and not) every backend is timed
-(median of repeats) forward under ``no_grad`` and forward+backward, with its extra peak
-memory; ratios are against ``fused`` measured in the same run. Writes ``attention.md``,
+(median of repeats, the backends' runs taken in turns) forward under ``no_grad`` and
+forward+backward, with its extra peak memory; ratios are against ``fused`` measured in the
+same run. Writes ``attention.md``,
 ``attention.json`` and ``attention.png``.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,7 +25,7 @@ from attnlab.bench.harness import (
     machine_info,
     machine_section,
     peak_memory,
-    time_median,
+    time_medians,
 )
 from attnlab.functional import scaled_dot_product_attention
 
@@ -53,9 +55,9 @@ def run(args: argparse.Namespace) -> Path:
     lengths = (64, 128) if args.quick else tuple(args.lengths)
     repeats = 3 if args.quick else args.repeats
     rows = []
-    cells = [(L, c, b) for L in lengths for c in (False, True) for b in BACKENDS]
-    for L, causal, backend in tqdm(cells, desc="bench attention", unit="cell"):
-        rows.append(_measure(L, causal, backend, args.heads, args.head_dim, repeats, device))
+    groups = [(L, c) for L in lengths for c in (False, True)]
+    for L, causal in tqdm(groups, desc="bench attention", unit="group"):
+        rows += _measure(L, causal, args.heads, args.head_dim, repeats, device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info(device)
@@ -68,37 +70,49 @@ def run(args: argparse.Namespace) -> Path:
 
 
 def _measure(
-    L: int, causal: bool, backend: str, H: int, D: int, repeats: int, device: torch.device
-) -> dict:
+    L: int, causal: bool, H: int, D: int, repeats: int, device: torch.device
+) -> list[dict]:
+    """One row per backend; the backends' timed runs alternate (``time_medians``)."""
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (torch.randn(1, H, L, D, generator=g).to(device).requires_grad_() for _ in range(3))
 
-    def forward() -> None:
-        with torch.no_grad():
-            scaled_dot_product_attention(q, k, v, is_causal=causal, backend=backend)
+    def forward(backend: str) -> Callable[[], None]:
+        def call() -> None:
+            with torch.no_grad():
+                scaled_dot_product_attention(q, k, v, is_causal=causal, backend=backend)
 
-    def forward_backward() -> None:
-        out = scaled_dot_product_attention(q, k, v, is_causal=causal, backend=backend)
-        out.backward(torch.ones_like(out))
-        q.grad = k.grad = v.grad = None
+        return call
 
-    row = {"L": L, "causal": causal, "backend": backend}
-    # The math backend holds several L x L score matrices; skip what cannot fit rather than
-    # let the system kill the process.
-    need = 3 * H * L * L * 4 if backend == "math" else 0
-    for name, fn, factor in (("fwd", forward, 1), ("fwd_bwd", forward_backward, 2)):
-        if need * factor > 0.8 * available_memory(device):
-            m = Measurement(None, None, f"skipped: needs ~{need * factor / 2**30:.0f} GiB")
-        else:
+    def forward_backward(backend: str) -> Callable[[], None]:
+        def call() -> None:
+            out = scaled_dot_product_attention(q, k, v, is_causal=causal, backend=backend)
+            out.backward(torch.ones_like(out))
+            q.grad = k.grad = v.grad = None
+
+        return call
+
+    rows = [{"L": L, "causal": causal, "backend": b} for b in BACKENDS]
+    for name, make, factor in (("fwd", forward, 1), ("fwd_bwd", forward_backward, 2)):
+        peaks, errors = {}, {}
+        for backend in BACKENDS:
+            # The math backend holds several L x L score matrices; skip what cannot fit
+            # rather than let the system kill the process.
+            need = (3 * H * L * L * 4 if backend == "math" else 0) * factor
+            if need > 0.8 * available_memory(device):
+                errors[backend] = f"skipped: needs ~{need / 2**30:.0f} GiB"
+                continue
             try:
-                peak = peak_memory(fn, device)
-                m = Measurement(time_median(fn, repeats=repeats, device=device), peak)
+                peaks[backend] = peak_memory(make(backend), device)
             except (RuntimeError, MemoryError) as error:
                 if not is_oom(error):
                     raise
-                m = Measurement(None, None, "OOM")
-        row[name] = {"seconds": m.seconds, "peak_bytes": m.peak_bytes, "error": m.error}
-    return row
+                errors[backend] = "OOM"
+        seconds = time_medians({b: make(b) for b in peaks}, repeats=repeats, device=device)
+        for row in rows:
+            b = row["backend"]
+            m = Measurement(seconds.get(b), peaks.get(b), errors.get(b))
+            row[name] = {"seconds": m.seconds, "peak_bytes": m.peak_bytes, "error": m.error}
+    return rows
 
 
 def _markdown(rows: list[dict], info: dict[str, str], H: int, D: int) -> str:
@@ -112,9 +126,10 @@ def _markdown(rows: list[dict], info: dict[str, str], H: int, D: int) -> str:
     lines = [
         "# Attention backends",
         "",
-        f"B=1, H={H}, D={D}, float32. Times are medians (ms); peak is the extra memory at the",
-        "peak of the call (MiB). Time ratios are against `fused`, memory ratios against `math`,",
-        "all measured in the same run. Regenerate with `attnlab bench attention`.",
+        f"B=1, H={H}, D={D}, float32. Times are medians (ms) of runs taken in turns by the",
+        "backends; peak is the extra memory at the peak of the call (MiB). Time ratios are",
+        "against `fused`, memory ratios against `math`, all measured in the same run.",
+        "Regenerate with `attnlab bench attention`.",
         "",
         "| L | causal | backend | fwd ms | fwd vs fused | fwd+bwd ms | fwd+bwd vs fused "
         "| fwd peak MiB | fwd+bwd peak MiB | fwd peak vs math |",

@@ -29,6 +29,7 @@ __all__ = [
     "machine_section",
     "peak_memory",
     "time_median",
+    "time_medians",
 ]
 
 
@@ -61,19 +62,46 @@ def time_median(
 
     Stops adding runs once ``budget_s`` seconds are spent (after the third).
     """
+    return time_medians(
+        {"fn": fn}, repeats=repeats, warmup=warmup, budget_s=budget_s, device=device
+    )["fn"]
+
+
+def time_medians(
+    fns: dict[str, Callable[[], object]],
+    *,
+    repeats: int = 5,
+    warmup: int = 1,
+    budget_s: float = 20.0,
+    device: torch.device | None = None,
+) -> dict[str, float]:
+    """Median wall time of each function, timed in turns: one run of each per round.
+
+    Interleaving makes a machine that speeds up or slows down during the measurement weigh
+    on every function alike, so their ratios hold better than from back-to-back medians; the
+    order turns each round. At
+    least 3 and at most ``repeats`` rounds; no more rounds once ``budget_s`` seconds per
+    function are spent (after the third).
+    """
     for _ in range(warmup):
-        fn()
-        _sync(device)
-    times: list[float] = []
+        for fn in fns.values():
+            fn()
+            _sync(device)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
     start = time.perf_counter()
-    while len(times) < repeats:
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-        if len(times) >= 3 and time.perf_counter() - start > budget_s:
+    for done in range(1, repeats + 1):
+        # The order turns each round, so that no function always runs after the same one.
+        turn = (done - 1) % len(names)
+        for name in names[turn:] + names[:turn]:
+            fn = fns[name]
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+        if done >= 3 and time.perf_counter() - start > budget_s * len(fns):
             break
-    return statistics.median(times)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def peak_memory(fn: Callable[[], object], device: torch.device | None = None) -> int | None:
