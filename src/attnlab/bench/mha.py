@@ -17,7 +17,7 @@ from torch import nn
 from tqdm import tqdm
 
 from attnlab.attention import MultiHeadAttention
-from attnlab.bench.harness import machine_info, machine_section, time_median
+from attnlab.bench.harness import machine_info, machine_section, time_medians
 
 __all__ = ["add_arguments", "run"]
 
@@ -27,7 +27,7 @@ SHAPES = ((8, 128), (1, 2048))
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--embed-dim", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=15, help="timed runs per cell (median)")
+    parser.add_argument("--repeats", type=int, default=31, help="timed runs per cell (median)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
 
@@ -44,11 +44,8 @@ def run(args: argparse.Namespace) -> Path:
     rows = []
     for (B, L), mode in tqdm([(s, m) for s in shapes for m in ("train", "eval")], desc="bench mha"):
         x = torch.randn(B, L, E, device=device)
-        times = {}
-        for name, module in (("torch", ref), ("attnlab", ours)):
-            times[name] = time_median(
-                _step(name, module, x, mode), repeats=repeats, warmup=2, device=device
-            )
+        steps = {name: _step(name, m, x, mode) for name, m in (("torch", ref), ("attnlab", ours))}
+        times = time_medians(steps, repeats=repeats, warmup=2, device=device)
         rows.append(
             {
                 "B": B,
@@ -100,8 +97,9 @@ def _markdown(rows: list[dict], info: dict[str, str], E: int, H: int) -> str:
         f"Self-attention, E={E}, {H} heads, float32, same weights",
         "(`MultiHeadAttention.from_torch`).",
         "train = forward+backward in training mode; eval = forward in eval mode under",
-        "`torch.inference_mode` (PyTorch's fast path). Medians in ms; ratio = attnlab / torch",
-        "(<= 1.0 means ours is no slower). Regenerate with `attnlab bench mha`.",
+        "`torch.inference_mode` (PyTorch's fast path). Medians in ms, the two timed in turns;",
+        "ratio = attnlab / torch (<= 1.0 means ours is no slower). Regenerate with",
+        "`attnlab bench mha`.",
         "",
         "| B | L | mode | torch ms | attnlab ms | ratio |",
         "|---|---|---|---|---|---|",
