@@ -51,85 +51,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-# oneDNN's linear on plain (not prepacked) tensors; a private op, so only when present.
-_ONEDNN_LINEAR = (getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-                  if torch.backends.mkldnn.is_available() else None)
-# On AVX2 CPUs oneDNN wins only for a few rows (decoding); from ~64 rows on (prefill) MKL's
-# GEMM on the same column-major weight is ~1.3x faster. On AVX-512 CPUs oneDNN wins throughout.
-_AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-_ONEDNN_MAX_ROWS_AVX2 = 32
-# Whether bfloat16 matmuls run on oneDNN (AVX-512, AMX or ARM bf16) rather than the fallback.
-_NATIVE_BF16_GEMM = bool(torch.backends.mkldnn.is_available()
-                         and getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", bool)())
-
-
-def _inference_layout(flat: Tensor, weight: Tensor) -> bool:
-    """A column-major ``O x I`` weight (``weight.t()`` contiguous) on CPU, float32 or
-    bfloat16, without autograd."""
-    return (weight.device.type == "cpu" and weight.shape[1] > 1
-            and weight.t().is_contiguous() and flat.dtype == weight.dtype
-            and weight.dtype in (torch.float32, torch.bfloat16) and _no_autograd(flat, weight))
-
-
-def _split_gemv(flat: Tensor, weight: Tensor) -> bool:
-    """Whether one row times ``weight`` runs faster as :func:`_blocks_gemv`: on AVX2 CPUs
-    MKL's own GEMV threading and the embedding_bag product stream a large float32 matrix at
-    ~10-15 GB/s where per-thread blocks reach ~25 (measured on an AMD EPYC; on AVX-512 ones
-    the embedding_bag product is already near bandwidth, so they keep it). One row, a
-    row- or column-major float32 CPU weight of at least 4 MiB whose outputs split evenly over
-    the threads, without autograd."""
-    T = torch.get_num_threads()
-    return (not _AVX512 and flat.shape[0] == 1 and T > 1 and weight.device.type == "cpu"
-            and weight.dtype == torch.float32 and flat.dtype == torch.float32
-            and weight.numel() >= 2**20 and weight.shape[0] % T == 0
-            and (weight.is_contiguous() or weight.t().is_contiguous())
-            and _no_autograd(flat, weight))
-
-
-def _no_autograd(flat: Tensor, weight: Tensor) -> bool:
-    """The fast paths compute no gradients: only when none is asked for."""
-    return not (torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad))
-
-
-def _blocks_gemv(flat: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``y = x W^T`` for one row ``x`` (``1 x I``) as ``T`` products ``x W_t^T``, ``W_t`` the
-    ``t``-th block of ``O / T`` rows of ``W``: one per thread, so each thread streams its own
-    part of the matrix (either layout) into an output that stays in its cache. -> ``1 x O``."""
-    T = torch.get_num_threads()
-    blocks = weight.view(T, -1, weight.shape[1]).transpose(1, 2)  # T x I x O/T
-    y = torch.bmm(flat.expand(T, 1, -1), blocks).view(1, -1)
-    return y if bias is None else y + bias
-
-
-_GEMV_INDEX: dict[int, Tensor] = {}
-
-
-def _rows_gemv(flat: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``y_m = x_m W^T = sum_i x_mi W^T[i, :]``: for each row ``m`` of ``flat`` (``M x I``), a
-    weighted sum of the rows of ``W^T`` (``I x O``, contiguous), computed as an
-    ``embedding_bag`` over all ``I`` rows with ``x_m`` as the weights. Its CPU kernel streams
-    the matrix at close to memory bandwidth, where BLAS's GEMV can read it at half that (MKL
-    on AMD CPUs). With fewer rows than threads, each row is cut into one bag per thread so
-    that the threads share the work; the partial sums are added in float32. -> ``M x O``."""
-    rows = weight.t()
-    M, n = flat.shape
-    if n not in _GEMV_INDEX:
-        _GEMV_INDEX[n] = torch.arange(n)
-    cuts = max(1, min(torch.get_num_threads() // M, n // 64))
-    starts = torch.arange(0, n, -(-n // cuts))
-    if M == 1:  # decoding: the index and bags of one row, no per-call copies
-        index, offsets = _GEMV_INDEX[n], starts
-    else:
-        index = _GEMV_INDEX[n].repeat(M)
-        offsets = (torch.arange(0, M * n, n)[:, None] + starts).reshape(-1)
-    parts = torch.nn.functional.embedding_bag(
-        index, rows, offsets, mode="sum", per_sample_weights=flat.reshape(-1)
-    )
-    if cuts > 1:
-        parts = parts.view(M, -1, parts.shape[-1]).sum(1, dtype=torch.float32).to(weight.dtype)
-    return parts + bias if bias is not None else parts
-
-
 def softmax(x: Tensor, dim: int = -1) -> Tensor:
     """``softmax(x)_i = exp(x_i - max x) / sum_j exp(x_j - max x)`` along ``dim``.
 
@@ -310,3 +231,82 @@ def _check_inputs(
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
     return float(scale)
+
+
+# oneDNN's linear on plain (not prepacked) tensors; a private op, so only when present.
+_ONEDNN_LINEAR = (getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+                  if torch.backends.mkldnn.is_available() else None)
+# On AVX2 CPUs oneDNN wins only for a few rows (decoding); from ~64 rows on (prefill) MKL's
+# GEMM on the same column-major weight is ~1.3x faster. On AVX-512 CPUs oneDNN wins throughout.
+_AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+_ONEDNN_MAX_ROWS_AVX2 = 32
+# Whether bfloat16 matmuls run on oneDNN (AVX-512, AMX or ARM bf16) rather than the fallback.
+_NATIVE_BF16_GEMM = bool(torch.backends.mkldnn.is_available()
+                         and getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", bool)())
+
+
+def _inference_layout(flat: Tensor, weight: Tensor) -> bool:
+    """A column-major ``O x I`` weight (``weight.t()`` contiguous) on CPU, float32 or
+    bfloat16, without autograd."""
+    return (weight.device.type == "cpu" and weight.shape[1] > 1
+            and weight.t().is_contiguous() and flat.dtype == weight.dtype
+            and weight.dtype in (torch.float32, torch.bfloat16) and _no_autograd(flat, weight))
+
+
+def _split_gemv(flat: Tensor, weight: Tensor) -> bool:
+    """Whether one row times ``weight`` runs faster as :func:`_blocks_gemv`: on AVX2 CPUs
+    MKL's own GEMV threading and the embedding_bag product stream a large float32 matrix at
+    ~10-15 GB/s where per-thread blocks reach ~25 (measured on an AMD EPYC; on AVX-512 ones
+    the embedding_bag product is already near bandwidth, so they keep it). One row, a
+    row- or column-major float32 CPU weight of at least 4 MiB whose outputs split evenly over
+    the threads, without autograd."""
+    T = torch.get_num_threads()
+    return (not _AVX512 and flat.shape[0] == 1 and T > 1 and weight.device.type == "cpu"
+            and weight.dtype == torch.float32 and flat.dtype == torch.float32
+            and weight.numel() >= 2**20 and weight.shape[0] % T == 0
+            and (weight.is_contiguous() or weight.t().is_contiguous())
+            and _no_autograd(flat, weight))
+
+
+def _no_autograd(flat: Tensor, weight: Tensor) -> bool:
+    """The fast paths compute no gradients: only when none is asked for."""
+    return not (torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad))
+
+
+def _blocks_gemv(flat: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``y = x W^T`` for one row ``x`` (``1 x I``) as ``T`` products ``x W_t^T``, ``W_t`` the
+    ``t``-th block of ``O / T`` rows of ``W``: one per thread, so each thread streams its own
+    part of the matrix (either layout) into an output that stays in its cache. -> ``1 x O``."""
+    T = torch.get_num_threads()
+    blocks = weight.view(T, -1, weight.shape[1]).transpose(1, 2)  # T x I x O/T
+    y = torch.bmm(flat.expand(T, 1, -1), blocks).view(1, -1)
+    return y if bias is None else y + bias
+
+
+_GEMV_INDEX: dict[int, Tensor] = {}
+
+
+def _rows_gemv(flat: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``y_m = x_m W^T = sum_i x_mi W^T[i, :]``: for each row ``m`` of ``flat`` (``M x I``), a
+    weighted sum of the rows of ``W^T`` (``I x O``, contiguous), computed as an
+    ``embedding_bag`` over all ``I`` rows with ``x_m`` as the weights. Its CPU kernel streams
+    the matrix at close to memory bandwidth, where BLAS's GEMV can read it at half that (MKL
+    on AMD CPUs). With fewer rows than threads, each row is cut into one bag per thread so
+    that the threads share the work; the partial sums are added in float32. -> ``M x O``."""
+    rows = weight.t()
+    M, n = flat.shape
+    if n not in _GEMV_INDEX:
+        _GEMV_INDEX[n] = torch.arange(n)
+    cuts = max(1, min(torch.get_num_threads() // M, n // 64))
+    starts = torch.arange(0, n, -(-n // cuts))
+    if M == 1:  # decoding: the index and bags of one row, no per-call copies
+        index, offsets = _GEMV_INDEX[n], starts
+    else:
+        index = _GEMV_INDEX[n].repeat(M)
+        offsets = (torch.arange(0, M * n, n)[:, None] + starts).reshape(-1)
+    parts = torch.nn.functional.embedding_bag(
+        index, rows, offsets, mode="sum", per_sample_weights=flat.reshape(-1)
+    )
+    if cuts > 1:
+        parts = parts.view(M, -1, parts.shape[-1]).sum(1, dtype=torch.float32).to(weight.dtype)
+    return parts + bias if bias is not None else parts
