@@ -17,3 +17,4 @@ def test_time_medians_stops_adding_rounds_after_the_third_once_over_budget():
     time_medians({"a": lambda: calls.append(1)}, repeats=50, warmup=0, budget_s=0.0)
     assert len(calls) == 3
     assert time_median(lambda: None, repeats=5, warmup=0) >= 0
+    assert time_medians({}) == {}

@@ -79,10 +79,11 @@ def time_medians(
 
     Interleaving makes a machine that speeds up or slows down during the measurement weigh
     on every function alike, so their ratios hold better than from back-to-back medians; the
-    order turns each round. At
-    least 3 and at most ``repeats`` rounds; no more rounds once ``budget_s`` seconds per
-    function are spent (after the third).
+    order turns each round. At least 3 and at most ``repeats`` rounds; no more rounds once
+    ``budget_s`` seconds per function are spent (after the third).
     """
+    if not fns:
+        return {}
     for _ in range(warmup):
         for fn in fns.values():
             fn()
