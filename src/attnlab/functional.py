@@ -36,8 +36,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     # with AVX-512; on AVX2 ones only up to a few rows, see _ONEDNN_MAX_ROWS_AVX2).
     # Without a native bfloat16 GEMM (AVX2 CPUs), PyTorch's fallback for this layout is ~20x
     # slower than for row-major weights, and one embedding_bag per row is ~3x faster still.
-    inference = _inference_layout(flat, weight)
-    if _split_gemv(flat, weight):
+    fast = _fast_path(flat, weight)
+    inference = fast and weight.shape[1] > 1 and weight.t().is_contiguous()
+    if fast and _splits_over_threads(flat, weight, inference):
         y = _blocks_gemv(flat, weight, bias)
     elif inference and (flat.shape[0] == 1
                         or (weight.dtype == torch.bfloat16 and not _NATIVE_BF16_GEMM)):
@@ -245,32 +246,25 @@ _NATIVE_BF16_GEMM = bool(torch.backends.mkldnn.is_available()
                          and getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", bool)())
 
 
-def _inference_layout(flat: Tensor, weight: Tensor) -> bool:
-    """A column-major ``O x I`` weight (``weight.t()`` contiguous) on CPU, float32 or
-    bfloat16, without autograd."""
-    return (weight.device.type == "cpu" and weight.shape[1] > 1
-            and weight.t().is_contiguous() and flat.dtype == weight.dtype
-            and weight.dtype in (torch.float32, torch.bfloat16) and _no_autograd(flat, weight))
+def _fast_path(flat: Tensor, weight: Tensor) -> bool:
+    """Whether the CPU fast paths apply: a float32 or bfloat16 CPU weight of ``x``'s dtype,
+    and no gradient asked for (they compute none)."""
+    return (weight.device.type == "cpu" and flat.dtype == weight.dtype
+            and weight.dtype in (torch.float32, torch.bfloat16)
+            and not (torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad)))
 
 
-def _split_gemv(flat: Tensor, weight: Tensor) -> bool:
+def _splits_over_threads(flat: Tensor, weight: Tensor, column_major: bool) -> bool:
     """Whether one row times ``weight`` runs faster as :func:`_blocks_gemv`: on AVX2 CPUs
     MKL's own GEMV threading and the embedding_bag product stream a large float32 matrix at
     ~10-15 GB/s where per-thread blocks reach ~25 (measured on an AMD EPYC; on AVX-512 ones
     the embedding_bag product is already near bandwidth, so they keep it). One row, a
-    row- or column-major float32 CPU weight of at least 4 MiB whose outputs split evenly over
-    the threads, without autograd."""
+    row- or column-major float32 weight of at least 4 MiB whose outputs split evenly over
+    the threads."""
     T = torch.get_num_threads()
-    return (not _AVX512 and flat.shape[0] == 1 and T > 1 and weight.device.type == "cpu"
-            and weight.dtype == torch.float32 and flat.dtype == torch.float32
+    return (not _AVX512 and flat.shape[0] == 1 and T > 1 and weight.dtype == torch.float32
             and weight.numel() >= 2**20 and weight.shape[0] % T == 0
-            and (weight.is_contiguous() or weight.t().is_contiguous())
-            and _no_autograd(flat, weight))
-
-
-def _no_autograd(flat: Tensor, weight: Tensor) -> bool:
-    """The fast paths compute no gradients: only when none is asked for."""
-    return not (torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad))
+            and (column_major or weight.is_contiguous()))
 
 
 def _blocks_gemv(flat: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -283,7 +277,8 @@ def _blocks_gemv(flat: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return y if bias is None else y + bias
 
 
-_GEMV_INDEX: dict[int, Tensor] = {}
+# (I, cuts) -> the index 0..I-1 and the bag offsets of one row, kept for decoding.
+_ONE_ROW_BAGS: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
 
 
 def _rows_gemv(flat: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -295,15 +290,13 @@ def _rows_gemv(flat: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     that the threads share the work; the partial sums are added in float32. -> ``M x O``."""
     rows = weight.t()
     M, n = flat.shape
-    if n not in _GEMV_INDEX:
-        _GEMV_INDEX[n] = torch.arange(n)
     cuts = max(1, min(torch.get_num_threads() // M, n // 64))
-    starts = torch.arange(0, n, -(-n // cuts))
-    if M == 1:  # decoding: the index and bags of one row, no per-call copies
-        index, offsets = _GEMV_INDEX[n], starts
-    else:
-        index = _GEMV_INDEX[n].repeat(M)
-        offsets = (torch.arange(0, M * n, n)[:, None] + starts).reshape(-1)
+    if (n, cuts) not in _ONE_ROW_BAGS:
+        _ONE_ROW_BAGS[n, cuts] = (torch.arange(n), torch.arange(0, n, -(-n // cuts)))
+    index, offsets = _ONE_ROW_BAGS[n, cuts]
+    if M > 1:
+        index = index.repeat(M)
+        offsets = (torch.arange(0, M * n, n)[:, None] + offsets).reshape(-1)
     parts = torch.nn.functional.embedding_bag(
         index, rows, offsets, mode="sum", per_sample_weights=flat.reshape(-1)
     )

@@ -171,7 +171,7 @@ function showToken(side, i) {
     document.querySelectorAll("text.w.val").forEach((e) => e.remove());
     const heads = S.head < 0 ? k.heads.map((_, h) => h) : [S.head];
     const budget = Math.max(1, Math.floor(D.maxLines / heads.length));
-      heads.forEach((h, hi) => {
+    heads.forEach((h, hi) => {
       const top = pairs(weights(h), side, i).filter((p) => p[1] >= 0.005).slice(0, budget);
       for (const [j, v] of top) {
         const [yq, yk] = side === "q" ? [rowY(i), rowY(j)] : [rowY(j), rowY(i)];

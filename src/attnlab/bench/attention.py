@@ -115,8 +115,8 @@ def _measure(
             seconds["math"] = time_median(make("math"), repeats=repeats, device=device)
         for row in rows:
             b = row["backend"]
-            m = Measurement(seconds.get(b), peaks.get(b), errors.get(b))
-            row[name] = {"seconds": m.seconds, "peak_bytes": m.peak_bytes, "error": m.error}
+            row[name] = {"seconds": seconds.get(b), "peak_bytes": peaks.get(b),
+                         "error": errors.get(b)}
     return rows
 
 
