@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnlab._checks import check_positive
+
 __all__ = [
     "causal_mask",
     "combine_masks",
@@ -66,8 +68,7 @@ def sliding_window_mask(
     S = L if S is None else S
     _check_length("L", L)
     _check_length("S", S)
-    if not isinstance(window, int) or window < 1:
-        raise ValueError(f"window: expected a positive int, got {window!r}")
+    check_positive("window", window)
     pos = torch.arange(L, device=device).unsqueeze(-1) + (S - L)
     cols = torch.arange(S, device=device)
     if causal:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from attnlab._checks import check_positive
+
 __all__ = ["attention_parameter_count", "gqa_table", "kv_cache_bytes"]
 
 
@@ -35,8 +37,8 @@ def attention_parameter_count(
 
     ``num_kv_heads`` ``G`` defaults to ``H``, ``head_dim`` to ``E / H``, ``kdim``/``vdim`` to ``E``.
     """
-    E, H = _positive("embed_dim", embed_dim), _positive("num_heads", num_heads)
-    G = H if num_kv_heads is None else _positive("num_kv_heads", num_kv_heads)
+    E, H = check_positive("embed_dim", embed_dim), check_positive("num_heads", num_heads)
+    G = H if num_kv_heads is None else check_positive("num_kv_heads", num_kv_heads)
     if H % G:
         raise ValueError(f"num_kv_heads: expected a divisor of num_heads={H}, got {G}")
     if head_dim is None:
@@ -46,9 +48,9 @@ def attention_parameter_count(
                 f"got {E}"
             )
         head_dim = E // H
-    D = _positive("head_dim", head_dim)
-    kd = E if kdim is None else _positive("kdim", kdim)
-    vd = E if vdim is None else _positive("vdim", vdim)
+    D = check_positive("head_dim", head_dim)
+    kd = E if kdim is None else check_positive("kdim", kdim)
+    vd = E if vdim is None else check_positive("vdim", vdim)
     weights = E * H * D + kd * G * D + vd * G * D + H * D * E
     biases = (H + 2 * G) * D + E if bias else 0
     return weights + biases
@@ -67,8 +69,8 @@ def kv_cache_bytes(
     S = seq_len
     if isinstance(S, bool) or not isinstance(S, int) or S < 0:
         raise ValueError(f"seq_len: expected a non-negative int, got {S!r}")
-    G, D = _positive("num_kv_heads", num_kv_heads), _positive("head_dim", head_dim)
-    layers, B = _positive("num_layers", num_layers), _positive("batch_size", batch_size)
+    G, D = check_positive("num_kv_heads", num_kv_heads), check_positive("head_dim", head_dim)
+    layers, B = check_positive("num_layers", num_layers), check_positive("batch_size", batch_size)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -88,7 +90,7 @@ def gqa_table(
 ) -> list[dict[str, int | float]]:
     """One row per divisor ``G`` of ``H`` (``H`` first, MQA last): parameters of one layer and
     the KV cache of the whole model, with their ratios to ``G = H``."""
-    D = head_dim if head_dim is not None else embed_dim // _positive("num_heads", num_heads)
+    D = head_dim if head_dim is not None else embed_dim // check_positive("num_heads", num_heads)
     rows: list[dict[str, int | float]] = []
     for G in sorted((g for g in range(1, num_heads + 1) if num_heads % g == 0), reverse=True):
         params = attention_parameter_count(embed_dim, num_heads, G, head_dim=D, bias=bias)
@@ -100,9 +102,3 @@ def gqa_table(
         row["params_vs_mha"] = row["params"] / base_params
         row["kv_cache_vs_mha"] = row["kv_cache_bytes"] / base_cache
     return rows
-
-
-def _positive(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return value

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnlab._checks import check_positive
+
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "flash_attention"]
 
 DEFAULT_BLOCK_Q = 256
@@ -49,8 +51,7 @@ def flash_attention(
     flows to it) -> ``N.. x H x L x Dv``. ``block_q`` / ``block_k`` are the tile sizes.
     """
     for name, b in (("block_q", block_q), ("block_k", block_k)):
-        if not isinstance(b, int) or b < 1:
-            raise ValueError(f"{name}: expected a positive int, got {b!r}")
+        check_positive(name, b)
     if query.dtype == torch.float16:
         # float16 tops out at 2^16, too close for the online sums: compute in float32.
         out = _FlashAttention.apply(

@@ -19,6 +19,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from attnlab._checks import check_positive
 from attnlab.attention.projected import ProjectedAttention
 from attnlab.functional import scaled_dot_product_attention
 
@@ -86,8 +87,7 @@ def mean_pooling_projection(
     approximate nothing until trained). With ``P = S`` it is the identity.
     """
     for name, n in (("proj_len", proj_len), ("seq_len", seq_len)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"{name}: expected a positive int, got {n!r}")
+        check_positive(name, n)
     if proj_len > seq_len:
         raise ValueError(f"proj_len: expected at most seq_len={seq_len}, got {proj_len}")
     segment = torch.arange(seq_len, device=device) * proj_len // seq_len
@@ -111,8 +111,7 @@ class LinformerAttention(ProjectedAttention):
                  share_kv: bool = False, backend: str = "auto", **kwargs: object) -> None:
         super().__init__(embed_dim, num_heads, **kwargs)  # type: ignore[arg-type]
         for name, n in (("max_len", max_len), ("proj_len", proj_len)):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"{name}: expected a positive int, got {n!r}")
+            check_positive(name, n)
         self.max_len, self.proj_len, self.share_kv = max_len, proj_len, share_kv
         self.backend = backend
         w = self.in_proj_weight

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from attnlab._checks import check_positive
 from attnlab.attention.math import math_attention
 from attnlab.functional import BACKENDS, linear, scaled_dot_product_attention
 from attnlab.masks import combine_masks, key_mask_to_attention_mask
@@ -70,7 +71,7 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         head_dim = resolve_head_dim(embed_dim, num_heads, head_dim)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        _check_positive("num_kv_heads", num_kv_heads)
+        check_positive("num_kv_heads", num_kv_heads)
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_kv_heads: expected a divisor of num_heads={num_heads}, got {num_kv_heads}"
@@ -82,8 +83,8 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         kdim = embed_dim if kdim is None else kdim
         vdim = embed_dim if vdim is None else vdim
-        _check_positive("kdim", kdim)
-        _check_positive("vdim", vdim)
+        check_positive("kdim", kdim)
+        check_positive("vdim", vdim)
 
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim
         self.num_kv_heads, self.kdim, self.vdim = num_kv_heads, kdim, vdim
@@ -299,8 +300,8 @@ class SimpleMultiHeadAttention:
     def __init__(
         self, hidden_size: int, num_heads: int, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor
     ) -> None:
-        _check_positive("hidden_size", hidden_size)
-        _check_positive("num_heads", num_heads)
+        check_positive("hidden_size", hidden_size)
+        check_positive("num_heads", num_heads)
         if hidden_size % num_heads:
             raise ValueError(
                 f"hidden_size: expected a multiple of num_heads={num_heads}, got {hidden_size}"
@@ -334,8 +335,8 @@ class SimpleMultiHeadAttention:
 def resolve_head_dim(embed_dim: int, num_heads: int, head_dim: int | None) -> int:
     """The head dim ``D``: ``head_dim`` when given, else ``embed_dim / num_heads`` (which must
     divide); every argument checked to be a positive int."""
-    _check_positive("embed_dim", embed_dim)
-    _check_positive("num_heads", num_heads)
+    check_positive("embed_dim", embed_dim)
+    check_positive("num_heads", num_heads)
     if head_dim is None:
         if embed_dim % num_heads:
             raise ValueError(
@@ -343,10 +344,5 @@ def resolve_head_dim(embed_dim: int, num_heads: int, head_dim: int | None) -> in
                 f"not given, got {embed_dim}"
             )
         head_dim = embed_dim // num_heads
-    _check_positive("head_dim", head_dim)
+    check_positive("head_dim", head_dim)
     return head_dim
-
-
-def _check_positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")

@@ -24,6 +24,7 @@ import math
 import torch
 from torch import Tensor
 
+from attnlab._checks import check_positive
 from attnlab.attention.projected import ProjectedAttention
 
 __all__ = ["PerformerAttention", "favor_attention", "orthogonal_random_features",
@@ -78,8 +79,7 @@ def orthogonal_random_features(
     marginally ``N(0, I_D)`` as the unbiased estimator needs.
     """
     for name, n in (("num_features", num_features), ("head_dim", head_dim)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"{name}: expected a positive int, got {n!r}")
+        check_positive(name, n)
     n_blocks = -(-num_features // head_dim)
     g = torch.randn(n_blocks, head_dim, head_dim, generator=generator, dtype=torch.float64)
     q, r = torch.linalg.qr(g)
@@ -197,5 +197,4 @@ def _check(query: Tensor, key: Tensor, value: Tensor, features: Tensor, causal: 
             f"key_mask: expected shape N.. x S = {(*key.shape[:-3], key.shape[-2])}, got "
             f"{tuple(key_mask.shape)}"
         )
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+    check_positive("chunk_size", chunk_size)

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from attnlab._checks import check_positive
+
 if TYPE_CHECKING:
     from attnlab.models.transformer import Transformer
 
@@ -180,8 +182,7 @@ def _prepare(model: Transformer, src: Tensor, max_new_tokens: int, bos_id: int, 
     if 1 + max_new_tokens > c.max_len:
         raise ValueError(f"max_new_tokens: bos + {max_new_tokens} new tokens exceed the model's "
                          f"max_len={c.max_len}")
-    if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
-        raise ValueError(f"num_beams: expected a positive int, got {num_beams!r}")
+    check_positive("num_beams", num_beams)
     if not isinstance(length_penalty, (int, float)) or isinstance(length_penalty, bool):
         raise ValueError(f"length_penalty: expected a float, got {length_penalty!r}")
     pad = c.pad_id if pad_id is None else pad_id

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnlab._checks import check_positive
+
 __all__ = ["KVCache", "LayerKVCache"]
 
 
@@ -33,8 +35,7 @@ class KVCache:
         for name, value in (("num_layers", num_layers), ("batch_size", batch_size),
                             ("num_kv_heads", num_kv_heads), ("max_len", max_len),
                             ("head_dim", head_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+            check_positive(name, value)
         self.layers = [LayerKVCache(batch_size, num_kv_heads, max_len, head_dim,
                                     dtype=dtype, device=device) for _ in range(num_layers)]
 

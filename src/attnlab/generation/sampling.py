@@ -13,6 +13,8 @@ import math
 import torch
 from torch import Tensor
 
+from attnlab._checks import check_positive
+
 __all__ = [
     "apply_repetition_penalty",
     "check_sampling_args",
@@ -57,8 +59,7 @@ def top_k_filter(logits: Tensor, k: int) -> Tensor:
     Ties at the k-th value do not let more than ``k`` tokens through: among equal logits,
     the ones ``torch.topk`` picks are kept. ``k >= V`` keeps everything.
     """
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"top_k: expected a positive int, got {k!r}")
+    check_positive("top_k", k)
     if k >= logits.shape[-1]:
         return logits.clone()
     keep = torch.zeros_like(logits, dtype=torch.bool)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from attnlab._checks import check_positive
+
 __all__ = ["RMSNorm"]
 
 
@@ -17,8 +19,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"dim: expected a positive int, got {dim!r}")
+        check_positive("dim", dim)
         if eps <= 0:
             raise ValueError(f"eps: expected a positive float, got {eps}")
         self.dim, self.eps = dim, eps

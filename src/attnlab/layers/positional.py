@@ -16,6 +16,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from attnlab._checks import check_positive
+
 __all__ = [
     "LearnedPositionalEmbedding",
     "RoPE",
@@ -37,8 +39,8 @@ class SinusoidalPositionalEncoding(nn.Module):
     def __init__(self, d_model: int, max_len: int = 5000, dropout: float = 0.0,
                  base: float = 10000.0) -> None:
         super().__init__()
-        _check_positive("d_model", d_model)
-        _check_positive("max_len", max_len)
+        check_positive("d_model", d_model)
+        check_positive("max_len", max_len)
         _check_dropout(dropout)
         self.d_model, self.max_len, self.dropout = d_model, max_len, dropout
         position = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)
@@ -68,8 +70,8 @@ class LearnedPositionalEmbedding(nn.Module):
 
     def __init__(self, max_len: int, d_model: int, dropout: float = 0.0) -> None:
         super().__init__()
-        _check_positive("max_len", max_len)
-        _check_positive("d_model", d_model)
+        check_positive("max_len", max_len)
+        check_positive("d_model", d_model)
         _check_dropout(dropout)
         self.max_len, self.d_model, self.dropout = max_len, d_model, dropout
         self.weight = nn.Parameter(torch.empty(max_len, d_model))
@@ -105,8 +107,8 @@ class RoPE(nn.Module):
     def __init__(self, head_dim: int, max_len: int, base: float = 10000.0,
                  traditional: bool = False) -> None:
         super().__init__()
-        _check_positive("head_dim", head_dim)
-        _check_positive("max_len", max_len)
+        check_positive("head_dim", head_dim)
+        check_positive("max_len", max_len)
         if head_dim % 2:
             raise ValueError(f"head_dim: expected an even int, got {head_dim}")
         if base <= 0:
@@ -175,11 +177,6 @@ def positions_from_offset(offset: Offset, length: int, max_len: int,
                              f"{int(offset.min())} and max {int(offset.max())}")
         return offset.to(device=device, dtype=torch.long)
     raise TypeError(f"offset: expected an int, slice, Tensor or None, got {type(offset).__name__}")
-
-
-def _check_positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
 
 
 def _check_dropout(p: float) -> None:

@@ -24,6 +24,7 @@ from functools import partial
 
 from torch import Tensor, nn
 
+from attnlab._checks import check_positive
 from attnlab.attention.multihead import MultiHeadAttention
 from attnlab.functional import linear
 from attnlab.generation.kv_cache import KVCache, LayerKVCache
@@ -82,10 +83,10 @@ class DecoderLMConfig(ConfigMixin):
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_len"):
-            _check_positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         for name in ("num_kv_heads", "d_ff"):
             if getattr(self, name) is not None:
-                _check_positive(name, getattr(self, name))
+                check_positive(name, getattr(self, name))
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model: expected a multiple of num_heads={self.num_heads}, "
                              f"got {self.d_model}")
@@ -229,8 +230,3 @@ def _norm(c: DecoderLMConfig) -> nn.Module:
     if c.norm == "rmsnorm":
         return RMSNorm(c.d_model, eps=c.norm_eps)
     return nn.LayerNorm(c.d_model, eps=c.norm_eps, bias=c.bias)
-
-
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from attnlab._checks import check_positive
 from attnlab.attention.multihead import MultiHeadAttention
 from attnlab.functional import linear
 from attnlab.generation.kv_cache import KVCache, LayerKVCache
@@ -83,10 +84,10 @@ class Qwen2Config(ConfigMixin):
 
     def __post_init__(self) -> None:
         for name in (*_REQUIRED, "max_position_embeddings"):
-            _check_positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        _check_positive("num_key_value_heads", self.num_key_value_heads)
+        check_positive("num_key_value_heads", self.num_key_value_heads)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_key_value_heads: expected a divisor of num_attention_heads="
                              f"{self.num_attention_heads}, got {self.num_key_value_heads}")
@@ -95,7 +96,7 @@ class Qwen2Config(ConfigMixin):
                 raise ValueError(f"hidden_size: expected a multiple of num_attention_heads="
                                  f"{self.num_attention_heads}, got {self.hidden_size}")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        _check_positive("head_dim", self.head_dim)
+        check_positive("head_dim", self.head_dim)
         if self.head_dim % 2:
             raise ValueError(f"head_dim: RoPE needs an even head dim, got {self.head_dim}")
         parse_dtype(self.torch_dtype, "torch_dtype")
@@ -391,8 +392,3 @@ def _to_hf(state: dict[str, Tensor], c: Qwen2Config) -> dict[str, Tensor]:
         else:
             hf[prefix + name.replace(".out_proj.", ".o_proj.")] = t
     return hf
-
-
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")

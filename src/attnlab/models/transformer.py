@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from attnlab._checks import check_positive
 from attnlab.attention.multihead import MultiHeadAttention
 from attnlab.functional import linear
 from attnlab.generation.kv_cache import KVCache, LayerKVCache
@@ -68,8 +69,7 @@ class TransformerConfig(ConfigMixin):
         for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads",
                      "num_encoder_layers", "num_decoder_layers", "d_ff", "max_len"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+            check_positive(name, value)
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model: expected a multiple of num_heads={self.num_heads}, "
                              f"got {self.d_model}")

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from attnlab._checks import check_positive
 from attnlab.models.config import ConfigMixin
 from attnlab.training.checkpoint import load_trainer_state, load_weights, save_checkpoint
 from attnlab.training.schedules import make_schedule
@@ -62,8 +63,7 @@ class TrainConfig(ConfigMixin):
             "log_every",
         ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+            check_positive(name, value)
         if self.batch_size % self.grad_accum:
             raise ValueError(
                 f"batch_size: expected a multiple of grad_accum={self.grad_accum}, "
