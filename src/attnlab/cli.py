@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from attnlab.cli_generate import add_commands as add_generate_commands
+from attnlab.cli_infer import add_commands as add_infer_commands
 from attnlab.cli_train import add_commands
 from attnlab.cli_viz import add_commands as add_viz_commands
 
@@ -43,9 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="attnlab", description="A Transformer toolkit for PyTorch."
-    )
+    parser = _Parser(prog="attnlab", description="A Transformer toolkit for PyTorch.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="train a Transformer to translate dates into ISO 8601")
@@ -59,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_run_demo)
 
     add_commands(sub)
+    add_infer_commands(sub)
     add_viz_commands(sub)
     add_generate_commands(sub)
 
@@ -73,6 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(p)
         p.set_defaults(handler=_bench_handler(module))
     return parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose help shows every option's default; sub-commands inherit it
+    (argparse makes sub-parsers of the parent's class)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
 
 def _bench_handler(module):

@@ -1,4 +1,4 @@
-"""``attnlab train seq2seq|lm``, ``attnlab translate`` and ``attnlab sample``.
+"""``attnlab train seq2seq|lm``.
 
 Training runs unchanged under ``torchrun`` (one process per device; only rank 0 writes).
 Every command ends by naming the folder it wrote.
@@ -7,26 +7,22 @@ Every command ends by naming the folder it wrote.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-from attnlab.generation import generate
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 from attnlab.models.transformer import Transformer, TransformerConfig
-from attnlab.training.checkpoint import load_model
 from attnlab.training.distributed import cleanup_distributed, init_distributed
 from attnlab.training.tasks.seq2seq import SEQ2SEQ_TASKS, make_seq2seq_task
 from attnlab.training.tasks.text import CharLMTask, read_text
-from attnlab.training.tasks.vocab import CharVocab
 from attnlab.training.trainer import TrainConfig, Trainer
 
 __all__ = ["add_commands"]
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    """Register ``train``, ``translate`` and ``sample`` on the top-level sub-parsers."""
+    """Register ``train`` on the top-level sub-parsers."""
     train = sub.add_parser("train", help="train a model (runs under torchrun too)")
     kinds = train.add_subparsers(dest="kind", metavar="KIND", required=True)
 
@@ -46,22 +42,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     _model_arguments(lm, d_model=128, layers=4, heads=4)
     _train_arguments(lm)
     lm.set_defaults(handler=_train_lm)
-
-    tr = sub.add_parser("translate", help="translate with a trained seq2seq checkpoint")
-    tr.add_argument("--checkpoint", required=True, help="checkpoint folder (e.g. runs/demo/best)")
-    tr.add_argument("--beams", type=int, default=1, help="beam width (1 = greedy)")
-    tr.add_argument("texts", nargs="+", help="inputs to translate")
-    tr.set_defaults(handler=_translate)
-
-    sa = sub.add_parser("sample", help="sample text from a trained character LM")
-    sa.add_argument("--checkpoint", required=True)
-    sa.add_argument("--prompt", default="\n")
-    sa.add_argument("--max-new-tokens", type=int, default=200)
-    sa.add_argument("--temperature", type=float, default=0.8)
-    sa.add_argument("--top-k", type=int, default=None)
-    sa.add_argument("--top-p", type=float, default=None)
-    sa.add_argument("--seed", type=int, default=0)
-    sa.set_defaults(handler=_sample)
 
 
 def _model_arguments(p: argparse.ArgumentParser, *, d_model: int, layers: int, heads: int) -> None:
@@ -200,43 +180,3 @@ def _train_lm(args: argparse.Namespace) -> int:
         "extra": {"task": "lm", "chars": task.vocab.chars},
     }
     return _run(DecoderLM(config), task, args, info, "valid_loss", False)
-
-
-def _translate(args: argparse.Namespace) -> int:
-    model, config = load_model(args.checkpoint)
-    extra = config.get("extra", {})
-    if config["model_type"] != "transformer" or extra.get("task") not in SEQ2SEQ_TASKS:
-        raise ValueError(f"checkpoint: {args.checkpoint!r} is not a seq2seq checkpoint")
-    task = make_seq2seq_task(
-        extra["task"],
-        seed=extra.get("seed", 0),
-        max_len=extra.get("max_len", 12),
-        n_test=1,
-        n_valid=1,
-    )
-    if task.src_vocab.chars != extra.get("src_chars", task.src_vocab.chars):
-        raise ValueError(f"checkpoint: {args.checkpoint!r} was trained with another vocabulary")
-    for text, out in zip(args.texts, task.translate(model, args.texts, num_beams=args.beams)):
-        print(f"{text}\t{out}")
-    return 0
-
-
-def _sample(args: argparse.Namespace) -> int:
-    model, config = load_model(args.checkpoint)
-    if config["model_type"] != "decoder_lm":
-        raise ValueError(f"checkpoint: {args.checkpoint!r} is not a language-model checkpoint")
-    vocab = CharVocab(config["extra"]["chars"])
-    prompt = torch.tensor([vocab.encode(args.prompt)], dtype=torch.long)
-    room = model.config.max_len - prompt.shape[1]
-    ids = generate(
-        model,
-        prompt,
-        min(args.max_new_tokens, room),
-        do_sample=True,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-    )
-    sys.stdout.write(args.prompt + vocab.decode(ids[0, prompt.shape[1] :].tolist()) + "\n")
-    return 0
