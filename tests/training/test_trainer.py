@@ -1,6 +1,8 @@
 """The trainer: learning happens, interrupted runs resume exactly, checkpoints are safe."""
 
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -8,7 +10,7 @@ import torch
 from attnlab.models.transformer import Transformer, TransformerConfig
 from attnlab.training.checkpoint import load_config, load_model, save_checkpoint
 from attnlab.training.tasks.seq2seq import make_seq2seq_task
-from attnlab.training.trainer import TrainConfig, Trainer
+from attnlab.training.trainer import TrainConfig, Trainer, TrainingInterrupted
 
 
 def tiny(task, dropout=0.1):
@@ -68,14 +70,16 @@ def test_interrupted_run_resumes_to_the_same_final_loss(tmp_path, task):
 
     def interrupt(step, loss):
         if step == 7:
-            raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGINT)
 
     first = make_trainer(tmp_path / "cut", task, on_step=interrupt)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(TrainingInterrupted) as stop:
         first.fit()
+    assert stop.value.step == 7 and stop.value.exit_code == 130
     assert json.loads((tmp_path / "cut" / "last" / "config.json").read_text())["format"]
     resumed = make_trainer(tmp_path / "cut", task)
-    assert resumed.resume() and resumed.step == 7
+    resumed.resume()
+    assert resumed.step == 7
     result = resumed.fit()
     assert result.step == full.step == 12
     assert result.final_loss == full.final_loss  # bit for bit

@@ -1,29 +1,33 @@
-"""Checkpoints: a folder with ``model.safetensors``, ``config.json`` and ``trainer_state.pt``.
+"""Checkpoints: a folder with ``model.safetensors``, ``config.json`` and the trainer state.
 
 ``config.json`` holds ``{"format": "attnlab-checkpoint", "model_type", "model", "extra"}``
 so that a folder can be recognised, the model rebuilt and the rest (vocabularies, task
-options) restored. ``trainer_state.pt`` holds what an exact resume needs: optimizer,
-scheduler, step, RNG states, best metric. Writes go to a temporary folder that is renamed
-into place, so an interruption never leaves a broken checkpoint where a good one was.
+options) restored. ``trainer_state.safetensors`` + ``trainer_state.json`` hold what an exact
+resume needs (``attnlab.training.trainer_state``); nothing is ever unpickled.
+
+A checkpoint is written in a hidden folder, fsync'd and swapped in (``training.durable``):
+a crash at any moment leaves the previous checkpoint or the new one, complete, and every
+loader here finds it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model as load_safetensors_into
 from safetensors.torch import save_model
 from torch import nn
 
+from attnlab.training.durable import existing_folder, new_folder, swap_in
+from attnlab.training.trainer_state import TrainerState, read_trainer_state, write_trainer_state
+
 __all__ = [
     "FORMAT",
+    "checkpoint_folder",
     "load_config",
     "load_model",
     "load_trainer_state",
@@ -32,7 +36,7 @@ __all__ = [
 ]
 
 FORMAT = "attnlab-checkpoint"
-WEIGHTS, CONFIG, STATE = "model.safetensors", "config.json", "trainer_state.pt"
+WEIGHTS, CONFIG = "model.safetensors", "config.json"
 
 
 def save_checkpoint(
@@ -42,12 +46,11 @@ def save_checkpoint(
     model_type: str,
     model_config: dict[str, Any],
     extra: dict[str, Any] | None = None,
-    trainer_state: dict[str, Any] | None = None,
+    trainer_state: TrainerState | None = None,
 ) -> Path:
-    """Write the checkpoint folder atomically (temporary folder, then rename); returns it."""
+    """Write the checkpoint folder ``directory`` crash-safely; returns it."""
     directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    tmp = new_folder(directory)
     try:
         save_model(model, str(tmp / WEIGHTS))
         config = {
@@ -58,25 +61,23 @@ def save_checkpoint(
         }
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         if trainer_state is not None:
-            torch.save(trainer_state, tmp / STATE)
-        old = None
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-            os.replace(directory, old)
-        os.replace(tmp, directory)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            write_trainer_state(tmp, trainer_state)
+        swap_in(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return directory
 
 
+def checkpoint_folder(directory: str | Path) -> Path | None:
+    """Where the checkpoint ``directory`` lies: itself, or the previous version kept beside
+    it when a crash came in the middle of replacing it; None when there is none."""
+    return existing_folder(Path(directory))
+
+
 def load_config(directory: str | Path) -> dict[str, Any]:
     """Read and check ``config.json`` of a checkpoint folder."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise FileNotFoundError(f"checkpoint: no such folder {str(directory)!r}")
+    directory = _existing(directory)
     path = directory / CONFIG
     if not path.is_file():
         raise ValueError(
@@ -84,20 +85,25 @@ def load_config(directory: str | Path) -> dict[str, Any]:
             "attnlab checkpoint folder"
         )
     try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
         raise ValueError(f"checkpoint: {str(path)!r} is not valid JSON ({error})") from None
     if not isinstance(config, dict) or config.get("format") != FORMAT:
         raise ValueError(
             f"checkpoint: {str(path)!r} is not an attnlab checkpoint config "
             f'(expected "format": "{FORMAT}")'
         )
+    for key, kind, name in (("model_type", str, "a string"), ("model", dict, "an object"),
+                            ("extra", dict, "an object")):
+        if key in config and not isinstance(config[key], kind):
+            raise ValueError(f"checkpoint: {str(path)!r}: {key!r} is {config[key]!r}; "
+                             f"expected {name}")
     return config
 
 
 def load_weights(directory: str | Path, model: nn.Module) -> None:
     """Load ``model.safetensors`` into ``model``, strictly; errors name the file."""
-    path = Path(directory) / WEIGHTS
+    path = _existing(directory) / WEIGHTS
     if not path.is_file():
         raise ValueError(f"checkpoint: {str(path)!r} is missing")
     try:
@@ -111,15 +117,9 @@ def load_weights(directory: str | Path, model: nn.Module) -> None:
         )
 
 
-def load_trainer_state(directory: str | Path) -> dict[str, Any] | None:
+def load_trainer_state(directory: str | Path) -> TrainerState | None:
     """The saved trainer state, or None if the folder has none."""
-    path = Path(directory) / STATE
-    if not path.is_file():
-        return None
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:
-        raise ValueError(f"checkpoint: cannot read {str(path)!r} ({error})") from None
+    return read_trainer_state(_existing(directory))
 
 
 def load_model(directory: str | Path) -> tuple[nn.Module, dict[str, Any]]:
@@ -131,6 +131,7 @@ def load_model(directory: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     from attnlab.models.decoder import DecoderLM, DecoderLMConfig
     from attnlab.models.transformer import Transformer, TransformerConfig
 
+    directory = _existing(directory)
     config = load_config(directory)
     classes = {
         "transformer": (Transformer, TransformerConfig),
@@ -152,6 +153,13 @@ def load_model(directory: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     load_weights(directory, model)
     model.eval()
     return model, config
+
+
+def _existing(directory: str | Path) -> Path:
+    found = checkpoint_folder(directory)
+    if found is None:
+        raise FileNotFoundError(f"checkpoint: no such folder {str(directory)!r}")
+    return found
 
 
 def _unreadable(path: Path, model: nn.Module, error: Exception) -> str:

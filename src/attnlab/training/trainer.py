@@ -3,13 +3,19 @@ autocast, periodic evaluation with early stopping, checkpoints with exact resume
 metrics, and DistributedDataParallel when launched by ``torchrun``.
 
 The data of step ``s`` is a pure function of ``(seed, s)`` (``Task.batch``), so resuming
-needs no data-loader state: model, optimizer, scheduler, step and RNG states are enough.
-Under ``torchrun`` every rank computes its own shard of the same global batch, and the loss
-is normalised by the global token count, so N processes reach the same parameters as one.
+needs no data-loader state: model, optimizer, step and RNG states are enough (the schedule is
+a function of the step). Under ``torchrun`` every rank computes its own shard of the same
+global batch, and the loss is normalised by the global token count, so N processes reach the
+same parameters as one.
+
+Checkpoints are written only at step boundaries: SIGINT and SIGTERM ask the loop to stop, it
+finishes the step, saves ``last`` and raises ``TrainingInterrupted``; every rank stops at the
+same step. So a resumed run reaches, bit for bit, the weights and loss of an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -27,10 +33,23 @@ from tqdm import tqdm
 
 from attnlab._checks import check_positive
 from attnlab.models.config import ConfigMixin
-from attnlab.training.checkpoint import load_trainer_state, load_weights, save_checkpoint
+from attnlab.training.checkpoint import (
+    checkpoint_folder,
+    load_trainer_state,
+    load_weights,
+    save_checkpoint,
+)
+from attnlab.training.durable import write_text_atomic
+from attnlab.training.interrupt import StopRequests, TrainingInterrupted
 from attnlab.training.schedules import make_schedule
+from attnlab.training.trainer_state import TrainerState
 
-__all__ = ["Task", "TrainConfig", "TrainResult", "Trainer"]
+__all__ = ["RESUMABLE_CHANGES", "Task", "TrainConfig", "TrainResult", "Trainer",
+           "TrainingInterrupted"]
+
+# TrainConfig fields that a resumed run may change: none of them alters the steps' arithmetic
+# (a longer ``steps`` stretches the schedule from the resumed step on).
+RESUMABLE_CHANGES = ("steps", "eval_every", "checkpoint_every", "log_every", "patience")
 
 
 @dataclass(frozen=True)
@@ -105,7 +124,7 @@ class Trainer:
     ``metric`` names the entry of ``task.evaluate`` used for early stopping and for the best
     checkpoint; ``higher_is_better`` gives its direction. ``save_info`` is stored in the
     checkpoint's config (model type and config, vocabularies: what rebuilds the model).
-    ``on_step(step, loss)`` is called after each optimizer step (tests use it to interrupt).
+    ``on_step(step, loss)`` is called after each optimizer step.
     """
 
     def __init__(
@@ -157,32 +176,78 @@ class Trainer:
         self.step = 0
         self.best: float | None = None
         self.bad_evals = 0
+        self.last_loss: float | None = None
+        self.last_eval: dict[str, float] = {}
         self.history: list[dict[str, Any]] = []
+        self._stops = StopRequests()
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def resume(self) -> bool:
-        """Restore the last checkpoint in ``out_dir/last`` if there is one; True if restored."""
-        if self.out_dir is None or not (self.out_dir / "last").is_dir():
-            return False
-        state = load_trainer_state(self.out_dir / "last")
+    def resume(self) -> None:
+        """Restore the run saved in ``out_dir/last`` to the step boundary where it was saved.
+
+        Raises a ``ValueError`` when there is nothing to resume (no checkpoint, a weights-only
+        one, the pickled format of older versions), when a saved file is damaged, or when the
+        saved run's options differ from ``config`` other than in ``RESUMABLE_CHANGES``.
+        """
+        if self.out_dir is None:
+            raise ValueError("out_dir: resuming needs the run folder, got None")
+        folder = checkpoint_folder(self.out_dir / "last")
+        if folder is None:
+            raise ValueError(f"resume: {str(self.out_dir)!r} holds no checkpoint 'last' to "
+                             "resume; start a new run instead")
+        state = load_trainer_state(folder)
         if state is None:
-            return False
-        load_weights(self.out_dir / "last", self.model)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step, self.best, self.bad_evals = state["step"], state["best"], state["bad_evals"]
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
-        return True
+            raise ValueError(f"resume: {str(folder)!r} holds weights only, no trainer state; "
+                             "it cannot be resumed")
+        self._check_resumable(state, folder)
+        optimizer_state = self._checked_optimizer_state(state, folder)
+        load_weights(folder, self.model)
+        groups = self.optimizer.state_dict()["param_groups"]  # hyper-parameters: from config
+        self.optimizer.load_state_dict({"state": optimizer_state, "param_groups": groups})
+        if state.step > 0:
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, self.schedule.lr_at, last_epoch=state.step - 1
+            )
+        self.step, self.best, self.bad_evals = state.step, state.best, state.bad_evals
+        self.last_loss = state.loss
+        torch.set_rng_state(state.torch_rng[self.rank])
+        if state.cuda_rng:
+            torch.cuda.set_rng_state(state.cuda_rng[self.rank], self.device)
+        random.setstate(state.python_rng)
+
+    def estimate_step_seconds(self) -> float:
+        """Seconds a training step takes here: forward and backward of the next step's batch
+        on a copy of the model (the second of two runs, the first warms up). The run itself,
+        its RNG states included, is untouched."""
+        c = self.config
+        model = copy.deepcopy(self.model).train()
+        batches = [
+            self.task.batch(self.step, m, c.batch_size // c.grad_accum, self.rank, self.world)
+            .to(self.device)
+            for m in range(c.grad_accum)
+        ]
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            for _ in range(2):
+                start = time.perf_counter()
+                for batch in batches:
+                    with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.bf16):
+                        self.task.loss(model, batch).backward()
+                if cuda:
+                    torch.cuda.synchronize(self.device)
+                seconds = time.perf_counter() - start
+        return seconds
 
     def fit(self) -> TrainResult:
-        """Run until ``config.steps`` (or early stopping). Ctrl-C saves ``last`` and re-raises."""
+        """Run until ``config.steps`` or early stopping. On SIGINT or SIGTERM: finish the step,
+        save ``last`` and raise ``TrainingInterrupted`` (a ``KeyboardInterrupt``)."""
         c = self.config
         if self.step == 0:
             torch.manual_seed(c.seed + self.rank)  # dropout; a resumed run restores its RNG
+        self._trim_metrics()
         bar = tqdm(
             total=c.steps,
             initial=self.step,
@@ -191,35 +256,42 @@ class Trainer:
             disable=not (self.progress and self.is_main),
             dynamic_ncols=True,
         )
-        loss_value = math.nan
-        stopped = False
+        stopped = c.patience is not None and self.bad_evals >= c.patience
         tokens, t0 = 0, time.perf_counter()
+        self._stops = StopRequests()
         try:
-            while self.step < c.steps and not stopped:
-                loss_value, n_tokens = self._train_step()
-                self.step += 1
-                tokens += n_tokens
-                if self.on_step is not None:
-                    self.on_step(self.step, loss_value)
-                if self.step % c.log_every == 0 or self.step == c.steps:
-                    rate = tokens / max(time.perf_counter() - t0, 1e-9)
-                    lr = self.scheduler.get_last_lr()[0]
-                    self._log(
-                        {"step": self.step, "loss": loss_value, "lr": lr, "tokens_per_s": rate}
-                    )
-                    bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}", tok_s=f"{rate:,.0f}")
-                    tokens, t0 = 0, time.perf_counter()
-                bar.update(1)
-                if self.step % c.eval_every == 0 or self.step == c.steps:
-                    stopped = self._evaluate()
-                if self.step % c.checkpoint_every == 0 or self.step == c.steps or stopped:
-                    self._save("last")
-        except KeyboardInterrupt:
-            self._save("last")
-            raise
+            with self._stops:
+                while self.step < c.steps and not stopped:
+                    self.last_loss, n_tokens = self._train_step()
+                    self.step += 1
+                    tokens += n_tokens
+                    if self.on_step is not None:
+                        self.on_step(self.step, self.last_loss)
+                    if self.step % c.log_every == 0 or self.step == c.steps:
+                        rate = tokens / max(time.perf_counter() - t0, 1e-9)
+                        lr = self.scheduler.get_last_lr()[0]
+                        self._log({"step": self.step, "loss": self.last_loss, "lr": lr,
+                                   "tokens_per_s": rate})
+                        bar.set_postfix(self._postfix(lr, rate), refresh=False)
+                        tokens, t0 = 0, time.perf_counter()
+                    bar.update(1)
+                    if self.step % c.eval_every == 0 or self.step == c.steps:
+                        stopped = self._evaluate()
+                    due = self.step % c.checkpoint_every == 0 or self.step == c.steps or stopped
+                    if due:
+                        self._save_last()
+                    signum = self._agreed_stop()
+                    if signum:
+                        if not due:
+                            self._save_last()
+                        if self.world > 1:
+                            dist.barrier()  # rank 0 has saved before any rank exits
+                        saved = None if self.out_dir is None else self.out_dir / "last"
+                        raise TrainingInterrupted(signum, self.step, saved)
         finally:
             bar.close()
-        return TrainResult(self.step, loss_value, self.best, self.history, stopped)
+        loss = math.nan if self.last_loss is None else self.last_loss
+        return TrainResult(self.step, loss, self.best, self.history, stopped)
 
     def _train_step(self) -> tuple[float, int]:
         c = self.config
@@ -263,6 +335,7 @@ class Trainer:
             with torch.no_grad():
                 metrics = self.task.evaluate(self.model)
             self._log({"step": self.step, **metrics})
+            self.last_eval = metrics
             value = metrics.get(self.metric)
             if value is not None:
                 better = self.best is None or (
@@ -280,20 +353,106 @@ class Trainer:
             dist.broadcast_object_list(stop, src=0)
         return stop[0]
 
-    def _save(self, name: str) -> None:
+    def _save_last(self) -> None:
+        """Save ``last`` with the trainer state; every rank takes part (RNG states)."""
+        torch_rng = self._gather(torch.get_rng_state())
+        cuda_rng = ()
+        if self.device.type == "cuda":
+            cuda_rng = self._gather(torch.cuda.get_rng_state(self.device))
+        state = TrainerState(
+            step=self.step,
+            best=self.best,
+            bad_evals=self.bad_evals,
+            loss=self.last_loss,
+            train_config=self.config.to_dict(),
+            optimizer=self.optimizer.state_dict()["state"],
+            torch_rng=torch_rng,
+            cuda_rng=cuda_rng,
+            python_rng=random.getstate(),
+        )
+        self._save("last", state)
+
+    def _save(self, name: str, state: TrainerState | None = None) -> None:
         if not self.is_main or self.out_dir is None:
             return
-        state = {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "step": self.step,
-            "best": self.best,
-            "bad_evals": self.bad_evals,
-            "torch_rng": torch.get_rng_state(),
-            "python_rng": random.getstate(),
-            "train_config": self.config.to_dict(),
-        }
-        save_checkpoint(self.out_dir / name, self.model, trainer_state=state, **self.save_info)
+        with self._stops.saving():
+            save_checkpoint(self.out_dir / name, self.model, trainer_state=state,
+                            **self.save_info)
+
+    def _gather(self, tensor: Tensor) -> tuple[Tensor, ...]:
+        """``tensor`` of every rank, in rank order (the RNG states differ by rank)."""
+        if self.world == 1:
+            return (tensor,)
+        local = tensor.to(self.device)
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        dist.all_gather(parts, local)
+        return tuple(p.cpu() for p in parts)
+
+    def _agreed_stop(self) -> int:
+        """The stop signal any rank received (0: none), the same on every rank."""
+        signum = self._stops.signum or 0
+        if self.world > 1:
+            flag = torch.tensor([signum], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            signum = int(flag.item())
+        return signum
+
+    def _postfix(self, lr: float, rate: float) -> dict[str, str]:
+        shown = {"loss": f"{self.last_loss:.4f}", "lr": f"{lr:.2e}", "tok_s": f"{rate:,.0f}"}
+        if self.metric in self.last_eval:
+            shown[self.metric] = f"{self.last_eval[self.metric]:.4g}"
+        return shown
+
+    def _check_resumable(self, state: TrainerState, folder: Path) -> None:
+        saved = state.train_config
+        given = json.loads(json.dumps(self.config.to_dict()))  # tuples as JSON lists
+        differ = [f"{key}: saved {saved.get(key)!r}, given {value!r}"
+                  for key, value in given.items()
+                  if key not in RESUMABLE_CHANGES and saved.get(key) != value]
+        if differ:
+            raise ValueError(f"resume: the run in {str(folder)!r} was saved with other "
+                             f"options ({'; '.join(differ)}); only {list(RESUMABLE_CHANGES)} "
+                             "may change on resume")
+        if state.step > self.config.steps:
+            raise ValueError(f"steps: the run in {str(folder)!r} is at step {state.step}, "
+                             f"beyond the given steps={self.config.steps}")
+        if len(state.torch_rng) != self.world:
+            raise ValueError(f"resume: the run in {str(folder)!r} was saved by "
+                             f"{len(state.torch_rng)} processes and is resumed by {self.world}; "
+                             "an exact resume needs the same number")
+
+    def _checked_optimizer_state(self, state: TrainerState, folder: Path
+                                 ) -> dict[int, dict[str, Tensor]]:
+        """The saved AdamW state, after checking that it fits the parameters."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        names = {"step", "exp_avg", "exp_avg_sq"}
+        for index, entry in state.optimizer.items():
+            where = f"checkpoint: {str(folder)!r}: optimizer state of parameter {index}"
+            if index >= len(params):
+                raise ValueError(f"{where}: the model has only {len(params)} parameters")
+            if set(entry) != names:
+                raise ValueError(f"{where} holds {sorted(entry)}; expected {sorted(names)}")
+            for name, value in entry.items():
+                shape = () if name == "step" else tuple(params[index].shape)
+                if tuple(value.shape) != shape or not value.is_floating_point():
+                    raise ValueError(
+                        f"{where}: {name} is a {value.dtype} tensor of shape "
+                        f"{tuple(value.shape)}; expected a float tensor of shape {shape}"
+                    )
+        return state.optimizer
+
+    def _trim_metrics(self) -> None:
+        """Drop ``metrics.jsonl`` records past the current step (left by a run that went on
+        after its last checkpoint, or torn by a kill), atomically."""
+        if not self.is_main or self.out_dir is None:
+            return
+        path = self.out_dir / "metrics.jsonl"
+        if not path.is_file():
+            return
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        keep = [line for line in lines if _record_step(line) <= self.step]
+        if keep != lines:
+            write_text_atomic(path, "".join(keep))
 
     def _log(self, record: dict[str, Any]) -> None:
         self.history.append(record)
@@ -301,3 +460,15 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             with open(self.out_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def _record_step(line: str) -> float:
+    """The step of a metrics line; infinity for a torn or foreign line (dropped)."""
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, RecursionError):
+        return math.inf
+    step = record.get("step") if isinstance(record, dict) else None
+    if not line.endswith("\n") or isinstance(step, bool) or not isinstance(step, int):
+        return math.inf
+    return step

@@ -1,0 +1,82 @@
+"""Writes that survive a crash (a kill, a power cut) at any moment.
+
+A folder ``name`` is replaced in three renames: the new version is written and fsync'd in a
+hidden ``.name.tmp-*`` folder, the current ``name`` becomes ``.name.old``, the new one becomes
+``name``, and only then is ``.name.old`` removed. At every moment a complete copy exists:
+``name`` itself or, after a crash between the two renames, ``.name.old``, which
+``existing_folder`` finds. Leftovers of killed writers are removed by the next write.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+__all__ = ["existing_folder", "fsync_path", "new_folder", "swap_in", "write_text_atomic"]
+
+
+def new_folder(target: Path) -> Path:
+    """An empty hidden folder beside ``target`` to write its next version into (leftover
+    ``.tmp-*`` folders of ``target`` from killed writers are removed first)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".{target.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+
+
+def swap_in(new: Path, target: Path) -> None:
+    """Make the complete folder ``new`` (from ``new_folder``) the one at ``target``."""
+    for path in new.iterdir():
+        fsync_path(path)
+    fsync_path(new)
+    old = _old(target)
+    if target.exists():
+        # ``target`` is complete whenever it exists, so an ``.old`` beside it is a leftover.
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+        fsync_path(target.parent)
+    os.replace(new, target)
+    fsync_path(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def existing_folder(target: Path) -> Path | None:
+    """The complete copy of folder ``target``: itself, or ``.target.old`` when a crash came
+    between the two renames of ``swap_in``; None when there is neither."""
+    if target.is_dir():
+        return target
+    old = _old(target)
+    return old if old.is_dir() else None
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace the file ``path`` by ``text`` in one step (temporary file, fsync, rename);
+    leftover temporary files of killed writers are removed first."""
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+        stale.unlink(missing_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_path(path.parent)
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a folder's contents (a folder: its entries) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _old(target: Path) -> Path:
+    return target.with_name(f".{target.name}.old")
