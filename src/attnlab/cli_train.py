@@ -1,25 +1,35 @@
 """``attnlab train seq2seq|lm``.
 
 Training runs unchanged under ``torchrun`` (one process per device; only rank 0 writes).
-Every command ends by naming the folder it wrote.
+Every command ends by naming the folder it wrote. SIGINT (Ctrl-C) and SIGTERM stop a run at
+the end of its step with a checkpoint (exit status 130 and 143); ``--resume`` continues it
+exactly, and refuses options that contradict the saved run.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 from attnlab.models.transformer import Transformer, TransformerConfig
+from attnlab.training.checkpoint import checkpoint_folder, load_config
 from attnlab.training.distributed import cleanup_distributed, init_distributed
 from attnlab.training.tasks.seq2seq import SEQ2SEQ_TASKS, make_seq2seq_task
 from attnlab.training.tasks.text import CharLMTask, read_text
-from attnlab.training.trainer import TrainConfig, Trainer
+from attnlab.training.trainer import TrainConfig, Trainer, TrainingInterrupted
 
-__all__ = ["add_commands"]
+__all__ = ["RESUME_MAY_CHANGE", "add_commands"]
 
+# Options that a resumed run may set anew; none changes the arithmetic of the steps done.
+RESUME_MAY_CHANGE = ("--steps", "--eval-every", "--log-every", "--patience", "--no-progress")
+# Options that are not part of a run's recipe.
+_NOT_RECIPE = ("command", "kind", "handler", "out", "resume", "text")
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``train`` on the top-level sub-parsers."""
@@ -27,46 +37,66 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     kinds = train.add_subparsers(dest="kind", metavar="KIND", required=True)
 
     s2s = kinds.add_parser("seq2seq", help="encoder-decoder on a generated task")
-    s2s.add_argument("--task", choices=SEQ2SEQ_TASKS, default="dates")
-    s2s.add_argument(
-        "--max-len", type=int, default=12, help="input length of copy/reverse/sort/add"
-    )
+    s2s.add_argument("--task", choices=SEQ2SEQ_TASKS, default="dates",
+                     help="generated task: human dates to ISO 8601, or copy/reverse/sort/add "
+                     "of digit strings")
+    s2s.add_argument("--max-len", type=_positive_int, default=12,
+                     help="longest input of copy/reverse/sort/add")
     _model_arguments(s2s, d_model=128, layers=2, heads=8)
     _train_arguments(s2s)
     s2s.set_defaults(handler=_train_seq2seq)
 
     lm = kinds.add_parser("lm", help="character-level decoder-only LM on a UTF-8 text file")
     lm.add_argument("--text", required=True, help="UTF-8 text file to learn")
-    lm.add_argument("--block-size", type=int, default=128)
-    lm.add_argument("--style", choices=("gpt", "llama"), default="gpt")
+    lm.add_argument("--block-size", type=_positive_int, default=128,
+                    help="characters of context per training window")
+    lm.add_argument("--style", choices=("gpt", "llama"), default="gpt",
+                    help="gpt: learned positions, LayerNorm, GELU; llama: RoPE, RMSNorm, SwiGLU")
     _model_arguments(lm, d_model=128, layers=4, heads=4)
     _train_arguments(lm)
     lm.set_defaults(handler=_train_lm)
 
 
 def _model_arguments(p: argparse.ArgumentParser, *, d_model: int, layers: int, heads: int) -> None:
-    p.add_argument("--d-model", type=int, default=d_model)
-    p.add_argument("--layers", type=int, default=layers, help="layers (per stack for seq2seq)")
-    p.add_argument("--heads", type=int, default=heads)
-    p.add_argument("--d-ff", type=int, default=None, help="default 4 x d-model")
-    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--d-model", type=_positive_int, default=d_model,
+                   help="model width E (a multiple of --heads)")
+    p.add_argument("--layers", type=_positive_int, default=layers,
+                   help="layers (per stack for seq2seq)")
+    p.add_argument("--heads", type=_positive_int, default=heads, help="attention heads")
+    p.add_argument("--d-ff", type=_positive_int, default=None,
+                   help="feed-forward width (default 4 x d-model)")
+    p.add_argument("--dropout", type=_fraction, default=0.1, help="dropout probability")
 
 
 def _train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="run folder: checkpoints, metrics.jsonl")
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--batch-size", type=int, default=64, help="global batch size")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--schedule", choices=("cosine", "noam", "constant"), default="cosine")
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--steps", type=_positive_int, default=2000,
+                   help="optimizer steps of the whole run")
+    p.add_argument("--batch-size", type=_positive_int, default=64,
+                   help="global batch size (sequences per step, all processes together)")
+    p.add_argument("--lr", type=_positive_float, default=1e-3,
+                   help="peak learning rate (noam: a factor on its d-model^-0.5 curve)")
+    p.add_argument("--schedule", choices=("cosine", "noam", "constant"), default="cosine",
+                   help="learning-rate schedule after the linear warmup")
+    p.add_argument("--warmup", type=_non_negative_int, default=100,
+                   help="warmup steps of the schedule")
+    p.add_argument("--grad-accum", type=_positive_int, default=1,
+                   help="micro-batches per step (the batch size must be a multiple)")
+    p.add_argument("--grad-clip", type=_non_negative_float, default=1.0,
+                   help="clip the gradient norm to this value (0: no clipping)")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
-    p.add_argument("--eval-every", type=int, default=200)
-    p.add_argument("--patience", type=int, default=None, help="early stopping (evaluations)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", action="store_true", help="continue from OUT/last")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--eval-every", type=_positive_int, default=200,
+                   help="steps between evaluations and checkpoints")
+    p.add_argument("--log-every", type=_positive_int, default=10,
+                   help="steps between the loss records of metrics.jsonl")
+    p.add_argument("--patience", type=_positive_int, default=None,
+                   help="early stopping: evaluations without improvement before stopping")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data and the weights")
+    p.add_argument("--resume", action="store_true", help=(
+        "continue the run saved in OUT/last exactly where it stopped; every other option "
+        "must equal the saved run's, except " + ", ".join(RESUME_MAY_CHANGE)
+        + " (a larger --steps extends the run: the schedule stretches from the resumed step)"))
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _train_config(args: argparse.Namespace) -> TrainConfig:
@@ -77,10 +107,11 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
         schedule=args.schedule,
         warmup=args.warmup,
         grad_accum=args.grad_accum,
-        grad_clip=args.grad_clip,
+        grad_clip=args.grad_clip or None,
         bf16=args.bf16,
         eval_every=args.eval_every,
         checkpoint_every=args.eval_every,
+        log_every=args.log_every,
         patience=args.patience,
         seed=args.seed,
     )
@@ -97,11 +128,15 @@ def _run(
     device = init_distributed()
     try:
         out = Path(args.out)
-        if not args.resume and (out / "last").exists():
-            raise ValueError(
-                f"out: {str(out)!r} already holds a run; pass --resume to continue it "
-                "or choose another folder"
-            )
+        saved = checkpoint_folder(out / "last")
+        if args.resume:
+            if saved is None:
+                raise ValueError(f"--resume: {str(out)!r} holds no run to resume (no checkpoint "
+                                 "'last'); leave out --resume to start a new run")
+            _check_same_run(saved, save_info["extra"])
+        elif saved is not None:
+            raise ValueError(f"--out: {str(out)!r} already holds a run; pass --resume to "
+                             "continue it or choose another folder")
         trainer = Trainer(
             model,
             task,
@@ -114,25 +149,76 @@ def _run(
             progress=not args.no_progress,
             device=device,
         )
-        if args.resume and trainer.resume():
-            print(f"resumed from {out / 'last'} at step {trainer.step}")
+        if args.resume:
+            trainer.resume()
+            if trainer.is_main:
+                print(f"resumed from {saved} at step {trainer.step}")
+        if trainer.step >= args.steps:
+            if trainer.is_main:
+                print(f"the run in {out} is already at step {trainer.step} of --steps "
+                      f"{args.steps}: nothing to do (a larger --steps trains further)")
+            return 0
+        if trainer.is_main:
+            print(_time_estimate(trainer.estimate_step_seconds(), args.steps - trainer.step))
         try:
             result = trainer.fit()
+        except TrainingInterrupted as stop:
+            if trainer.is_main:
+                print(f"stopped after step {stop.step}: checkpoint saved in {stop.saved}; "
+                      "continue with --resume", file=sys.stderr)
+            return stop.exit_code
         except KeyboardInterrupt:
             if trainer.is_main:
-                print(f"\ninterrupted: checkpoint saved in {out / 'last'}; continue with --resume")
+                print("stopped at once: nothing saved since the last checkpoint in "
+                      f"{out / 'last'}; continue with --resume", file=sys.stderr)
             return 130
         if trainer.is_main:
-            print(
-                f"step {result.step}: loss {result.final_loss:.4f}, best {metric} "
-                f"{result.best_metric}; outputs in {out}"
-            )
+            how = "stopped early at" if result.stopped_early else "reached"
+            print(f"{how} step {result.step}: loss {result.final_loss:.4f}, best {metric} "
+                  f"{result.best_metric}; outputs in {out}")
         return 0
     finally:
         cleanup_distributed()
 
 
+def _check_same_run(saved: Path, extra: dict[str, Any]) -> None:
+    """Refuse to resume the run in ``saved`` with options that contradict it."""
+    old = load_config(saved).get("extra", {})
+    if "flags" not in old:
+        raise ValueError(f"--resume: the checkpoint in {str(saved)!r} was not saved by "
+                         "`attnlab train` (no record of its options); resume it from Python")
+    differ = [f"{flag} (saved {old['flags'].get(flag)!r}, given {value!r})"
+              for flag, value in extra["flags"].items()
+              if flag not in RESUME_MAY_CHANGE and old["flags"].get(flag) != value]
+    if old.get("text_sha256") != extra.get("text_sha256"):
+        differ.append(f"--text (saved {old.get('text')!r} with sha256 "
+                      f"{str(old.get('text_sha256'))[:12]}..., given {extra.get('text')!r} "
+                      f"with sha256 {str(extra.get('text_sha256'))[:12]}...)")
+    if differ:
+        raise ValueError(f"--resume: the run in {str(saved)!r} was started with other "
+                         f"options: {'; '.join(differ)}; pass the saved values (only "
+                         f"{', '.join(RESUME_MAY_CHANGE)} may change on resume)")
+
+
+def _flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The options that define the run, as the user spells them (``--d-model``)."""
+    return {"--" + name.replace("_", "-"): value for name, value in sorted(vars(args).items())
+            if name not in _NOT_RECIPE}
+
+
+def _time_estimate(seconds: float, steps: int) -> str:
+    total = seconds * steps
+    if total < 90:
+        span = f"{total:.0f} s"
+    elif total < 5400:
+        span = f"{total / 60:.0f} min"
+    else:
+        span = f"{total / 3600:.1f} h"
+    return f"about {seconds:.3g} s/step, ~{span} for {steps} steps (evaluations extra)"
+
+
 def _train_seq2seq(args: argparse.Namespace) -> int:
+    _check_multiples(args)
     task = make_seq2seq_task(args.task, seed=args.seed, max_len=args.max_len)
     torch.manual_seed(args.seed)
     config = TransformerConfig(
@@ -156,13 +242,16 @@ def _train_seq2seq(args: argparse.Namespace) -> int:
             "max_len": args.max_len,
             "src_chars": task.src_vocab.chars,
             "tgt_chars": task.tgt_vocab.chars,
+            "flags": _flags(args),
         },
     }
     return _run(Transformer(config), task, args, info, "valid_exact_match", True)
 
 
 def _train_lm(args: argparse.Namespace) -> int:
-    task = CharLMTask(read_text(args.text), block_size=args.block_size, seed=args.seed)
+    _check_multiples(args)
+    text = read_text(args.text)
+    task = CharLMTask(text, block_size=args.block_size, seed=args.seed)
     torch.manual_seed(args.seed)
     make = DecoderLMConfig.llama if args.style == "llama" else DecoderLMConfig.gpt
     config = make(
@@ -177,6 +266,43 @@ def _train_lm(args: argparse.Namespace) -> int:
     info = {
         "model_type": "decoder_lm",
         "model_config": config.to_dict(),
-        "extra": {"task": "lm", "chars": task.vocab.chars},
+        "extra": {
+            "task": "lm",
+            "chars": task.vocab.chars,
+            "flags": _flags(args),
+            "text": args.text,
+            "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        },
     }
     return _run(DecoderLM(config), task, args, info, "valid_loss", False)
+
+
+def _check_multiples(args: argparse.Namespace) -> None:
+    if args.d_model % args.heads:
+        raise ValueError(f"--d-model: expected a multiple of --heads={args.heads}, "
+                         f"got {args.d_model}")
+    if args.batch_size % args.grad_accum:
+        raise ValueError(f"--batch-size: expected a multiple of --grad-accum="
+                         f"{args.grad_accum}, got {args.batch_size}")
+
+
+def _number(kind: type, test: Any, expected: str) -> Any:
+    """An argparse ``type`` that parses ``kind`` and refuses values failing ``test``."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not test(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    parse.__name__ = expected
+    return parse
+
+
+_positive_int = _number(int, lambda v: v >= 1, "a positive int")
+_non_negative_int = _number(int, lambda v: v >= 0, "an int >= 0")
+_positive_float = _number(float, lambda v: 0 < v < float("inf"), "a finite float > 0")
+_non_negative_float = _number(float, lambda v: 0 <= v < float("inf"), "a finite float >= 0")
+_fraction = _number(float, lambda v: 0 <= v < 1, "a float in [0, 1)")

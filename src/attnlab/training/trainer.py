@@ -90,6 +90,11 @@ class TrainConfig(ConfigMixin):
             )
         if not self.lr > 0:
             raise ValueError(f"lr: expected > 0, got {self.lr}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            # clip_grad_norm_ would scale the gradients by 0 or flip their sign
+            raise ValueError(f"grad_clip: expected None or > 0, got {self.grad_clip}")
+        if self.patience is not None:
+            check_positive("patience", self.patience)
 
 
 class Task(Protocol):
@@ -413,9 +418,6 @@ class Trainer:
             raise ValueError(f"resume: the run in {str(folder)!r} was saved with other "
                              f"options ({'; '.join(differ)}); only {list(RESUMABLE_CHANGES)} "
                              "may change on resume")
-        if state.step > self.config.steps:
-            raise ValueError(f"steps: the run in {str(folder)!r} is at step {state.step}, "
-                             f"beyond the given steps={self.config.steps}")
         if len(state.torch_rng) != self.world:
             raise ValueError(f"resume: the run in {str(folder)!r} was saved by "
                              f"{len(state.torch_rng)} processes and is resumed by {self.world}; "
