@@ -9,8 +9,9 @@ def test_date_demo_trains_evaluates_draws_and_reuses(tmp_path, capsys):
     first = run_date_demo(tmp_path, steps=6, batch_size=16, n_test=30, num_beams=2, progress=False)
     assert first["trained_now"] and first["test_examples"] == 30
     assert 0.0 <= first["greedy_exact_match"] <= 1.0
-    for name in ("best/model.safetensors", "last/trainer_state.safetensors", "last/trainer_state.json", "metrics.jsonl",
-                 "results.json", "cross_attention_0.png"):
+    for name in ("best/model.safetensors", "last/trainer_state.safetensors",
+                 "last/trainer_state.json", "metrics.jsonl", "results.json",
+                 "cross_attention_0.png"):
         assert (tmp_path / name).is_file(), name
     assert json.loads((tmp_path / "results.json").read_text())["num_beams"] == 2
     out = capsys.readouterr().out

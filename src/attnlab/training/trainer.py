@@ -251,7 +251,9 @@ class Trainer:
         save ``last`` and raise ``TrainingInterrupted`` (a ``KeyboardInterrupt``)."""
         c = self.config
         if self.step == 0:
-            torch.manual_seed(c.seed + self.rank)  # dropout; a resumed run restores its RNG
+            # dropout, and a task's own use of ``random``; a resumed run restores both
+            torch.manual_seed(c.seed + self.rank)
+            random.seed(c.seed + self.rank)
         self._trim_metrics()
         bar = tqdm(
             total=c.steps,
