@@ -184,7 +184,7 @@ def _run(
 def _check_same_run(saved: Path, extra: dict[str, Any]) -> None:
     """Refuse to resume the run in ``saved`` with options that contradict it."""
     old = load_config(saved).get("extra", {})
-    if "flags" not in old:
+    if not isinstance(old.get("flags"), dict):
         raise ValueError(f"--resume: the checkpoint in {str(saved)!r} was not saved by "
                          "`attnlab train` (no record of its options); resume it from Python")
     differ = [f"{flag} (saved {old['flags'].get(flag)!r}, given {value!r})"

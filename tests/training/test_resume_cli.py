@@ -225,3 +225,31 @@ def assert_same_weights(a, b):
     y, _ = load_model(b / "last")
     for (name, p), q in zip(x.state_dict().items(), y.state_dict().values()):
         assert torch.equal(p, q), name
+
+
+def test_signal_handlers_live_only_while_fit_runs(tmp_path, task):
+    def mine(signum, frame):
+        pass
+
+    before = {sig: signal.signal(sig, mine) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        make_trainer(tmp_path / "a", task, steps=2).fit()
+        assert signal.getsignal(signal.SIGINT) is mine and signal.getsignal(signal.SIGTERM) is mine
+        with pytest.raises(TrainingInterrupted):
+            make_trainer(tmp_path / "b", task, on_step=interrupt_at(1)).fit()
+        assert signal.getsignal(signal.SIGINT) is mine and signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def test_a_second_signal_stops_at_once_without_saving(tmp_path, task):
+    def twice(step, loss):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(KeyboardInterrupt) as stop:
+        make_trainer(tmp_path, task, on_step=twice).fit()
+    assert not isinstance(stop.value, TrainingInterrupted)
+    assert not (tmp_path / "last").exists()  # the first checkpoint was due at step 4

@@ -196,3 +196,41 @@ def outcome(out):
         record.pop("tokens_per_s", None)  # a timing
     return ({k: v.tolist() for k, v in weights.items()},
             {k: v.tolist() for k, v in tensors.items()}, state, records)
+
+
+TORCHRUN_DRIVER = r"""
+import os, signal, sys
+from attnlab.cli import main
+from attnlab.training.trainer import Trainer
+
+if os.environ["RANK"] == "1":  # only rank 1 is signalled, during step 3
+    train_step = Trainer._train_step
+    def signalled(self):
+        if self.step + 1 == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return train_step(self)
+    Trainer._train_step = signalled
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_torchrun_ranks_stop_together_and_save_every_ranks_rng(tmp_path, corpus, capsys):
+    driver = tmp_path / "driver.py"
+    driver.write_text(TORCHRUN_DRIVER)
+    out = tmp_path / "run"
+    args = run_args(corpus, out, steps=6, eval_every=100)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(driver), *args],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0
+    assert "stopped after step 3: checkpoint saved" in done.stderr, done.stderr[-3000:]
+    assert saved_step(out) == 3
+    tensors = load_file(out / "last" / "trainer_state.safetensors")
+    assert {"rng.torch.0", "rng.torch.1"} <= tensors.keys()
+    assert not torch.equal(tensors["rng.torch.0"], tensors["rng.torch.1"])
+    # an exact resume needs the same number of processes
+    assert main([*args, "--resume"]) == 2
+    assert "saved by 2 processes and is resumed by 1" in capsys.readouterr().err

@@ -336,7 +336,7 @@ class Trainer:
 
     def _evaluate(self) -> bool:
         """Evaluate on rank 0; returns whether to stop early (agreed by every rank)."""
-        stop = [False]
+        stop = torch.zeros(1, device=self.device)
         if self.is_main:
             self.model.eval()
             with torch.no_grad():
@@ -353,12 +353,11 @@ class Trainer:
                     self._save("best")
                 else:
                     self.bad_evals += 1
-                stop[0] = (
-                    self.config.patience is not None and self.bad_evals >= self.config.patience
-                )
+                patience = self.config.patience
+                stop[0] = float(patience is not None and self.bad_evals >= patience)
         if self.world > 1:
-            dist.broadcast_object_list(stop, src=0)
-        return stop[0]
+            dist.broadcast(stop, src=0)
+        return bool(stop.item())
 
     def _save_last(self) -> None:
         """Save ``last`` with the trainer state; every rank takes part (RNG states)."""
