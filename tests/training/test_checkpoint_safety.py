@@ -232,3 +232,19 @@ def test_write_text_atomic_replaces_whole_and_clears_leftovers(tmp_path):
     write_text_atomic(path, "new\n")
     assert path.read_text() == "new\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def test_a_huge_or_wrong_model_config_is_refused_before_allocating(copy):
+    out, _ = copy
+    path = out / "last" / "config.json"
+    config = json.loads(path.read_text())
+    good = dict(config["model"])
+    for change, message in [
+        ({"d_model": 2**20, "d_ff": 2**22}, r"config does not match the weights.*in the file"),
+        ({"num_layers": 2}, r"blocks\.1\..*: not in the file"),
+        ({"num_layers": -1}, "bad model config"),
+    ]:
+        config["model"] = {**good, **change}
+        path.write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=message):
+            load_model(out / "last")

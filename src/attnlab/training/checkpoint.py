@@ -17,11 +17,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model as load_safetensors_into
 from safetensors.torch import save_model
 from torch import nn
 
+from attnlab.models.decoder import DecoderLM, DecoderLMConfig
+from attnlab.models.transformer import Transformer, TransformerConfig
 from attnlab.training.durable import existing_folder, new_folder, swap_in
 from attnlab.training.trainer_state import TrainerState, read_trainer_state, write_trainer_state
 
@@ -128,9 +131,6 @@ def load_model(directory: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     The config's ``model_type`` (``"transformer"`` or ``"decoder_lm"``) picks the class and
     ``model`` its config; a config that does not fit the weights raises a ``ValueError``.
     """
-    from attnlab.models.decoder import DecoderLM, DecoderLMConfig
-    from attnlab.models.transformer import Transformer, TransformerConfig
-
     directory = _existing(directory)
     config = load_config(directory)
     classes = {
@@ -145,11 +145,18 @@ def load_model(directory: str | Path) -> tuple[nn.Module, dict[str, Any]]:
         )
     model_cls, config_cls = classes[kind]
     try:
-        model = model_cls(config_cls.from_dict(config["model"]))
-    except (KeyError, TypeError, ValueError) as error:
+        model_config = config_cls.from_dict(config["model"])
+        with torch.device("meta"):  # shapes without memory: a config from elsewhere may be huge
+            skeleton = model_cls(model_config)
+    except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as error:
         raise ValueError(
-            f"checkpoint: bad model config in {str(Path(directory) / CONFIG)!r} ({error})"
+            f"checkpoint: bad model config in {str(directory / CONFIG)!r} ({error})"
         ) from None
+    wrong = _shape_mismatch(directory / WEIGHTS, skeleton)
+    if wrong:
+        raise ValueError(wrong)
+    model = model_cls(model_config)  # the file holds every tensor: its size bounds this one
+
     load_weights(directory, model)
     model.eval()
     return model, config
@@ -165,16 +172,30 @@ def _existing(directory: str | Path) -> Path:
 def _unreadable(path: Path, model: nn.Module, error: Exception) -> str:
     """Why ``path`` did not load into ``model``: the tensors whose stored shape differs from
     the one the config gives, or else a truncated or corrupt file."""
+    return (_shape_mismatch(path, model)
+            or f"checkpoint: cannot read {str(path)!r}: the file is truncated or corrupt "
+            f"({error})")
+
+
+def _shape_mismatch(path: Path, model: nn.Module) -> str | None:
+    """The tensors of ``path`` whose shape differs from ``model``'s; None if none differ or
+    the file cannot be read."""
     try:
         with safe_open(str(path), framework="pt") as f:
             stored = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
     except (SafetensorError, OSError):
-        stored = {}
+        return None
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     wrong = [f"{name}: {shape} in the file, {expected[name]} from the config"
              for name, shape in stored.items() if name in expected and shape != expected[name]]
-    if wrong:
-        more = f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else ""
-        return (f"checkpoint: the config does not match the weights in {str(path)!r}: "
-                + "; ".join(wrong[:4]) + more)
-    return f"checkpoint: cannot read {str(path)!r}: the file is truncated or corrupt ({error})"
+    # tied tensors (one tensor under two names) are stored once, under either name
+    stored_ids = {id(t) for name, t in model.state_dict(keep_vars=True).items()
+                  if name in stored}
+    wrong += [f"{name}: not in the file"
+              for name, t in model.state_dict(keep_vars=True).items()
+              if name not in stored and id(t) not in stored_ids]
+    if not wrong:
+        return None
+    more = f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else ""
+    return (f"checkpoint: the config does not match the weights in {str(path)!r}: "
+            + "; ".join(wrong[:4]) + more)
