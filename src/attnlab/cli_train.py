@@ -18,7 +18,7 @@ import torch
 
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 from attnlab.models.transformer import Transformer, TransformerConfig
-from attnlab.training.checkpoint import checkpoint_folder, load_config
+from attnlab.training.checkpoint import checkpoint_folder, load_config, load_trainer_state
 from attnlab.training.distributed import cleanup_distributed, init_distributed
 from attnlab.training.tasks.seq2seq import SEQ2SEQ_TASKS, make_seq2seq_task
 from attnlab.training.tasks.text import CharLMTask, read_text
@@ -183,13 +183,16 @@ def _run(
 
 def _check_same_run(saved: Path, extra: dict[str, Any]) -> None:
     """Refuse to resume the run in ``saved`` with options that contradict it."""
+    load_trainer_state(saved)  # a run of an older attnlab is refused with the reason
     old = load_config(saved).get("extra", {})
     if not isinstance(old.get("flags"), dict):
-        raise ValueError(f"--resume: the checkpoint in {str(saved)!r} was not saved by "
-                         "`attnlab train` (no record of its options); resume it from Python")
-    differ = [f"{flag} (saved {old['flags'].get(flag)!r}, given {value!r})"
-              for flag, value in extra["flags"].items()
-              if flag not in RESUME_MAY_CHANGE and old["flags"].get(flag) != value]
+        raise ValueError(f"--resume: the checkpoint in {str(saved)!r} holds no record of the "
+                         "options it was started with (it was saved by the Python API); "
+                         "resume it with Trainer.resume")
+    given, before = extra["flags"], old["flags"]
+    differ = [f"{flag} (saved {before.get(flag)!r}, given {given.get(flag)!r})"
+              for flag in sorted(set(given) | set(before))
+              if flag not in RESUME_MAY_CHANGE and before.get(flag) != given.get(flag)]
     if old.get("text_sha256") != extra.get("text_sha256"):
         differ.append(f"--text (saved {old.get('text')!r} with sha256 "
                       f"{str(old.get('text_sha256'))[:12]}..., given {extra.get('text')!r} "

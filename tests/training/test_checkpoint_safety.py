@@ -207,6 +207,14 @@ def test_swap_keeps_a_complete_copy_at_every_moment(tmp_path):
     swap_in(new, target)
     assert (target / "v").read_text() == "three"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]
+    # A crash while the previous version was being removed: ``last`` is complete and wins.
+    (tmp_path / ".last.old").mkdir()
+    (tmp_path / ".last.old" / "v").write_text("tw")
+    assert existing_folder(target) == target
+    new = new_folder(target)
+    (new / "v").write_text("four")
+    swap_in(new, target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]
 
 
 def test_checkpoint_api_reads_the_kept_copy_after_a_crash(tmp_path):

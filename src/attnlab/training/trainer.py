@@ -16,7 +16,6 @@ same step. So a resumed run reaches, bit for bit, the weights and loss of an uni
 from __future__ import annotations
 
 import copy
-import json
 import math
 import random
 import time
@@ -39,10 +38,10 @@ from attnlab.training.checkpoint import (
     load_weights,
     save_checkpoint,
 )
-from attnlab.training.durable import write_text_atomic
 from attnlab.training.interrupt import StopRequests, TrainingInterrupted
+from attnlab.training.metrics_log import append_record, drop_records_after
 from attnlab.training.schedules import make_schedule
-from attnlab.training.trainer_state import TrainerState
+from attnlab.training.trainer_state import TrainerState, check_resumable, checked_optimizer_state
 
 __all__ = ["RESUMABLE_CHANGES", "Task", "TrainConfig", "TrainResult", "Trainer",
            "TrainingInterrupted"]
@@ -207,8 +206,8 @@ class Trainer:
         if state is None:
             raise ValueError(f"resume: {str(folder)!r} holds weights only, no trainer state; "
                              "it cannot be resumed")
-        self._check_resumable(state, folder)
-        optimizer_state = self._checked_optimizer_state(state, folder)
+        check_resumable(state, self.config.to_dict(), RESUMABLE_CHANGES, self.world, folder)
+        optimizer_state = checked_optimizer_state(state, self.optimizer, folder)
         load_weights(folder, self.model)
         groups = self.optimizer.state_dict()["param_groups"]  # hyper-parameters: from config
         self.optimizer.load_state_dict({"state": optimizer_state, "param_groups": groups})
@@ -254,7 +253,8 @@ class Trainer:
             # dropout, and a task's own use of ``random``; a resumed run restores both
             torch.manual_seed(c.seed + self.rank)
             random.seed(c.seed + self.rank)
-        self._trim_metrics()
+        if self.is_main and self.out_dir is not None:
+            drop_records_after(self.out_dir / "metrics.jsonl", self.step)
         bar = tqdm(
             total=c.steps,
             initial=self.step,
@@ -409,69 +409,8 @@ class Trainer:
             shown[self.metric] = f"{self.last_eval[self.metric]:.4g}"
         return shown
 
-    def _check_resumable(self, state: TrainerState, folder: Path) -> None:
-        saved = state.train_config
-        given = json.loads(json.dumps(self.config.to_dict()))  # tuples as JSON lists
-        differ = [f"{key}: saved {saved.get(key)!r}, given {value!r}"
-                  for key, value in given.items()
-                  if key not in RESUMABLE_CHANGES and saved.get(key) != value]
-        if differ:
-            raise ValueError(f"resume: the run in {str(folder)!r} was saved with other "
-                             f"options ({'; '.join(differ)}); only {list(RESUMABLE_CHANGES)} "
-                             "may change on resume")
-        if len(state.torch_rng) != self.world:
-            raise ValueError(f"resume: the run in {str(folder)!r} was saved by "
-                             f"{len(state.torch_rng)} processes and is resumed by {self.world}; "
-                             "an exact resume needs the same number")
-
-    def _checked_optimizer_state(self, state: TrainerState, folder: Path
-                                 ) -> dict[int, dict[str, Tensor]]:
-        """The saved AdamW state, after checking that it fits the parameters."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        names = {"step", "exp_avg", "exp_avg_sq"}
-        for index, entry in state.optimizer.items():
-            where = f"checkpoint: {str(folder)!r}: optimizer state of parameter {index}"
-            if index >= len(params):
-                raise ValueError(f"{where}: the model has only {len(params)} parameters")
-            if set(entry) != names:
-                raise ValueError(f"{where} holds {sorted(entry)}; expected {sorted(names)}")
-            for name, value in entry.items():
-                shape = () if name == "step" else tuple(params[index].shape)
-                if tuple(value.shape) != shape or not value.is_floating_point():
-                    raise ValueError(
-                        f"{where}: {name} is a {value.dtype} tensor of shape "
-                        f"{tuple(value.shape)}; expected a float tensor of shape {shape}"
-                    )
-        return state.optimizer
-
-    def _trim_metrics(self) -> None:
-        """Drop ``metrics.jsonl`` records past the current step (left by a run that went on
-        after its last checkpoint, or torn by a kill), atomically."""
-        if not self.is_main or self.out_dir is None:
-            return
-        path = self.out_dir / "metrics.jsonl"
-        if not path.is_file():
-            return
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
-        keep = [line for line in lines if _record_step(line) <= self.step]
-        if keep != lines:
-            write_text_atomic(path, "".join(keep))
-
     def _log(self, record: dict[str, Any]) -> None:
         self.history.append(record)
         if self.is_main and self.out_dir is not None:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.out_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_record(self.out_dir / "metrics.jsonl", record)
 
-
-def _record_step(line: str) -> float:
-    """The step of a metrics line; infinity for a torn or foreign line (dropped)."""
-    try:
-        record = json.loads(line)
-    except (json.JSONDecodeError, RecursionError):
-        return math.inf
-    step = record.get("step") if isinstance(record, dict) else None
-    if not line.endswith("\n") or isinstance(step, bool) or not isinstance(step, int):
-        return math.inf
-    return step

@@ -26,8 +26,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-__all__ = ["INFO", "LEGACY", "TENSORS", "TrainerState", "read_trainer_state",
-           "write_trainer_state"]
+__all__ = ["INFO", "LEGACY", "TENSORS", "TrainerState", "check_resumable",
+           "checked_optimizer_state", "read_trainer_state", "write_trainer_state"]
 
 TENSORS, INFO, LEGACY = "trainer_state.safetensors", "trainer_state.json", "trainer_state.pt"
 FORMAT = "attnlab-trainer-state"
@@ -101,6 +101,44 @@ def read_trainer_state(folder: Path) -> TrainerState | None:
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
         raise ValueError(f"checkpoint: {str(info_path)!r} is not valid JSON ({error})") from None
     return _parse(info, tensors, info_path, tensor_path)
+
+
+def check_resumable(state: TrainerState, config: dict[str, Any], may_change: tuple[str, ...],
+                    world: int, folder: Path) -> None:
+    """Refuse to resume ``state`` under the training options ``config`` when they differ from
+    the saved ones other than in ``may_change``, or with another number of processes."""
+    given = json.loads(json.dumps(config))  # tuples as JSON lists, as saved
+    differ = [f"{key}: saved {state.train_config.get(key)!r}, given {value!r}"
+              for key, value in given.items()
+              if key not in may_change and state.train_config.get(key) != value]
+    if differ:
+        raise ValueError(f"resume: the run in {str(folder)!r} was saved with other options "
+                         f"({'; '.join(differ)}); only {list(may_change)} may change on resume")
+    if len(state.torch_rng) != world:
+        raise ValueError(f"resume: the run in {str(folder)!r} was saved by "
+                         f"{len(state.torch_rng)} processes and is resumed by {world}; an "
+                         "exact resume needs the same number")
+
+
+def checked_optimizer_state(state: TrainerState, optimizer: torch.optim.Optimizer,
+                            folder: Path) -> dict[int, dict[str, Tensor]]:
+    """The saved AdamW state, after checking that it fits ``optimizer``'s parameters (a
+    misfit would fail only at the next step, deep inside the optimizer)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    names = {"step", "exp_avg", "exp_avg_sq"}
+    for index, entry in state.optimizer.items():
+        where = f"checkpoint: {str(folder)!r}: optimizer state of parameter {index}"
+        if index >= len(params):
+            raise ValueError(f"{where}: the model has only {len(params)} parameters")
+        if set(entry) != names:
+            raise ValueError(f"{where} holds {sorted(entry)}; expected {sorted(names)}")
+        for name, value in entry.items():
+            shape = () if name == "step" else tuple(params[index].shape)
+            if tuple(value.shape) != shape or not value.is_floating_point():
+                raise ValueError(f"{where}: {name} is a {value.dtype} tensor of shape "
+                                 f"{tuple(value.shape)}; expected a float tensor of shape "
+                                 f"{shape}")
+    return state.optimizer
 
 
 def _parse(info: Any, tensors: dict[str, Tensor], info_path: Path,
