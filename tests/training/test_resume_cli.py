@@ -253,3 +253,17 @@ def test_a_second_signal_stops_at_once_without_saving(tmp_path, task):
         make_trainer(tmp_path, task, on_step=twice).fit()
     assert not isinstance(stop.value, TrainingInterrupted)
     assert not (tmp_path / "last").exists()  # the first checkpoint was due at step 4
+
+
+def test_time_estimate_leaves_the_run_untouched(tmp_path, task):
+    with pytest.raises(TrainingInterrupted):
+        make_trainer(tmp_path / "a", task, steps=4, on_step=interrupt_at(2)).fit()
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    plain = make_trainer(tmp_path / "a", task, steps=4)
+    plain.resume()
+    expected = plain.fit().final_loss
+    timed = make_trainer(tmp_path / "b", task, steps=4)
+    timed.resume()  # the restored RNG state must survive the estimate's dropout
+    assert timed.estimate_step_seconds() > 0
+    assert timed.fit().final_loss == expected
+    assert_same_weights(tmp_path / "a", tmp_path / "b")
