@@ -51,7 +51,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     lm.add_argument("--block-size", type=_positive_int, default=128,
                     help="characters of context per training window")
     lm.add_argument("--style", choices=("gpt", "llama"), default="gpt",
-                    help="gpt: learned positions, LayerNorm, GELU; llama: RoPE, RMSNorm, SwiGLU")
+                    help="gpt: learned positions, LayerNorm, GELU; llama: RoPE, RMSNorm, SwiGLU, "
+                    "grouped-query attention")
     _model_arguments(lm, d_model=128, layers=4, heads=4)
     _train_arguments(lm)
     lm.set_defaults(handler=_train_lm)
@@ -64,7 +65,7 @@ def _model_arguments(p: argparse.ArgumentParser, *, d_model: int, layers: int, h
                    help="layers (per stack for seq2seq)")
     p.add_argument("--heads", type=_positive_int, default=heads, help="attention heads")
     p.add_argument("--d-ff", type=_positive_int, default=None,
-                   help="feed-forward width (default 4 x d-model)")
+                   help="feed-forward width; None: 4 x d-model (llama: 8/3 x d-model, rounded)")
     p.add_argument("--dropout", type=_fraction, default=0.1, help="dropout probability")
 
 
