@@ -256,3 +256,12 @@ def test_a_huge_or_wrong_model_config_is_refused_before_allocating(copy):
         path.write_text(json.dumps(config))
         with pytest.raises(ValueError, match=message):
             load_model(out / "last")
+
+
+def test_leftovers_are_matched_by_the_exact_name(tmp_path):
+    target = tmp_path / "ck[1]"
+    (tmp_path / ".ck[1].tmp-killed").mkdir()
+    (tmp_path / ".ck1.tmp-someone-elses").mkdir()  # "[1]" is no pattern here
+    new = new_folder(target)
+    swap_in(new, target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ck1.tmp-someone-elses", "ck[1]"]

@@ -9,6 +9,7 @@ hidden ``.name.tmp-*`` folder, the current ``name`` becomes ``.name.old``, the n
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import tempfile
@@ -21,7 +22,7 @@ def new_folder(target: Path) -> Path:
     """An empty hidden folder beside ``target`` to write its next version into (leftover
     ``.tmp-*`` folders of ``target`` from killed writers are removed first)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    for stale in target.parent.glob(f".{target.name}.tmp-*"):
+    for stale in target.parent.glob(f".{glob.escape(target.name)}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
 
@@ -54,7 +55,7 @@ def existing_folder(target: Path) -> Path | None:
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace the file ``path`` by ``text`` in one step (temporary file, fsync, rename);
     leftover temporary files of killed writers are removed first."""
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):
         stale.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
