@@ -10,17 +10,18 @@ per axis are kept, and at most ``max_lines`` lines are drawn per token.
 
 from __future__ import annotations
 
-import html
-import json
+import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from attnlab._checks import check_positive
 from attnlab.analysis.capture import AttentionCapture, kind_label
 from attnlab.analysis.metrics import head_report
 from attnlab.analysis.table import Table
-from attnlab.analysis.viewer_page import PAGE
+from attnlab.analysis.viewer_page import render_page
 
 __all__ = ["save_html", "viewer_data"]
 
@@ -38,16 +39,17 @@ def save_html(
     """Write the viewer for row ``example`` of ``result`` to ``path``; returns the path.
 
     ``report`` defaults to ``head_report`` of that row. Nothing in the file loads from a
-    network: it opens from disk in any browser.
+    network: it opens from disk in any browser. Every string (title, tokens, layer and head
+    names, table cells) is escaped for where it lands, so none can add markup or script.
     """
     data = viewer_data(result, example=example, report=report, title=title,
                        max_tokens=max_tokens, max_lines=max_lines)
-    # "</" inside the JSON could close the <script> element early.
-    payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False).replace("</", "<\\/")
-    page = PAGE.replace("__TITLE__", html.escape(title)).replace("__DATA__", payload)
+    page = render_page(title, data)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page, encoding="utf-8")
+    # Bytes, not text: a newline translated on the way out would change the script's hash
+    # that the page's Content-Security-Policy names.
+    path.write_bytes(page.encode("utf-8"))
     return path
 
 
@@ -62,10 +64,15 @@ def viewer_data(
 ) -> dict[str, Any]:
     """The JSON the page is built from: per kind its tokens and ``layer x head x L x S``
     weights in thousandths (ints), plus the metric table with numbers rounded to 3 places."""
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens: expected a positive int, got {max_tokens!r}")
-    if not isinstance(max_lines, int) or max_lines < 1:
-        raise ValueError(f"max_lines: expected a positive int, got {max_lines!r}")
+    check_positive("max_tokens", max_tokens)
+    check_positive("max_lines", max_lines)
+    if not isinstance(title, str):
+        raise TypeError(f"title: expected a str, got {type(title).__name__}")
+    rows_in = {m.weights.shape[0] for m in result.maps.values()}
+    if isinstance(example, bool) or not isinstance(example, int) \
+            or not all(0 <= example < n for n in rows_in):
+        raise ValueError(f"example: expected a row index in 0 .. {min(rows_in) - 1}, "
+                         f"got {example!r}")
     if report is None:
         report = head_report(_one_example(result, example))
     kinds, truncated = [], False
@@ -83,7 +90,7 @@ def viewer_data(
             "keys": keys[:max_tokens],
             "weights": milli.reshape(*milli.shape[:2], -1).tolist(),
         })
-    rows = [[round(v, 3) if isinstance(v, float) else v for v in row] for row in report.rows]
+    rows = [[_cell(v) for v in row] for row in report.rows]
     return {
         "title": title,
         "kinds": kinds,
@@ -94,10 +101,16 @@ def viewer_data(
     }
 
 
+def _cell(v: Any) -> Any:
+    """A table cell for JSON: floats rounded to 3 places; NaN and infinities (which JSON
+    cannot hold) as the text Python prints for them."""
+    if isinstance(v, float):
+        return round(v, 3) if math.isfinite(v) else str(v)
+    return v
+
+
 def _one_example(result: AttentionCapture, b: int) -> AttentionCapture:
     """``result`` restricted to batch row ``b`` (for its head report)."""
-    from dataclasses import replace
-
     maps = {
         k: replace(
             m,
