@@ -118,6 +118,11 @@ def _viz(args: argparse.Namespace) -> int:
     check_positive("--max-lines", args.max_lines)
     if not args.text:
         raise ValueError("--text: expected a non-empty string, got ''")
+    html = args.html or (None if args.png else "attention.html")
+    if html:
+        _check_output("--html", Path(html), folder=False)
+    if args.png:
+        _check_output("--png", Path(args.png), folder=True)
     if args.alignment:
         try:
             check_date_checkpoint(args.checkpoint)
@@ -130,7 +135,6 @@ def _viz(args: argparse.Namespace) -> int:
     print(f"{args.checkpoint}: {description}\n")
     print(report.to_markdown())
     written: list[Path] = []
-    html = args.html or (None if args.png else "attention.html")
     if html:
         written.append(save_html(result, html, report=report, max_tokens=args.max_tokens,
                                  max_lines=args.max_lines,
@@ -144,6 +148,17 @@ def _viz(args: argparse.Namespace) -> int:
         written += report_.pictures
     print("\nwrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _check_output(flag: str, path: Path, *, folder: bool) -> None:
+    """Refuse, before any work, an output that cannot be written: a folder where a file is
+    to go, or a file where a folder is (or must be created)."""
+    if not folder and path.is_dir():
+        raise ValueError(f"{flag}: {str(path)!r} is a folder, expected a file name")
+    where = path if folder else path.parent
+    existing = next((p for p in [where, *where.parents] if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ValueError(f"{flag}: {str(existing)!r} is a file, expected a folder there")
 
 
 def _pictures(result: AttentionCapture, report: Any, out: Path) -> list[Path]:

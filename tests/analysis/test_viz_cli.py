@@ -120,7 +120,12 @@ def test_viz_refuses_bad_text_and_options_clearly(tmp_path, capsys, monkeypatch)
         (["--text", "a" * 49], "text: expected at most 48 characters (the model's max_len)"),
         (["--text", "ab", "--max-tokens", "0"], "--max-tokens: expected a positive int, got 0"),
         (["--text", "ab", "--max-lines", "-1"], "--max-lines: expected a positive int, got -1"),
+        (["--text", "ab", "--html", str(tmp_path)], "--html: " + repr(str(tmp_path)) +
+         " is a folder, expected a file name"),
+        (["--text", "ab", "--html", "f/v.html"], "--html: 'f' is a file, expected a folder"),
+        (["--text", "ab", "--png", "f/png"], "--png: 'f' is a file, expected a folder there"),
     ]
+    (tmp_path / "f").write_text("")
     for args, message in cases:
         assert main(["viz", "--checkpoint", str(ckpt), *args]) == 2
         assert message in capsys.readouterr().err
