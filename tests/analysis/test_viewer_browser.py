@@ -11,6 +11,7 @@ import torch
 from hostile_strings import HOSTILE
 
 from attnlab.analysis import capture, save_html
+from attnlab.analysis.table import Table
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 from attnlab.models.transformer import Transformer, TransformerConfig
 
@@ -182,4 +183,16 @@ def test_viewer_policy_blocks_injected_handlers(browser, tmp_path):
     assert page.get_attribute("body", "data-ready") == "1"  # the page's own script runs
     assert page.get_attribute("body", "data-pwned") is None
     assert all(u.startswith("file://") for u in requests), requests
+    page.close()
+
+
+def test_viewer_shows_a_table_without_head_columns_whole(browser, tmp_path):
+    result = _hostile_capture(list("abc"))
+    report = Table(["name", "score"], [["first", 0.12345], ["<i>second</i>", float("inf")]])
+    path = save_html(result, tmp_path / "view.html", report=report)
+    page, _, errors = _open(browser, path)
+    cells = page.eval_on_selector_all("#metrics tbody td", "ts => ts.map(t => t.textContent)")
+    assert cells == ["first", "0.123", "<i>second</i>", "inf"]
+    page.click("#head-1")
+    assert page.locator("#metrics tbody tr").count() == 2 and errors == []
     page.close()

@@ -66,6 +66,9 @@ def viewer_data(
     weights in thousandths (ints), plus the metric table with numbers rounded to 3 places."""
     check_positive("max_tokens", max_tokens)
     check_positive("max_lines", max_lines)
+    if report is not None and not isinstance(report, Table):
+        raise TypeError(f"report: expected an attnlab.analysis.table.Table, got "
+                        f"{type(report).__name__}")
     if not isinstance(title, str):
         raise TypeError(f"title: expected a str, got {type(title).__name__}")
     rows_in = {m.weights.shape[0] for m in result.maps.values()}

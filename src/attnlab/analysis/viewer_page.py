@@ -278,14 +278,18 @@ function drawTable() {
   const body = $("metrics").tBodies[0];
   body.replaceChildren();
   const ki = cols.indexOf("kind"), li = cols.indexOf("layer"), hi = cols.indexOf("head");
+  // A table without kind, layer and head columns is shown whole, its rows not tied to heads.
+  const tied = ki >= 0 && li >= 0 && hi >= 0;
   for (const r of D.report.rows) {
-    if (r[ki] !== k.kind || r[li] !== k.layers[S.layer]) continue;
+    if (tied && (r[ki] !== k.kind || r[li] !== k.layers[S.layer])) continue;
     const tr = row(r.map((v) => (typeof v === "number" && !Number.isInteger(v) ?
       v.toFixed(3) : String(v))), "td");
-    const h = k.heads.indexOf(r[hi]);
-    tr.id = "metric-head-" + r[hi];
-    if (h === S.head) tr.classList.add("sel");
-    tr.onclick = () => setHead(h);
+    const h = tied ? k.heads.indexOf(r[hi]) : -1;
+    if (h >= 0) {  // a row of a head that was not captured picks nothing
+      tr.id = "metric-head-" + r[hi];
+      if (h === S.head) tr.classList.add("sel");
+      tr.onclick = () => setHead(h);
+    }
     body.append(tr);
   }
 }
