@@ -3,6 +3,7 @@ in the colour that contrasts with their cell, tokens shown as text (no mathtext)
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -58,10 +59,11 @@ def _numbers_readable(fig):
         if not ax.images:
             continue
         image = ax.images[0]
-        data = image.get_array()
+        data = np.ma.filled(image.get_array(), np.nan)
         for t in ax.texts:
             j, i = (round(x) for x in t.get_position())
-            cell = image.cmap(image.norm(data[i, j]))
+            r, g, b, a = image.cmap(image.norm(data[i, j]))
+            cell = [a * c + (1 - a) for c in (r, g, b)]  # drawn over the white background
             assert _contrast(RGB[t.get_color()], cell) >= 4.5, (t.get_text(), cell)
             checked += 1
     return checked
@@ -71,7 +73,7 @@ def test_cell_numbers_contrast_with_their_cells(figures, tmp_path):
     torch.manual_seed(0)
     # Negative metrics (a loss change) and similarities around the old fixed threshold.
     plots.plot_metric_map(-3 * torch.rand(4, 6), tmp_path / "m.png")
-    plots.plot_metric_map(torch.tensor([[0.0, 0.3, 0.55, 0.6, 1.0]]), tmp_path / "m.png",
+    plots.plot_metric_map(torch.tensor([[0.0, 0.3, 0.55, 0.6, float("nan")]]), tmp_path / "m.png",
                           cmap="viridis")
     plots.plot_head_similarity(torch.linspace(0, 1, 36).reshape(6, 6), tmp_path / "s.png")
     plots.plot_masks(5, 3, tmp_path / "k.png")

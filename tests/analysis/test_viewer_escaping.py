@@ -7,6 +7,7 @@ import base64
 import hashlib
 import json
 import re
+from dataclasses import replace
 from html.parser import HTMLParser
 
 import pytest
@@ -145,3 +146,19 @@ class _Page(HTMLParser):
     def handle_data(self, data):
         if self._open:
             self.text[self._open[-1]] += data
+
+
+def test_weights_that_are_not_attention_weights_are_refused():
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderLMConfig.gpt(8, d_model=16, num_layers=1, num_heads=2,
+                                          max_len=16)).eval()
+    result = capture(model, torch.randint(0, 8, (1, 4)), tokens={"input": [[1, 2, None, 4]]})
+    assert viewer_data(result)["kinds"][0]["queries"] == ["1", "2", "None", "4"]
+    maps = result.maps["self"]
+    for bad, message in [(float("nan"), "hold NaN or infinity"),
+                         (3.5, r"lie in .* \.\. 3\.5, expected attention weights in 0 \.\. 1")]:
+        w = maps.weights.clone()
+        w[0, 0, 0, 1, 0] = bad
+        broken = replace(result, maps={"self": replace(maps, weights=w)})
+        with pytest.raises(ValueError, match="result: the 'self' weights " + message):
+            viewer_data(broken)

@@ -54,6 +54,9 @@ def plot_attention_heads(
             f"weights: expected shape H x {len(queries)} x {len(keys)}, got {tuple(weights.shape)}"
         )
     H = weights.shape[0]
+    if min(weights.shape) == 0:
+        raise ValueError(f"weights: expected at least one head, query and key, got shape "
+                         f"{tuple(weights.shape)}")
     panels = [(f"head {h}", weights[h]) for h in range(H)]
     return _heatmap_grid(panels, queries, keys, path, cols=4, title=title)
 
@@ -164,7 +167,9 @@ def tick_labels(tokens: Sequence[str], max_ticks: int = MAX_TICKS) -> tuple[list
     n = len(tokens)
     step = max(1, math.ceil(n / max_ticks))
     positions = list(range(0, n, step))
-    labels = [_label(tokens[i]) if step == 1 else f"{i}:{_label(tokens[i])}" for i in positions]
+    labels = [_label(str(tokens[i])) for i in positions]
+    if step > 1:
+        labels = [f"{i}:{label}" for i, label in zip(positions, labels)]
     return positions, labels
 
 
@@ -243,8 +248,11 @@ def _write_numbers(ax, image, values: Tensor, fmt: str, *, fontsize: int) -> Non
     colors = image.cmap(image.norm(values.float().numpy()))
     for i in range(values.shape[0]):
         for j in range(values.shape[1]):
-            ax.text(j, i, fmt.format(float(values[i, j])), ha="center", va="center",
-                    fontsize=fontsize, color=text_color(colors[i, j]))
+            v = float(values[i, j])
+            # A NaN cell is left blank (the white background shows): black text there.
+            color = text_color(colors[i, j]) if math.isfinite(v) else "black"
+            ax.text(j, i, fmt.format(v), ha="center", va="center", fontsize=fontsize,
+                    color=color)
 
 
 def _pyplot():

@@ -82,15 +82,16 @@ def viewer_data(
     for kind, maps in result.maps.items():
         w, queries, keys = maps.example(example)
         truncated |= len(queries) > max_tokens or len(keys) > max_tokens
-        w = w[..., :max_tokens, :max_tokens]
-        milli = torch.round(w.float() * 1000).to(torch.int32)
+        w = w[..., :max_tokens, :max_tokens].float()
+        _check_weights(kind, w)
+        milli = torch.round(w.clamp(0, 1) * 1000).to(torch.int32)
         kinds.append({
             "kind": kind,
             "label": kind_label(kind),
             "layers": list(maps.layers),
             "heads": list(maps.heads),
-            "queries": queries[:max_tokens],
-            "keys": keys[:max_tokens],
+            "queries": [str(t) for t in queries[:max_tokens]],
+            "keys": [str(t) for t in keys[:max_tokens]],
             "weights": milli.reshape(*milli.shape[:2], -1).tolist(),
         })
     rows = [[_cell(v) for v in row] for row in report.rows]
@@ -102,6 +103,16 @@ def viewer_data(
         "maxTokens": max_tokens,
         "maxLines": max_lines,
     }
+
+
+def _check_weights(kind: str, w: torch.Tensor) -> None:
+    """Attention weights lie in 0 .. 1; NaN would become an arbitrary integer in the page and
+    logits would be drawn as if they were weights. (0.01 of slack for bfloat16 rounding.)"""
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError(f"result: the {kind!r} weights hold NaN or infinity")
+    if w.numel() and (float(w.min()) < -0.01 or float(w.max()) > 1.01):
+        raise ValueError(f"result: the {kind!r} weights lie in {float(w.min()):.3g} .. "
+                         f"{float(w.max()):.3g}, expected attention weights in 0 .. 1")
 
 
 def _cell(v: Any) -> Any:
