@@ -101,6 +101,10 @@ def test_save_html_writes_odd_titles_and_checks_its_arguments(tmp_path):
         viewer_data(result, max_tokens=0)
     with pytest.raises(TypeError, match="title: expected a str, got int"):
         save_html(result, tmp_path / "x.html", title=3)
+    with pytest.raises(TypeError, match=r"result: expected an AttentionCapture .*, got dict"):
+        save_html({}, tmp_path / "x.html")
+    with pytest.raises(TypeError, match=r"report: expected an attnlab\.analysis\.table\.Table"):
+        save_html(result, tmp_path / "x.html", report=[["self", 0, 0]])
 
 
 def test_table_cells_that_json_cannot_hold_are_text():

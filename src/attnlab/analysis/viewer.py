@@ -64,18 +64,9 @@ def viewer_data(
 ) -> dict[str, Any]:
     """The JSON the page is built from: per kind its tokens and ``layer x head x L x S``
     weights in thousandths (ints), plus the metric table with numbers rounded to 3 places."""
+    _check_arguments(result, example, report, title)
     check_positive("max_tokens", max_tokens)
     check_positive("max_lines", max_lines)
-    if report is not None and not isinstance(report, Table):
-        raise TypeError(f"report: expected an attnlab.analysis.table.Table, got "
-                        f"{type(report).__name__}")
-    if not isinstance(title, str):
-        raise TypeError(f"title: expected a str, got {type(title).__name__}")
-    rows_in = {m.weights.shape[0] for m in result.maps.values()}
-    if isinstance(example, bool) or not isinstance(example, int) \
-            or not all(0 <= example < n for n in rows_in):
-        raise ValueError(f"example: expected a row index in 0 .. {min(rows_in) - 1}, "
-                         f"got {example!r}")
     if report is None:
         report = head_report(_one_example(result, example))
     kinds, truncated = [], False
@@ -103,6 +94,20 @@ def viewer_data(
         "maxTokens": max_tokens,
         "maxLines": max_lines,
     }
+
+
+def _check_arguments(result: Any, example: Any, report: Any, title: Any) -> None:
+    if not isinstance(result, AttentionCapture) or not result.maps:
+        got = "one with no maps" if isinstance(result, AttentionCapture) else type(result).__name__
+        raise TypeError(f"result: expected an AttentionCapture with at least one kind, got {got}")
+    if report is not None and not isinstance(report, Table):
+        raise TypeError(f"report: expected an attnlab.analysis.table.Table, got "
+                        f"{type(report).__name__}")
+    if not isinstance(title, str):
+        raise TypeError(f"title: expected a str, got {type(title).__name__}")
+    rows = min(m.weights.shape[0] for m in result.maps.values())
+    if isinstance(example, bool) or not isinstance(example, int) or not 0 <= example < rows:
+        raise ValueError(f"example: expected a row index in 0 .. {rows - 1}, got {example!r}")
 
 
 def _check_weights(kind: str, w: torch.Tensor) -> None:
