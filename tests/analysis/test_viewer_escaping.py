@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import re
 from dataclasses import replace
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 from attnlab.analysis import capture, save_html
 from attnlab.analysis.table import Table
-from attnlab.analysis.viewer import viewer_data
+from attnlab.analysis.viewer import viewer_data, zero_runs
 from attnlab.analysis.viewer_page import html_text, render_page, script_json
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 
@@ -166,3 +167,24 @@ def test_weights_that_are_not_attention_weights_are_refused():
         broken = replace(result, maps={"self": replace(maps, weights=w)})
         with pytest.raises(ValueError, match="result: the 'self' weights " + message):
             viewer_data(broken)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=30), min_size=1, max_size=4)
+       .filter(lambda rows: len({len(r) for r in rows}) == 1))
+def test_zero_runs_decode_to_the_rows(rows):
+    coded = zero_runs(torch.tensor(rows))
+    for row, code in zip(rows, coded):
+        decoded = []
+        for v in code:
+            decoded += [0] * -v if v < 0 else [v]
+        assert decoded == row
+        assert all(v != 0 for v in code)  # every zero is inside a run
+        assert all(a >= 0 or b >= 0 for a, b in itertools.pairwise(code))  # runs are maximal
+
+
+def test_zero_runs_refuses_what_it_cannot_code():
+    assert zero_runs(torch.tensor([[0, 0, 5, 0], [7, 0, 0, 0]])) == [[-2, 5, -1], [7, -3]]
+    for bad in [torch.tensor([[1, -2]]), torch.tensor([1, 0]), torch.tensor([[0.5]])]:
+        with pytest.raises(ValueError, match=r"rows: expected a 2-d integer tensor"):
+            zero_runs(bad)

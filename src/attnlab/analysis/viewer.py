@@ -4,8 +4,9 @@
 and data: pick the attention kind, the layer and a head (or all heads); hover or click a
 token to see its attention lines and weights; switch to a heatmap; read the head metric
 table (click a row to pick that head). To stay responsive on long inputs the weights are
-rounded to 3 decimals (stored as integers in thousandths), at most ``max_tokens`` positions
-per axis are kept, and at most ``max_lines`` lines are drawn per token.
+rounded to 3 decimals (stored as integers in thousandths, runs of zeros coded as one negative
+count: half the file for a causal model), at most ``max_tokens`` positions per axis are kept,
+and at most ``max_lines`` lines are drawn per token.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from attnlab.analysis.metrics import head_report
 from attnlab.analysis.table import Table
 from attnlab.analysis.viewer_page import render_page
 
-__all__ = ["save_html", "viewer_data"]
+__all__ = ["save_html", "viewer_data", "zero_runs"]
 
 
 def save_html(
@@ -62,8 +63,9 @@ def viewer_data(
     max_tokens: int = 256,
     max_lines: int = 40,
 ) -> dict[str, Any]:
-    """The JSON the page is built from: per kind its tokens and ``layer x head x L x S``
-    weights in thousandths (ints), plus the metric table with numbers rounded to 3 places."""
+    """The JSON the page is built from: per kind its tokens and, per layer and head, the
+    ``L x S`` weights flattened in thousandths (ints) with each run of ``m`` zeros written as
+    ``-m`` (``zero_runs``), plus the metric table with numbers rounded to 3 places."""
     _check_arguments(result, example, report, title)
     check_positive("max_tokens", max_tokens)
     check_positive("max_lines", max_lines)
@@ -83,7 +85,7 @@ def viewer_data(
             "heads": list(maps.heads),
             "queries": [str(t) for t in queries[:max_tokens]],
             "keys": [str(t) for t in keys[:max_tokens]],
-            "weights": milli.reshape(*milli.shape[:2], -1).tolist(),
+            "weights": [zero_runs(layer) for layer in milli.flatten(2)],
         })
     rows = [[_cell(v) for v in row] for row in report.rows]
     return {
@@ -94,6 +96,25 @@ def viewer_data(
         "maxTokens": max_tokens,
         "maxLines": max_lines,
     }
+
+
+def zero_runs(rows: torch.Tensor) -> list[list[int]]:
+    """Each row of the integer ``R x n`` tensor ``rows`` with every run of ``m`` zeros
+    replaced by the single number ``-m`` (the values must be ``>= 0``)."""
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.is_floating_point() \
+            or bool((rows < 0).any()):
+        got = (f"shape {tuple(rows.shape)}, {rows.dtype}" if isinstance(rows, torch.Tensor)
+               else type(rows).__name__)
+        raise ValueError(f"rows: expected a 2-d integer tensor of values >= 0, got {got}")
+    zero = rows == 0
+    edge = torch.zeros_like(zero[..., :1])
+    starts = zero & ~torch.cat([edge, zero[..., :-1]], -1)  # first zero of each run
+    ends = zero & ~torch.cat([zero[..., 1:], edge], -1)  # last zero of each run
+    coded = rows.clone()
+    # Row-major order pairs the i-th start with the i-th end (a run never spans two rows).
+    coded[starts] = (starts.nonzero()[:, -1] - ends.nonzero()[:, -1] - 1).to(rows.dtype)
+    keep = ~zero | starts
+    return [part.tolist() for part in coded[keep].split(keep.sum(-1).tolist())]
 
 
 def _check_arguments(result: Any, example: Any, report: Any, title: Any) -> None:

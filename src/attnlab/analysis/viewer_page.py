@@ -115,11 +115,14 @@ function weights(head) {
 }
 
 function meanOf(head) {
-  const k = K(), rows = k.weights[S.layer];
-  const n = k.queries.length * k.keys.length;
-  const out = new Float32Array(n);
-  const hs = head < 0 ? rows.map((_, i) => i) : [head];
-  for (const h of hs) for (let i = 0; i < n; i++) out[i] += rows[h][i] / 1000 / hs.length;
+  const k = K(), n = k.queries.length * k.keys.length, out = new Float32Array(n);
+  if (head >= 0) {  // thousandths with zeros run-length coded: -m stands for m zeros
+    let i = 0;
+    for (const v of k.weights[S.layer][head]) { if (v < 0) i -= v; else out[i++] = v / 1000; }
+    return out;
+  }
+  const ws = k.heads.map((_, h) => weights(h));
+  for (const w of ws) for (let i = 0; i < n; i++) out[i] += w[i] / ws.length;
   return out;
 }
 
