@@ -147,7 +147,7 @@ def test_viz_help_describes_every_option():
 def test_viz_hostile_text_reaches_the_page_as_text(tmp_path, capsys):
     text = "__DATA__<img src=x onerror=alert(1)>"
     ckpt = _char_lm(tmp_path / "lm", "".join(sorted(set(text))))
-    html = tmp_path / "v.html"
+    html = tmp_path / "odd dir ü #?$ '\"" / "v.html"  # a path with odd characters too
     assert main(["viz", "--checkpoint", str(ckpt), "--text", text, "--html", str(html)]) == 0
     page = html.read_text()
     assert page.count("<img") == 0 and page.count("<script") == 2
