@@ -6,7 +6,8 @@ interactive HTML viewer and/or PNG pictures (a head grid per kind and layer, a l
 entropy map and head similarity per kind). ``DIR`` is an attnlab checkpoint (a seq2seq
 model: the text is the source and the model's greedy translation the target; a character
 LM: the text is the input) or a Hugging Face Qwen2/Llama folder with ``tokenizer.json``.
-``--alignment`` adds, for a date checkpoint, the year-alignment report and its pictures.
+``--alignment`` adds, for a date checkpoint, the year-alignment report and its pictures;
+it refuses any other checkpoint before doing any work.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer
 from torch import nn
 
+from attnlab._checks import check_positive
 from attnlab.analysis import (
     capture,
     head_report,
@@ -29,33 +32,60 @@ from attnlab.analysis import (
     save_html,
 )
 from attnlab.analysis.capture import AttentionCapture, kind_label
+from attnlab.analysis.dates import check_date_checkpoint, date_alignment_report
+from attnlab.models.qwen2 import Qwen2ForCausalLM
+from attnlab.training.checkpoint import FORMAT, load_model
+from attnlab.training.tasks.seq2seq import SEQ2SEQ_TASKS, make_seq2seq_task
+from attnlab.training.tasks.vocab import BOS, CharVocab
 
 __all__ = ["add_commands", "load_for_viz"]
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``viz`` on the top-level sub-parsers."""
-    viz = sub.add_parser("viz", help="capture and draw a checkpoint's attention on a text")
-    viz.add_argument("--checkpoint", required=True,
-                     help="attnlab checkpoint folder or Hugging Face Qwen2 folder")
-    viz.add_argument("--text", required=True, help="the input text")
-    viz.add_argument("--html", help="write the interactive viewer here (default: "
-                                    "attention.html when --png is not given)")
-    viz.add_argument("--png", help="folder for PNG pictures")
-    viz.add_argument("--layers", type=int, nargs="+", help="layer indices (default: all)")
-    viz.add_argument("--heads", type=int, nargs="+", help="head indices (default: all)")
-    viz.add_argument("--max-tokens", type=int, default=256,
-                     help="positions kept per axis in the HTML viewer (default 256)")
+    viz = sub.add_parser("viz", help="capture and draw a checkpoint's attention on a text",
+                         description="Capture every attention layer and head of a checkpoint on "
+                         "a text, print the head metric table, and write the interactive HTML "
+                         "viewer and/or PNG pictures.", formatter_class=_HelpFormatter)
+    viz.add_argument("--checkpoint", required=True, metavar="DIR",
+                     help="an attnlab checkpoint folder (seq2seq or character LM) or a Hugging "
+                          "Face Qwen2/Llama folder with tokenizer.json")
+    viz.add_argument("--text", required=True,
+                     help="the input text: the source of a seq2seq model, else the prompt")
+    viz.add_argument("--html", metavar="FILE",
+                     help="write the interactive viewer to FILE; when neither --html nor "
+                          "--png is given it goes to attention.html")
+    viz.add_argument("--png", metavar="DIR",
+                     help="write PNG pictures into DIR: a head grid per kind and layer, the "
+                          "layer x head entropy map and the head similarity of each kind")
+    viz.add_argument("--layers", type=int, nargs="+", metavar="I",
+                     help="capture only these layer indices (all when not given)")
+    viz.add_argument("--heads", type=int, nargs="+", metavar="H",
+                     help="capture only these head indices (all when not given)")
+    viz.add_argument("--max-tokens", type=int, default=256, metavar="N",
+                     help="positions kept per axis in the HTML viewer (longer inputs are cut "
+                          "there, and the page says so)")
+    viz.add_argument("--max-lines", type=int, default=40, metavar="N",
+                     help="attention lines drawn at most per token in the HTML viewer")
     viz.add_argument("--alignment", action="store_true",
-                     help="date checkpoints: year-alignment report and head similarity")
+                     help="date-task checkpoints only (attnlab demo writes runs/demo/best): "
+                          "also the year-alignment report and its pictures, under "
+                          "the --png folder (or .) in alignment/")
     viz.set_defaults(handler=_viz)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default only where there is one: "(default: None)" after "all when
+    not given" would say less than the help text does."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def load_for_viz(checkpoint: str | Path, text: str) -> tuple[nn.Module, Any, dict, str]:
     """``(model, inputs, tokens, description)`` ready for ``capture`` on ``text``."""
-    from attnlab.training.checkpoint import FORMAT, load_model
-    from attnlab.training.tasks.vocab import BOS, CharVocab
-
     folder = Path(checkpoint)
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -67,6 +97,8 @@ def load_for_viz(checkpoint: str | Path, text: str) -> tuple[nn.Module, Any, dic
         return _load_hf(folder, text, raw)
     model, config = load_model(folder)
     extra = config.get("extra", {})
+    chars = extra["src_chars"] if config["model_type"] == "transformer" else extra["chars"]
+    _check_text(text, chars, model.config.max_len)
     if config["model_type"] == "transformer":
         src_vocab, tgt_vocab = CharVocab(extra["src_chars"]), CharVocab(extra["tgt_chars"])
         src = src_vocab.batch([text])
@@ -81,27 +113,52 @@ def load_for_viz(checkpoint: str | Path, text: str) -> tuple[nn.Module, Any, dic
 
 
 def _viz(args: argparse.Namespace) -> int:
+    # Every check that needs no model comes first: a wrong option fails in a moment.
+    check_positive("--max-tokens", args.max_tokens)
+    check_positive("--max-lines", args.max_lines)
+    if not args.text:
+        raise ValueError("--text: expected a non-empty string, got ''")
+    html = args.html or (None if args.png else "attention.html")
+    if html:
+        _check_output("--html", Path(html), folder=False)
+    if args.png:
+        _check_output("--png", Path(args.png), folder=True)
+    if args.alignment:
+        try:
+            check_date_checkpoint(args.checkpoint)
+        except (ValueError, FileNotFoundError) as error:
+            raise ValueError(f"--alignment: needs a date-task checkpoint (attnlab demo writes "
+                             f"runs/demo/best); {error}") from None
     model, inputs, tokens, description = load_for_viz(args.checkpoint, args.text)
     result = capture(model, inputs, args.layers, args.heads, tokens=tokens)
     report = head_report(result)
     print(f"{args.checkpoint}: {description}\n")
     print(report.to_markdown())
     written: list[Path] = []
-    html = args.html or (None if args.png else "attention.html")
     if html:
         written.append(save_html(result, html, report=report, max_tokens=args.max_tokens,
+                                 max_lines=args.max_lines,
                                  title=f"{Path(args.checkpoint).name}: {description}"))
     if args.png:
         written += _pictures(result, report, Path(args.png))
     if args.alignment:
-        from attnlab.analysis.dates import date_alignment_report
-
         folder = Path(args.png or ".") / "alignment"
         report_ = date_alignment_report(args.checkpoint, out_dir=folder)
         print("\n" + report_.summary())
         written += report_.pictures
     print("\nwrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _check_output(flag: str, path: Path, *, folder: bool) -> None:
+    """Refuse, before any work, an output that cannot be written: a folder where a file is
+    to go, or a file where a folder is (or must be created)."""
+    if not folder and path.is_dir():
+        raise ValueError(f"{flag}: {str(path)!r} is a folder, expected a file name")
+    where = path if folder else path.parent
+    existing = next((p for p in [where, *where.parents] if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ValueError(f"{flag}: {str(existing)!r} is a file, expected a folder there")
 
 
 def _pictures(result: AttentionCapture, report: Any, out: Path) -> list[Path]:
@@ -125,9 +182,19 @@ def _pictures(result: AttentionCapture, report: Any, out: Path) -> list[Path]:
     return paths
 
 
-def _seq2seq_task(extra: dict) -> Any:
-    from attnlab.training.tasks.seq2seq import SEQ2SEQ_TASKS, make_seq2seq_task
+def _check_text(text: str, chars: str, max_len: int) -> None:
+    """A character model sees an unknown character as ``<unk>``: refuse rather than draw
+    attention on tokens that are not what they say."""
+    unknown = sorted(set(text) - set(chars))
+    if unknown:
+        raise ValueError(f"text: characters {''.join(unknown)!r} are not in the checkpoint's "
+                         f"vocabulary {chars!r}")
+    if len(text) > max_len:
+        raise ValueError(f"text: expected at most {max_len} characters (the model's max_len), "
+                         f"got {len(text)}")
 
+
+def _seq2seq_task(extra: dict) -> Any:
     if extra.get("task") not in SEQ2SEQ_TASKS:
         return None
     return make_seq2seq_task(extra["task"], seed=extra.get("seed", 0),
@@ -138,15 +205,9 @@ def _load_hf(folder: Path, text: str, raw: dict) -> tuple[nn.Module, Any, dict, 
     if raw.get("model_type") not in ("qwen2", "llama"):
         raise ValueError(f"checkpoint: {str(folder)!r} is neither an attnlab checkpoint nor a "
                          f"Qwen2/Llama folder (model_type {raw.get('model_type')!r})")
-    try:
-        from attnlab.models.qwen2 import Qwen2ForCausalLM
-    except ImportError:  # pragma: no cover - the module ships with attnlab
-        raise ValueError("checkpoint: Qwen2 folders need attnlab.models.qwen2") from None
     tok_path = folder / "tokenizer.json"
     if not tok_path.is_file():
         raise ValueError(f"checkpoint: {str(folder)!r} has no tokenizer.json")
-    from tokenizers import Tokenizer
-
     tokenizer = Tokenizer.from_file(str(tok_path))
     ids = tokenizer.encode(text).ids
     if not ids:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import json
+import re
 
-from attnlab.cli import main
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+import attnlab.cli_viz
+from attnlab.analysis.viewer_page import script_json
+from attnlab.cli import build_parser, main
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
+from attnlab.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from attnlab.models.transformer import Transformer, TransformerConfig
 from attnlab.training.checkpoint import save_checkpoint
 from attnlab.training.tasks.seq2seq import make_seq2seq_task
@@ -57,21 +63,96 @@ def test_viz_char_lm_and_errors(tmp_path, capsys, monkeypatch):
     assert "layers: self-attention has layers [0], got [3]" in capsys.readouterr().err
 
 
-def test_viz_qwen2_folder(tmp_path, capsys):
-    qwen2 = pytest.importorskip("attnlab.models.qwen2")
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
+def _qwen2_folder(path):
     words = ["<unk>", "the", "cat", "sat", "on", "mat"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     torch.manual_seed(0)
-    config = qwen2.Qwen2Config(vocab_size=16, hidden_size=32, intermediate_size=48,
-                               num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, max_position_embeddings=32)
-    folder = qwen2.Qwen2ForCausalLM(config).save_pretrained(tmp_path / "qwen")
+    config = Qwen2Config(vocab_size=16, hidden_size=32, intermediate_size=48,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32)
+    folder = Qwen2ForCausalLM(config).save_pretrained(path)
     tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_viz_qwen2_folder(tmp_path, capsys):
+    folder = _qwen2_folder(tmp_path / "qwen")
     html = tmp_path / "q.html"
     assert main(["viz", "--checkpoint", str(folder), "--text", "the cat sat on the mat",
                  "--html", str(html)]) == 0
     assert "| self | 1 | 3 |" in capsys.readouterr().out
     assert '"queries":["the","cat","sat","on","the","mat"]' in html.read_text()
+
+
+def _char_lm(path, chars):
+    torch.manual_seed(0)
+    config = DecoderLMConfig.gpt(4 + len(chars), d_model=16, num_layers=1, num_heads=2,
+                                 max_len=48)
+    return save_checkpoint(path, DecoderLM(config), model_type="decoder_lm",
+                           model_config=config.to_dict(), extra={"task": "lm", "chars": chars})
+
+
+def test_viz_alignment_refuses_other_checkpoints_before_any_work(tmp_path, capsys, monkeypatch):
+    def no_work(*args, **kwargs):
+        raise AssertionError("viz captured attention before refusing --alignment")
+
+    monkeypatch.setattr(attnlab.cli_viz, "load_for_viz", no_work)
+    monkeypatch.chdir(tmp_path)
+    copy = _seq2seq_checkpoint(tmp_path / "copy")
+    assert main(["viz", "--checkpoint", str(copy), "--text", "123", "--alignment"]) == 2
+    err = capsys.readouterr().err
+    assert "--alignment: needs a date-task checkpoint" in err
+    assert "got model_type 'transformer' with task 'copy'" in err
+    qwen = _qwen2_folder(tmp_path / "qwen")
+    assert main(["viz", "--checkpoint", str(qwen), "--text", "the cat", "--alignment"]) == 2
+    err = capsys.readouterr().err
+    assert "--alignment: needs a date-task checkpoint" in err and "not an attnlab" in err
+    assert not (tmp_path / "attention.html").exists()
+
+
+def test_viz_refuses_bad_text_and_options_clearly(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ckpt = _char_lm(tmp_path / "lm", "abcde")
+    cases = [
+        (["--text", ""], "--text: expected a non-empty string, got ''"),
+        (["--text", "abxzy"], "text: characters 'xyz' are not in the checkpoint's vocabulary"),
+        (["--text", "a" * 49], "text: expected at most 48 characters (the model's max_len)"),
+        (["--text", "ab", "--max-tokens", "0"], "--max-tokens: expected a positive int, got 0"),
+        (["--text", "ab", "--max-lines", "-1"], "--max-lines: expected a positive int, got -1"),
+        (["--text", "ab", "--html", str(tmp_path)], "--html: " + repr(str(tmp_path)) +
+         " is a folder, expected a file name"),
+        (["--text", "ab", "--html", "f/v.html"], "--html: 'f' is a file, expected a folder"),
+        (["--text", "ab", "--png", "f/png"], "--png: 'f' is a file, expected a folder there"),
+    ]
+    (tmp_path / "f").write_text("")
+    for args, message in cases:
+        assert main(["viz", "--checkpoint", str(ckpt), *args]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "attention.html").exists()
+
+
+def test_viz_help_describes_every_option():
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    viz = sub.choices["viz"]
+    options = [a for a in viz._actions if a.option_strings and a.dest != "help"]
+    assert {a.dest for a in options} >= {"checkpoint", "text", "html", "png", "layers",
+                                         "heads", "max_tokens", "max_lines", "alignment"}
+    assert all(a.help and len(a.help) > 20 for a in options)
+    text = " ".join(viz.format_help().split())  # undo the line wrapping
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert text.count("(default: 256)") == 1 and "default 256" not in text
+
+
+def test_viz_hostile_text_reaches_the_page_as_text(tmp_path, capsys):
+    text = "__DATA__<img src=x onerror=alert(1)>"
+    ckpt = _char_lm(tmp_path / "lm", "".join(sorted(set(text))))
+    html = tmp_path / "odd dir ü #?$ '\"" / "v.html"  # a path with odd characters too
+    assert main(["viz", "--checkpoint", str(ckpt), "--text", text, "--html", str(html)]) == 0
+    page = html.read_text()
+    assert page.count("<img") == 0 and page.count("<script") == 2
+    title = f"lm: {text!r}".replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    assert f"<h1>{title.replace(chr(39), '&#x27;')}</h1>" in page
+    data = re.search(r'<script id="data" type="application/json">(.*?)</script>', page, re.S)
+    assert json.loads(data[1])["kinds"][0]["queries"] == list(text)
+    assert script_json(json.loads(data[1])) == data[1]

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
 from attnlab.analysis.alignment import AlignmentResult, cross_alignment
 from attnlab.analysis.capture import capture
 from attnlab.analysis.plots import plot_attention_heads, plot_head_similarity, plot_metric_map
+from attnlab.training.checkpoint import load_config, load_model
+from attnlab.training.tasks.seq2seq import make_seq2seq_task
 
-__all__ = ["DateAlignment", "date_alignment_report", "year_targets"]
+__all__ = ["DateAlignment", "check_date_checkpoint", "date_alignment_report", "year_targets"]
 
 
 @dataclass(frozen=True)
@@ -102,19 +105,30 @@ def date_alignment_report(
     return DateAlignment(result, pictures)
 
 
-def _load(checkpoint: str | Path | tuple[nn.Module, object]) -> tuple[nn.Module, object]:
-    if isinstance(checkpoint, tuple):
-        return checkpoint
-    from attnlab.training.checkpoint import load_model
-    from attnlab.training.tasks.seq2seq import make_seq2seq_task
-
-    model, config = load_model(checkpoint)
+def check_date_checkpoint(checkpoint: str | Path) -> dict[str, Any]:
+    """The config of ``checkpoint`` when it is a date-task Transformer checkpoint (read from
+    its ``config.json`` alone, so a wrong folder is refused before any work); else a
+    ``ValueError`` that says what the folder holds."""
+    try:
+        config = load_config(checkpoint)
+    except ValueError as error:  # e.g. a Hugging Face folder: say what was expected first
+        raise ValueError(f"checkpoint: expected a date-task Transformer checkpoint; "
+                         f"{str(error).removeprefix('checkpoint: ')}") from None
     extra = config.get("extra", {})
     if config.get("model_type") != "transformer" or extra.get("task") != "dates":
         raise ValueError(
             f"checkpoint: expected a date-task Transformer checkpoint, got model_type "
             f"{config.get('model_type')!r} with task {extra.get('task')!r} in {str(checkpoint)!r}"
         )
+    return config
+
+
+def _load(checkpoint: str | Path | tuple[nn.Module, object]) -> tuple[nn.Module, object]:
+    if isinstance(checkpoint, tuple):
+        return checkpoint
+    check_date_checkpoint(checkpoint)
+    model, config = load_model(checkpoint)
+    extra = config.get("extra", {})
     task = make_seq2seq_task("dates", seed=extra.get("seed", 0), n_valid=1)
     if task.src_vocab.chars != extra.get("src_chars", task.src_vocab.chars):
         raise ValueError(f"checkpoint: {str(checkpoint)!r} was trained with another vocabulary")

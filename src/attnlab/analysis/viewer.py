@@ -4,25 +4,27 @@
 and data: pick the attention kind, the layer and a head (or all heads); hover or click a
 token to see its attention lines and weights; switch to a heatmap; read the head metric
 table (click a row to pick that head). To stay responsive on long inputs the weights are
-rounded to 3 decimals (stored as integers in thousandths), at most ``max_tokens`` positions
-per axis are kept, and at most ``max_lines`` lines are drawn per token.
+rounded to 3 decimals (stored as integers in thousandths, runs of zeros coded as one negative
+count: half the file for a causal model), at most ``max_tokens`` positions per axis are kept,
+and at most ``max_lines`` lines are drawn per token.
 """
 
 from __future__ import annotations
 
-import html
-import json
+import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from attnlab._checks import check_positive
 from attnlab.analysis.capture import AttentionCapture, kind_label
 from attnlab.analysis.metrics import head_report
 from attnlab.analysis.table import Table
-from attnlab.analysis.viewer_page import PAGE
+from attnlab.analysis.viewer_page import render_page
 
-__all__ = ["save_html", "viewer_data"]
+__all__ = ["save_html", "viewer_data", "zero_runs"]
 
 
 def save_html(
@@ -38,16 +40,17 @@ def save_html(
     """Write the viewer for row ``example`` of ``result`` to ``path``; returns the path.
 
     ``report`` defaults to ``head_report`` of that row. Nothing in the file loads from a
-    network: it opens from disk in any browser.
+    network: it opens from disk in any browser. Every string (title, tokens, layer and head
+    names, table cells) is escaped for where it lands, so none can add markup or script.
     """
     data = viewer_data(result, example=example, report=report, title=title,
                        max_tokens=max_tokens, max_lines=max_lines)
-    # "</" inside the JSON could close the <script> element early.
-    payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False).replace("</", "<\\/")
-    page = PAGE.replace("__TITLE__", html.escape(title)).replace("__DATA__", payload)
+    page = render_page(title, data)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page, encoding="utf-8")
+    # Bytes, not text: a newline translated on the way out would change the script's hash
+    # that the page's Content-Security-Policy names.
+    path.write_bytes(page.encode("utf-8"))
     return path
 
 
@@ -60,30 +63,31 @@ def viewer_data(
     max_tokens: int = 256,
     max_lines: int = 40,
 ) -> dict[str, Any]:
-    """The JSON the page is built from: per kind its tokens and ``layer x head x L x S``
-    weights in thousandths (ints), plus the metric table with numbers rounded to 3 places."""
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens: expected a positive int, got {max_tokens!r}")
-    if not isinstance(max_lines, int) or max_lines < 1:
-        raise ValueError(f"max_lines: expected a positive int, got {max_lines!r}")
+    """The JSON the page is built from: per kind its tokens and, per layer and head, the
+    ``L x S`` weights flattened in thousandths (ints) with each run of ``m`` zeros written as
+    ``-m`` (``zero_runs``), plus the metric table with numbers rounded to 3 places."""
+    _check_arguments(result, example, report, title)
+    check_positive("max_tokens", max_tokens)
+    check_positive("max_lines", max_lines)
     if report is None:
         report = head_report(_one_example(result, example))
     kinds, truncated = [], False
     for kind, maps in result.maps.items():
         w, queries, keys = maps.example(example)
         truncated |= len(queries) > max_tokens or len(keys) > max_tokens
-        w = w[..., :max_tokens, :max_tokens]
-        milli = torch.round(w.float() * 1000).to(torch.int32)
+        w = w[..., :max_tokens, :max_tokens].float()
+        _check_weights(kind, w)
+        milli = torch.round(w.clamp(0, 1) * 1000).to(torch.int32)
         kinds.append({
             "kind": kind,
             "label": kind_label(kind),
             "layers": list(maps.layers),
             "heads": list(maps.heads),
-            "queries": queries[:max_tokens],
-            "keys": keys[:max_tokens],
-            "weights": milli.reshape(*milli.shape[:2], -1).tolist(),
+            "queries": [str(t) for t in queries[:max_tokens]],
+            "keys": [str(t) for t in keys[:max_tokens]],
+            "weights": [zero_runs(layer) for layer in milli.flatten(2)],
         })
-    rows = [[round(v, 3) if isinstance(v, float) else v for v in row] for row in report.rows]
+    rows = [[_cell(v) for v in row] for row in report.rows]
     return {
         "title": title,
         "kinds": kinds,
@@ -94,10 +98,59 @@ def viewer_data(
     }
 
 
+def zero_runs(rows: torch.Tensor) -> list[list[int]]:
+    """Each row of the integer ``R x n`` tensor ``rows`` with every run of ``m`` zeros
+    replaced by the single number ``-m`` (the values must be ``>= 0``)."""
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.is_floating_point() \
+            or bool((rows < 0).any()):
+        got = (f"shape {tuple(rows.shape)}, {rows.dtype}" if isinstance(rows, torch.Tensor)
+               else type(rows).__name__)
+        raise ValueError(f"rows: expected a 2-d integer tensor of values >= 0, got {got}")
+    zero = rows == 0
+    edge = torch.zeros_like(zero[..., :1])
+    starts = zero & ~torch.cat([edge, zero[..., :-1]], -1)  # first zero of each run
+    ends = zero & ~torch.cat([zero[..., 1:], edge], -1)  # last zero of each run
+    coded = rows.clone()
+    # Row-major order pairs the i-th start with the i-th end (a run never spans two rows).
+    coded[starts] = (starts.nonzero()[:, -1] - ends.nonzero()[:, -1] - 1).to(rows.dtype)
+    keep = ~zero | starts
+    return [part.tolist() for part in coded[keep].split(keep.sum(-1).tolist())]
+
+
+def _check_arguments(result: Any, example: Any, report: Any, title: Any) -> None:
+    if not isinstance(result, AttentionCapture) or not result.maps:
+        got = "one with no maps" if isinstance(result, AttentionCapture) else type(result).__name__
+        raise TypeError(f"result: expected an AttentionCapture with at least one kind, got {got}")
+    if report is not None and not isinstance(report, Table):
+        raise TypeError(f"report: expected an attnlab.analysis.table.Table, got "
+                        f"{type(report).__name__}")
+    if not isinstance(title, str):
+        raise TypeError(f"title: expected a str, got {type(title).__name__}")
+    rows = min(m.weights.shape[0] for m in result.maps.values())
+    if isinstance(example, bool) or not isinstance(example, int) or not 0 <= example < rows:
+        raise ValueError(f"example: expected a row index in 0 .. {rows - 1}, got {example!r}")
+
+
+def _check_weights(kind: str, w: torch.Tensor) -> None:
+    """Attention weights lie in 0 .. 1; NaN would become an arbitrary integer in the page and
+    logits would be drawn as if they were weights. (0.01 of slack for bfloat16 rounding.)"""
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError(f"result: the {kind!r} weights hold NaN or infinity")
+    if w.numel() and (float(w.min()) < -0.01 or float(w.max()) > 1.01):
+        raise ValueError(f"result: the {kind!r} weights lie in {float(w.min()):.3g} .. "
+                         f"{float(w.max()):.3g}, expected attention weights in 0 .. 1")
+
+
+def _cell(v: Any) -> Any:
+    """A table cell for JSON: floats rounded to 3 places; NaN and infinities (which JSON
+    cannot hold) as the text Python prints for them."""
+    if isinstance(v, float):
+        return round(v, 3) if math.isfinite(v) else str(v)
+    return v
+
+
 def _one_example(result: AttentionCapture, b: int) -> AttentionCapture:
     """``result`` restricted to batch row ``b`` (for its head report)."""
-    from dataclasses import replace
-
     maps = {
         k: replace(
             m,

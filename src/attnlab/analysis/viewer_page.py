@@ -1,14 +1,60 @@
-"""The viewer's page: HTML, CSS and JavaScript in one string (``__TITLE__`` and ``__DATA__``
-are filled in by ``attnlab.analysis.viewer``). No external resource is referenced."""
+"""The viewer's page: HTML, CSS and JavaScript in one file, and how values are put into it.
 
-PAGE = r"""<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta http-equiv="Content-Security-Policy"
-      content="default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'">
-<title>__TITLE__</title>
-<style>
+``render_page(title, data)`` fills the page's two slots, each escaped for its context: the
+title as HTML text, the data as JSON inside a ``<script type="application/json">``. The slots
+are filled in one pass, so a value that contains a slot's name is never filled again. The
+page's Content-Security-Policy loads nothing (no network, no images) and runs only the page's
+own script and style, named by their SHA-256: an injected inline handler or script is inert.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import html
+import json
+import re
+from typing import Any
+
+__all__ = ["html_text", "render_page", "script_json"]
+
+
+def render_page(title: str, data: Any) -> str:
+    """The complete HTML page showing ``data`` (JSON-serialisable) under ``title``."""
+    if not isinstance(title, str):
+        raise TypeError(f"title: expected a str, got {type(title).__name__}")
+    values = {"TITLE": html_text(title), "DATA": script_json(data)}
+    return _SLOT.sub(lambda m: values[m[1]], _TEMPLATE)
+
+
+def html_text(text: str) -> str:
+    """``text`` escaped for HTML text and quoted attribute values (``& < > " '``).
+
+    A lone surrogate (an undecodable byte of a file name) cannot be written as UTF-8; it is
+    spelled out as ``\\udcXX`` instead of failing the write.
+    """
+    return html.escape(text.encode("utf-8", "backslashreplace").decode("utf-8"), quote=True)
+
+
+def script_json(value: Any) -> str:
+    """``value`` as JSON that is safe inside a ``<script>`` element of an HTML page.
+
+    The text is ASCII (``ensure_ascii``; U+2028 and U+2029, which end a JavaScript line,
+    become ``\\u`` escapes too) and has no ``<``, ``>`` or ``&``: no ``</script>``, no
+    ``<!--`` that would switch the HTML parser into a state where ``</script>`` no longer
+    closes the element. ``json.loads`` of the result gives ``value`` back.
+    """
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    # These characters occur only inside JSON strings, where a \u escape means the same.
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _csp_hash(source: str) -> str:
+    digest = hashlib.sha256(source.encode("utf-8")).digest()
+    return "'sha256-" + base64.b64encode(digest).decode("ascii") + "'"
+
+
+_STYLE = r"""
 body { font: 14px system-ui, sans-serif; margin: 12px 18px; color: #222; }
 h1 { font-size: 18px; margin: 0 0 8px; }
 .bar { display: flex; gap: 14px; align-items: center; flex-wrap: wrap; margin: 6px 0; }
@@ -29,24 +75,9 @@ td, th { border: 1px solid #ccc; padding: 2px 6px; text-align: right; }
 tr.sel td { background: #ffe9a8; }
 tbody tr { cursor: pointer; }
 .hidden { display: none; }
-</style>
-</head>
-<body>
-<h1>__TITLE__</h1>
-<div class="bar">
-  <label>attention <select id="kind"></select></label>
-  <label>layer <select id="layer"></select></label>
-  <span>head <span id="heads"></span></span>
-  <span>view <button id="view-lines" class="on">lines</button>
-  <button id="view-heatmap">heatmap</button></span>
-</div>
-<div class="bar"><span id="status"></span><span id="notice"></span></div>
-<div id="info">Hover or click a token.</div>
-<div id="lines-view"><svg id="lines" xmlns="http://www.w3.org/2000/svg"></svg></div>
-<div id="heatmap-view" class="hidden"><canvas id="heatmap"></canvas></div>
-<table id="metrics"><thead></thead><tbody></tbody></table>
-<script id="data" type="application/json">__DATA__</script>
-<script>
+"""
+
+_SCRIPT = r"""
 "use strict";
 const D = JSON.parse(document.getElementById("data").textContent);
 const S = {kind: 0, layer: 0, head: 0, view: "lines", pinned: null};
@@ -57,6 +88,16 @@ const $ = (id) => document.getElementById(id);
 const rowY = (j) => 30 + j * ROW;  // the baseline of token j in the lines view
 const K = () => D.kinds[S.kind];
 const headName = () => (S.head < 0 ? "all heads" : "head " + K().heads[S.head]);
+
+// How a token is drawn: blank and control characters would be invisible or break the line,
+// so they show as symbols (a Map, so that "__proto__" or "constructor" is just a token).
+const PICTURES = new Map([["", "\u2205"], [" ", "\u2423"], ["\n", "\u21b5"], ["\t", "\u21e5"]]);
+const shown = (t) => PICTURES.get(t) ?? t.replace(/[\x00-\x1f\x7f]/g,
+  (c) => String.fromCharCode(c === "\x7f" ? 0x2421 : 0x2400 + c.charCodeAt(0)));
+// A token quoted in the info line; bidi controls are spelled out, or an RTL override in one
+// token would reverse the rest of the line.
+const quote = (t) => JSON.stringify(t).replace(/[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g,
+  (c) => "\\u" + c.charCodeAt(0).toString(16).padStart(4, "0"));
 
 function el(tag, attrs, text) {
   const e = document.createElementNS(NS, tag);
@@ -74,11 +115,14 @@ function weights(head) {
 }
 
 function meanOf(head) {
-  const k = K(), rows = k.weights[S.layer];
-  const n = k.queries.length * k.keys.length;
-  const out = new Float32Array(n);
-  const hs = head < 0 ? rows.map((_, i) => i) : [head];
-  for (const h of hs) for (let i = 0; i < n; i++) out[i] += rows[h][i] / 1000 / hs.length;
+  const k = K(), n = k.queries.length * k.keys.length, out = new Float32Array(n);
+  if (head >= 0) {  // thousandths with zeros run-length coded: -m stands for m zeros
+    let i = 0;
+    for (const v of k.weights[S.layer][head]) { if (v < 0) i -= v; else out[i++] = v / 1000; }
+    return out;
+  }
+  const ws = k.heads.map((_, h) => weights(h));
+  for (const w of ws) for (let i = 0; i < n; i++) out[i] += w[i] / ws.length;
   return out;
 }
 
@@ -95,22 +139,23 @@ function fillSelects() {
   $("kind").value = S.kind;
   $("layer").replaceChildren(...K().layers.map((l, i) => new Option(String(l), i)));
   $("layer").value = S.layer;
-  const btns = K().heads.map((h, i) => {
-    const b = document.createElement("button");
-    b.id = "head-" + h; b.textContent = String(h); b.onclick = () => setHead(i);
-    return b;
-  });
-  const all = document.createElement("button");
-  all.id = "head-all"; all.textContent = "all"; all.onclick = () => setHead(-1);
-  $("heads").replaceChildren(...btns, all);
+  const btns = K().heads.map((h, i) => button("head-" + h, String(h), () => setHead(i)));
+  $("heads").replaceChildren(...btns, button("head-all", "all", () => setHead(-1)));
+}
+
+function button(id, text, onclick) {
+  const b = document.createElement("button");
+  b.id = id; b.textContent = text; b.onclick = onclick;
+  return b;
 }
 
 function setHead(i) { S.head = i; render(); }
 
 function render() {
   const k = K();
-  for (const b of $("heads").children) b.classList.remove("on");
-  $(S.head < 0 ? "head-all" : "head-" + k.heads[S.head]).classList.add("on");
+  // Buttons are found by position: a head named "all" must not light up the "all" button.
+  const on = S.head < 0 ? k.heads.length : S.head;
+  [...$("heads").children].forEach((b, i) => b.classList.toggle("on", i === on));
   $("status").textContent = k.label + " · layer " + k.layers[S.layer] + " · " + headName();
   $("notice").textContent = D.truncated ? "long input: only the first " + D.maxTokens +
     " positions are shown" : "";
@@ -132,7 +177,7 @@ function drawTokens() {
              el("text", {x: 470, y: 14, class: "w"}, "keys"));
   const add = (side, toks, x, anchor) => toks.forEach((t, i) => {
     const e = el("text", {x, y: rowY(i) + 4, "text-anchor": anchor, class: "tok",
-                          id: side + "-" + i}, t === " " ? "␣" : t);
+                          id: side + "-" + i}, shown(t));
     e.addEventListener("mouseenter", () => { if (!S.pinned) showToken(side, i); });
     e.addEventListener("click", () => {
       const same = S.pinned && S.pinned.side === side && S.pinned.i === i;
@@ -190,8 +235,8 @@ function showToken(side, i) {
   }
   const best = pairs(weights(S.head), side, i).filter((p, n) => n === 0 || p[1] >= 0.0005)
     .slice(0, 5)
-    .map(([j, v]) => JSON.stringify(otoks[j]) + "(" + j + ") " + v.toFixed(3)).join("  ");
-  $("info").textContent = (side === "q" ? "query " : "key ") + JSON.stringify(toks[i]) +
+    .map(([j, v]) => quote(otoks[j]) + "(" + j + ") " + v.toFixed(3)).join("  ");
+  $("info").textContent = (side === "q" ? "query " : "key ") + quote(toks[i]) +
     " (" + i + ") · " + headName() + (side === "q" ? " → " : " ← ") + best;
 }
 
@@ -212,20 +257,23 @@ function drawHeatmap() {
   }
   if (pad > 4) {
     ctx.fillStyle = "#222"; ctx.font = Math.min(12, cell - 2) + "px monospace";
-    k.queries.forEach((t, i) => ctx.fillText(t.slice(0, 8), 2, pad + i * cell + cell - 3));
+    k.queries.forEach((t, i) => ctx.fillText(label(t), 2, pad + i * cell + cell - 3));
     k.keys.forEach((t, j) => { ctx.save(); ctx.translate(pad + j * cell + cell - 3, pad - 3);
-      ctx.rotate(-Math.PI / 2); ctx.fillText(t.slice(0, 8), 0, 0); ctx.restore(); });
+      ctx.rotate(-Math.PI / 2); ctx.fillText(label(t), 0, 0); ctx.restore(); });
   }
   cv.onmousemove = (ev) => {
     const r = cv.getBoundingClientRect();
     const j = Math.floor((ev.clientX - r.left - pad) / cell);
     const i = Math.floor((ev.clientY - r.top - pad) / cell);
     if (i < 0 || j < 0 || i >= L || j >= Sn) return;
-    $("info").textContent = "query " + JSON.stringify(k.queries[i]) + " (" + i + ") → key " +
-      JSON.stringify(k.keys[j]) + " (" + j + ") · " + headName() + ": " +
+    $("info").textContent = "query " + quote(k.queries[i]) + " (" + i + ") → key " +
+      quote(k.keys[j]) + " (" + j + ") · " + headName() + ": " +
       w[i * Sn + j].toFixed(3);
   };
 }
+
+// At most 8 characters (code points, so that no emoji is cut in half) of a heatmap label.
+const label = (t) => Array.from(shown(t)).slice(0, 8).join("");
 
 function drawTable() {
   const cols = D.report.columns, k = K();
@@ -233,14 +281,18 @@ function drawTable() {
   const body = $("metrics").tBodies[0];
   body.replaceChildren();
   const ki = cols.indexOf("kind"), li = cols.indexOf("layer"), hi = cols.indexOf("head");
+  // A table without kind, layer and head columns is shown whole, its rows not tied to heads.
+  const tied = ki >= 0 && li >= 0 && hi >= 0;
   for (const r of D.report.rows) {
-    if (r[ki] !== k.kind || r[li] !== k.layers[S.layer]) continue;
+    if (tied && (r[ki] !== k.kind || r[li] !== k.layers[S.layer])) continue;
     const tr = row(r.map((v) => (typeof v === "number" && !Number.isInteger(v) ?
       v.toFixed(3) : String(v))), "td");
-    const h = k.heads.indexOf(r[hi]);
-    tr.id = "metric-head-" + r[hi];
-    if (h === S.head) tr.classList.add("sel");
-    tr.onclick = () => setHead(h);
+    const h = tied ? k.heads.indexOf(r[hi]) : -1;
+    if (h >= 0) {  // a row of a head that was not captured picks nothing
+      tr.id = "metric-head-" + r[hi];
+      if (h === S.head) tr.classList.add("sel");
+      tr.onclick = () => setHead(h);
+    }
     body.append(tr);
   }
 }
@@ -260,7 +312,44 @@ $("view-heatmap").onclick = () => { S.view = "heatmap"; render(); };
 fillSelects();
 render();
 document.body.dataset.ready = "1";
-</script>
+"""
+
+_CSP = (
+    "default-src 'none'; "
+    f"script-src {_csp_hash(_SCRIPT)}; style-src {_csp_hash(_STYLE)}; "
+    "img-src 'none'; base-uri 'none'; form-action 'none'"
+)
+
+_SLOT = re.compile(r"__(TITLE|DATA)__")
+
+_TEMPLATE = (
+    """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+"""
+    + '<meta http-equiv="Content-Security-Policy" content="' + html.escape(_CSP) + '">'
+    + """
+<title>__TITLE__</title>
+<style>""" + _STYLE + """</style>
+</head>
+<body>
+<h1>__TITLE__</h1>
+<div class="bar">
+  <label>attention <select id="kind"></select></label>
+  <label>layer <select id="layer"></select></label>
+  <span>head <span id="heads"></span></span>
+  <span>view <button id="view-lines" class="on">lines</button>
+  <button id="view-heatmap">heatmap</button></span>
+</div>
+<div class="bar"><span id="status"></span><span id="notice"></span></div>
+<div id="info">Hover or click a token.</div>
+<div id="lines-view"><svg id="lines" xmlns="http://www.w3.org/2000/svg"></svg></div>
+<div id="heatmap-view" class="hidden"><canvas id="heatmap"></canvas></div>
+<table id="metrics"><thead></thead><tbody></tbody></table>
+<script id="data" type="application/json">__DATA__</script>
+<script>""" + _SCRIPT + """</script>
 </body>
 </html>
 """
+)
