@@ -113,7 +113,8 @@ def test_sharded_index_errors(folder) -> None:
 def test_bad_config(folder) -> None:
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
-    with pytest.raises(ValueError, match=r"config\.json: model_type 'gpt2' is not supported"):
+    with pytest.raises(ValueError, match=r"config\.json: model_type: expected one of "
+                       r"\('qwen2', 'llama'\), got 'gpt2'"):
         Qwen2ForCausalLM.from_pretrained(folder)
     scaled = {**config, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}
     (folder / "config.json").write_text(json.dumps(scaled))

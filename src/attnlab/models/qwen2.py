@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -35,18 +36,19 @@ from attnlab.functional import linear
 from attnlab.generation.kv_cache import KVCache, LayerKVCache
 from attnlab.layers import RMSNorm, RoPE, SwiGLU
 from attnlab.masks import causal_mask
-from attnlab.models.config import ConfigMixin
+from attnlab.models.config import ConfigMixin, check_value
 from attnlab.models.hf_loading import (
     CONFIG_NAME,
+    check_folder,
     load_tensors,
     parse_dtype,
     read_json,
     save_tensors,
 )
+from attnlab.models.token_ids import check_token_ids
 
 __all__ = ["Qwen2Config", "Qwen2DecoderLayer", "Qwen2ForCausalLM"]
 
-_MODEL_TYPES = ("qwen2", "llama")
 _LAYOUTS = ("auto", "stored", "columns")
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")
@@ -77,12 +79,16 @@ class Qwen2Config(ConfigMixin):
     o_proj_bias: bool = False
     mlp_bias: bool = False
     torch_dtype: str = "float32"
-    model_type: str = "qwen2"
+    model_type: Literal["qwen2", "llama"] = "qwen2"
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
+        eos = self.eos_token_id  # Hugging Face allows one id or a list of them
+        if eos is None or (isinstance(eos, int) and not isinstance(eos, bool)):
+            object.__setattr__(self, "eos_token_id", () if eos is None else (eos,))
+        self._check_types()
         for name in (*_REQUIRED, "max_position_embeddings"):
             check_positive(name, getattr(self, name))
         if self.num_key_value_heads is None:
@@ -99,10 +105,19 @@ class Qwen2Config(ConfigMixin):
         check_positive("head_dim", self.head_dim)
         if self.head_dim % 2:
             raise ValueError(f"head_dim: RoPE needs an even head dim, got {self.head_dim}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: expected a positive number, got {getattr(self, name)}")
+        if self.initializer_range < 0:
+            raise ValueError(f"initializer_range: expected a number >= 0, got "
+                             f"{self.initializer_range}")
         parse_dtype(self.torch_dtype, "torch_dtype")
-        eos = self.eos_token_id
-        object.__setattr__(self, "eos_token_id", tuple(
-            () if eos is None else [eos] if isinstance(eos, int) else eos))
+        ids = {"bos_token_id": () if self.bos_token_id is None else (self.bos_token_id,),
+               "eos_token_id": self.eos_token_id}
+        for name, values in ids.items():
+            if any(not 0 <= i < self.vocab_size for i in values):
+                raise ValueError(f"{name}: expected ids in [0, vocab_size={self.vocab_size}), "
+                                 f"got {getattr(self, name)!r}")
 
     @property
     def max_len(self) -> int:
@@ -119,46 +134,14 @@ class Qwen2Config(ConfigMixin):
         raise a ``ValueError`` naming the file and the key.
         """
         path = Path(path)
-        file = path / CONFIG_NAME if path.is_dir() else path
+        file = path if path.is_file() else check_folder(path) / CONFIG_NAME
         if not file.is_file():
             raise FileNotFoundError(f"{file}: no such file; expected a Hugging Face "
                                     f"{CONFIG_NAME} in the checkpoint folder")
-        d = read_json(file)
-        model_type = d.get("model_type", "qwen2")
-        if model_type not in _MODEL_TYPES:
-            raise ValueError(f"{file}: model_type {model_type!r} is not supported; expected "
-                             f"one of {_MODEL_TYPES}")
-        missing = [k for k in _REQUIRED if k not in d]
-        if missing:
-            raise ValueError(f"{file}: missing key {missing[0]!r}; expected all of {_REQUIRED}")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{file}: hidden_act {d['hidden_act']!r} is not supported; "
-                             "expected 'silu'")
-        if d.get("use_sliding_window"):
-            raise ValueError(f"{file}: use_sliding_window=true is not supported; expected false")
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"{file}: rope_type {rope_type!r} is not supported; expected "
-                             "'default' (unscaled RoPE)")
-        bias = bool(d.get("attention_bias", False))
-        return cls(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=d.get("num_key_value_heads"), head_dim=d.get("head_dim"),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
-            max_position_embeddings=d.get("max_position_embeddings", 32768),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=True if model_type == "qwen2" else bias,
-            o_proj_bias=False if model_type == "qwen2" else bias,
-            mlp_bias=bool(d.get("mlp_bias", False)),
-            torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
-            model_type=model_type,
-            initializer_range=float(d.get("initializer_range", 0.02)),
-            bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
-        )
+        try:
+            return cls(**_fields_from_hf(read_json(file)))
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{file}: {error}") from None
 
     def to_hf(self) -> dict:
         """The Hugging Face ``config.json`` fields (readable by ``from_hf`` and transformers)."""
@@ -262,12 +245,7 @@ class Qwen2ForCausalLM(nn.Module):
         positions onto the vocabulary (prefill for generation needs ``k = 1``).
         """
         c = self.config
-        if (not isinstance(input_ids, Tensor) or input_ids.dim() != 2
-                or input_ids.is_floating_point() or 0 in input_ids.shape):
-            shape = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids)
-            raise ValueError(f"input_ids: expected integer token ids of shape B x L (L >= 1), "
-                             f"got {shape}")
-        B, L = input_ids.shape
+        B, L = check_token_ids("input_ids", input_ids, c.vocab_size)
         offset = 0 if cache is None else cache.length
         if offset + L > c.max_position_embeddings:
             raise ValueError(f"input_ids: positions {offset} .. {offset + L - 1} exceed "
@@ -332,6 +310,40 @@ class Qwen2DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), mask=mask, is_causal=is_causal,
                                cache=cache, rotary=rotary)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _fields_from_hf(d: dict[str, Any]) -> dict[str, Any]:
+    """``Qwen2Config`` fields from a ``config.json`` object (types are checked by the config)."""
+    model_type = check_value("model_type", d.get("model_type", "qwen2"),
+                             Literal["qwen2", "llama"])
+    missing = [k for k in _REQUIRED if k not in d]
+    if missing:
+        raise ValueError(f"missing key {missing[0]!r}; expected all of {_REQUIRED}")
+    if check_value("hidden_act", d.get("hidden_act", "silu"), str) != "silu":
+        raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported; expected 'silu'")
+    if check_value("use_sliding_window", d.get("use_sliding_window"), bool | None):
+        raise ValueError("use_sliding_window=true is not supported; expected false")
+    rope: dict[str, Any] = {}
+    for key in ("rope_parameters", "rope_scaling"):  # transformers 5's name first
+        rope = check_value(key, d.get(key), dict | None) or {}
+        if rope:
+            break
+    rope_type = check_value("rope_type", rope.get("rope_type", rope.get("type", "default")), str)
+    if rope_type != "default":
+        raise ValueError(f"rope_type {rope_type!r} is not supported; expected 'default' "
+                         "(unscaled RoPE)")
+    bias = check_value("attention_bias", d.get("attention_bias", False), bool)
+    dtype_key = "dtype" if d.get("dtype") is not None else "torch_dtype"
+    fields = {k: d[k] for k in _REQUIRED}
+    fields.update({k: d[k] for k in ("num_key_value_heads", "head_dim", "rms_norm_eps",
+                                     "max_position_embeddings", "tie_word_embeddings",
+                                     "mlp_bias", "initializer_range", "bos_token_id",
+                                     "eos_token_id") if k in d})
+    return {**fields, "model_type": model_type,
+            "rope_theta": rope.get("rope_theta", d.get("rope_theta", 10000.0)),
+            "attention_bias": True if model_type == "qwen2" else bias,
+            "o_proj_bias": False if model_type == "qwen2" else bias,
+            "torch_dtype": check_value(dtype_key, d.get(dtype_key) or "float32", str)}
 
 
 def _hf_shapes(c: Qwen2Config) -> dict[str, tuple[int, ...]]:
