@@ -169,7 +169,7 @@ def _describe(hint: Any) -> str:
     if origin in (tuple, list):
         if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
             return f"a list of {len(args)} ({', '.join(_describe(a) for a in args)})"
-        return f"a list of ({_describe(args[0])})"
+        return f"a list, each item {_describe(args[0])}"
     names = {bool: "a bool (true/false)", int: "an int", float: "a finite number",
              str: "a string", type(None): "null (None)"}
     return names.get(hint, getattr(hint, "__name__", str(hint)))

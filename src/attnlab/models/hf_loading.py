@@ -133,16 +133,16 @@ def check_folder(folder: str | Path, *, needs: str = f"{CONFIG_NAME} and {WEIGHT
     """``folder`` as a ``Path`` when it is a local folder; else a ``FileNotFoundError``.
 
     The message says the folder does not exist (or is a file) and, for a Hugging Face Hub
-    name such as ``Qwen/Qwen2.5-0.5B-Instruct``, that only local folders are read and how to
-    download one. ``needs`` names the files the caller expects in it.
+    name such as ``Qwen/Qwen2.5-0.5B-Instruct`` (``owner/name`` exactly, not ``./owner/name``),
+    that only local folders are read and how to download one. ``needs`` names the files the
+    caller expects in it.
     """
-    folder = Path(folder)
+    text, folder = str(folder), Path(folder)
     if folder.is_dir():
         return folder
     if folder.exists():
         raise FileNotFoundError(f"{folder}: not a folder; expected a folder holding {needs}")
-    text = str(folder)
-    if _HUB_NAME.fullmatch(text) and not text.startswith("."):
+    if _HUB_NAME.fullmatch(text):  # as typed: "./Qwen/x" is a path, not a Hub name
         raise FileNotFoundError(
             f"{text}: no such folder. Only local folders are read (nothing is downloaded); to "
             f"use the Hugging Face Hub model {text!r}, download it first, e.g. "

@@ -88,6 +88,9 @@ class Qwen2Config(ConfigMixin):
         eos = self.eos_token_id  # Hugging Face allows one id or a list of them
         if eos is None or (isinstance(eos, int) and not isinstance(eos, bool)):
             object.__setattr__(self, "eos_token_id", () if eos is None else (eos,))
+        elif not isinstance(eos, (list, tuple)):
+            raise TypeError(f"eos_token_id: expected an int, a list of ints or null, got "
+                            f"{eos!r} ({type(eos).__name__})")
         self._check_types()
         for name in (*_REQUIRED, "max_position_embeddings"):
             check_positive(name, getattr(self, name))
@@ -219,7 +222,13 @@ class Qwen2ForCausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(config)
         model.load_state_dict(state, strict=True, assign=True)
-        model.rotary = RoPE(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        try:
+            model.rotary = RoPE(config.head_dim, config.max_position_embeddings,
+                                config.rope_theta)
+        except RuntimeError as error:  # the tables are max_position_embeddings x D/2
+            raise ValueError(f"{Path(path) / CONFIG_NAME}: max_position_embeddings="
+                             f"{config.max_position_embeddings} is too large for this machine "
+                             f"({error})") from None
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         return model.requires_grad_(False).eval()
@@ -323,11 +332,9 @@ def _fields_from_hf(d: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported; expected 'silu'")
     if check_value("use_sliding_window", d.get("use_sliding_window"), bool | None):
         raise ValueError("use_sliding_window=true is not supported; expected false")
-    rope: dict[str, Any] = {}
-    for key in ("rope_parameters", "rope_scaling"):  # transformers 5's name first
-        rope = check_value(key, d.get(key), dict | None) or {}
-        if rope:
-            break
+    parameters, scaling = (check_value(k, d.get(k), dict | None) or {}
+                           for k in ("rope_parameters", "rope_scaling"))
+    rope = parameters or scaling  # transformers 5's name first
     rope_type = check_value("rope_type", rope.get("rope_type", rope.get("type", "default")), str)
     if rope_type != "default":
         raise ValueError(f"rope_type {rope_type!r} is not supported; expected 'default' "
