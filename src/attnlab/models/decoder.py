@@ -31,8 +31,8 @@ from attnlab.functional import BACKENDS, linear
 from attnlab.generation.kv_cache import KVCache, LayerKVCache
 from attnlab.layers import FeedForward, LearnedPositionalEmbedding, RMSNorm, RoPE, SwiGLU
 from attnlab.models.config import ConfigMixin
+from attnlab.models.inputs import decoder_inputs
 from attnlab.models.summary import summary
-from attnlab.models.token_ids import check_token_ids
 
 __all__ = ["DecoderBlock", "DecoderLM", "DecoderLMConfig"]
 
@@ -153,24 +153,10 @@ class DecoderLM(nn.Module):
         ``logits_to_keep=k > 0`` projects only the last ``k`` positions (generation: ``k = 1``).
         """
         c = self.config
-        B, L = check_token_ids("input_ids", input_ids, c.vocab_size)
-        offset = 0 if cache is None else cache.length
-        if offset + L > c.max_len:
-            raise ValueError(f"input_ids: positions {offset} .. {offset + L - 1} exceed the "
-                             f"model's max_len={c.max_len}")
-        if cache is not None and (len(cache) != c.num_layers or cache.batch_size != B):
-            raise ValueError(f"cache: expected {c.num_layers} layers for batch size {B}, got "
-                             f"{cache!r}")
-        key_mask = None
-        if attention_mask is not None:
-            if tuple(attention_mask.shape) != (B, offset + L):
-                raise ValueError(f"attention_mask: expected shape B x (offset + L) = "
-                                 f"({B}, {offset + L}), got {tuple(attention_mask.shape)}")
-            key_mask = attention_mask.bool()
-        positions = position_ids
-        if positions is None:
-            positions = (offset if key_mask is None
-                         else (key_mask.long().cumsum(-1) - 1).clamp(min=0)[:, offset:])
+        _, _, _, key_mask, positions = decoder_inputs(
+            input_ids, attention_mask, cache, position_ids, logits_to_keep,
+            vocab_size=c.vocab_size, max_len=c.max_len, max_len_name="max_len",
+            num_layers=c.num_layers)
         x = self.embed(input_ids)
         if self.pos is not None:
             x = self.pos(x, offset=positions)

@@ -45,7 +45,7 @@ from attnlab.models.hf_loading import (
     read_json,
     save_tensors,
 )
-from attnlab.models.token_ids import check_token_ids
+from attnlab.models.inputs import decoder_inputs
 
 __all__ = ["Qwen2Config", "Qwen2DecoderLayer", "Qwen2ForCausalLM"]
 
@@ -254,29 +254,13 @@ class Qwen2ForCausalLM(nn.Module):
         positions onto the vocabulary (prefill for generation needs ``k = 1``).
         """
         c = self.config
-        B, L = check_token_ids("input_ids", input_ids, c.vocab_size)
-        offset = 0 if cache is None else cache.length
-        if offset + L > c.max_position_embeddings:
-            raise ValueError(f"input_ids: positions {offset} .. {offset + L - 1} exceed "
-                             f"max_position_embeddings={c.max_position_embeddings}")
-        if cache is not None and (len(cache) != c.num_hidden_layers or cache.batch_size != B):
-            raise ValueError(f"cache: expected {c.num_hidden_layers} layers for batch size {B}, "
-                             f"got {cache!r}")
-        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) \
-                or logits_to_keep < 0:
-            raise ValueError(f"logits_to_keep: expected an int >= 0, got {logits_to_keep!r}")
-        key_mask = None
-        if attention_mask is not None:
-            if tuple(attention_mask.shape) != (B, offset + L):
-                raise ValueError(f"attention_mask: expected shape B x (offset + L) = "
-                                 f"({B}, {offset + L}), got {tuple(attention_mask.shape)}")
-            key_mask = attention_mask.bool()
-            if bool(key_mask.all()):
-                key_mask = None  # no padding: the plain causal path, no mask tensor
-        positions = position_ids
-        if positions is None:
-            positions = (offset if key_mask is None
-                         else (key_mask.long().cumsum(-1) - 1).clamp(min=0)[:, offset:])
+        _, L, offset, key_mask, positions = decoder_inputs(
+            input_ids, attention_mask, cache, position_ids, logits_to_keep,
+            vocab_size=c.vocab_size, max_len=c.max_position_embeddings,
+            max_len_name="max_position_embeddings", num_layers=c.num_hidden_layers)
+        if key_mask is not None and bool(key_mask.all()):  # no padding: the plain causal path
+            key_mask = None
+            positions = offset if position_ids is None else positions  # the same, as an int
         mask = None
         if key_mask is not None:  # B x 1 x L x S: real keys, bottom-right causal
             mask = key_mask[:, None, None, :] & causal_mask(L, offset + L, device=key_mask.device)

@@ -31,8 +31,8 @@ from attnlab.functional import BACKENDS, linear
 from attnlab.generation.kv_cache import KVCache, LayerKVCache
 from attnlab.layers import FeedForward, SinusoidalPositionalEncoding
 from attnlab.models.config import ConfigMixin
+from attnlab.models.inputs import check_token_ids
 from attnlab.models.summary import summary
-from attnlab.models.token_ids import check_token_ids
 
 __all__ = ["Decoder", "DecoderLayer", "Encoder", "EncoderLayer", "Transformer",
            "TransformerConfig"]

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnlab.models import DecoderLM, DecoderLMConfig, Transformer, TransformerConfig
+from attnlab.models.inputs import check_token_ids
 from attnlab.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
-from attnlab.models.token_ids import check_token_ids
 
 V = 13
 torch.manual_seed(0)
