@@ -83,3 +83,46 @@ def test_ids_accepted_exactly_when_in_range(ids) -> None:
     else:
         with pytest.raises(ValueError, match=r"input_ids: expected ids in \[0, 13\)"):
             LM(t)
+
+
+@pytest.mark.parametrize("model", [LM, QWEN])
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"attention_mask": [[1, 1, 1]]}, TypeError, "attention_mask: expected a tensor, got list"),
+    ({"cache": object()}, TypeError, "cache: expected a KVCache"),
+    ({"logits_to_keep": -1}, ValueError, "logits_to_keep: expected an int >= 0, got -1"),
+    ({"logits_to_keep": True}, ValueError, "logits_to_keep: expected an int >= 0, got True"),
+    ({"logits_to_keep": "1"}, ValueError, "logits_to_keep: expected an int >= 0"),
+    ({"position_ids": torch.tensor([[0, 1, 99]])}, ValueError,
+     r"position_ids: expected positions in \[0, 16\), got min 0 and max 99"),
+    ({"position_ids": torch.tensor([[0, -1, 2]])}, ValueError, "position_ids: expected "
+                                                               "positions in"),
+    ({"position_ids": torch.tensor([[0.0, 1, 2]])}, ValueError,
+     r"position_ids: expected integer positions of shape B x L = \(1, 3\) or L"),
+    ({"position_ids": torch.tensor([[0, 1]])}, ValueError, "position_ids: expected integer "
+                                                           "positions of shape"),
+])
+def test_decoder_arguments_are_named(model, kwargs, error, message) -> None:
+    """DecoderLM let ``logits_to_keep=-1`` through (all logits) and read True as 1; both
+    models named ``offset`` for bad ``position_ids`` and gave AttributeErrors for the rest."""
+    with pytest.raises(error, match=f"^{message}"):
+        model(GOOD, **kwargs)
+
+
+def test_explicit_positions_match_the_default_ones() -> None:
+    with torch.no_grad():
+        for model in (LM, QWEN):
+            positions = torch.tensor([[0, 1, 2]])
+            assert torch.equal(model(GOOD, position_ids=positions), model(GOOD))
+            assert torch.equal(model(GOOD, position_ids=positions[0]), model(GOOD))
+
+
+def test_seq2seq_masks_and_memory_are_named() -> None:
+    memory = SEQ2SEQ.encode(GOOD)
+    with pytest.raises(TypeError, match=r"^src_mask: expected a bool key mask tensor, got list"):
+        SEQ2SEQ(GOOD, GOOD, src_mask=[[1, 1, 1]])
+    with pytest.raises(TypeError, match=r"^tgt_mask: expected a bool key mask tensor"):
+        SEQ2SEQ(GOOD, GOOD, tgt_mask=[[1, 1, 1]])
+    with pytest.raises(TypeError, match=r"^memory: expected the encoder's output tensor"):
+        SEQ2SEQ.decode(GOOD, memory.tolist())
+    with pytest.raises(ValueError, match=r"^memory: expected dtype torch.float32"):
+        SEQ2SEQ.decode(GOOD, memory.double())

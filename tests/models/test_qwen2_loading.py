@@ -132,7 +132,7 @@ def test_forward_errors() -> None:
         model(torch.zeros(2, 3))
     with pytest.raises(ValueError, match=r"attention_mask: expected shape B x \(offset \+ L\)"):
         model(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 4))
-    with pytest.raises(ValueError, match="exceed the model.s max_position_embeddings=64"):
+    with pytest.raises(ValueError, match="exceed the model's max_position_embeddings=64"):
         model(torch.zeros(1, 65, dtype=torch.long))
     with pytest.raises(ValueError, match="logits_to_keep: expected an int >= 0"):
         model(torch.zeros(1, 3, dtype=torch.long), logits_to_keep=-1)

@@ -31,7 +31,7 @@ from attnlab.functional import BACKENDS, linear
 from attnlab.generation.kv_cache import KVCache, LayerKVCache
 from attnlab.layers import FeedForward, SinusoidalPositionalEncoding
 from attnlab.models.config import ConfigMixin
-from attnlab.models.inputs import check_token_ids
+from attnlab.models.inputs import check_tensor, check_token_ids
 from attnlab.models.summary import summary
 
 __all__ = ["Decoder", "DecoderLayer", "Encoder", "EncoderLayer", "Transformer",
@@ -286,6 +286,10 @@ class Transformer(nn.Module):
         if offset + T > c.max_len:
             raise ValueError(f"tgt: positions {offset} .. {offset + T - 1} exceed the model's "
                              f"max_len={c.max_len}")
+        check_tensor("memory", memory, "the encoder's output tensor B x S x E")
+        if memory.dtype != self.output_proj.weight.dtype:
+            raise ValueError(f"memory: expected dtype {self.output_proj.weight.dtype} (the "
+                             f"model's), got {memory.dtype}")
         if memory.dim() != 3 or memory.shape[0] != B or memory.shape[2] != c.d_model:
             raise ValueError(f"memory: expected shape B x S x E = ({B}, S, {c.d_model}), got "
                              f"{tuple(memory.shape)}")
@@ -311,6 +315,7 @@ class Transformer(nn.Module):
 
     def _key_mask(self, name: str, tokens: Tensor, mask: Tensor | None) -> Tensor | None:
         if mask is not None:
+            check_tensor(name, mask, "a bool key mask tensor")
             if tuple(mask.shape) != tuple(tokens.shape):
                 raise ValueError(f"{name}: expected a key mask of shape B x len = "
                                  f"{tuple(tokens.shape)}, got {tuple(mask.shape)}")
@@ -324,6 +329,7 @@ def _expand(name: str, mask: Tensor | None, B: int, S: int) -> Tensor | None:
     """Key mask ``B x S`` (True/1 = real) -> ``B x 1 x 1 x S`` bool."""
     if mask is None:
         return None
+    check_tensor(name, mask, "a bool key mask tensor")
     if tuple(mask.shape) != (B, S):
         raise ValueError(f"{name}: expected a key mask of shape ({B}, {S}), got "
                          f"{tuple(mask.shape)}")
