@@ -71,6 +71,9 @@ def test_direct_construction_is_checked_too() -> None:
         DecoderLMConfig(vocab_size=5, tie_embeddings="no")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="vocab_size: expected an int, got True"):
         DecoderLMConfig(vocab_size=True)
+    for heads in ("abc", None, 4.5):  # was int(heads): a bare ValueError or a silent 4
+        with pytest.raises(ValueError, match="num_heads: expected a positive int"):
+            DecoderLMConfig.llama(10, num_heads=heads)
 
 
 def test_bad_json_text_and_files(tmp_path) -> None:

@@ -76,7 +76,7 @@ class DecoderLMConfig(ConfigMixin):
     @classmethod
     def llama(cls, vocab_size: int, **overrides: object) -> DecoderLMConfig:
         """Llama style: RoPE (half-split), RMSNorm, SwiGLU, no biases, GQA (``G = H / 2``)."""
-        heads = int(overrides.get("num_heads", cls.num_heads))  # type: ignore[call-overload]
+        heads = check_positive("num_heads", overrides.get("num_heads", cls.num_heads))
         fields = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
                   "norm_eps": 1e-6, "num_kv_heads": max(1, heads // 2)}
         return cls(vocab_size=vocab_size, **{**fields, **overrides})  # type: ignore[arg-type]
