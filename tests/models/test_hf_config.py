@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import typing
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from attnlab.models.config import check_value
 from attnlab.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
 CONFIG = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
@@ -117,3 +122,36 @@ def test_huge_max_position_embeddings_is_a_clear_error(saved, tmp_path) -> None:
     with pytest.raises(ValueError, match=r"config\.json: max_position_embeddings=10000000000000 "
                        r"is too large"):
         Qwen2ForCausalLM.from_pretrained(tmp_path)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2, 2 ** 70) | st.floats()
+                    | st.text(max_size=4), lambda inner: st.lists(inner, max_size=3)
+                    | st.dictionaries(st.text(max_size=3), inner, max_size=3), max_leaves=5)
+KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
+        "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias",
+        "torch_dtype", "dtype", "model_type", "bos_token_id", "eos_token_id", "hidden_act",
+        "rope_parameters", "rope_scaling", "use_sliding_window", "initializer_range"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(key=st.sampled_from(KEYS), value=JSON)
+def test_any_config_json_value_reads_typed_or_raises_clearly(tmp_path_factory, key, value):
+    """Property: whatever JSON a config.json key holds, the config read has the hinted types
+    (and bools only from JSON true/false), or the read raises a TypeError/ValueError naming
+    the file; never another exception."""
+    folder = tmp_path_factory.mktemp("cfg")
+    base = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "model_type": "llama"}
+    write(folder, {**base, key: value})
+    try:
+        config = Qwen2Config.from_hf(folder)
+    except (TypeError, ValueError) as error:
+        assert str(error).startswith(f"{folder / 'config.json'}: ")
+        return
+    hints = typing.get_type_hints(Qwen2Config)
+    for f in dataclasses.fields(config):
+        stored = getattr(config, f.name)
+        assert check_value(f.name, stored, hints[f.name]) == stored, f.name
+    if key in ("tie_word_embeddings", "mlp_bias", "attention_bias"):
+        assert value is None or type(value) is bool
