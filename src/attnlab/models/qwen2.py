@@ -62,6 +62,9 @@ class Qwen2Config(ConfigMixin):
     ``head_dim`` (``D``) to ``hidden_size / H``. ``attention_bias``: q/k/v biases (Qwen2:
     always); ``o_proj_bias``: an o_proj bias (Llama with ``attention_bias``).
     ``torch_dtype`` is the stored dtype's name; ``max_len`` is ``max_position_embeddings``.
+    ``eos_token_id`` may be given as one id or a list (Hugging Face allows both) and is kept
+    as a tuple of ints; it and ``bos_token_id`` must lie in ``[0, vocab_size)``. Every field's
+    type is checked (``ConfigMixin``): ``"false"`` is not a bool, ``"2"`` not an id.
     """
 
     vocab_size: int
@@ -134,7 +137,8 @@ class Qwen2Config(ConfigMixin):
         Accepts ``model_type`` ``"qwen2"`` and ``"llama"``, the rope base as ``rope_theta``
         (transformers 4) or ``rope_parameters.rope_theta`` (5), and ``torch_dtype`` or
         ``dtype``. Scaled RoPE, sliding-window attention or another activation than SiLU
-        raise a ``ValueError`` naming the file and the key.
+        raise a ``ValueError`` naming the file and the key, as does any value of the wrong type
+        or range. Keys this model does not use are ignored, as transformers does.
         """
         path = Path(path)
         file = path if path.is_file() else check_folder(path) / CONFIG_NAME
