@@ -204,3 +204,7 @@ def test_bad_arguments(tmp_path) -> None:
         tok.apply_chat_template([{"role": "user"}])  # no content: the template fails
     with pytest.raises(TypeError, match="chat_template: expected a string or None"):
         Tokenizer(tok.backend, chat_template=["x"])
+    with pytest.raises(TypeError, match="special_tokens: eos_token should be a string or None"):
+        Tokenizer(tok.backend, special_tokens={"eos_token": 3})  # was a bare TypeError
+    with pytest.raises(ValueError, match=r"special_tokens: unknown roles \['eos'\]"):
+        Tokenizer(tok.backend, special_tokens={"eos": "<|im_end|>"})  # was silently ignored

@@ -48,8 +48,15 @@ class Tokenizer:
             raise TypeError(f"backend: expected a tokenizers.Tokenizer, got "
                             f"{type(backend).__name__}")
         self.backend = backend
+        unknown = sorted(set(special_tokens or {}) - set(_SPECIAL), key=str)
+        if unknown:
+            raise ValueError(f"special_tokens: unknown roles {unknown}; expected some of "
+                             f"{_SPECIAL}")
         self.special_tokens = {k: (special_tokens or {}).get(k) for k in _SPECIAL}
         for role, token in self.special_tokens.items():
+            if token is not None and not isinstance(token, str):
+                raise TypeError(f"special_tokens: {role} should be a string or None, got "
+                                f"{token!r}")
             if token is not None and backend.token_to_id(token) is None:
                 raise ValueError(f"special_tokens: {role} {token!r} is not in the vocabulary")
         if chat_template is not None and not isinstance(chat_template, str):
