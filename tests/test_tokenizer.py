@@ -118,3 +118,93 @@ def test_errors(tmp_path) -> None:
         tok.apply_chat_template(MESSAGES)
     with pytest.raises(TypeError, match="text: expected a str"):
         tok.encode(3)
+
+
+def write_config(folder, **changes) -> None:
+    path = folder / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def test_named_chat_templates_pick_default_as_transformers(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    make_tokenizer(tmp_path)
+    write_config(tmp_path, chat_template=[{"name": "tool_use", "template": "TOOLS"},
+                                          {"name": "default", "template": TEMPLATE}])
+    ours = Tokenizer.from_pretrained(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert ours.chat_template == TEMPLATE
+    assert sorted(ours.chat_templates) == ["default", "tool_use"]
+    assert ours.apply_chat_template(MESSAGES) == hf.apply_chat_template(MESSAGES, tokenize=False)
+    write_config(tmp_path, chat_template=[{"name": "tool_use", "template": "TOOLS"}])
+    tok = Tokenizer.from_pretrained(tmp_path)  # usable for text; chat needs a choice
+    assert tok.encode("hello") == ours.encode("hello")
+    with pytest.raises(ValueError, match=r"chat_template: none is named 'default'; this "
+                       r"tokenizer has \['tool_use'\]"):
+        tok.apply_chat_template(MESSAGES)
+    tok.chat_template = tok.chat_templates["tool_use"]
+    assert tok.apply_chat_template(MESSAGES) == "TOOLS"
+
+
+@pytest.mark.parametrize(("changes", "error", "message"), [
+    ({"chat_template": 3}, TypeError, "chat_template: expected a string or a list of"),
+    ({"chat_template": {"default": "x"}}, TypeError, "chat_template: expected a string"),
+    ({"chat_template": [{"name": "default"}]}, TypeError, "chat_template: expected a string"),
+    ({"chat_template": "{% for m in messages %}"}, ValueError,
+     "chat_template 'default' is not a valid Jinja template"),
+    ({"eos_token": 7}, TypeError, "eos_token: expected a string, null or"),
+    ({"pad_token": {"content": ["<|endoftext|>"]}}, TypeError, "pad_token: expected a string"),
+    ({"bos_token": {"content": "<bos>"}}, ValueError, "bos_token '<bos>' is not in the "
+                                                      "vocabulary"),
+])
+def test_bad_tokenizer_config_names_the_file(tmp_path, changes, error, message) -> None:
+    make_tokenizer(tmp_path)
+    write_config(tmp_path, **changes)
+    with pytest.raises(error, match=rf"^{tmp_path / 'tokenizer_config.json'}: .*{message}"):
+        Tokenizer.from_pretrained(tmp_path)
+
+
+def test_unreadable_files_name_the_file(tmp_path) -> None:
+    make_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text('["not", "an object"]')
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: expected a JSON object"):
+        Tokenizer.from_pretrained(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_bytes(b"\xff\xfe")
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: not valid JSON"):
+        Tokenizer.from_pretrained(tmp_path)
+    (tmp_path / "tokenizer_config.json").unlink()
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff{{ x }}")
+    with pytest.raises(ValueError, match=r"chat_template\.jinja: not UTF-8 text"):
+        Tokenizer.from_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("{% if %}")
+    with pytest.raises(ValueError, match=r"chat_template\.jinja: chat_template 'default' is "
+                       "not a valid Jinja template"):
+        Tokenizer.from_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()
+    for garbled in ("{garbage", '{"model": 3}', ""):
+        (tmp_path / "tokenizer.json").write_text(garbled)
+        with pytest.raises(ValueError, match=r"tokenizer\.json: not a readable tokenizers file"):
+            Tokenizer.from_pretrained(tmp_path)
+
+
+def test_bad_arguments(tmp_path) -> None:
+    make_tokenizer(tmp_path)
+    tok = Tokenizer.from_pretrained(tmp_path)
+    for ids in ([1, -1], [1, True], [1, 2.0], torch.tensor([[1, 2]]), torch.tensor([1.0])):
+        with pytest.raises(ValueError, match="ids: expected"):
+            tok.decode(ids)
+    with pytest.raises(TypeError, match="ids: expected a sequence of token ids, got str"):
+        tok.decode("12")
+    assert tok.decode([tok.encode("hello")[0], tok.vocab_size + 5]) == tok.decode(
+        tok.encode("hello")[:1])  # ids above the vocabulary decode to nothing, as in HF
+    with pytest.raises(TypeError, match="texts: expected a list of strings, got one str"):
+        tok.batch_encode("hello")
+    with pytest.raises(TypeError, match="messages: expected a list of dicts"):
+        tok.apply_chat_template({"role": "user", "content": "hi"})
+    with pytest.raises(ValueError, match="messages: the chat template cannot render them"):
+        tok.apply_chat_template([{"role": "user"}])  # no content: the template fails
+    with pytest.raises(TypeError, match="chat_template: expected a string or None"):
+        Tokenizer(tok.backend, chat_template=["x"])
+    with pytest.raises(TypeError, match="special_tokens: eos_token should be a string or None"):
+        Tokenizer(tok.backend, special_tokens={"eos_token": 3})  # was a bare TypeError
+    with pytest.raises(ValueError, match=r"special_tokens: unknown roles \['eos'\]"):
+        Tokenizer(tok.backend, special_tokens={"eos": "<|im_end|>"})  # was silently ignored

@@ -28,6 +28,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
 from torch import Tensor
 
+from attnlab.models.hf_loading import check_folder, read_json
+
 __all__ = ["TextStreamer", "Tokenizer"]
 
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -46,41 +48,70 @@ class Tokenizer:
             raise TypeError(f"backend: expected a tokenizers.Tokenizer, got "
                             f"{type(backend).__name__}")
         self.backend = backend
+        unknown = sorted(set(special_tokens or {}) - set(_SPECIAL), key=str)
+        if unknown:
+            raise ValueError(f"special_tokens: unknown roles {unknown}; expected some of "
+                             f"{_SPECIAL}")
         self.special_tokens = {k: (special_tokens or {}).get(k) for k in _SPECIAL}
         for role, token in self.special_tokens.items():
+            if token is not None and not isinstance(token, str):
+                raise TypeError(f"special_tokens: {role} should be a string or None, got "
+                                f"{token!r}")
             if token is not None and backend.token_to_id(token) is None:
                 raise ValueError(f"special_tokens: {role} {token!r} is not in the vocabulary")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TypeError(f"chat_template: expected a string or None, got "
+                            f"{type(chat_template).__name__}")
         self.chat_template = chat_template
+        self.chat_templates = {} if chat_template is None else {"default": chat_template}
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
         """Read ``tokenizer.json`` and (when present) ``tokenizer_config.json`` and
-        ``chat_template.jinja`` from the folder ``path``."""
-        folder = Path(path)
+        ``chat_template.jinja`` from the local folder ``path``.
+
+        ``chat_template`` in ``tokenizer_config.json`` is a string or, as Hugging Face allows,
+        a list of ``{"name": ..., "template": ...}``, of which the one named ``"default"`` is
+        used (all of them are in ``chat_templates``). A missing folder, an unreadable file, a
+        special token or template of the wrong type, or a template that is not valid Jinja
+        raise naming the file.
+        """
+        folder = check_folder(path, needs="tokenizer.json (and tokenizer_config.json)")
         file = folder / "tokenizer.json"
         if not file.is_file():
             raise FileNotFoundError(f"{file}: no such file; expected a Hugging Face "
                                     "tokenizer.json (a 'tokenizers' file) in the folder")
-        backend = _Backend.from_file(str(file))
+        try:
+            backend = _Backend.from_file(str(file))
+        except Exception as error:  # tokenizers raises a plain Exception
+            raise ValueError(f"{file}: not a readable tokenizers file ({error})") from None
         config_file = folder / "tokenizer_config.json"
-        config: dict = {}
-        if config_file.is_file():
-            try:
-                config = json.loads(config_file.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{config_file}: not valid JSON ({error})") from None
-        special = {k: _token_text(config.get(k)) for k in _SPECIAL}
-        template = config.get("chat_template")
-        if isinstance(template, list):  # [{"name": ..., "template": ...}], "default" first
-            named = {t.get("name"): t.get("template") for t in template}
-            template = named.get("default", next(iter(named.values()), None))
+        config = read_json(config_file) if config_file.is_file() else {}
+        try:
+            special = {k: _token_text(k, config.get(k)) for k in _SPECIAL}
+            templates = _named_templates(config.get("chat_template"))
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{config_file}: {error}") from None
+        template, source = templates.get("default"), config_file
         jinja_file = folder / "chat_template.jinja"
         if jinja_file.is_file():
-            template = jinja_file.read_text(encoding="utf-8")
+            try:
+                template, source = jinja_file.read_text(encoding="utf-8"), jinja_file
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{jinja_file}: not UTF-8 text ({error})") from None
+            templates["default"] = template
+        for name, text in templates.items():
+            try:
+                _compile(text)
+            except jinja2.TemplateSyntaxError as error:
+                raise ValueError(f"{source}: chat_template {name!r} is not a valid Jinja "
+                                 f"template ({error.message}, line {error.lineno})") from None
         try:
-            return cls(backend, special_tokens=special, chat_template=template)
+            tokenizer = cls(backend, special_tokens=special, chat_template=template)
         except ValueError as error:
             raise ValueError(f"{config_file}: {error}") from None
+        tokenizer.chat_templates = templates
+        return tokenizer
 
     # -- ids ---------------------------------------------------------------------------------
     @property
@@ -126,10 +157,24 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int] | Tensor, skip_special_tokens: bool = False) -> str:
-        """Token ids (a list or a 1-D tensor) -> text."""
+        """Token ids (a list or a 1-D integer tensor, each id >= 0) -> text.
+
+        Ids at or above ``vocab_size`` decode to nothing, as in Hugging Face (a model's
+        vocabulary is often padded beyond the tokenizer's).
+        """
         if isinstance(ids, Tensor):
+            if ids.dim() > 1 or ids.is_floating_point() or ids.dtype == torch.bool:
+                raise ValueError(f"ids: expected a 1-D integer tensor, got dtype {ids.dtype} "
+                                 f"and shape {tuple(ids.shape)}")
             ids = ids.tolist()
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if isinstance(ids, (str, bytes)):
+            raise TypeError(f"ids: expected a sequence of token ids, got {type(ids).__name__}")
+        ids = list(ids)
+        for i, token in enumerate(ids):
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"ids: expected token ids (ints >= 0), got {token!r} at "
+                                 f"position {i}")
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def batch_encode(self, texts: Sequence[str], add_special_tokens: bool = True
                      ) -> tuple[Tensor, Tensor]:
@@ -137,6 +182,8 @@ class Tokenizer:
 
         Padding uses ``pad_token`` (else ``eos_token``, else id 0); mask 1 = real token.
         """
+        if isinstance(texts, str):
+            raise TypeError("texts: expected a list of strings, got one str (wrap it in a list)")
         rows = [self.encode(t, add_special_tokens) for t in texts]
         if not rows or min(map(len, rows)) == 0:
             raise ValueError(f"texts: expected non-empty texts that encode to >= 1 token, got "
@@ -157,14 +204,22 @@ class Tokenizer:
         ``kwargs``. ``tokenize=True`` returns ids (encoded without adding special tokens,
         since the template writes them).
         """
+        if self.chat_template is None and self.chat_templates:
+            raise ValueError(f"chat_template: none is named 'default'; this tokenizer has "
+                             f"{sorted(self.chat_templates)}: set tokenizer.chat_template = "
+                             f"tokenizer.chat_templates[name]")
         if self.chat_template is None:
             raise ValueError("chat_template: this tokenizer has none (no 'chat_template' in "
                              "tokenizer_config.json and no chat_template.jinja)")
-        if not all(isinstance(m, dict) for m in messages):
+        if isinstance(messages, (str, dict)) or not all(isinstance(m, dict) for m in messages):
             raise TypeError(f"messages: expected a list of dicts, got {messages!r}")
         variables = {"tools": None, "documents": None, **self.special_tokens, **kwargs,
                      "messages": list(messages), "add_generation_prompt": add_generation_prompt}
-        text = _compile(self.chat_template).render(**variables)
+        try:
+            text = _compile(self.chat_template).render(**variables)
+        except jinja2.TemplateError as error:  # raise_exception(...) or a missing key
+            raise ValueError(f"messages: the chat template cannot render them "
+                             f"({type(error).__name__}: {error})") from None
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _id(self, role: str) -> int | None:
@@ -219,11 +274,29 @@ def _stdout_write(text: str) -> None:
     sys.stdout.flush()
 
 
-def _token_text(value: object) -> str | None:
+def _token_text(role: str, value: object) -> str | None:
     """A special token as ``tokenizer_config.json`` stores it: a string or ``{"content": ...}``."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
+    text = value.get("content") if isinstance(value, dict) else value
+    if text is not None and not isinstance(text, str):
+        raise TypeError(f"{role}: expected a string, null or {{\"content\": string}}, got "
+                        f"{value!r}")
+    return text
+
+
+def _named_templates(value: object) -> dict[str, str]:
+    """``chat_template`` as stored (a string, or a list of ``{"name", "template"}``) -> name ->
+    Jinja source; a single string is named ``"default"``."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return {"default": value}
+    if isinstance(value, list) and all(
+            isinstance(t, dict) and isinstance(t.get("name"), str)
+            and isinstance(t.get("template"), str) for t in value):
+        return {t["name"]: t["template"] for t in value}
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    raise TypeError(f"chat_template: expected a string or a list of {{\"name\": string, "
+                    f"\"template\": string}}, got {shown}")
 
 
 class _GenerationTag(Extension):

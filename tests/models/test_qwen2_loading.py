@@ -113,7 +113,8 @@ def test_sharded_index_errors(folder) -> None:
 def test_bad_config(folder) -> None:
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
-    with pytest.raises(ValueError, match=r"config\.json: model_type 'gpt2' is not supported"):
+    with pytest.raises(ValueError, match=r"config\.json: model_type: expected one of "
+                       r"\('qwen2', 'llama'\), got 'gpt2'"):
         Qwen2ForCausalLM.from_pretrained(folder)
     scaled = {**config, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}
     (folder / "config.json").write_text(json.dumps(scaled))
@@ -131,7 +132,7 @@ def test_forward_errors() -> None:
         model(torch.zeros(2, 3))
     with pytest.raises(ValueError, match=r"attention_mask: expected shape B x \(offset \+ L\)"):
         model(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 4))
-    with pytest.raises(ValueError, match="exceed max_position_embeddings=64"):
+    with pytest.raises(ValueError, match="exceed the model's max_position_embeddings=64"):
         model(torch.zeros(1, 65, dtype=torch.long))
     with pytest.raises(ValueError, match="logits_to_keep: expected an int >= 0"):
         model(torch.zeros(1, 3, dtype=torch.long), logits_to_keep=-1)

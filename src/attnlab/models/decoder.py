@@ -21,22 +21,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal
 
 from torch import Tensor, nn
 
 from attnlab._checks import check_positive
 from attnlab.attention.multihead import MultiHeadAttention
-from attnlab.functional import linear
+from attnlab.functional import BACKENDS, linear
 from attnlab.generation.kv_cache import KVCache, LayerKVCache
 from attnlab.layers import FeedForward, LearnedPositionalEmbedding, RMSNorm, RoPE, SwiGLU
 from attnlab.models.config import ConfigMixin
+from attnlab.models.inputs import decoder_inputs
 from attnlab.models.summary import summary
 
 __all__ = ["DecoderBlock", "DecoderLM", "DecoderLMConfig"]
 
-_POSITIONS = ("learned", "rope")
-_NORMS = ("layernorm", "rmsnorm")
-_MLPS = ("gelu", "relu", "swiglu")
+Backend = Literal[BACKENDS]  # type: ignore[valid-type]
 
 
 @dataclass(frozen=True)
@@ -56,16 +56,16 @@ class DecoderLMConfig(ConfigMixin):
     num_kv_heads: int | None = None
     d_ff: int | None = None
     max_len: int = 1024
-    position: str = "learned"
-    norm: str = "layernorm"
-    mlp: str = "gelu"
+    position: Literal["learned", "rope"] = "learned"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    mlp: Literal["gelu", "relu", "swiglu"] = "gelu"
     bias: bool = True
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     rope_base: float = 10000.0
     rope_traditional: bool = False
     dropout: float = 0.0
-    backend: str = "auto"
+    backend: Backend = "auto"
 
     @classmethod
     def gpt(cls, vocab_size: int, **overrides: object) -> DecoderLMConfig:
@@ -76,12 +76,13 @@ class DecoderLMConfig(ConfigMixin):
     @classmethod
     def llama(cls, vocab_size: int, **overrides: object) -> DecoderLMConfig:
         """Llama style: RoPE (half-split), RMSNorm, SwiGLU, no biases, GQA (``G = H / 2``)."""
-        heads = int(overrides.get("num_heads", cls.num_heads))  # type: ignore[call-overload]
+        heads = check_positive("num_heads", overrides.get("num_heads", cls.num_heads))
         fields = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
                   "norm_eps": 1e-6, "num_kv_heads": max(1, heads // 2)}
         return cls(vocab_size=vocab_size, **{**fields, **overrides})  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
+        self._check_types()
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_len"):
             check_positive(name, getattr(self, name))
         for name in ("num_kv_heads", "d_ff"):
@@ -93,13 +94,13 @@ class DecoderLMConfig(ConfigMixin):
         if self.num_heads % self.kv_heads:
             raise ValueError(f"num_kv_heads: expected a divisor of num_heads={self.num_heads}, "
                              f"got {self.num_kv_heads}")
-        for name, allowed in (("position", _POSITIONS), ("norm", _NORMS), ("mlp", _MLPS)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(f"d_model: RoPE needs an even head dim, got {self.head_dim}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout: expected a float in [0, 1), got {self.dropout}")
+        for name in ("norm_eps", "rope_base"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: expected a positive number, got {getattr(self, name)}")
 
     @property
     def kv_heads(self) -> int:
@@ -152,30 +153,10 @@ class DecoderLM(nn.Module):
         ``logits_to_keep=k > 0`` projects only the last ``k`` positions (generation: ``k = 1``).
         """
         c = self.config
-        if (not isinstance(input_ids, Tensor) or input_ids.dim() != 2
-                or input_ids.is_floating_point()):
-            shape = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids)
-            raise ValueError(f"input_ids: expected integer token ids of shape B x L, got {shape}")
-        B, L = input_ids.shape
-        if L == 0:
-            raise ValueError(f"input_ids: expected at least one token, got shape {(B, L)}")
-        offset = 0 if cache is None else cache.length
-        if offset + L > c.max_len:
-            raise ValueError(f"input_ids: positions {offset} .. {offset + L - 1} exceed the "
-                             f"model's max_len={c.max_len}")
-        if cache is not None and (len(cache) != c.num_layers or cache.batch_size != B):
-            raise ValueError(f"cache: expected {c.num_layers} layers for batch size {B}, got "
-                             f"{cache!r}")
-        key_mask = None
-        if attention_mask is not None:
-            if tuple(attention_mask.shape) != (B, offset + L):
-                raise ValueError(f"attention_mask: expected shape B x (offset + L) = "
-                                 f"({B}, {offset + L}), got {tuple(attention_mask.shape)}")
-            key_mask = attention_mask.bool()
-        positions = position_ids
-        if positions is None:
-            positions = (offset if key_mask is None
-                         else (key_mask.long().cumsum(-1) - 1).clamp(min=0)[:, offset:])
+        _, _, _, key_mask, positions = decoder_inputs(
+            input_ids, attention_mask, cache, position_ids, logits_to_keep,
+            vocab_size=c.vocab_size, max_len=c.max_len, max_len_name="max_len",
+            num_layers=c.num_layers)
         x = self.embed(input_ids)
         if self.pos is not None:
             x = self.pos(x, offset=positions)

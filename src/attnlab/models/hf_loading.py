@@ -6,25 +6,32 @@ Tensors are memory-mapped (``safetensors.safe_open``): nothing is read from disk
 used, and a tensor kept in its stored dtype is used in place, without a copy.
 
 Every check names the file and the tensor: a missing file, a missing or unexpected tensor
-name, a shape other than the config implies, a dtype we cannot run.
+name, a shape other than the config implies, a dtype we cannot run, a truncated or corrupt
+safetensors file. Only local folders are read: a Hugging Face Hub name (``Qwen/...``) that is
+not a folder here raises, saying how to download it; nothing is fetched from a network.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping
+import re
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
 __all__ = [
     "CONFIG_NAME",
+    "GENERATION_CONFIG_NAME",
     "INDEX_NAME",
     "SUPPORTED_DTYPES",
     "WEIGHTS_NAME",
+    "check_folder",
     "load_tensors",
     "parse_dtype",
     "read_json",
@@ -33,12 +40,15 @@ __all__ = [
 ]
 
 CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                     "float16": torch.float16}
 # safetensors' dtype codes for the dtypes we run; any other code is refused by name.
 _STORED = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# "owner/name" as the Hub spells repositories: what a user who expects a download types.
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def load_tensors(folder: str | Path, expected: Mapping[str, tuple[int, ...]], *,
@@ -67,8 +77,12 @@ def load_tensors(folder: str | Path, expected: Mapping[str, tuple[int, ...]], *,
         by_file.setdefault(files[name], []).append(name)
     tensors: dict[str, Tensor] = {}
     for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
+        with _open(path) as f:
+            stored = set(f.keys())
             for name in names:
+                if name not in stored:
+                    raise ValueError(f"{_describe_source(Path(folder))}: tensor {name!r} is "
+                                     f"listed in shard {path.name!r}, which does not hold it")
                 view = f.get_slice(name)
                 shape, code = tuple(view.get_shape()), view.get_dtype()
                 if shape != tuple(expected[name]):
@@ -77,14 +91,14 @@ def load_tensors(folder: str | Path, expected: Mapping[str, tuple[int, ...]], *,
                 if code not in _STORED:
                     raise ValueError(f"{path.name}: tensor {name!r} has dtype {code}, expected "
                                      f"one of {sorted(_STORED)} (float32, bfloat16, float16)")
-                t = f.get_tensor(name)
+                t = f.get_tensor(name)  # the header was checked against the file's size
                 tensors[name] = t if dtype is None or t.dtype == dtype else t.to(dtype)
     return tensors
 
 
 def weight_files(folder: str | Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it (single file or sharded index)."""
-    folder = _check_folder(folder)
+    folder = check_folder(folder)
     index = folder / INDEX_NAME
     if index.is_file():
         weight_map = read_json(index).get("weight_map")
@@ -93,7 +107,10 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
                              "(tensor name -> shard file)")
         files: dict[str, Path] = {}
         for name, shard in weight_map.items():
-            path = folder / str(shard)
+            if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+                raise ValueError(f"{index}: tensor {name!r} is in shard {shard!r}; expected "
+                                 "the name of a file in the checkpoint folder")
+            path = folder / shard
             if not path.is_file():
                 raise FileNotFoundError(f"{index}: tensor {name!r} is in shard {shard!r}, "
                                         f"which does not exist in {folder}")
@@ -103,8 +120,30 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
     if not single.is_file():
         raise FileNotFoundError(f"{folder}: no weights; expected {WEIGHTS_NAME} or "
                                 f"{INDEX_NAME} (safetensors) in the folder")
-    with safe_open(str(single), framework="pt") as f:
+    with _open(single) as f:
         return dict.fromkeys(f.keys(), single)
+
+
+def check_folder(folder: str | Path, *, needs: str = f"{CONFIG_NAME} and {WEIGHTS_NAME}"
+                 ) -> Path:
+    """``folder`` as a ``Path`` when it is a local folder; else a ``FileNotFoundError``.
+
+    The message says the folder does not exist (or is a file) and, for a Hugging Face Hub
+    name such as ``Qwen/Qwen2.5-0.5B-Instruct`` (``owner/name`` exactly, not ``./owner/name``),
+    that only local folders are read and how to download one. ``needs`` names the files the
+    caller expects in it.
+    """
+    text, folder = str(folder), Path(folder)
+    if folder.is_dir():
+        return folder
+    if folder.exists():
+        raise FileNotFoundError(f"{folder}: not a folder; expected a folder holding {needs}")
+    if _HUB_NAME.fullmatch(text):  # as typed: "./Qwen/x" is a path, not a Hub name
+        raise FileNotFoundError(
+            f"{text}: no such folder. Only local folders are read (nothing is downloaded); to "
+            f"use the Hugging Face Hub model {text!r}, download it first, e.g. "
+            f"`huggingface-cli download {text} --local-dir {folder.name}`, and pass that folder")
+    raise FileNotFoundError(f"{folder}: no such folder; expected a folder holding {needs}")
 
 
 def save_tensors(folder: str | Path, tensors: Mapping[str, Tensor]) -> Path:
@@ -124,7 +163,7 @@ def read_json(path: str | Path) -> dict:
         raise FileNotFoundError(f"{path}: no such file")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise ValueError(f"{path}: not valid JSON ({error})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
@@ -140,12 +179,16 @@ def parse_dtype(value: str | torch.dtype | None, name: str = "dtype") -> torch.d
     raise ValueError(f"{name}: expected one of {sorted(SUPPORTED_DTYPES)}, got {value!r}")
 
 
-def _check_folder(folder: str | Path) -> Path:
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{folder}: not a folder; expected a checkpoint folder with "
-                                f"{CONFIG_NAME} and {WEIGHTS_NAME} (or {INDEX_NAME})")
-    return folder
+@contextmanager
+def _open(path: Path) -> Iterator[Any]:
+    """``safe_open(path)``, a corrupt or truncated file raising a ``ValueError`` naming it."""
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{path}: not a readable safetensors file ({error}); it is truncated "
+                         "or corrupt: download it again") from None
+    with handle as f:
+        yield f
 
 
 def _describe_source(folder: Path) -> str:

@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -35,18 +36,19 @@ from attnlab.functional import linear
 from attnlab.generation.kv_cache import KVCache, LayerKVCache
 from attnlab.layers import RMSNorm, RoPE, SwiGLU
 from attnlab.masks import causal_mask
-from attnlab.models.config import ConfigMixin
+from attnlab.models.config import ConfigMixin, check_value
 from attnlab.models.hf_loading import (
     CONFIG_NAME,
+    check_folder,
     load_tensors,
     parse_dtype,
     read_json,
     save_tensors,
 )
+from attnlab.models.inputs import decoder_inputs
 
 __all__ = ["Qwen2Config", "Qwen2DecoderLayer", "Qwen2ForCausalLM"]
 
-_MODEL_TYPES = ("qwen2", "llama")
 _LAYOUTS = ("auto", "stored", "columns")
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")
@@ -60,6 +62,9 @@ class Qwen2Config(ConfigMixin):
     ``head_dim`` (``D``) to ``hidden_size / H``. ``attention_bias``: q/k/v biases (Qwen2:
     always); ``o_proj_bias``: an o_proj bias (Llama with ``attention_bias``).
     ``torch_dtype`` is the stored dtype's name; ``max_len`` is ``max_position_embeddings``.
+    ``eos_token_id`` may be given as one id or a list (Hugging Face allows both) and is kept
+    as a tuple of ints; it and ``bos_token_id`` must lie in ``[0, vocab_size)``. Every field's
+    type is checked (``ConfigMixin``): ``"false"`` is not a bool, ``"2"`` not an id.
     """
 
     vocab_size: int
@@ -77,12 +82,19 @@ class Qwen2Config(ConfigMixin):
     o_proj_bias: bool = False
     mlp_bias: bool = False
     torch_dtype: str = "float32"
-    model_type: str = "qwen2"
+    model_type: Literal["qwen2", "llama"] = "qwen2"
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
+        eos = self.eos_token_id  # Hugging Face allows one id or a list of them
+        if eos is None or (isinstance(eos, int) and not isinstance(eos, bool)):
+            object.__setattr__(self, "eos_token_id", () if eos is None else (eos,))
+        elif not isinstance(eos, (list, tuple)):
+            raise TypeError(f"eos_token_id: expected an int, a list of ints or null, got "
+                            f"{eos!r} ({type(eos).__name__})")
+        self._check_types()
         for name in (*_REQUIRED, "max_position_embeddings"):
             check_positive(name, getattr(self, name))
         if self.num_key_value_heads is None:
@@ -99,10 +111,19 @@ class Qwen2Config(ConfigMixin):
         check_positive("head_dim", self.head_dim)
         if self.head_dim % 2:
             raise ValueError(f"head_dim: RoPE needs an even head dim, got {self.head_dim}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: expected a positive number, got {getattr(self, name)}")
+        if self.initializer_range < 0:
+            raise ValueError(f"initializer_range: expected a number >= 0, got "
+                             f"{self.initializer_range}")
         parse_dtype(self.torch_dtype, "torch_dtype")
-        eos = self.eos_token_id
-        object.__setattr__(self, "eos_token_id", tuple(
-            () if eos is None else [eos] if isinstance(eos, int) else eos))
+        ids = {"bos_token_id": () if self.bos_token_id is None else (self.bos_token_id,),
+               "eos_token_id": self.eos_token_id}
+        for name, values in ids.items():
+            if any(not 0 <= i < self.vocab_size for i in values):
+                raise ValueError(f"{name}: expected ids in [0, vocab_size={self.vocab_size}), "
+                                 f"got {getattr(self, name)!r}")
 
     @property
     def max_len(self) -> int:
@@ -116,49 +137,18 @@ class Qwen2Config(ConfigMixin):
         Accepts ``model_type`` ``"qwen2"`` and ``"llama"``, the rope base as ``rope_theta``
         (transformers 4) or ``rope_parameters.rope_theta`` (5), and ``torch_dtype`` or
         ``dtype``. Scaled RoPE, sliding-window attention or another activation than SiLU
-        raise a ``ValueError`` naming the file and the key.
+        raise a ``ValueError`` naming the file and the key, as does any value of the wrong type
+        or range. Keys this model does not use are ignored, as transformers does.
         """
         path = Path(path)
-        file = path / CONFIG_NAME if path.is_dir() else path
+        file = path if path.is_file() else check_folder(path) / CONFIG_NAME
         if not file.is_file():
             raise FileNotFoundError(f"{file}: no such file; expected a Hugging Face "
                                     f"{CONFIG_NAME} in the checkpoint folder")
-        d = read_json(file)
-        model_type = d.get("model_type", "qwen2")
-        if model_type not in _MODEL_TYPES:
-            raise ValueError(f"{file}: model_type {model_type!r} is not supported; expected "
-                             f"one of {_MODEL_TYPES}")
-        missing = [k for k in _REQUIRED if k not in d]
-        if missing:
-            raise ValueError(f"{file}: missing key {missing[0]!r}; expected all of {_REQUIRED}")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{file}: hidden_act {d['hidden_act']!r} is not supported; "
-                             "expected 'silu'")
-        if d.get("use_sliding_window"):
-            raise ValueError(f"{file}: use_sliding_window=true is not supported; expected false")
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"{file}: rope_type {rope_type!r} is not supported; expected "
-                             "'default' (unscaled RoPE)")
-        bias = bool(d.get("attention_bias", False))
-        return cls(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=d.get("num_key_value_heads"), head_dim=d.get("head_dim"),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
-            max_position_embeddings=d.get("max_position_embeddings", 32768),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=True if model_type == "qwen2" else bias,
-            o_proj_bias=False if model_type == "qwen2" else bias,
-            mlp_bias=bool(d.get("mlp_bias", False)),
-            torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
-            model_type=model_type,
-            initializer_range=float(d.get("initializer_range", 0.02)),
-            bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
-        )
+        try:
+            return cls(**_fields_from_hf(read_json(file)))
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{file}: {error}") from None
 
     def to_hf(self) -> dict:
         """The Hugging Face ``config.json`` fields (readable by ``from_hf`` and transformers)."""
@@ -236,7 +226,13 @@ class Qwen2ForCausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(config)
         model.load_state_dict(state, strict=True, assign=True)
-        model.rotary = RoPE(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        try:
+            model.rotary = RoPE(config.head_dim, config.max_position_embeddings,
+                                config.rope_theta)
+        except RuntimeError as error:  # the tables are max_position_embeddings x D/2
+            raise ValueError(f"{Path(path) / CONFIG_NAME}: max_position_embeddings="
+                             f"{config.max_position_embeddings} is too large for this machine "
+                             f"({error})") from None
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         return model.requires_grad_(False).eval()
@@ -262,34 +258,13 @@ class Qwen2ForCausalLM(nn.Module):
         positions onto the vocabulary (prefill for generation needs ``k = 1``).
         """
         c = self.config
-        if (not isinstance(input_ids, Tensor) or input_ids.dim() != 2
-                or input_ids.is_floating_point() or 0 in input_ids.shape):
-            shape = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids)
-            raise ValueError(f"input_ids: expected integer token ids of shape B x L (L >= 1), "
-                             f"got {shape}")
-        B, L = input_ids.shape
-        offset = 0 if cache is None else cache.length
-        if offset + L > c.max_position_embeddings:
-            raise ValueError(f"input_ids: positions {offset} .. {offset + L - 1} exceed "
-                             f"max_position_embeddings={c.max_position_embeddings}")
-        if cache is not None and (len(cache) != c.num_hidden_layers or cache.batch_size != B):
-            raise ValueError(f"cache: expected {c.num_hidden_layers} layers for batch size {B}, "
-                             f"got {cache!r}")
-        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) \
-                or logits_to_keep < 0:
-            raise ValueError(f"logits_to_keep: expected an int >= 0, got {logits_to_keep!r}")
-        key_mask = None
-        if attention_mask is not None:
-            if tuple(attention_mask.shape) != (B, offset + L):
-                raise ValueError(f"attention_mask: expected shape B x (offset + L) = "
-                                 f"({B}, {offset + L}), got {tuple(attention_mask.shape)}")
-            key_mask = attention_mask.bool()
-            if bool(key_mask.all()):
-                key_mask = None  # no padding: the plain causal path, no mask tensor
-        positions = position_ids
-        if positions is None:
-            positions = (offset if key_mask is None
-                         else (key_mask.long().cumsum(-1) - 1).clamp(min=0)[:, offset:])
+        _, L, offset, key_mask, positions = decoder_inputs(
+            input_ids, attention_mask, cache, position_ids, logits_to_keep,
+            vocab_size=c.vocab_size, max_len=c.max_position_embeddings,
+            max_len_name="max_position_embeddings", num_layers=c.num_hidden_layers)
+        if key_mask is not None and bool(key_mask.all()):  # no padding: the plain causal path
+            key_mask = None
+            positions = offset if position_ids is None else positions  # the same, as an int
         mask = None
         if key_mask is not None:  # B x 1 x L x S: real keys, bottom-right causal
             mask = key_mask[:, None, None, :] & causal_mask(L, offset + L, device=key_mask.device)
@@ -332,6 +307,38 @@ class Qwen2DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), mask=mask, is_causal=is_causal,
                                cache=cache, rotary=rotary)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _fields_from_hf(d: dict[str, Any]) -> dict[str, Any]:
+    """``Qwen2Config`` fields from a ``config.json`` object (types are checked by the config)."""
+    model_type = check_value("model_type", d.get("model_type", "qwen2"),
+                             Literal["qwen2", "llama"])
+    missing = [k for k in _REQUIRED if k not in d]
+    if missing:
+        raise ValueError(f"missing key {missing[0]!r}; expected all of {_REQUIRED}")
+    if check_value("hidden_act", d.get("hidden_act", "silu"), str) != "silu":
+        raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported; expected 'silu'")
+    if check_value("use_sliding_window", d.get("use_sliding_window"), bool | None):
+        raise ValueError("use_sliding_window=true is not supported; expected false")
+    parameters, scaling = (check_value(k, d.get(k), dict | None) or {}
+                           for k in ("rope_parameters", "rope_scaling"))
+    rope = parameters or scaling  # transformers 5's name first
+    rope_type = check_value("rope_type", rope.get("rope_type", rope.get("type", "default")), str)
+    if rope_type != "default":
+        raise ValueError(f"rope_type {rope_type!r} is not supported; expected 'default' "
+                         "(unscaled RoPE)")
+    bias = check_value("attention_bias", d.get("attention_bias", False), bool)
+    dtype_key = "dtype" if d.get("dtype") is not None else "torch_dtype"
+    fields = {k: d[k] for k in _REQUIRED}
+    fields.update({k: d[k] for k in ("num_key_value_heads", "head_dim", "rms_norm_eps",
+                                     "max_position_embeddings", "tie_word_embeddings",
+                                     "mlp_bias", "initializer_range", "bos_token_id",
+                                     "eos_token_id") if k in d})
+    return {**fields, "model_type": model_type,
+            "rope_theta": rope.get("rope_theta", d.get("rope_theta", 10000.0)),
+            "attention_bias": True if model_type == "qwen2" else bias,
+            "o_proj_bias": False if model_type == "qwen2" else bias,
+            "torch_dtype": check_value(dtype_key, d.get(dtype_key) or "float32", str)}
 
 
 def _hf_shapes(c: Qwen2Config) -> dict[str, tuple[int, ...]]:

@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from torch import Tensor, nn
 
 from attnlab._checks import check_positive
 from attnlab.attention.multihead import MultiHeadAttention
-from attnlab.functional import linear
+from attnlab.functional import BACKENDS, linear
 from attnlab.generation.kv_cache import KVCache, LayerKVCache
 from attnlab.layers import FeedForward, SinusoidalPositionalEncoding
 from attnlab.models.config import ConfigMixin
+from attnlab.models.inputs import check_tensor, check_token_ids
 from attnlab.models.summary import summary
 
 __all__ = ["Decoder", "DecoderLayer", "Encoder", "EncoderLayer", "Transformer",
@@ -54,7 +56,7 @@ class TransformerConfig(ConfigMixin):
     num_decoder_layers: int = 6
     d_ff: int = 2048
     dropout: float = 0.1
-    activation: str = "relu"
+    activation: Literal["relu", "gelu"] = "relu"
     norm_first: bool = False
     final_norm: bool | None = None
     layer_norm_eps: float = 1e-5
@@ -63,9 +65,10 @@ class TransformerConfig(ConfigMixin):
     tie_output: bool = True
     share_embeddings: bool = False
     bias: bool = True
-    backend: str = "auto"
+    backend: Literal[BACKENDS] = "auto"  # type: ignore[valid-type]
 
     def __post_init__(self) -> None:
+        self._check_types()
         for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads",
                      "num_encoder_layers", "num_decoder_layers", "d_ff", "max_len"):
             value = getattr(self, name)
@@ -75,6 +78,9 @@ class TransformerConfig(ConfigMixin):
                              f"got {self.d_model}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout: expected a float in [0, 1), got {self.dropout}")
+        if self.layer_norm_eps <= 0:
+            raise ValueError(f"layer_norm_eps: expected a positive number, got "
+                             f"{self.layer_norm_eps}")
         if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
             raise ValueError(
                 f"share_embeddings: needs src_vocab_size == tgt_vocab_size, got "
@@ -253,13 +259,13 @@ class Transformer(nn.Module):
         ``src_mask`` ``B x S`` and ``tgt_mask`` ``B x T``: True (or 1) = real token; built
         from ``pad_id`` when not given. The decoder adds the causal mask itself.
         """
-        src_mask = self._key_mask("src_mask", src, src_mask)
         memory = self.encode(src, src_mask)
-        return self.decode(tgt, memory, memory_mask=src_mask, tgt_mask=tgt_mask)
+        return self.decode(tgt, memory, memory_mask=self._key_mask("src_mask", src, src_mask),
+                           tgt_mask=tgt_mask)
 
     def encode(self, src: Tensor, src_mask: Tensor | None = None) -> Tensor:
         """src ids ``B x S`` -> memory ``B x S x E`` (``src_mask`` as in ``forward``)."""
-        self._check_ids("src", src, self.config.src_vocab_size)
+        check_token_ids("src", src, self.config.src_vocab_size)
         mask = self._key_mask("src_mask", src, src_mask)
         return self.encoder(src, None if mask is None else mask[:, None, None, :])
 
@@ -275,12 +281,15 @@ class Transformer(nn.Module):
         at positions ``cache.length ..``, and the cache is extended by them.
         """
         c = self.config
-        self._check_ids("tgt", tgt, c.tgt_vocab_size)
-        B, T = tgt.shape
+        B, T = check_token_ids("tgt", tgt, c.tgt_vocab_size)
         offset = 0 if cache is None else cache.length
         if offset + T > c.max_len:
             raise ValueError(f"tgt: positions {offset} .. {offset + T - 1} exceed the model's "
                              f"max_len={c.max_len}")
+        check_tensor("memory", memory, "the encoder's output tensor B x S x E")
+        if memory.dtype != self.output_proj.weight.dtype:
+            raise ValueError(f"memory: expected dtype {self.output_proj.weight.dtype} (the "
+                             f"model's), got {memory.dtype}")
         if memory.dim() != 3 or memory.shape[0] != B or memory.shape[2] != c.d_model:
             raise ValueError(f"memory: expected shape B x S x E = ({B}, S, {c.d_model}), got "
                              f"{tuple(memory.shape)}")
@@ -306,6 +315,7 @@ class Transformer(nn.Module):
 
     def _key_mask(self, name: str, tokens: Tensor, mask: Tensor | None) -> Tensor | None:
         if mask is not None:
+            check_tensor(name, mask, "a bool key mask tensor")
             if tuple(mask.shape) != tuple(tokens.shape):
                 raise ValueError(f"{name}: expected a key mask of shape B x len = "
                                  f"{tuple(tokens.shape)}, got {tuple(mask.shape)}")
@@ -314,21 +324,12 @@ class Transformer(nn.Module):
             return None
         return tokens != self.config.pad_id
 
-    def _check_ids(self, name: str, ids: Tensor, vocab: int) -> None:
-        if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.is_floating_point():
-            shape = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
-            raise ValueError(f"{name}: expected integer token ids of shape B x len, got {shape}")
-        if ids.shape[1] == 0:
-            raise ValueError(f"{name}: expected at least one token, got shape {tuple(ids.shape)}")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            raise ValueError(f"{name}: expected ids in [0, {vocab}), got min {int(ids.min())} "
-                             f"and max {int(ids.max())}")
-
 
 def _expand(name: str, mask: Tensor | None, B: int, S: int) -> Tensor | None:
     """Key mask ``B x S`` (True/1 = real) -> ``B x 1 x 1 x S`` bool."""
     if mask is None:
         return None
+    check_tensor(name, mask, "a bool key mask tensor")
     if tuple(mask.shape) != (B, S):
         raise ValueError(f"{name}: expected a key mask of shape ({B}, {S}), got "
                          f"{tuple(mask.shape)}")

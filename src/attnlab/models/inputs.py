@@ -1,0 +1,121 @@
+"""The checks every model runs on its inputs before any compute, and the decoder's positions.
+
+``decoder_inputs`` is the shared head of ``DecoderLM.forward`` and
+``Qwen2ForCausalLM.forward``: it checks ``input_ids``, ``attention_mask``, ``cache``,
+``position_ids`` and ``logits_to_keep``, each error naming the argument, and gives the
+positions: with an ``attention_mask`` each real token's position is the number of real
+tokens before it (left padding starts at 0), else ``offset .. offset + L - 1``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from attnlab.generation.kv_cache import KVCache
+
+__all__ = ["DecoderInputs", "check_tensor", "check_token_ids", "decoder_inputs"]
+
+# nn.Embedding indexes with these; any other dtype (bool, float, uint8, ...) is refused.
+_ID_DTYPES = (torch.int64, torch.int32)
+
+
+class DecoderInputs(NamedTuple):
+    """``B``, ``L``, the cache ``offset``, the bool ``key_mask`` ``B x (offset + L)`` (or
+    ``None``) and the ``positions`` (an int offset or a long ``B x L``/``L`` tensor)."""
+
+    batch: int
+    length: int
+    offset: int
+    key_mask: Tensor | None
+    positions: int | Tensor
+
+
+def decoder_inputs(input_ids: object, attention_mask: object, cache: object,
+                   position_ids: object, logits_to_keep: object, *, vocab_size: int,
+                   max_len: int, max_len_name: str, num_layers: int) -> DecoderInputs:
+    """Check a causal LM's forward arguments; return what the forward needs.
+
+    ``input_ids`` ``B x L`` ids in ``[0, vocab_size)``; ``attention_mask`` ``B x (offset + L)``
+    or ``None``; ``cache`` a ``KVCache`` of ``num_layers`` layers and batch ``B`` (its
+    ``length`` is the ``offset``) or ``None``; ``position_ids`` ``B x L`` or ``L`` ints in
+    ``[0, max_len)`` or ``None``; ``logits_to_keep`` an int ``>= 0``. ``offset + L`` must not
+    exceed ``max_len`` (named ``max_len_name`` in the message).
+    """
+    B, L = check_token_ids("input_ids", input_ids, vocab_size)
+    if cache is not None and not isinstance(cache, KVCache):
+        raise TypeError(f"cache: expected a KVCache (model.make_cache) or None, got "
+                        f"{type(cache).__name__}")
+    if cache is not None and (len(cache) != num_layers or cache.batch_size != B):
+        raise ValueError(f"cache: expected {num_layers} layers for batch size {B}, got "
+                         f"{cache!r}")
+    offset = 0 if cache is None else cache.length
+    if offset + L > max_len:
+        raise ValueError(f"input_ids: positions {offset} .. {offset + L - 1} exceed the "
+                         f"model's {max_len_name}={max_len}")
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) \
+            or logits_to_keep < 0:
+        raise ValueError(f"logits_to_keep: expected an int >= 0, got {logits_to_keep!r}")
+    key_mask = None
+    if attention_mask is not None:
+        check_tensor("attention_mask", attention_mask)
+        if tuple(attention_mask.shape) != (B, offset + L):
+            raise ValueError(f"attention_mask: expected shape B x (offset + L) = "
+                             f"({B}, {offset + L}), got {tuple(attention_mask.shape)}")
+        key_mask = attention_mask.bool()
+    if position_ids is not None:
+        positions: int | Tensor = _check_positions(position_ids, B, L, max_len)
+    elif key_mask is None:
+        positions = offset
+    else:
+        positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)[:, offset:]
+    return DecoderInputs(B, L, offset, key_mask, positions)
+
+
+def check_token_ids(name: str, ids: object, vocab_size: int) -> tuple[int, int]:
+    """``(B, L)`` of ``ids`` when it is a ``B x L`` (``L >= 1``) int64/int32 tensor of ids in
+    ``[0, vocab_size)``; otherwise a ``TypeError`` (not a tensor) or ``ValueError`` naming
+    ``name``, what was received and what was expected.
+
+    The range check is one ``aminmax`` over ``ids`` (two numbers read back), cheap on the
+    ``B x 1`` decode step.
+    """
+    check_tensor(name, ids, "a tensor of integer token ids of shape B x L")
+    if ids.dtype not in _ID_DTYPES:
+        raise ValueError(f"{name}: expected integer token ids (torch.long or torch.int32) of "
+                         f"shape B x L, got dtype {ids.dtype}")
+    if ids.dim() != 2:
+        raise ValueError(f"{name}: expected integer token ids of shape B x L, got shape "
+                         f"{tuple(ids.shape)}")
+    if ids.numel() == 0:
+        raise ValueError(f"{name}: expected at least one token (B, L >= 1), got shape "
+                         f"{tuple(ids.shape)}")
+    low, high = torch.stack(torch.aminmax(ids)).tolist()  # one read back
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"{name}: expected ids in [0, {vocab_size}), got min {low} and max "
+                         f"{high}")
+    return ids.shape[0], ids.shape[1]
+
+
+def check_tensor(name: str, value: object, what: str = "a tensor") -> Tensor:
+    """``value`` when it is a tensor; else a ``TypeError`` naming ``name``, ``what`` was
+    expected and the type received."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name}: expected {what}, got {type(value).__name__}")
+    return value
+
+
+def _check_positions(position_ids: object, B: int, L: int, max_len: int) -> Tensor:
+    check_tensor("position_ids", position_ids)
+    if (position_ids.dtype not in _ID_DTYPES
+            or tuple(position_ids.shape) not in ((B, L), (L,))):
+        raise ValueError(f"position_ids: expected integer positions of shape B x L = "
+                         f"({B}, {L}) or L, got shape {tuple(position_ids.shape)} and dtype "
+                         f"{position_ids.dtype}")
+    low, high = torch.stack(torch.aminmax(position_ids)).tolist()
+    if low < 0 or high >= max_len:
+        raise ValueError(f"position_ids: expected positions in [0, {max_len}), got min {low} "
+                         f"and max {high}")
+    return position_ids
