@@ -1,43 +1,66 @@
 """``attnlab translate`` and ``attnlab sample``: use a checkpoint written by ``attnlab train``.
 
 Both read the checkpoint folder through the library's public API and print to stdout.
+``translate`` prints one line per input, ``INPUT<TAB>OUTPUT`` or ``INPUT<TAB>error: WHY``,
+and exits with 1 when any input failed (the others are still translated).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
 
+from attnlab._checks import check_positive
 from attnlab.generation import generate
+from attnlab.generation.sampling import check_sampling_args
 from attnlab.training.checkpoint import load_model
 from attnlab.training.tasks.seq2seq import SEQ2SEQ_TASKS, make_seq2seq_task
-from attnlab.training.tasks.vocab import CharVocab
+from attnlab.training.tasks.vocab import CharVocab, describe_characters
 
 __all__ = ["add_commands"]
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``translate`` and ``sample`` on the top-level sub-parsers."""
-    tr = sub.add_parser("translate", help="translate with a trained seq2seq checkpoint")
+    tr = sub.add_parser(
+        "translate",
+        help="translate with a trained seq2seq checkpoint",
+        description="Translate each input with a seq2seq checkpoint. One line per input: "
+        "INPUT<TAB>OUTPUT, or INPUT<TAB>error: WHY for an input the model cannot read or "
+        "whose output is not a valid answer (exit status 1 if any failed).",
+    )
     tr.add_argument("--checkpoint", required=True, help="checkpoint folder (e.g. runs/demo/best)")
     tr.add_argument("--beams", type=int, default=1, help="beam width (1 = greedy)")
-    tr.add_argument("texts", nargs="+", help="inputs to translate")
+    tr.add_argument("texts", nargs="+", metavar="TEXT", help="inputs to translate")
     tr.set_defaults(handler=_translate)
 
-    sa = sub.add_parser("sample", help="sample text from a trained character LM")
-    sa.add_argument("--checkpoint", required=True)
-    sa.add_argument("--prompt", default="\n")
-    sa.add_argument("--max-new-tokens", type=int, default=200)
-    sa.add_argument("--temperature", type=float, default=0.8)
-    sa.add_argument("--top-k", type=int, default=None)
-    sa.add_argument("--top-p", type=float, default=None)
-    sa.add_argument("--seed", type=int, default=0)
+    sa = sub.add_parser(
+        "sample",
+        help="sample text from a trained character LM",
+        description="Continue a prompt with a character-level LM checkpoint; the prompt and "
+        "the new text go to stdout, a note to stderr if the model's context ran out.",
+    )
+    sa.add_argument("--checkpoint", required=True, help="checkpoint folder (e.g. runs/lm/best)")
+    sa.add_argument("--prompt", default="\n", help="text to continue (its characters must be in "
+                    "the model's vocabulary)")
+    sa.add_argument("--max-new-tokens", type=int, default=200,
+                    help="characters to generate (fewer if the model's context runs out)")
+    sa.add_argument("--temperature", type=float, default=0.8,
+                    help="divides the logits before sampling (> 0; lower is more conservative)")
+    sa.add_argument("--top-k", type=int, default=None,
+                    help="sample among the k most likely characters only (None: all)")
+    sa.add_argument("--top-p", type=float, default=None,
+                    help="sample among the most likely characters whose probability sums to "
+                    "p, in (0, 1] (None: all)")
+    sa.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
     sa.set_defaults(handler=_sample)
 
 
 def _translate(args: argparse.Namespace) -> int:
+    check_positive("--beams", args.beams)
     model, config = load_model(args.checkpoint)
     extra = config.get("extra", {})
     if config["model_type"] != "transformer" or extra.get("task") not in SEQ2SEQ_TASKS:
@@ -51,20 +74,32 @@ def _translate(args: argparse.Namespace) -> int:
     )
     if task.src_vocab.chars != extra.get("src_chars", task.src_vocab.chars):
         raise ValueError(f"checkpoint: {args.checkpoint!r} was trained with another vocabulary")
-    for text, out in zip(args.texts, task.translate(model, args.texts, num_beams=args.beams)):
-        print(f"{text}\t{out}")
-    return 0
+    results = task.translate_checked(model, args.texts, num_beams=args.beams)
+    failed = 0
+    for number, result in enumerate(results, start=1):
+        if result.error is None:
+            print(f"{_printable(result.source)}\t{result.output}")
+        else:
+            failed += 1
+            print(f"{_printable(result.source)}\terror: input {number}: {result.error}")
+    if failed:
+        print(f"attnlab translate: {failed} of {len(results)} inputs failed", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _sample(args: argparse.Namespace) -> int:
+    check_positive("--max-new-tokens", args.max_new_tokens)
+    _check_sampling_flags(args)
     model, config = load_model(args.checkpoint)
     if config["model_type"] != "decoder_lm":
         raise ValueError(f"checkpoint: {args.checkpoint!r} is not a language-model checkpoint")
     vocab = CharVocab(config["extra"]["chars"])
+    max_len = model.config.max_len
+    _check_prompt(args.prompt, vocab, max_len)
     prompt = torch.tensor([vocab.encode(args.prompt)], dtype=torch.long)
-    room = model.config.max_len - prompt.shape[1]
+    room = max_len - prompt.shape[1]
     ids = generate(
-        model,
+        model.eval(),
         prompt,
         min(args.max_new_tokens, room),
         do_sample=True,
@@ -74,4 +109,46 @@ def _sample(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     sys.stdout.write(args.prompt + vocab.decode(ids[0, prompt.shape[1] :].tolist()) + "\n")
+    if room < args.max_new_tokens:
+        print(
+            f"attnlab sample: stopped after {room} of {args.max_new_tokens} new characters: "
+            f"the prompt ({prompt.shape[1]}) and the new characters fill the model's context "
+            f"of {max_len} (max_len)",
+            file=sys.stderr,
+        )
     return 0
+
+
+def _check_prompt(prompt: str, vocab: CharVocab, max_len: int) -> None:
+    """A ``ValueError`` naming ``--prompt`` unless the model can read it and continue it."""
+    if not prompt:
+        raise ValueError("--prompt: expected at least one character, got ''")
+    if len(prompt) >= max_len:
+        raise ValueError(
+            f"--prompt: {len(prompt)} characters, the model's context is {max_len} (max_len); "
+            f"expected at most {max_len - 1} to leave room for a new one"
+        )
+    unknown = vocab.unknown(prompt)
+    if unknown:
+        raise ValueError(
+            f"--prompt: characters not in the model's vocabulary: {describe_characters(unknown)}"
+        )
+
+
+def _check_sampling_flags(args: argparse.Namespace) -> None:
+    """The sampling flags' checks (``check_sampling_args``), with the flags' names."""
+    if not args.temperature > 0 or not math.isfinite(args.temperature):
+        raise ValueError(
+            f"--temperature: expected a finite number > 0 (sample always samples; a small "
+            f"value such as 0.1 is close to greedy), got {args.temperature}"
+        )
+    try:
+        check_sampling_args(args.temperature, args.top_k, args.top_p)
+    except ValueError as error:
+        name, _, why = str(error).partition(": ")
+        raise ValueError(f"--{name.replace('_', '-')}: {why}") from None
+
+
+def _printable(text: str) -> str:
+    """``text`` on one line: control characters (a tab, a newline) escaped as in Python."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

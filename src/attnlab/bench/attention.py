@@ -19,11 +19,13 @@ from tqdm import tqdm
 from attnlab.bench.harness import (
     Measurement,
     available_memory,
+    device_arg,
     int_list,
     is_oom,
     machine_info,
     machine_section,
     peak_memory,
+    positive_int,
     time_median,
     time_medians,
 )
@@ -32,21 +34,21 @@ from attnlab.functional import scaled_dot_product_attention
 __all__ = ["add_arguments", "run"]
 
 BACKENDS = ("math", "flash", "fused", "auto")
-DEFAULT_LENGTHS = (256, 1024, 4096, 8192)
+DEFAULT_LENGTHS = "256,1024,4096,8192"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--lengths",
-        type=int_list,
-        default=DEFAULT_LENGTHS,
-        help="comma-separated sequence lengths (default 256,1024,4096,8192)",
-    )
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per cell (median)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    """Options of ``attnlab bench attention``."""
+    parser.add_argument("--lengths", type=int_list, default=DEFAULT_LENGTHS,
+                        help="comma-separated sequence lengths L")
+    parser.add_argument("--heads", type=positive_int, default=8, help="attention heads H")
+    parser.add_argument("--head-dim", type=positive_int, default=64, help="head dimension D")
+    parser.add_argument("--repeats", type=positive_int, default=5,
+                        help="timed runs per cell (median)")
+    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes and 3 repeats, for a smoke test (the sizes above are "
+                        "ignored); writes to runs/bench-quick unless --out is given")
 
 
 def run(args: argparse.Namespace) -> Path:

@@ -27,29 +27,34 @@ from tqdm import tqdm
 
 from attnlab.bench.harness import (
     Measurement,
+    device_arg,
     int_list,
     is_oom,
     machine_info,
     machine_section,
+    positive_int,
     time_median,
 )
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 
 __all__ = ["add_arguments", "run"]
 
-DEFAULT_CONTEXTS = (128, 256, 512, 1024, 2048)
+DEFAULT_CONTEXTS = "128,256,512,1024,2048"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``attnlab bench generate``."""
     parser.add_argument("--contexts", type=int_list, default=DEFAULT_CONTEXTS,
-                        help="comma-separated context lengths for the per-token decode time "
-                             "(default 128,256,512,1024,2048)")
-    parser.add_argument("--prompt", type=int, default=128, help="prompt length P (default 128)")
-    parser.add_argument("--new-tokens", type=int, default=64,
-                        help="tokens decoded for the tokens/s figures (default 64)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per cell (median)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+                        help="comma-separated context lengths for the per-token decode time")
+    parser.add_argument("--prompt", type=positive_int, default=128, help="prompt length P")
+    parser.add_argument("--new-tokens", type=positive_int, default=64,
+                        help="tokens decoded for the tokens/s figures")
+    parser.add_argument("--repeats", type=positive_int, default=5,
+                        help="timed runs per cell (median)")
+    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes and 3 repeats, for a smoke test (the sizes above are "
+                        "ignored); writes to runs/bench-quick unless --out is given")
 
 
 def run(args: argparse.Namespace) -> Path:
@@ -62,9 +67,6 @@ def run(args: argparse.Namespace) -> Path:
         contexts, P, N, repeats = tuple(args.contexts), args.prompt, args.new_tokens, args.repeats
         config = DecoderLMConfig.llama(8192, d_model=512, num_layers=4, num_heads=8,
                                        max_len=max(max(contexts) + 1, P + N))
-    for name, value in (("--prompt", P), ("--new-tokens", N), ("--repeats", repeats)):
-        if value < 1:
-            raise ValueError(f"{name}: expected a positive int, got {value}")
     torch.manual_seed(0)
     model = DecoderLM(config).to(device).eval()
     ids = torch.randint(0, config.vocab_size, (1, max(max(contexts) + 1, P + N)), device=device)

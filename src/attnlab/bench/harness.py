@@ -18,16 +18,20 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 __all__ = [
     "Measurement",
     "available_memory",
+    "device_arg",
     "int_list",
     "machine_info",
     "machine_section",
+    "oom_as_error",
     "peak_memory",
+    "positive_int",
     "time_median",
     "time_medians",
 ]
@@ -192,6 +196,51 @@ def int_list(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
     return values
+
+
+def positive_int(text: str) -> int:
+    """``argparse`` type for a positive int (``"5"``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+def device_arg(text: str) -> torch.device:
+    """``argparse`` type for a device that this machine has (``"cpu"``, ``"cuda"``,
+    ``"cuda:1"``)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a device such as cpu or cuda, got {text!r}"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available on this machine")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda, got {text!r}")
+    return device
+
+
+T = TypeVar("T")
+
+
+def oom_as_error(fn: Callable[[], T]) -> tuple[T | None, str | None]:
+    """``(fn(), None)``, or ``(None, "OOM")`` when ``fn`` runs out of memory: out-of-memory
+    is a result; any other error propagates."""
+    try:
+        return fn(), None
+    except (RuntimeError, MemoryError) as error:
+        if not is_oom(error):
+            raise
+        return None, "OOM"
 
 
 def is_oom(error: BaseException) -> bool:
