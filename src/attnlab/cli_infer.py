@@ -18,7 +18,7 @@ from attnlab.generation import generate
 from attnlab.generation.sampling import check_sampling_args
 from attnlab.training.checkpoint import load_model
 from attnlab.training.tasks.seq2seq import SEQ2SEQ_TASKS, make_seq2seq_task
-from attnlab.training.tasks.vocab import CharVocab, describe_characters
+from attnlab.training.tasks.vocab import SPECIALS, CharVocab, describe_characters
 
 __all__ = ["add_commands"]
 
@@ -108,14 +108,18 @@ def _sample(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
     )
-    sys.stdout.write(args.prompt + vocab.decode(ids[0, prompt.shape[1] :].tolist()) + "\n")
-    if room < args.max_new_tokens:
-        print(
-            f"attnlab sample: stopped after {room} of {args.max_new_tokens} new characters: "
-            f"the prompt ({prompt.shape[1]}) and the new characters fill the model's context "
-            f"of {max_len} (max_len)",
-            file=sys.stderr,
-        )
+    text, special = vocab.read(ids[0, prompt.shape[1] :].tolist())
+    sys.stdout.write(args.prompt + text + "\n")
+    # The model trains on text only, so a special token is no character to print: stop there.
+    if special is not None:
+        why = f"the model produced {SPECIALS[special]}, which is no character"
+    elif room < args.max_new_tokens:
+        why = (f"the prompt ({prompt.shape[1]}) and the new characters fill the model's "
+               f"context of {max_len} (max_len)")
+    else:
+        return 0
+    print(f"attnlab sample: stopped after {len(text)} of {args.max_new_tokens} new characters: "
+          f"{why}", file=sys.stderr)
     return 0
 
 

@@ -199,14 +199,11 @@ class Seq2SeqTask:
     def _read(self, row: list[int]) -> tuple[str, str | None]:
         """The text of one generated row and why it is not a finished answer (a special
         token inside it, or no ``<eos>`` within ``max_target_len`` tokens), or None."""
-        chars: list[str] = []
-        for i in row[1:]:
-            if i == EOS:
-                return "".join(chars), None
-            if i < len(SPECIALS):
-                return "".join(chars), f"the model produced {SPECIALS[i]} inside its output"
-            chars.append(self.tgt_vocab.chars[i - len(SPECIALS)])
-        text = "".join(chars)
+        text, special = self.tgt_vocab.read(row[1:])
+        if special == EOS:
+            return text, None
+        if special is not None:
+            return text, f"the model produced {SPECIALS[special]} inside its output"
         return text, f"the model's output {text!r} did not end within {self.max_target_len} tokens"
 
 

@@ -54,6 +54,18 @@ class CharVocab:
                 out.append(self.chars[i - len(SPECIALS)])
         return "".join(out)
 
+    def read(self, ids: Iterable[int]) -> tuple[str, int | None]:
+        """Ids -> the text before the first special token, and that token's id (None when
+        there is none): unlike ``decode``, a model's stray ``<pad>``/``<bos>``/``<unk>`` is
+        not skipped over but seen."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if i < len(SPECIALS):
+                return "".join(out), i
+            out.append(self.chars[i - len(SPECIALS)])
+        return "".join(out), None
+
     def batch(self, texts: list[str], *, bos: bool = False, eos: bool = False) -> Tensor:
         """Encode and right-pad with ``<pad>``: ``B x T`` long tensor."""
         seqs = [self.encode(t, bos=bos, eos=eos) for t in texts]
