@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from attnlab.bench.harness import (
     is_oom,
     machine_info,
     machine_section,
+    oom_as_error,
     peak_memory,
     positive_int,
     time_median,
@@ -55,17 +57,18 @@ def run(args: argparse.Namespace) -> Path:
     """Run the benchmark and write its files into ``args.out``; returns the markdown path."""
     device = torch.device(args.device)
     lengths = (64, 128) if args.quick else tuple(args.lengths)
+    H, D = (2, 16) if args.quick else (args.heads, args.head_dim)
     repeats = 3 if args.quick else args.repeats
     rows = []
     groups = [(L, c) for L in lengths for c in (False, True)]
     for L, causal in tqdm(groups, desc="bench attention", unit="group"):
-        rows += _measure(L, causal, args.heads, args.head_dim, repeats, device)
+        rows += _measure(L, causal, H, D, repeats, device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info(device)
     (out / "attention.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=2))
     md = out / "attention.md"
-    md.write_text(_markdown(rows, info, args.heads, args.head_dim))
+    md.write_text(_markdown(rows, info, H, D))
     _plot(rows, out / "attention.png")
     print(md.read_text())
     return md
@@ -112,9 +115,12 @@ def _measure(
         # math is timed on its own: freeing its L x L matrices slows whichever call follows
         # it (measured: flash 1.33x fused after it in the turns, 1.23x without it).
         fast = {b: make(b) for b in peaks if b != "math"}
-        seconds = time_medians(fast, repeats=repeats, device=device)
+        seconds, error = oom_as_error(partial(time_medians, fast, repeats=repeats, device=device))
+        seconds = seconds or {}
+        errors.update(dict.fromkeys(fast, error) if error else {})
         if "math" in peaks:
-            seconds["math"] = time_median(make("math"), repeats=repeats, device=device)
+            seconds["math"], errors["math"] = oom_as_error(
+                partial(time_median, make("math"), repeats=repeats, device=device))
         for row in rows:
             b = row["backend"]
             row[name] = {"seconds": seconds.get(b), "peak_bytes": peaks.get(b),
