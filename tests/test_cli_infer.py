@@ -141,6 +141,7 @@ def test_translate_real_model_lines_match_inputs(dates_checkpoint, capsys):
         (["--top-k", "0"], "--top-k: expected None or a positive int, got 0"),
         (["--top-p", "1.5"], "--top-p: expected None or a float in (0, 1], got 1.5"),
         (["--top-p", "0"], "--top-p: expected None or a float in (0, 1], got 0.0"),
+        (["--seed", str(2**64)], f"--seed: expected an int from -2**63 to 2**64 - 1, got {2**64}"),
     ],
 )
 def test_sample_bad_flags_name_the_flag(lm_checkpoint, capsys, flags, message):

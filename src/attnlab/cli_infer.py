@@ -90,6 +90,8 @@ def _translate(args: argparse.Namespace) -> int:
 def _sample(args: argparse.Namespace) -> int:
     check_positive("--max-new-tokens", args.max_new_tokens)
     _check_sampling_flags(args)
+    if not -(2**63) <= args.seed < 2**64:  # the range torch.Generator.manual_seed takes
+        raise ValueError(f"--seed: expected an int from -2**63 to 2**64 - 1, got {args.seed}")
     model, config = load_model(args.checkpoint)
     if config["model_type"] != "decoder_lm":
         raise ValueError(f"checkpoint: {args.checkpoint!r} is not a language-model checkpoint")
