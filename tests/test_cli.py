@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from attnlab.bench import mha, qwen2
+from attnlab.bench import attention, mha, qwen2
 from attnlab.bench.harness import oom_as_error
 from attnlab.cli import main
 
@@ -25,12 +25,33 @@ def test_demo_runs(capsys):
     assert "backends agree" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["attention", "mha"])
-def test_bench_quick_writes_table_and_plot(tmp_path, name, one_thread, capsys):
-    assert main(["bench", name, "--quick", "--out", str(tmp_path)]) == 0
-    table = (tmp_path / f"{name}.md").read_text()
-    assert "| " in table and "## Machine" in table
-    assert (tmp_path / f"{name}.png").stat().st_size > 1000
+def test_bench_mha_quick_writes_table_and_plot(tmp_path, one_thread, capsys):
+    assert main(["bench", "mha", "--quick", "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "mha.md").read_text()
+    assert "| 2 | 16 | train |" in table and "## Machine" in table
+    assert (tmp_path / "mha.png").stat().st_size > 1000
+    assert str(tmp_path) in capsys.readouterr().out
+
+
+def test_bench_attention_quick_records_out_of_memory_at_a_length(tmp_path, monkeypatch,
+                                                                 one_thread, capsys):
+    real = attention._measure
+
+    def measure(L, *args):  # the inputs of L=128 do not fit
+        if L == 128:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+        return real(L, *args)
+
+    monkeypatch.setattr(attention, "_measure", measure)
+    assert main(["bench", "attention", "--quick", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "attention.json").read_text())["rows"]
+    assert all(r["fwd"]["seconds"] > 0 and r["fwd_bwd"]["seconds"] > 0
+               for r in rows if r["L"] == 64)
+    oom = [r for r in rows if r["L"] == 128]
+    assert len(oom) == 8 and all(r["fwd"]["error"] == r["fwd_bwd"]["error"] == "OOM" for r in oom)
+    table = (tmp_path / "attention.md").read_text()
+    assert "| 128 | yes | flash | OOM | — | OOM | — | OOM | OOM | — |" in table
+    assert (tmp_path / "attention.png").stat().st_size > 1000
     assert str(tmp_path) in capsys.readouterr().out
 
 

@@ -62,7 +62,11 @@ def run(args: argparse.Namespace) -> Path:
     rows = []
     groups = [(L, c) for L in lengths for c in (False, True)]
     for L, causal in tqdm(groups, desc="bench attention", unit="group"):
-        rows += _measure(L, causal, H, D, repeats, device)
+        # Out of memory outside a timed call (the inputs of a huge L) is a result too.
+        found, error = oom_as_error(partial(_measure, L, causal, H, D, repeats, device))
+        cell = {"seconds": None, "peak_bytes": None, "error": error}
+        rows += found or [{"L": L, "causal": causal, "backend": b, "fwd": cell, "fwd_bwd": cell}
+                          for b in BACKENDS]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info(device)

@@ -20,18 +20,18 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from attnlab.bench.harness import (
-    Measurement,
     device_arg,
     int_list,
-    is_oom,
     machine_info,
     machine_section,
+    oom_as_error,
     positive_int,
     time_median,
 )
@@ -90,7 +90,10 @@ def run(args: argparse.Namespace) -> Path:
         results["decode_uncached"] = _cell(decode_uncached, repeats, device)
         results["cache_bytes"] = cache.nbytes
         for c in tqdm(contexts, desc="bench generate", unit="context"):
-            results["rows"].append(_context_row(model, ids, c, repeats, device))
+            row, error = oom_as_error(partial(_context_row, model, ids, c, repeats, device))
+            cell = {"seconds": None, "error": error}
+            results["rows"].append(row or {"context": c, "cache_bytes": None, "cached": cell,
+                                           "uncached": cell})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info(device)
@@ -118,13 +121,8 @@ def _context_row(model: DecoderLM, ids: torch.Tensor, c: int, repeats: int,
 
 
 def _cell(fn: Callable[[], object], repeats: int, device: torch.device) -> dict:
-    try:
-        m = Measurement(time_median(fn, repeats=repeats, device=device), None)
-    except (RuntimeError, MemoryError) as error:
-        if not is_oom(error):
-            raise
-        m = Measurement(None, None, "OOM")
-    return {"seconds": m.seconds, "error": m.error}
+    seconds, error = oom_as_error(partial(time_median, fn, repeats=repeats, device=device))
+    return {"seconds": seconds, "error": error}
 
 
 def _markdown(r: dict, info: dict[str, str]) -> str:
@@ -135,6 +133,9 @@ def _markdown(r: dict, info: dict[str, str]) -> str:
 
     def rate(cell: dict, n: int) -> str:
         return cell["error"] or f"{n / cell['seconds']:.1f}"
+
+    def mib(n: int | None) -> str:
+        return "—" if n is None else f"{n / 2**20:.2f}"
 
     def ratio(a: dict, b: dict) -> str:
         return "—" if a["error"] or b["error"] else f"{a['seconds'] / b['seconds']:.1f}x"
@@ -166,7 +167,7 @@ def _markdown(r: dict, info: dict[str, str]) -> str:
     for row in r["rows"]:
         lines.append(f"| {row['context']} | {ms(row['cached'])} | {ms(row['uncached'])} "
                      f"| {ratio(row['uncached'], row['cached'])} "
-                     f"| {row['cache_bytes'] / 2**20:.2f} |")
+                     f"| {mib(row['cache_bytes'])} |")
     first, last = r["rows"][0], r["rows"][-1]
     growth = f"{last['context'] / first['context']:.0f}x"
     lines += [
