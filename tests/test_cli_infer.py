@@ -3,6 +3,10 @@ bad flag named, and the model's output never passed off as an answer it is not."
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -200,3 +204,42 @@ def test_sample_is_reproducible_and_writes_only_the_model_s_characters(lm_checkp
     assert (first.err == "") == (len(first.out) == 4 + 30 + 1)
     assert main(args) == 0
     assert capsys.readouterr() == first
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"task": "lm"}, "has no vocabulary of its model's 32 tokens (extra.chars in config.json, "
+                         "got None)"),
+        ({"task": "lm", "chars": "abc"}, "got 'abc'"),
+    ],
+)
+def test_sample_refuses_a_checkpoint_without_its_vocabulary(lm_checkpoint, tmp_path, capsys,
+                                                            extra, message):
+    folder = edited_checkpoint(lm_checkpoint, tmp_path, extra)
+    assert main(["sample", "--checkpoint", folder]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"tgt_chars": "0123456789/"}, "was trained with another vocabulary"),
+        ({"max_len": "12"}, "extra.max_len in"),
+    ],
+)
+def test_translate_refuses_a_checkpoint_whose_task_does_not_fit(dates_checkpoint, tmp_path,
+                                                                capsys, change, message):
+    extra = json.loads((Path(dates_checkpoint) / "config.json").read_text())["extra"]
+    folder = edited_checkpoint(dates_checkpoint, tmp_path, {**extra, **change})
+    assert main(["translate", "--checkpoint", folder, "1.1.2000"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def edited_checkpoint(folder: str, tmp_path, extra: dict) -> str:
+    """A copy of the checkpoint ``folder`` whose config.json has ``extra`` instead."""
+    copy = tmp_path / "edited"
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "extra": extra}))
+    return str(copy)

@@ -65,14 +65,16 @@ def _translate(args: argparse.Namespace) -> int:
     extra = config.get("extra", {})
     if config["model_type"] != "transformer" or extra.get("task") not in SEQ2SEQ_TASKS:
         raise ValueError(f"checkpoint: {args.checkpoint!r} is not a seq2seq checkpoint")
+    max_len = extra.get("max_len", 12)
+    check_positive(f"checkpoint: extra.max_len in {args.checkpoint!r}", max_len)
     task = make_seq2seq_task(
-        extra["task"],
-        seed=extra.get("seed", 0),
-        max_len=extra.get("max_len", 12),
-        n_test=1,
-        n_valid=1,
+        extra["task"], seed=extra.get("seed", 0), max_len=max_len, n_test=1, n_valid=1
     )
-    if task.src_vocab.chars != extra.get("src_chars", task.src_vocab.chars):
+    same = (task.src_vocab.chars == extra.get("src_chars", task.src_vocab.chars)
+            and task.tgt_vocab.chars == extra.get("tgt_chars", task.tgt_vocab.chars)
+            and (len(task.src_vocab), len(task.tgt_vocab))
+            == (model.config.src_vocab_size, model.config.tgt_vocab_size))
+    if not same:
         raise ValueError(f"checkpoint: {args.checkpoint!r} was trained with another vocabulary")
     results = task.translate_checked(model, args.texts, num_beams=args.beams)
     failed = 0
@@ -95,7 +97,13 @@ def _sample(args: argparse.Namespace) -> int:
     model, config = load_model(args.checkpoint)
     if config["model_type"] != "decoder_lm":
         raise ValueError(f"checkpoint: {args.checkpoint!r} is not a language-model checkpoint")
-    vocab = CharVocab(config["extra"]["chars"])
+    chars = config.get("extra", {}).get("chars")
+    if not isinstance(chars, str) or len(CharVocab(chars)) != model.config.vocab_size:
+        raise ValueError(
+            f"checkpoint: {args.checkpoint!r} has no vocabulary of its model's "
+            f"{model.config.vocab_size} tokens (extra.chars in config.json, got {chars!r:.80})"
+        )
+    vocab = CharVocab(chars)
     max_len = model.config.max_len
     _check_prompt(args.prompt, vocab, max_len)
     prompt = torch.tensor([vocab.encode(args.prompt)], dtype=torch.long)
