@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from attnlab import cli_infer
 from attnlab.cli import main
@@ -243,3 +245,24 @@ def edited_checkpoint(folder: str, tmp_path, extra: dict) -> str:
     config = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**config, "extra": extra}))
     return str(copy)
+
+
+def test_sample_default_prompt_is_a_character_the_model_knows(lm_checkpoint, tmp_path, capsys):
+    # The corpus has no newline: the default prompt is its first character, a space.
+    assert main(["sample", "--checkpoint", lm_checkpoint, "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith(" ")
+    text = tmp_path / "lines.txt"
+    text.write_text("ab\ncd\n" * 40, encoding="utf-8")
+    out = tmp_path / "run"
+    assert main(["train", "lm", "--text", str(text), "--block-size", "8", "--out", str(out),
+                 *STEPS, *TINY]) == 0
+    capsys.readouterr()
+    assert main(["sample", "--checkpoint", str(out / "last"), "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("\n")
+
+
+@given(st.text())
+def test_printed_inputs_stay_on_one_line(text):
+    shown = cli_infer._printable(text)
+    assert shown.isprintable() or shown == ""
+    assert len(shown) >= len(text)

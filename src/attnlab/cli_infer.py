@@ -44,8 +44,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "the new text go to stdout, a note to stderr if the model's context ran out.",
     )
     sa.add_argument("--checkpoint", required=True, help="checkpoint folder (e.g. runs/lm/best)")
-    sa.add_argument("--prompt", default="\n", help="text to continue (its characters must be in "
-                    "the model's vocabulary)")
+    sa.add_argument("--prompt", default=None,
+                    help="text to continue, in the model's characters (None: a newline, or the "
+                    "model's first character if its text had no newline)")
     sa.add_argument("--max-new-tokens", type=int, default=200,
                     help="characters to generate (fewer if the model's context runs out)")
     sa.add_argument("--temperature", type=float, default=0.8,
@@ -105,6 +106,8 @@ def _sample(args: argparse.Namespace) -> int:
         )
     vocab = CharVocab(chars)
     max_len = model.config.max_len
+    if args.prompt is None:
+        args.prompt = "\n" if "\n" in chars else chars[0]
     _check_prompt(args.prompt, vocab, max_len)
     prompt = torch.tensor([vocab.encode(args.prompt)], dtype=torch.long)
     room = max_len - prompt.shape[1]
