@@ -55,8 +55,10 @@ def test_every_option_has_a_help_text_that_shows_its_default():
                 problems.append(f"{prog} {name}: no help")
                 continue
             shown = formatter._get_help_string(action)
-            if action.option_strings and "%(default)" not in shown:
+            if action.option_strings and not action.required and "%(default)" not in shown:
                 problems.append(f"{prog} {name}: help does not show the default")
+            if action.required and "%(default)" in shown:
+                problems.append(f"{prog} {name}: a required option shows a default")
             if "(default" in action.help.lower():
                 problems.append(f"{prog} {name}: the default is written by hand as well")
     assert not problems, "\n".join(problems)

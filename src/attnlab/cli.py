@@ -90,12 +90,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default, except a required option's (it has none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required:
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose help shows every option's default; sub-commands inherit it
     (argparse makes sub-parsers of the parent's class)."""
 
     def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
         super().__init__(*args, **kwargs)
 
 

@@ -41,7 +41,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "sample",
         help="sample text from a trained character LM",
         description="Continue a prompt with a character-level LM checkpoint; the prompt and "
-        "the new text go to stdout, a note to stderr if the model's context ran out.",
+        "the new text go to stdout, and a note to stderr when it stops early (the model's "
+        "context is full, or the model produced a special token).",
     )
     sa.add_argument("--checkpoint", required=True, help="checkpoint folder (e.g. runs/lm/best)")
     sa.add_argument("--prompt", default=None,
