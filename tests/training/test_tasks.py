@@ -196,6 +196,8 @@ def test_input_longer_than_the_model_reads_is_refused_before_the_task_limit():
     task = make_seq2seq_task("dates", n_test=1, n_valid=1)
     assert task.input_error("1" * 40, 32) == "40 characters, the model reads at most 32"
     assert task.input_error("21 November 2026", 32) is None
+    assert task.input_error("1.1.2000".ljust(32), 32) is None
+    assert task.input_error("1.1.2000".ljust(33), 32) == "33 characters, the model reads at most 32"
     assert task.max_input_len is None
 
 
