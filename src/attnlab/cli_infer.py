@@ -113,7 +113,7 @@ def _sample(args: argparse.Namespace) -> int:
     prompt = torch.tensor([vocab.encode(args.prompt)], dtype=torch.long)
     room = max_len - prompt.shape[1]
     ids = generate(
-        model.eval(),
+        model,
         prompt,
         min(args.max_new_tokens, room),
         do_sample=True,
