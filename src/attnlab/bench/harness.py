@@ -22,6 +22,8 @@ from typing import TypeVar
 
 import torch
 
+from attnlab._checks import check_positive
+
 __all__ = [
     "Measurement",
     "available_memory",
@@ -62,7 +64,8 @@ def time_median(
     budget_s: float = 20.0,
     device: torch.device | None = None,
 ) -> float:
-    """Median wall time of ``fn()`` over at least 3 and at most ``repeats`` runs.
+    """Median wall time of ``fn()`` over at most ``repeats`` runs (at least 3 if ``repeats``
+    allows).
 
     Stops adding runs once ``budget_s`` seconds are spent (after the third).
     """
@@ -83,9 +86,10 @@ def time_medians(
 
     Interleaving makes a machine that speeds up or slows down during the measurement weigh
     on every function alike, so their ratios hold better than from back-to-back medians; the
-    order turns each round. At least 3 and at most ``repeats`` rounds; no more rounds once
+    order turns each round. At most ``repeats`` rounds (at least 3 if it allows); no more once
     ``budget_s`` seconds per function are spent (after the third).
     """
+    check_positive("repeats", repeats)
     if not fns:
         return {}
     for _ in range(warmup):
