@@ -286,7 +286,10 @@ def _hashed_task(
     n_valid: int,
     n_test: int,
     label_smoothing: float,
-    **checks: object,
+    *,
+    max_input_len: int,
+    input_check: Check | None,
+    output_check: Check,
 ) -> Seq2SeqTask:
     # A stable hash of the input puts each possible input in exactly one split.
     def split_of(src: str) -> int:
@@ -311,7 +314,9 @@ def _hashed_task(
         vocab,
         seed=seed,
         label_smoothing=label_smoothing,
-        **checks,
+        max_input_len=max_input_len,
+        input_check=input_check,
+        output_check=output_check,
     )
 
 
