@@ -17,7 +17,7 @@ from attnlab._checks import check_positive
 from attnlab.generation import generate
 from attnlab.generation.sampling import check_sampling_args
 from attnlab.training.checkpoint import load_model
-from attnlab.training.tasks.seq2seq import SEQ2SEQ_TASKS, make_seq2seq_task
+from attnlab.training.tasks.seq2seq import SEQ2SEQ_TASKS, Seq2SeqTask, make_seq2seq_task
 from attnlab.training.tasks.vocab import SPECIALS, CharVocab, describe_characters
 
 __all__ = ["add_commands"]
@@ -63,21 +63,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 def _translate(args: argparse.Namespace) -> int:
     check_positive("--beams", args.beams)
-    model, config = load_model(args.checkpoint)
-    extra = config.get("extra", {})
-    if config["model_type"] != "transformer" or extra.get("task") not in SEQ2SEQ_TASKS:
-        raise ValueError(f"checkpoint: {args.checkpoint!r} is not a seq2seq checkpoint")
-    max_len = extra.get("max_len", 12)
-    check_positive(f"checkpoint: extra.max_len in {args.checkpoint!r}", max_len)
-    task = make_seq2seq_task(
-        extra["task"], seed=extra.get("seed", 0), max_len=max_len, n_test=1, n_valid=1
-    )
-    same = (task.src_vocab.chars == extra.get("src_chars", task.src_vocab.chars)
-            and task.tgt_vocab.chars == extra.get("tgt_chars", task.tgt_vocab.chars)
-            and (len(task.src_vocab), len(task.tgt_vocab))
-            == (model.config.src_vocab_size, model.config.tgt_vocab_size))
-    if not same:
-        raise ValueError(f"checkpoint: {args.checkpoint!r} was trained with another vocabulary")
+    model, task = _load_seq2seq(args.checkpoint)
     results = task.translate_checked(model, args.texts, num_beams=args.beams)
     failed = 0
     for number, result in enumerate(results, start=1):
@@ -96,19 +82,10 @@ def _sample(args: argparse.Namespace) -> int:
     _check_sampling_flags(args)
     if not -(2**63) <= args.seed < 2**64:  # the range torch.Generator.manual_seed takes
         raise ValueError(f"--seed: expected an int from -2**63 to 2**64 - 1, got {args.seed}")
-    model, config = load_model(args.checkpoint)
-    if config["model_type"] != "decoder_lm":
-        raise ValueError(f"checkpoint: {args.checkpoint!r} is not a language-model checkpoint")
-    chars = config.get("extra", {}).get("chars")
-    if not isinstance(chars, str) or len(CharVocab(chars)) != model.config.vocab_size:
-        raise ValueError(
-            f"checkpoint: {args.checkpoint!r} has no vocabulary of its model's "
-            f"{model.config.vocab_size} tokens (extra.chars in config.json, got {chars!r:.80})"
-        )
-    vocab = CharVocab(chars)
+    model, vocab = _load_lm(args.checkpoint)
     max_len = model.config.max_len
     if args.prompt is None:
-        args.prompt = "\n" if "\n" in chars else chars[0]
+        args.prompt = "\n" if "\n" in vocab.chars else vocab.chars[0]
     _check_prompt(args.prompt, vocab, max_len)
     prompt = torch.tensor([vocab.encode(args.prompt)], dtype=torch.long)
     room = max_len - prompt.shape[1]
@@ -135,6 +112,41 @@ def _sample(args: argparse.Namespace) -> int:
     print(f"attnlab sample: stopped after {len(text)} of {args.max_new_tokens} new characters: "
           f"{why}", file=sys.stderr)
     return 0
+
+
+def _load_seq2seq(checkpoint: str) -> tuple[torch.nn.Module, Seq2SeqTask]:
+    """The model of a ``train seq2seq`` checkpoint and its task, rebuilt and checked to fit."""
+    model, config = load_model(checkpoint)
+    extra = config.get("extra", {})
+    if config["model_type"] != "transformer" or extra.get("task") not in SEQ2SEQ_TASKS:
+        raise ValueError(f"checkpoint: {checkpoint!r} is not a seq2seq checkpoint")
+    max_len = extra.get("max_len", 12)
+    check_positive(f"checkpoint: extra.max_len in {checkpoint!r}", max_len)
+    task = make_seq2seq_task(
+        extra["task"], seed=extra.get("seed", 0), max_len=max_len, n_test=1, n_valid=1
+    )
+    same = (task.src_vocab.chars == extra.get("src_chars", task.src_vocab.chars)
+            and task.tgt_vocab.chars == extra.get("tgt_chars", task.tgt_vocab.chars)
+            and (len(task.src_vocab), len(task.tgt_vocab))
+            == (model.config.src_vocab_size, model.config.tgt_vocab_size))
+    if not same:
+        raise ValueError(f"checkpoint: {checkpoint!r} was trained with another vocabulary")
+    return model, task
+
+
+def _load_lm(checkpoint: str) -> tuple[torch.nn.Module, CharVocab]:
+    """The model of a ``train lm`` checkpoint and its character vocabulary, checked to fit."""
+    model, config = load_model(checkpoint)
+    if config["model_type"] != "decoder_lm":
+        raise ValueError(f"checkpoint: {checkpoint!r} is not a language-model checkpoint")
+    chars = config.get("extra", {}).get("chars")
+    if (not isinstance(chars, str) or not chars
+            or len(CharVocab(chars)) != model.config.vocab_size):
+        raise ValueError(
+            f"checkpoint: {checkpoint!r} has no vocabulary of its model's "
+            f"{model.config.vocab_size} tokens (extra.chars in config.json, got {chars!r:.80})"
+        )
+    return model, CharVocab(chars)
 
 
 def _check_prompt(prompt: str, vocab: CharVocab, max_len: int) -> None:
