@@ -1,5 +1,7 @@
 """The benchmark harness: interleaved timing."""
 
+import pytest
+
 from attnlab.bench.harness import time_median, time_medians
 
 
@@ -18,3 +20,11 @@ def test_time_medians_stops_adding_rounds_after_the_third_once_over_budget():
     assert len(calls) == 3
     assert time_median(lambda: None, repeats=5, warmup=0) >= 0
     assert time_medians({}) == {}
+
+
+def test_time_medians_refuses_zero_repeats():
+    # (was: statistics.StatisticsError from the median of no times)
+    with pytest.raises(ValueError, match="repeats: expected a positive int, got 0"):
+        time_medians({"a": lambda: None}, repeats=0)
+    with pytest.raises(ValueError, match="repeats"):
+        time_median(lambda: None, repeats=-1)

@@ -3,10 +3,16 @@ import random
 import re
 
 import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from attnlab.training.tasks import dates
-from attnlab.training.tasks.seq2seq import make_seq2seq_task
-from attnlab.training.tasks.vocab import BOS, EOS, PAD, CharVocab
+from attnlab.models.transformer import Transformer, TransformerConfig
+from attnlab.training.tasks import dates, seq2seq
+from attnlab.training.tasks.seq2seq import Translation, make_seq2seq_task
+from attnlab.training.tasks.vocab import BOS, EOS, PAD, UNK, CharVocab, describe_characters
+
+DATES_TASK = make_seq2seq_task("dates", n_test=1, n_valid=1)
 
 
 def test_at_least_25_formats_with_the_issue_examples():
@@ -114,3 +120,124 @@ def test_vocab_round_trip_and_padding():
 def test_unknown_task():
     with pytest.raises(ValueError, match="task"):
         make_seq2seq_task("translate")
+
+
+def test_every_date_form_writes_at_least_min_digits():
+    d = dt.date(2001, 1, 1)  # single-digit day and month: the fewest digits
+    fewest = min(sum(c.isdigit() for c in t.format(**dates._fields(d))) for t, _ in dates.FORMATS)
+    assert fewest == dates.MIN_DIGITS
+    assert dates.input_error("1 Jan 50") is None
+    assert "2 digit(s)" in dates.input_error("21 nov")
+
+
+@given(st.text(alphabet="0123456789-", max_size=12))
+def test_date_output_error_agrees_with_datetime(text):
+    try:
+        d = dt.datetime.strptime(text, "%Y-%m-%d").date()
+        valid = d.isoformat() == text and dates.FIRST <= d <= dates.LAST
+    except ValueError:
+        valid = False
+    assert (dates.output_error(text) is None) == valid
+
+
+@given(st.dates(min_value=dates.FIRST, max_value=dates.LAST))
+def test_every_date_of_the_task_is_a_valid_output(d):
+    assert dates.output_error(d.isoformat()) is None
+
+
+class FixedOutputs:
+    """A stand-in for ``generate_seq2seq`` that answers each source with the given ids."""
+
+    def __init__(self, task, outputs):
+        self.task, self.outputs, self.calls = task, outputs, []
+
+    def __call__(self, model, src, max_new_tokens, *, bos_id, eos_id, num_beams=1):
+        texts = [self.task.src_vocab.decode(row) for row in src.tolist()]
+        self.calls.append(texts)
+        rows = [[bos_id, *self.outputs[t]] for t in texts]
+        width = max(len(r) for r in rows)
+        return torch.tensor([r + [PAD] * (width - len(r)) for r in rows])
+
+
+def tiny_transformer(task, max_len=16):
+    config = TransformerConfig(len(task.src_vocab), len(task.tgt_vocab), d_model=8, num_heads=2,
+                               num_encoder_layers=1, num_decoder_layers=1, d_ff=16, dropout=0.0,
+                               max_len=max_len)
+    return Transformer(config)
+
+
+def test_translate_checked_decodes_only_good_inputs_and_reads_outputs_strictly(monkeypatch):
+    task = make_seq2seq_task("copy", max_len=6, n_test=5, n_valid=5)
+    ids = task.tgt_vocab.encode
+    fake = FixedOutputs(task, {
+        "123": [*ids("123"), EOS],
+        "45": [*ids("4"), UNK, *ids("5"), EOS],
+        "678": ids("6" * 8),  # never ends
+        "9": [EOS],
+    })
+    monkeypatch.setattr(seq2seq, "generate_seq2seq", fake)
+    texts = ["123", "1234567", "12a", "45", "678", "9", ""]
+    results = task.translate_checked(tiny_transformer(task), texts)
+    assert fake.calls == [["123", "45", "678", "9"]]  # one batch, bad inputs never decoded
+    assert [r.source for r in results] == texts
+    assert results[0] == Translation("123", "123", None)
+    assert [r.error for r in results[1:]] == [
+        "7 characters, the model was trained on inputs of at most 6",
+        "characters not in the model's vocabulary: 'a' (U+0061)",
+        "the model produced <unk> inside its output",
+        "the model's output '66666666' did not end within 8 tokens",
+        "the model's output is empty",
+        "empty input; expected some text to translate",
+    ]
+    assert all(r.output is None for r in results[1:])
+
+
+def test_input_longer_than_the_model_reads_is_refused_before_the_task_limit():
+    task = make_seq2seq_task("dates", n_test=1, n_valid=1)
+    assert task.input_error("1" * 40, 32) == "40 characters, the model reads at most 32"
+    assert task.input_error("21 November 2026", 32) is None
+    assert task.input_error("1.1.2000".ljust(32), 32) is None
+    assert task.input_error("1.1.2000".ljust(33), 32) == "33 characters, the model reads at most 32"
+    assert task.max_input_len is None
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("12+34", None),
+        ("1+2", None),
+        ("12+", "expected two numbers of 1 to 2 digits joined by '+' (like 12+34)"),
+        ("1+2+3", "expected two numbers of 1 to 2 digits joined by '+' (like 12+34)"),
+        ("123+4", "expected two numbers of 1 to 2 digits joined by '+' (like 12+34)"),
+        ("12345+6", "7 characters, the model was trained on inputs of at most 5"),
+    ],
+)
+def test_add_task_input_checks(text, error):
+    task = make_seq2seq_task("add", max_len=4, n_test=5, n_valid=5)
+    assert task.input_error(text, 128) == error
+
+
+def test_add_task_refuses_an_output_that_is_not_a_number():
+    task = make_seq2seq_task("add", max_len=4, n_test=5, n_valid=5)
+    assert task.output_error("12+3") == "the model's output '12+3' is not a number"
+    assert task.output_error("123") is None
+
+
+@given(st.text(max_size=40))
+def test_input_error_never_raises_and_accepts_exactly_readable_inputs(text):
+    task = DATES_TASK
+    error = task.input_error(text, 30)
+    readable = (bool(text.strip()) and len(text) <= 30
+                and set(text) <= set(task.src_vocab.chars)
+                and sum(c in "0123456789" for c in text) >= dates.MIN_DIGITS)
+    assert (error is None) == readable
+
+
+def test_vocab_read_stops_at_any_special_token_and_names_unknown_characters():
+    v = CharVocab("abc")
+    assert v.read(v.encode("abca")) == ("abca", None)
+    assert v.read([*v.encode("ab"), UNK, *v.encode("c")]) == ("ab", UNK)
+    assert v.read([EOS]) == ("", EOS)
+    assert v.unknown("a€bx€y") == "€xy"
+    assert describe_characters("€\t") == "'€' (U+20AC), '\\t' (U+0009)"
+    assert describe_characters("abcdefghijkl").endswith("'j' (U+006A) and 2 more")

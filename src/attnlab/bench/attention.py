@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -19,11 +20,14 @@ from tqdm import tqdm
 from attnlab.bench.harness import (
     Measurement,
     available_memory,
+    device_arg,
     int_list,
     is_oom,
     machine_info,
     machine_section,
+    oom_as_error,
     peak_memory,
+    positive_int,
     time_median,
     time_medians,
 )
@@ -32,38 +36,43 @@ from attnlab.functional import scaled_dot_product_attention
 __all__ = ["add_arguments", "run"]
 
 BACKENDS = ("math", "flash", "fused", "auto")
-DEFAULT_LENGTHS = (256, 1024, 4096, 8192)
+DEFAULT_LENGTHS = "256,1024,4096,8192"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--lengths",
-        type=int_list,
-        default=DEFAULT_LENGTHS,
-        help="comma-separated sequence lengths (default 256,1024,4096,8192)",
-    )
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per cell (median)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    """Options of ``attnlab bench attention``."""
+    parser.add_argument("--lengths", type=int_list, default=DEFAULT_LENGTHS,
+                        help="comma-separated sequence lengths L")
+    parser.add_argument("--heads", type=positive_int, default=8, help="attention heads H")
+    parser.add_argument("--head-dim", type=positive_int, default=64, help="head dimension D")
+    parser.add_argument("--repeats", type=positive_int, default=5,
+                        help="timed runs per cell (median)")
+    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes and 3 repeats, for a smoke test (the sizes above are "
+                        "ignored); writes to runs/bench-quick unless --out is given")
 
 
 def run(args: argparse.Namespace) -> Path:
     """Run the benchmark and write its files into ``args.out``; returns the markdown path."""
     device = torch.device(args.device)
     lengths = (64, 128) if args.quick else tuple(args.lengths)
+    H, D = (2, 16) if args.quick else (args.heads, args.head_dim)
     repeats = 3 if args.quick else args.repeats
     rows = []
     groups = [(L, c) for L in lengths for c in (False, True)]
     for L, causal in tqdm(groups, desc="bench attention", unit="group"):
-        rows += _measure(L, causal, args.heads, args.head_dim, repeats, device)
+        # Out of memory outside a timed call (the inputs of a huge L) is a result too.
+        found, error = oom_as_error(partial(_measure, L, causal, H, D, repeats, device))
+        cell = {"seconds": None, "peak_bytes": None, "error": error}
+        rows += found or [{"L": L, "causal": causal, "backend": b, "fwd": cell, "fwd_bwd": cell}
+                          for b in BACKENDS]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info(device)
     (out / "attention.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=2))
     md = out / "attention.md"
-    md.write_text(_markdown(rows, info, args.heads, args.head_dim))
+    md.write_text(_markdown(rows, info, H, D))
     _plot(rows, out / "attention.png")
     print(md.read_text())
     return md
@@ -110,9 +119,12 @@ def _measure(
         # math is timed on its own: freeing its L x L matrices slows whichever call follows
         # it (measured: flash 1.33x fused after it in the turns, 1.23x without it).
         fast = {b: make(b) for b in peaks if b != "math"}
-        seconds = time_medians(fast, repeats=repeats, device=device)
+        seconds, error = oom_as_error(partial(time_medians, fast, repeats=repeats, device=device))
+        seconds = seconds or {}
+        errors.update(dict.fromkeys(fast, error) if error else {})
         if "math" in peaks:
-            seconds["math"] = time_median(make("math"), repeats=repeats, device=device)
+            seconds["math"], errors["math"] = oom_as_error(
+                partial(time_median, make("math"), repeats=repeats, device=device))
         for row in rows:
             b = row["backend"]
             row[name] = {"seconds": seconds.get(b), "peak_bytes": peaks.get(b),

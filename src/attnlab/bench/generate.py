@@ -20,36 +20,41 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from attnlab.bench.harness import (
-    Measurement,
+    device_arg,
     int_list,
-    is_oom,
     machine_info,
     machine_section,
+    oom_as_error,
+    positive_int,
     time_median,
 )
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 
 __all__ = ["add_arguments", "run"]
 
-DEFAULT_CONTEXTS = (128, 256, 512, 1024, 2048)
+DEFAULT_CONTEXTS = "128,256,512,1024,2048"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``attnlab bench generate``."""
     parser.add_argument("--contexts", type=int_list, default=DEFAULT_CONTEXTS,
-                        help="comma-separated context lengths for the per-token decode time "
-                             "(default 128,256,512,1024,2048)")
-    parser.add_argument("--prompt", type=int, default=128, help="prompt length P (default 128)")
-    parser.add_argument("--new-tokens", type=int, default=64,
-                        help="tokens decoded for the tokens/s figures (default 64)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per cell (median)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+                        help="comma-separated context lengths for the per-token decode time")
+    parser.add_argument("--prompt", type=positive_int, default=128, help="prompt length P")
+    parser.add_argument("--new-tokens", type=positive_int, default=64,
+                        help="tokens decoded for the tokens/s figures")
+    parser.add_argument("--repeats", type=positive_int, default=5,
+                        help="timed runs per cell (median)")
+    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes and 3 repeats, for a smoke test (the sizes above are "
+                        "ignored); writes to runs/bench-quick unless --out is given")
 
 
 def run(args: argparse.Namespace) -> Path:
@@ -62,9 +67,6 @@ def run(args: argparse.Namespace) -> Path:
         contexts, P, N, repeats = tuple(args.contexts), args.prompt, args.new_tokens, args.repeats
         config = DecoderLMConfig.llama(8192, d_model=512, num_layers=4, num_heads=8,
                                        max_len=max(max(contexts) + 1, P + N))
-    for name, value in (("--prompt", P), ("--new-tokens", N), ("--repeats", repeats)):
-        if value < 1:
-            raise ValueError(f"{name}: expected a positive int, got {value}")
     torch.manual_seed(0)
     model = DecoderLM(config).to(device).eval()
     ids = torch.randint(0, config.vocab_size, (1, max(max(contexts) + 1, P + N)), device=device)
@@ -88,7 +90,10 @@ def run(args: argparse.Namespace) -> Path:
         results["decode_uncached"] = _cell(decode_uncached, repeats, device)
         results["cache_bytes"] = cache.nbytes
         for c in tqdm(contexts, desc="bench generate", unit="context"):
-            results["rows"].append(_context_row(model, ids, c, repeats, device))
+            row, error = oom_as_error(partial(_context_row, model, ids, c, repeats, device))
+            cell = {"seconds": None, "error": error}
+            results["rows"].append(row or {"context": c, "cache_bytes": None, "cached": cell,
+                                           "uncached": cell})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info(device)
@@ -116,13 +121,8 @@ def _context_row(model: DecoderLM, ids: torch.Tensor, c: int, repeats: int,
 
 
 def _cell(fn: Callable[[], object], repeats: int, device: torch.device) -> dict:
-    try:
-        m = Measurement(time_median(fn, repeats=repeats, device=device), None)
-    except (RuntimeError, MemoryError) as error:
-        if not is_oom(error):
-            raise
-        m = Measurement(None, None, "OOM")
-    return {"seconds": m.seconds, "error": m.error}
+    seconds, error = oom_as_error(partial(time_median, fn, repeats=repeats, device=device))
+    return {"seconds": seconds, "error": error}
 
 
 def _markdown(r: dict, info: dict[str, str]) -> str:
@@ -133,6 +133,9 @@ def _markdown(r: dict, info: dict[str, str]) -> str:
 
     def rate(cell: dict, n: int) -> str:
         return cell["error"] or f"{n / cell['seconds']:.1f}"
+
+    def mib(n: int | None) -> str:
+        return "—" if n is None else f"{n / 2**20:.2f}"
 
     def ratio(a: dict, b: dict) -> str:
         return "—" if a["error"] or b["error"] else f"{a['seconds'] / b['seconds']:.1f}x"
@@ -164,7 +167,7 @@ def _markdown(r: dict, info: dict[str, str]) -> str:
     for row in r["rows"]:
         lines.append(f"| {row['context']} | {ms(row['cached'])} | {ms(row['uncached'])} "
                      f"| {ratio(row['uncached'], row['cached'])} "
-                     f"| {row['cache_bytes'] / 2**20:.2f} |")
+                     f"| {mib(row['cache_bytes'])} |")
     first, last = r["rows"][0], r["rows"][-1]
     growth = f"{last['context'] / first['context']:.0f}x"
     lines += [

@@ -18,16 +18,22 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
+
+from attnlab._checks import check_positive
 
 __all__ = [
     "Measurement",
     "available_memory",
+    "device_arg",
     "int_list",
     "machine_info",
     "machine_section",
+    "oom_as_error",
     "peak_memory",
+    "positive_int",
     "time_median",
     "time_medians",
 ]
@@ -58,7 +64,8 @@ def time_median(
     budget_s: float = 20.0,
     device: torch.device | None = None,
 ) -> float:
-    """Median wall time of ``fn()`` over at least 3 and at most ``repeats`` runs.
+    """Median wall time of ``fn()`` over at most ``repeats`` runs (at least 3 if ``repeats``
+    allows).
 
     Stops adding runs once ``budget_s`` seconds are spent (after the third).
     """
@@ -79,9 +86,10 @@ def time_medians(
 
     Interleaving makes a machine that speeds up or slows down during the measurement weigh
     on every function alike, so their ratios hold better than from back-to-back medians; the
-    order turns each round. At least 3 and at most ``repeats`` rounds; no more rounds once
+    order turns each round. At most ``repeats`` rounds (at least 3 if it allows); no more once
     ``budget_s`` seconds per function are spent (after the third).
     """
+    check_positive("repeats", repeats)
     if not fns:
         return {}
     for _ in range(warmup):
@@ -192,6 +200,51 @@ def int_list(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
     return values
+
+
+def positive_int(text: str) -> int:
+    """``argparse`` type for a positive int (``"5"``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+def device_arg(text: str) -> torch.device:
+    """``argparse`` type for a device that this machine has (``"cpu"``, ``"cuda"``,
+    ``"cuda:1"``)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a device such as cpu or cuda, got {text!r}"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available on this machine")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda, got {text!r}")
+    return device
+
+
+T = TypeVar("T")
+
+
+def oom_as_error(fn: Callable[[], T]) -> tuple[T | None, str | None]:
+    """``(fn(), None)``, or ``(None, "OOM")`` when ``fn`` runs out of memory: out-of-memory
+    is a result; any other error propagates."""
+    try:
+        return fn(), None
+    except (RuntimeError, MemoryError) as error:
+        if not is_oom(error):
+            raise
+        return None, "OOM"
 
 
 def is_oom(error: BaseException) -> bool:

@@ -3,6 +3,7 @@
 Self-attention, E=512, 8 heads, at (B=8, L=128) and (B=1, L=2048), in training mode
 (forward+backward) and in eval mode under ``torch.inference_mode`` (where PyTorch takes its
 fused fast path). Medians of repeats; the ratio is ours / PyTorch's from the same run.
+A shape that runs out of memory is recorded as ``OOM``.
 Writes ``mha.md``, ``mha.json`` and ``mha.png``.
 """
 
@@ -17,7 +18,14 @@ from torch import nn
 from tqdm import tqdm
 
 from attnlab.attention import MultiHeadAttention
-from attnlab.bench.harness import machine_info, machine_section, time_medians
+from attnlab.bench.harness import (
+    device_arg,
+    machine_info,
+    machine_section,
+    oom_as_error,
+    positive_int,
+    time_medians,
+)
 
 __all__ = ["add_arguments", "run"]
 
@@ -25,17 +33,24 @@ SHAPES = ((8, 128), (1, 2048))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--embed-dim", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=31, help="timed runs per cell (median)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    """Options of ``attnlab bench mha``."""
+    parser.add_argument("--embed-dim", type=positive_int, default=512,
+                        help="model dimension E (a multiple of --heads)")
+    parser.add_argument("--heads", type=positive_int, default=8, help="attention heads")
+    parser.add_argument("--repeats", type=positive_int, default=31,
+                        help="timed runs per cell (median)")
+    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes and 3 repeats, for a smoke test (the sizes above are "
+                        "ignored); writes to runs/bench-quick unless --out is given")
 
 
 def run(args: argparse.Namespace) -> Path:
     """Run the benchmark and write its files into ``args.out``; returns the markdown path."""
     device = torch.device(args.device)
     E, H = (64, 4) if args.quick else (args.embed_dim, args.heads)
+    if E % H:
+        raise ValueError(f"--embed-dim: expected a multiple of --heads={H}, got {E}")
     shapes = ((2, 16), (1, 64)) if args.quick else SHAPES
     repeats = 3 if args.quick else args.repeats
     torch.manual_seed(0)
@@ -43,19 +58,7 @@ def run(args: argparse.Namespace) -> Path:
     ours = MultiHeadAttention.from_torch(ref)
     rows = []
     for (B, L), mode in tqdm([(s, m) for s in shapes for m in ("train", "eval")], desc="bench mha"):
-        x = torch.randn(B, L, E, device=device)
-        steps = {name: _step(name, m, x, mode) for name, m in (("torch", ref), ("attnlab", ours))}
-        times = time_medians(steps, repeats=repeats, warmup=2, device=device)
-        rows.append(
-            {
-                "B": B,
-                "L": L,
-                "mode": mode,
-                "torch_s": times["torch"],
-                "attnlab_s": times["attnlab"],
-                "ratio": times["attnlab"] / times["torch"],
-            }
-        )
+        rows.append(_measure(ref, ours, B, L, mode, repeats, device))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info(device)
@@ -65,6 +68,25 @@ def run(args: argparse.Namespace) -> Path:
     _plot(rows, out / "mha.png")
     print(md.read_text())
     return md
+
+
+def _measure(ref: nn.Module, ours: nn.Module, B: int, L: int, mode: str, repeats: int,
+             device: torch.device) -> dict:
+    """One table row: both modules timed in turns, or ``error: "OOM"`` when one ran out."""
+    row: dict = {"B": B, "L": L, "mode": mode, "torch_s": None, "attnlab_s": None,
+                 "ratio": None, "error": None}
+
+    def measure() -> dict[str, float]:
+        x = torch.randn(B, L, ref.embed_dim, device=device)
+        steps = {name: _step(name, m, x, mode) for name, m in (("torch", ref), ("attnlab", ours))}
+        return time_medians(steps, repeats=repeats, warmup=2, device=device)
+
+    times, row["error"] = oom_as_error(measure)
+    if times is None:
+        return row
+    row.update(torch_s=times["torch"], attnlab_s=times["attnlab"],
+               ratio=times["attnlab"] / times["torch"])
+    return row
 
 
 def _step(name: str, module: nn.Module, x: torch.Tensor, mode: str):
@@ -105,6 +127,9 @@ def _markdown(rows: list[dict], info: dict[str, str], E: int, H: int) -> str:
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if r.get("error"):
+            lines.append(f"| {r['B']} | {r['L']} | {r['mode']} | {r['error']} | {r['error']} | — |")
+            continue
         lines.append(
             f"| {r['B']} | {r['L']} | {r['mode']} | {r['torch_s'] * 1e3:.2f} "
             f"| {r['attnlab_s'] * 1e3:.2f} | {r['ratio']:.2f} |"
@@ -119,6 +144,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if not r.get("error")]
     labels = [f"B={r['B']} L={r['L']}\n{r['mode']}" for r in rows]
     xs = range(len(rows))
     fig, ax = plt.subplots(figsize=(8, 4))

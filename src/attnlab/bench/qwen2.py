@@ -16,7 +16,8 @@ with ``Qwen2ForCausalLM.save_pretrained`` into a temporary folder and loaded by 
 - with ``--dtype bfloat16``: our bfloat16 model too, and its next-token agreement with our
   float32 model on the same 128 tokens.
 
-Writes ``qwen2.md``, ``qwen2.json`` and ``qwen2.png``.
+A measurement that runs out of memory is recorded as ``OOM``. Writes ``qwen2.md``,
+``qwen2.json`` and ``qwen2.png``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,13 @@ from pathlib import Path
 
 import torch
 
-from attnlab.bench.harness import machine_info, machine_section, time_median
+from attnlab.bench.harness import (
+    machine_info,
+    machine_section,
+    oom_as_error,
+    positive_int,
+    time_median,
+)
 from attnlab.generation import generate
 from attnlab.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
@@ -44,18 +51,25 @@ QUICK = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_h
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``attnlab bench qwen2``."""
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="bfloat16 adds our bfloat16 model and its next-token agreement")
-    parser.add_argument("--prefill", type=int, default=512, help="prefill prompt length")
-    parser.add_argument("--prompt", type=int, default=32, help="decode prompt length")
-    parser.add_argument("--new-tokens", type=int, default=128, help="tokens decoded")
-    parser.add_argument("--batch", type=int, default=8, help="prompts in the batched decode")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median)")
+    parser.add_argument("--prefill", type=positive_int, default=512,
+                        help="prefill prompt length")
+    parser.add_argument("--prompt", type=positive_int, default=32, help="decode prompt length")
+    parser.add_argument("--new-tokens", type=positive_int, default=128,
+                        help="tokens decoded (at least 2: the rate is a difference)")
+    parser.add_argument("--batch", type=positive_int, default=8,
+                        help="prompts in the batched decode")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="timed runs per cell (median)")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip transformers even when it is installed")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads for every model (default: torch's default)")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="torch threads for every model (None: torch's default)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes, for a smoke test (the sizes above are "
+                        "ignored); writes to runs/bench-quick unless --out is given")
 
 
 def run(args: argparse.Namespace) -> Path:
@@ -63,13 +77,7 @@ def run(args: argparse.Namespace) -> Path:
     config = QUICK if args.quick else FULL
     P0, P, N, B = ((32, 8, 16, 4) if args.quick
                    else (args.prefill, args.prompt, args.new_tokens, args.batch))
-    for name, value in (("--prefill", P0), ("--prompt", P), ("--new-tokens", N),
-                        ("--batch", B), ("--repeats", args.repeats)):
-        if value < 1:
-            raise ValueError(f"{name}: expected a positive int, got {value}")
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads: expected a positive int, got {args.threads}")
         torch.set_num_threads(args.threads)
     if N < 2:
         raise ValueError(f"--new-tokens: expected >= 2 (the rate is a difference), got {N}")
@@ -95,14 +103,15 @@ def run(args: argparse.Namespace) -> Path:
             print(f"bench qwen2: {name}", flush=True)
             r["rows"].append(_measure(name, model, kind, long_ids, ids[:1], N, args.repeats))
         ours = models["ours"][0]
-        rate = _decode_rate(lambda n: generate(ours, ids, n, attention_mask=mask), N,
-                            args.repeats)
-        r["batched"] = {"name": "ours", "tokens_per_s": B * rate}
+        rate, error = oom_as_error(lambda: _decode_rate(
+            lambda n: generate(ours, ids, n, attention_mask=mask), N, args.repeats))
+        r["batched"] = {"name": "ours", "tokens_per_s": rate and B * rate, "error": error}
         if "ours bfloat16" in models:
             half = models["ours bfloat16"][0]
-            rate = _decode_rate(lambda n: generate(half, ids, n, attention_mask=mask), N,
-                                args.repeats)
-            r["batched_bf16"] = {"name": "ours bfloat16", "tokens_per_s": B * rate}
+            rate, error = oom_as_error(lambda: _decode_rate(
+                lambda n: generate(half, ids, n, attention_mask=mask), N, args.repeats))
+            r["batched_bf16"] = {"name": "ours bfloat16", "tokens_per_s": rate and B * rate,
+                                 "error": error}
             seq = torch.randint(0, config.vocab_size, (1, 128), generator=g)
             same = ours(seq).argmax(-1) == half(seq).argmax(-1)
             r["agreement"] = same.float().mean().item()
@@ -160,10 +169,12 @@ def _measure(name: str, model: torch.nn.Module, kind: str, long_ids: torch.Tenso
                                   min_new_tokens=n, do_sample=False, pad_token_id=0)
     params = {p.data_ptr(): p for p in model.parameters()}.values()  # tied counted once
     dtype = next(iter(params)).dtype
+    prefill_s, error = oom_as_error(lambda: time_median(prefill, repeats=repeats, warmup=1))
+    rate, decode_error = oom_as_error(lambda: _decode_rate(gen, N, repeats))
     return {"name": name, "dtype": str(dtype).removeprefix("torch."),
             "weight_bytes": sum(p.numel() * p.element_size() for p in params),
-            "prefill_s": time_median(prefill, repeats=repeats, warmup=1),
-            "decode_tokens_per_s": _decode_rate(gen, N, repeats)}
+            "prefill_s": prefill_s, "decode_tokens_per_s": rate,
+            "error": error or decode_error}
 
 
 def _decode_rate(gen: Callable[[int], object], N: int, repeats: int) -> float:
@@ -179,11 +190,18 @@ def _markdown(r: dict, info: dict[str, str]) -> str:
     refs = [rows[k] for k in ("transformers eager", "transformers sdpa") if k in rows]
 
     def ratio(row: dict, key: str, better: str) -> str:
-        if not refs or row["name"].startswith("transformers"):
+        if not refs or row["name"].startswith("transformers") or row[key] is None:
             return "—"
-        if better == "low":
-            return " / ".join(f"{ref[key] / row[key]:.2f}x" for ref in refs)
-        return " / ".join(f"{row[key] / ref[key]:.2f}x" for ref in refs)
+        pairs = [(ref[key], row[key]) if better == "low" else (row[key], ref[key])
+                 for ref in refs]
+        return " / ".join("—" if a is None else f"{a / b:.2f}x" for a, b in pairs)
+
+    def value(x: float | None, scale: float = 1.0, error: str | None = None) -> str:
+        return (error or "—") if x is None else f"{x * scale:.1f}"
+
+    def share(row: dict) -> str:
+        rate = row["decode_tokens_per_s"]
+        return "—" if rate is None else f"{100 * rate / row['bound_tokens_per_s']:.0f}%"
 
     lines = [
         "# Qwen2 prefill and decode",
@@ -204,17 +222,20 @@ def _markdown(r: dict, info: dict[str, str]) -> str:
     for row in r["rows"]:
         lines.append(
             f"| {row['name']} | {row['dtype']} | {row['weight_bytes'] / 2**20:.0f} "
-            f"| {row['prefill_s'] * 1e3:.1f} | {ratio(row, 'prefill_s', 'low')} "
-            f"| {row['decode_tokens_per_s']:.1f} | {ratio(row, 'decode_tokens_per_s', 'high')} "
+            f"| {value(row['prefill_s'], 1e3, row['error'])} | {ratio(row, 'prefill_s', 'low')} "
+            f"| {value(row['decode_tokens_per_s'], 1.0, row['error'])} "
+            f"| {ratio(row, 'decode_tokens_per_s', 'high')} "
             f"| {row['bound_tokens_per_s']:.1f} "
-            f"| {100 * row['decode_tokens_per_s'] / row['bound_tokens_per_s']:.0f}% |")
+            f"| {share(row)} |")
     lines.append("")
     for key in ("batched", "batched_bf16"):
         if key in r:
-            single = rows[r[key]["name"]]["decode_tokens_per_s"]
+            batched, single = r[key]["tokens_per_s"], rows[r[key]["name"]]["decode_tokens_per_s"]
+            rate = value(batched, 1.0, r[key]["error"])
+            times = "—" if batched is None or single is None else f"{batched / single:.1f}x"
             lines.append(f"Batched decode ({r[key]['name']}, {r['batch']} prompts of lengths "
-                         f"{r['lengths']}, left-padded): {r[key]['tokens_per_s']:.1f} tokens/s, "
-                         f"{r[key]['tokens_per_s'] / single:.1f}x the single-prompt rate.")
+                         f"{r['lengths']}, left-padded): {rate} tokens/s, "
+                         f"{times} the single-prompt rate.")
     if "agreement" in r:
         lines.append(f"Next-token agreement of our bfloat16 and float32 models on the same "
                      f"128 tokens: {100 * r['agreement']:.1f}%.")
@@ -231,12 +252,13 @@ def _plot(r: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [row["name"] for row in r["rows"]]
+    measured = [row for row in r["rows"] if row["error"] is None]
+    names = [row["name"] for row in measured]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.barh(names, [row["prefill_s"] * 1e3 for row in r["rows"]], color="tab:blue")
+    ax1.barh(names, [row["prefill_s"] * 1e3 for row in measured], color="tab:blue")
     ax1.set_xlabel(f"prefill ms ({r['prefill_len']} tokens, lower is better)")
-    ax2.barh(names, [row["decode_tokens_per_s"] for row in r["rows"]], color="tab:green")
-    for i, row in enumerate(r["rows"]):
+    ax2.barh(names, [row["decode_tokens_per_s"] for row in measured], color="tab:green")
+    for i, row in enumerate(measured):
         ax2.plot([row["bound_tokens_per_s"]] * 2, [i - 0.4, i + 0.4], color="black")
     ax2.set_xlabel("decode tokens/s (higher is better; bars: bandwidth bound)")
     ax2.set_yticks([])

@@ -31,9 +31,11 @@ from attnlab.attention.sparse import SparseAttention
 from attnlab.bench.harness import (
     Measurement,
     available_memory,
+    device_arg,
     is_oom,
     machine_info,
     peak_memory,
+    positive_int,
     time_median,
 )
 from attnlab.bench.variants_report import markdown, plot
@@ -47,25 +49,32 @@ _Exact = tuple[tuple[torch.Tensor, "torch.Tensor | None"], nn.Module]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``attnlab bench variants``."""
-    parser.add_argument("--max-len", type=int, default=16384,
-                        help="longest L (powers of two from --min-len; default 16384)")
-    parser.add_argument("--min-len", type=int, default=512, help="shortest L (default 512)")
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--window", type=int, default=256, help="sliding/strided window")
-    parser.add_argument("--stride", type=int, default=256, help="strided: summary key every ...")
-    parser.add_argument("--proj-len", type=int, default=256, help="Linformer's k (rows)")
-    parser.add_argument("--features", type=int, default=256, help="Performer's m")
+    parser.add_argument("--max-len", type=positive_int, default=16384,
+                        help="longest L (powers of two from --min-len)")
+    parser.add_argument("--min-len", type=positive_int, default=512, help="shortest L")
+    parser.add_argument("--heads", type=positive_int, default=8, help="attention heads H")
+    parser.add_argument("--head-dim", type=positive_int, default=64, help="head dimension D")
+    parser.add_argument("--window", type=positive_int, default=256,
+                        help="sliding/strided: keys within this distance")
+    parser.add_argument("--stride", type=positive_int, default=256,
+                        help="strided: a summary key every this many positions")
+    parser.add_argument("--proj-len", type=positive_int, default=256,
+                        help="Linformer's k (projected length)")
+    parser.add_argument("--features", type=positive_int, default=256,
+                        help="Performer's m (random features)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated subset of {','.join(VARIANTS)}")
-    parser.add_argument("--error-max-len", type=int, default=8192,
+                        help="comma-separated subset of the variants")
+    parser.add_argument("--error-max-len", type=positive_int, default=8192,
                         help="measure the error vs exact up to this L (the exact reference is "
-                        "O(L^2); default 8192)")
+                        "O(L^2))")
     parser.add_argument("--causal", action="store_true", help="causal attention (no Linformer)")
     parser.add_argument("--backward", action="store_true", help="also time forward+backward")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="timed runs per cell (median)")
+    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes, for a smoke test (the sizes above are "
+                        "ignored); writes to runs/bench-quick unless --out is given")
 
 
 def run(args: argparse.Namespace) -> Path:
@@ -98,17 +107,17 @@ def run(args: argparse.Namespace) -> Path:
 def _config(args: argparse.Namespace) -> dict:
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     unknown = [v for v in variants if v not in VARIANTS]
+    if not variants:
+        raise ValueError(f"--variants: expected at least one of {VARIANTS}, got {args.variants!r}")
     if unknown:
         raise ValueError(f"--variants: expected names from {VARIANTS}, got {unknown}")
     if args.quick:
         return {"lengths": (64, 128), "H": 2, "D": 16, "window": 16, "stride": 16, "proj_len": 16,
                 "features": 32, "variants": variants, "causal": args.causal, "error_max_len": 128,
                 "backward": args.backward, "repeats": 3}
-    for name in ("max_len", "min_len", "heads", "head_dim", "window", "stride", "proj_len",
-                 "features", "repeats"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}: expected a positive int, got "
-                             f"{getattr(args, name)}")
+    if args.min_len > args.max_len:
+        raise ValueError(f"--min-len: expected at most --max-len={args.max_len}, got "
+                         f"{args.min_len}")
     lengths, L = [], args.min_len
     while args.max_len >= L:
         lengths.append(L)

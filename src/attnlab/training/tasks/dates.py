@@ -16,13 +16,27 @@ from __future__ import annotations
 
 import datetime as dt
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["FIRST", "FORMATS", "LAST", "TWO_DIGIT_WINDOW", "DateSplits", "render", "split_dates"]
+__all__ = [
+    "FIRST",
+    "FORMATS",
+    "LAST",
+    "MIN_DIGITS",
+    "TWO_DIGIT_WINDOW",
+    "DateSplits",
+    "input_error",
+    "output_error",
+    "render",
+    "split_dates",
+]
 
 FIRST, LAST = dt.date(1900, 1, 1), dt.date(2099, 12, 31)
 TWO_DIGIT_WINDOW = (1950, 2049)
+# Every surface form writes at least the day and a two-digit year in digits ("1 Jan 50").
+MIN_DIGITS = 3
 
 _MONTHS = (
     "January",
@@ -105,6 +119,36 @@ def render(d: dt.date, rng: random.Random) -> str:
             break
     text = template.format(**_fields(d))
     return rng.choice(_CASES)(text)
+
+
+def input_error(text: str) -> str | None:
+    """Why ``text`` cannot be one of the task's dates, or None when it may be one.
+
+    A check that needs no model: every form writes the day and the year in digits, so a text
+    with fewer than ``MIN_DIGITS`` digits (``"21 nov"``, ``"tomorrow"``) leaves the model to
+    make up the rest.
+    """
+    digits = sum(c in "0123456789" for c in text)
+    if digits < MIN_DIGITS:
+        return (
+            f"{digits} digit(s); a date needs its day and year in digits "
+            f"(at least {MIN_DIGITS} digits)"
+        )
+    return None
+
+
+def output_error(text: str) -> str | None:
+    """Why the model's output ``text`` is not a valid answer, or None when it is one: a real
+    calendar date (``datetime.date``) written ``YYYY-MM-DD`` between ``FIRST`` and ``LAST``."""
+    if not re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", text):
+        return f"the model's output {text!r} is not a date written YYYY-MM-DD"
+    try:
+        d = dt.date.fromisoformat(text)
+    except ValueError as error:
+        return f"the model's output {text!r} is not a calendar date ({error})"
+    if not FIRST <= d <= LAST:
+        return f"the model's output {text!r} lies outside {FIRST}..{LAST}, the dates it knows"
+    return None
 
 
 def iso(d: dt.date) -> str:

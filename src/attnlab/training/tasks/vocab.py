@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["BOS", "EOS", "PAD", "SPECIALS", "UNK", "CharVocab"]
+__all__ = ["BOS", "EOS", "PAD", "SPECIALS", "UNK", "CharVocab", "describe_characters"]
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
@@ -32,6 +32,11 @@ class CharVocab:
     def stoi(self) -> dict[str, int]:
         return {c: i + len(SPECIALS) for i, c in enumerate(self.chars)}
 
+    def unknown(self, text: str) -> str:
+        """The distinct characters of ``text`` outside the vocabulary, in order of appearance."""
+        table = self.stoi
+        return "".join(dict.fromkeys(c for c in text if c not in table))
+
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         """Characters -> ids (unknown characters -> ``<unk>``)."""
         table = self.stoi
@@ -49,6 +54,18 @@ class CharVocab:
                 out.append(self.chars[i - len(SPECIALS)])
         return "".join(out)
 
+    def read(self, ids: Iterable[int]) -> tuple[str, int | None]:
+        """Ids -> the text before the first special token, and that token's id (None when
+        there is none): unlike ``decode``, a model's stray ``<pad>``/``<bos>``/``<unk>`` is
+        not skipped over but seen."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if i < len(SPECIALS):
+                return "".join(out), i
+            out.append(self.chars[i - len(SPECIALS)])
+        return "".join(out), None
+
     def batch(self, texts: list[str], *, bos: bool = False, eos: bool = False) -> Tensor:
         """Encode and right-pad with ``<pad>``: ``B x T`` long tensor."""
         seqs = [self.encode(t, bos=bos, eos=eos) for t in texts]
@@ -57,3 +74,11 @@ class CharVocab:
         for row, s in enumerate(seqs):
             out[row, : len(s)] = torch.tensor(s, dtype=torch.long)
         return out
+
+
+def describe_characters(chars: str, limit: int = 10) -> str:
+    """``chars`` for an error message: each quoted with its code point (``'§' (U+00A7)``), so
+    that invisible and look-alike characters can be told apart; at most ``limit`` of them."""
+    shown = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in chars[:limit])
+    more = len(chars) - limit
+    return shown + (f" and {more} more" if more > 0 else "")

@@ -1,0 +1,7 @@
+"""``python -m attnlab``: the ``attnlab`` command line."""
+
+import sys
+
+from attnlab.cli import main
+
+sys.exit(main())
