@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 # DESIGN.md: float32 rtol 1e-5 / atol 1e-6; half precisions looser.
@@ -40,3 +41,13 @@ def assert_close(
             for idx in worst
         ]
         raise AssertionError(f"{what}\n{error}\nworst elements:\n" + "\n".join(lines)) from None
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for a test's duration: quick benchmark runs are tiny, and on a busy
+    machine one thread is faster than two that wait (bench generate --quick: 4 s, not 15 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

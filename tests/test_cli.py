@@ -11,15 +11,6 @@ from attnlab.bench.harness import oom_as_error
 from attnlab.cli import main
 
 
-@pytest.fixture
-def one_thread():
-    # The quick runs are tiny; on a busy machine one thread is faster than two that wait.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_demo_runs(capsys):
     assert main(["demo", "--intro"]) == 0
     assert "backends agree" in capsys.readouterr().out

@@ -42,12 +42,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.handler(args) or 0)
-    except (ValueError, TypeError, FileNotFoundError) as error:
+    except (ValueError, TypeError, OSError) as error:
         print(f"attnlab: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as error:
         print("attnlab: interrupted", file=sys.stderr)
-        return 130
+        return getattr(error, "exit_code", 130)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,10 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows every option's default, except a required option's (it has none)."""
+    """Shows an option's default where there is one: not for a required option, nor a
+    None/False default ("(default: None)" after "all when not given" says less than the help)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.required:
+        if action.required or action.default is None or action.default is False:
             return action.help
         return super()._get_help_string(action)
 

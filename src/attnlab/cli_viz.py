@@ -46,7 +46,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     viz = sub.add_parser("viz", help="capture and draw a checkpoint's attention on a text",
                          description="Capture every attention layer and head of a checkpoint on "
                          "a text, print the head metric table, and write the interactive HTML "
-                         "viewer and/or PNG pictures.", formatter_class=_HelpFormatter)
+                         "viewer and/or PNG pictures.")
     viz.add_argument("--checkpoint", required=True, metavar="DIR",
                      help="an attnlab checkpoint folder (seq2seq or character LM) or a Hugging "
                           "Face Qwen2/Llama folder with tokenizer.json")
@@ -73,15 +73,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                           "the --png folder (or .) in alignment/")
     viz.set_defaults(handler=_viz)
 
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows an option's default only where there is one: "(default: None)" after "all when
-    not given" would say less than the help text does."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
 
 
 def load_for_viz(checkpoint: str | Path, text: str) -> tuple[nn.Module, Any, dict, str]:

@@ -4,20 +4,8 @@ from __future__ import annotations
 
 import json
 
-import pytest
-import torch
-
 from attnlab.bench.variants import VARIANTS
 from attnlab.cli import main
-
-
-@pytest.fixture
-def one_thread():
-    # The quick run is tiny; a single thread keeps it fast on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_quick_run_writes_table_json_and_plot(tmp_path, one_thread, capsys):

@@ -4,20 +4,7 @@ from __future__ import annotations
 
 import json
 
-import pytest
-import torch
-
 from attnlab.cli import main
-
-
-@pytest.fixture
-def one_thread():
-    # The quick run is tiny; on a busy machine one thread is faster than two that wait
-    # (measured: 4 s instead of 15 s for bench generate --quick with the cores shared).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_bench_qwen2_quick(tmp_path, one_thread, capsys) -> None:
