@@ -97,13 +97,14 @@ def test_streamer_gets_every_token() -> None:
 def test_bad_input() -> None:
     model = make()
     prompt = torch.tensor([[1, 2, 3]])
-    with pytest.raises(ValueError, match="input_ids: expected a non-empty prompt"):
+    with pytest.raises(ValueError, match="input_ids: expected a non-empty B x P"):
         generate(model, torch.zeros(1, 0, dtype=torch.long), 3)
     with pytest.raises(ValueError, match="top_p"):
         generate(model, prompt, 3, do_sample=True, top_p=0.0)
     with pytest.raises(ValueError, match="top_p"):
         generate(model, prompt, 3, do_sample=True, top_p=1.1)
-    with pytest.raises(ValueError, match="max_new_tokens: prompt length 3 \\+ 18"):
+    with pytest.raises(ValueError, match="max_new_tokens: the prompt has 3 tokens and the model takes at most 20 "
+                       "positions, so at most 17 new tokens fit; got max_new_tokens=18"):
         generate(model, prompt, 18)
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(model, prompt, -1)
