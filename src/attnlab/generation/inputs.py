@@ -64,7 +64,7 @@ def new_token_count(prompt_length: int, limit: int, max_new_tokens: object,
     """How many tokens to add to a prompt of ``P`` tokens, from ``max_new_tokens`` (new ones)
     or ``max_length`` (prompt + new, as in Hugging Face); ``limit`` is the model's number of
     positions. Both given must agree."""
-    P = prompt_length
+    plen = prompt_length
     if max_new_tokens is None and max_length is None:
         raise ValueError("max_new_tokens: expected max_new_tokens (new tokens) or max_length "
                          "(prompt + new tokens), got neither")
@@ -72,23 +72,24 @@ def new_token_count(prompt_length: int, limit: int, max_new_tokens: object,
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 0):
             raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
-    if P > limit:
-        raise ValueError(f"input_ids: the prompt has {P} tokens, more than the model's limit of "
-                         f"{limit} positions")
-    if max_length is not None and max_length < P:
-        raise ValueError(f"max_length: expected at least the prompt length {P} (max_length "
+    if plen > limit:
+        raise ValueError(f"input_ids: the prompt has {plen} tokens, more than the model's "
+                         f"limit of {limit} positions")
+    if max_length is not None and max_length < plen:
+        raise ValueError(f"max_length: expected at least the prompt length {plen} (max_length "
                          f"counts the prompt and the new tokens), got {max_length}")
     if max_new_tokens is not None and max_length is not None \
-            and P + max_new_tokens != max_length:
+            and plen + max_new_tokens != max_length:
         raise ValueError(f"max_length: {max_length} contradicts max_new_tokens={max_new_tokens} "
-                         f"for a prompt of {P} tokens ({P} + {max_new_tokens} = "
-                         f"{P + max_new_tokens}); give one of them (max_length counts the "
+                         f"for a prompt of {plen} tokens ({plen} + {max_new_tokens} = "
+                         f"{plen + max_new_tokens}); give one of them (max_length counts the "
                          "prompt and the new tokens, max_new_tokens only the new ones)")
-    name = "max_new_tokens" if max_new_tokens is not None else "max_length"
-    n = max_new_tokens if max_new_tokens is not None else max_length - P
-    if P + n > limit:
-        raise ValueError(f"{name}: the prompt has {P} tokens and the model takes at most "
-                         f"{limit} positions, so at most {limit - P} new tokens fit; got "
-                         f"{name}={max_new_tokens if max_new_tokens is not None else max_length}"
-                         f" ({n} new tokens)")
+    if max_new_tokens is not None:
+        name, given, n = "max_new_tokens", max_new_tokens, max_new_tokens
+    else:
+        name, given, n = "max_length", max_length, max_length - plen
+    if plen + n > limit:
+        raise ValueError(f"{name}: the prompt has {plen} tokens and the model takes at most "
+                         f"{limit} positions, so at most {limit - plen} new tokens fit; got "
+                         f"{name}={given}")
     return n
