@@ -40,8 +40,10 @@ class GenerationConfig:
         for f in fields(self):
             if f.name != "path" and getattr(self, f.name) is not None:
                 _CHECKS[f.name](self, f.name, getattr(self, f.name))
-        if self.eos_token_id is not None:
-            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        eos = self.eos_token_id
+        if eos is not None:
+            object.__setattr__(self, "eos_token_id",
+                               tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
         if self.top_k == 0:  # transformers: 0 disables the filter
             object.__setattr__(self, "top_k", None)
 
