@@ -214,6 +214,7 @@ def test_errors_speak_of_flags(folder, capsys, flags: list[str], message: str) -
     ("--repetition-penalty", "0", "argument --repetition-penalty: expected a finite number > 0"),
     ("--max-new-tokens", "-1", "argument --max-new-tokens: expected an int >= 0, got '-1'"),
     ("--max-new-tokens", "x", "argument --max-new-tokens: expected an int >= 0, got 'x'"),
+    ("--stop", "", "argument --stop: expected a non-empty text, got ''"),
 ])
 def test_bad_flag_values_are_refused_by_name(folder, capsys, flag: str, value: str,
                                              message: str) -> None:

@@ -68,7 +68,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repetition-penalty", type=_penalty, default=None, metavar="R",
                    help=f"CTRL's penalty on tokens already in the text, R > 1 repeats less "
                    f"({_FROM_FILE} 1.0: none)")
-    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT", type=_text,
                    help="stop when the new text contains TEXT (printed); repeat for several "
                    "(default: none)")
     p.add_argument("--seed", type=int, default=None,
@@ -265,6 +265,12 @@ def _probability(text: str) -> float:
 
 def _penalty(text: str) -> float:
     return _number(text, float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+
+
+def _text(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("expected a non-empty text, got ''")
+    return text
 
 
 class _TimedStreamer(TextStreamer):

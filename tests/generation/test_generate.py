@@ -288,3 +288,12 @@ def test_nan_or_inf_logits_are_refused_greedy_and_sampling(bad: float) -> None:
         with pytest.raises(ValueError, match=r"logits \(the model's output for new token 1\): "
                                              r"row 0 \(of 1\) holds (NaN|\+inf)"):
             generate(model, torch.tensor([[1, 2]]), 3, do_sample=do_sample)
+
+
+def test_seed_outside_torch_range_is_refused() -> None:
+    model = make()
+    for seed in (2**64, -(2**63) - 1, True):
+        with pytest.raises(ValueError, match=r"seed: expected an int in \[-2\*\*63, 2\*\*64\)"):
+            generate(model, torch.tensor([[1, 2]]), 2, do_sample=True, seed=seed)
+    assert generate(model, torch.tensor([[1, 2]]), 2, do_sample=True, seed=2**64 - 1).shape \
+        == (1, 4)

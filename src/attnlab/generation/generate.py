@@ -102,8 +102,9 @@ def generate(
                          "neither")
     generator = None
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed: expected an int, got {seed!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64:
+            raise ValueError(f"seed: expected an int in [-2**63, 2**64) (torch's range), got "
+                             f"{seed!r}")
         generator = torch.Generator(device=input_ids.device).manual_seed(seed)
 
     ids, mask = input_ids, attention_mask
