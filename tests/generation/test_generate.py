@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attnlab.generation import generate
 from attnlab.models import DecoderLM, DecoderLMConfig
@@ -297,3 +299,39 @@ def test_seed_outside_torch_range_is_refused() -> None:
             generate(model, torch.tensor([[1, 2]]), 2, do_sample=True, seed=seed)
     assert generate(model, torch.tensor([[1, 2]]), 2, do_sample=True, seed=2**64 - 1).shape \
         == (1, 4)
+
+
+def test_prompt_longer_than_the_model_names_lengths_not_a_negative_count() -> None:
+    model = make()
+    prompt = torch.ones(1, 25, dtype=torch.long)
+    room = model.config.max_len - prompt.shape[1]  # what a caller may compute: -5
+    with pytest.raises(ValueError, match="input_ids: the prompt has 25 tokens, more than the "
+                                         "model's limit of 20 positions"):
+        generate(model, prompt, min(8, room))
+
+
+MODEL = make()
+letters = st.text("abcdefghijklmnopqrsABCDEFGHIJKLMNOPQRS", min_size=1, max_size=3)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.lists(st.integers(0, V - 1), min_size=1, max_size=4), min_size=1, max_size=3),
+       st.lists(st.integers(0, V - 1), max_size=2), st.lists(letters, max_size=2),
+       st.integers(1, 6), st.booleans())
+def test_batched_stops_equal_each_row_alone(prompts: list[list[int]], eos: list[int],
+                                            stops: list[str], n: int, use_cache: bool) -> None:
+    tok = TwoChars()
+    P = max(map(len, prompts))
+    ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+    out = generate(MODEL, ids, n, attention_mask=mask, eos_token_id=eos or None,
+                   pad_token_id=0, stop_strings=stops or None, tokenizer=tok,
+                   use_cache=use_cache)
+    keeps = []
+    for row, p in enumerate(prompts):
+        free = generate(MODEL, torch.tensor([p]), n)[0, len(p):].tolist()
+        keep = reference_stop(free, set(eos), tok.decode, stops)
+        keeps.append(keep)
+        assert out[row, P:P + keep].tolist() == free[:keep]
+        assert (out[row, P + keep:] == 0).all()
+    assert out.shape[1] == P + max(keeps)

@@ -68,13 +68,13 @@ def new_token_count(prompt_length: int, limit: int, max_new_tokens: object,
     if max_new_tokens is None and max_length is None:
         raise ValueError("max_new_tokens: expected max_new_tokens (new tokens) or max_length "
                          "(prompt + new tokens), got neither")
+    if plen > limit:  # first: a caller's "limit - P" would otherwise be a puzzling -144
+        raise ValueError(f"input_ids: the prompt has {plen} tokens, more than the model's "
+                         f"limit of {limit} positions")
     for name, value in (("max_new_tokens", max_new_tokens), ("max_length", max_length)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 0):
             raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
-    if plen > limit:
-        raise ValueError(f"input_ids: the prompt has {plen} tokens, more than the model's "
-                         f"limit of {limit} positions")
     if max_length is not None and max_length < plen:
         raise ValueError(f"max_length: expected at least the prompt length {plen} (max_length "
                          f"counts the prompt and the new tokens), got {max_length}")
