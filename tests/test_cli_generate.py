@@ -282,3 +282,11 @@ def test_every_option_has_help() -> None:
         assert action.help and action.help.strip(), action.option_strings
     text = generate_parser.format_help()
     assert "(default: None)" not in text and "generation_config.json" in text
+
+
+def test_sampling_flags_without_sampling_are_pointed_out(folder, capsys) -> None:
+    code, out, err = run(folder, capsys, "--max-new-tokens", "3", "--top-k", "5",
+                         "--temperature", "0.5")
+    _, greedy_out, _ = run(folder, capsys, "--max-new-tokens", "3")
+    assert code == 0 and out == greedy_out
+    assert "note: --temperature, --top-k unused: greedy decoding (add --do-sample" in err
