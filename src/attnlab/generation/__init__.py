@@ -1,5 +1,6 @@
-"""Generation: the KV cache, sampling functions, decoder-only ``generate`` and the
-encoder-decoder greedy / beam search."""
+"""Generation: the KV cache, sampling functions, decoder-only ``generate`` (end ids, stop
+strings, argument checks), a checkpoint's ``generation_config.json`` defaults (``config``)
+and the encoder-decoder greedy / beam search."""
 
 from attnlab.generation.beam import beam_search, generate_seq2seq, greedy_search
 from attnlab.generation.generate import Streamer, generate

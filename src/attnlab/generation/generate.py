@@ -6,6 +6,10 @@ step feeds only the newest token, at position ``offset = cache.length``. Per ste
     logits = model(last_token, attention_mask, cache, logits_to_keep=1)[:, -1]    B x V
     logits = repetition_penalty(logits) -> token = argmax(logits)       (greedy)
                                         or token ~ softmax(filter(logits / T))  (sampling)
+
+A row finishes on any of its end ids or when its new text contains a stop string
+(``stopping.py``); it is then filled with the pad id, and generation ends when all rows have.
+Arguments are checked first (``inputs.py``), so bad ids fail before any compute.
 """
 
 from __future__ import annotations
