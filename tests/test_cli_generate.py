@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
+import shutil
 
+import pytest
 import torch
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from attnlab.cli import main
+from attnlab.cli import build_parser, main
+from attnlab.cli_generate import summary
 from attnlab.generation import generate
 from attnlab.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from attnlab.tokenizer import Tokenizer
@@ -69,3 +74,219 @@ def test_generate_chat_and_sampling(tmp_path, capsys) -> None:
 def test_generate_errors(tmp_path, capsys) -> None:
     assert main(["generate", "--model", str(tmp_path), "--prompt", "x"]) == 2
     assert "tokenizer.json" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    make_folder(folder)
+    return folder
+
+
+@pytest.fixture
+def folder(base, tmp_path):
+    """A fresh copy of the tiny checkpoint, for a test to add its generation_config.json."""
+    return shutil.copytree(base, tmp_path / "model")
+
+
+def run(folder, capsys, *flags: str, prompt: str = "once upon a") -> tuple[int, str, str]:
+    code = main(["generate", "--model", str(folder), "--prompt", prompt, *flags])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def new_text(folder, ids: torch.Tensor, prompt_length: int) -> str:
+    tok = Tokenizer.from_pretrained(folder)
+    return tok.decode(ids[0, prompt_length:], skip_special_tokens=True)
+
+
+def test_generation_config_defaults_match_transformers_generate(folder, capsys) -> None:
+    """Greedy with the file's repetition penalty, end-id list and max_new_tokens: the CLI
+    prints what transformers' generate makes from the same folder (which reads the file)."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(folder).eval()
+    tok = Tokenizer.from_pretrained(folder)
+    prompt = torch.tensor([tok.encode("once upon a")])
+    P = prompt.shape[1]
+    with torch.no_grad():
+        free = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=9,
+                           do_sample=False, repetition_penalty=1.3, pad_token_id=0)
+    end = int(free[0, P + 4])  # the fifth new token ends the text
+    assert end not in free[0, P:P + 4].tolist()
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"do_sample": False, "repetition_penalty": 1.3, "max_new_tokens": 9,
+         "eos_token_id": [tok.eos_token_id, end], "pad_token_id": 0, "temperature": 0.6,
+         "top_k": 0}))
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(folder).eval()  # reads the file
+    with torch.no_grad():
+        expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt))
+    assert expected.shape[1] == P + 5 and int(expected[0, -1]) == end
+    code, out, err = run(folder, capsys)
+    assert code == 0 and "5 new tokens" in err, err
+    assert out == new_text(folder, expected, P) + "\n"
+    # Flags win over the file: no penalty, 3 tokens.
+    code, out, _ = run(folder, capsys, "--repetition-penalty", "1.0", "--max-new-tokens", "3")
+    with torch.no_grad():
+        plain = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3,
+                            repetition_penalty=1.0)
+    assert code == 0 and out == new_text(folder, plain, P) + "\n"
+
+
+def test_sampling_defaults_from_the_file_and_flags_over_them(folder, capsys) -> None:
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9,
+         "max_length": 10}))
+    tok = Tokenizer.from_pretrained(folder)
+    model = Qwen2ForCausalLM.from_pretrained(folder)
+    prompt = torch.tensor([tok.encode("once upon a")])
+    P = prompt.shape[1]
+    code, out, _ = run(folder, capsys, "--seed", "4")
+    sampled = generate(model, prompt, max_length=10, do_sample=True, temperature=0.7, top_k=5,
+                       top_p=0.9, seed=4, eos_token_id=tok.eos_token_id)
+    assert code == 0 and out == new_text(folder, sampled, P) + "\n"
+    code, out, _ = run(folder, capsys, "--seed", "4", "--temperature", "1.5", "--top-k", "9")
+    hotter = generate(model, prompt, max_length=10, do_sample=True, temperature=1.5, top_k=9,
+                      top_p=0.9, seed=4, eos_token_id=tok.eos_token_id)
+    assert code == 0 and out == new_text(folder, hotter, P) + "\n"
+    greedy = new_text(folder, generate(model, prompt, max_length=10,
+                                       eos_token_id=tok.eos_token_id), P) + "\n"
+    for flags in (["--no-do-sample"], ["--temperature", "0"]):  # both mean greedy
+        code, out, err = run(folder, capsys, *flags)
+        assert code == 0 and out == greedy, flags
+        assert "note" not in err
+
+
+def test_stop_strings_match_transformers(folder, capsys) -> None:
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(folder).eval()
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    tok = Tokenizer.from_pretrained(folder)
+    model = Qwen2ForCausalLM.from_pretrained(folder)
+    prompt = torch.tensor([tok.encode("hello")])
+    P = prompt.shape[1]
+    free = generate(model, prompt, 20)[0, P:].tolist()
+    # A stop string across a token boundary, ending inside the later token (an "overhang").
+    for i in range(1, 20):
+        before, upto = tok.decode(free[:i]), tok.decode(free[:i + 1])
+        stop = upto[len(before) - 1:len(before) + 1]
+        if (upto.startswith(before) and len(upto) > len(before) + 1 and "\ufffd" not in stop
+                and stop not in before and len(stop) == 2):
+            break
+    else:
+        pytest.fail(f"no token boundary to stop at in {tok.decode(free)!r}")
+    with torch.no_grad():
+        expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20,
+                               do_sample=False, stop_strings=[stop], tokenizer=hf_tok,
+                               pad_token_id=0)
+    ours = generate(model, prompt, 20, stop_strings=[stop], tokenizer=tok)
+    assert ours.tolist() == expected.tolist()
+    assert ours.shape[1] == P + i + 1
+    code, out, _ = run(folder, capsys, "--max-new-tokens", "20", "--stop", stop, "--stop", "@@",
+                       prompt="hello")
+    assert code == 0 and out == new_text(folder, ours, P) + "\n"
+    assert stop in out and stop not in out[:-1][:-len(stop)]  # nothing printed past the stop
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--do-sample", "--temperature", "0"],
+     r"--temperature: expected a temperature > 0 for sampling \(--do-sample\), got 0"),
+    (["--max-new-tokens", "300"],
+     r"--max-new-tokens: the prompt has 3 tokens and the model's limit of 256 positions "
+     r"\(max_position_embeddings in config.json\), so at most 253 new tokens fit; got 300"),
+    (["--max-length", "300"], "--max-length: the prompt has 3 tokens .* got 300"),
+    (["--max-length", "2"], "--max-length: expected at least the prompt's 3 tokens"),
+    (["--max-length", "10", "--max-new-tokens", "3"],
+     r"--max-length: 10 contradicts --max-new-tokens 3 for a prompt of 3 tokens \(3 \+ 3 = "
+     r"6\)"),
+])
+def test_errors_speak_of_flags(folder, capsys, flags: list[str], message: str) -> None:
+    code, _, err = run(folder, capsys, *flags)
+    assert code == 2
+    assert re.search(message, err), err
+    assert "do_sample=" not in err and "max_new_tokens" not in err
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--top-k", "0", "argument --top-k: expected an int >= 1, got '0'"),
+    ("--top-p", "1.5", r"argument --top-p: expected a number in (0, 1], got '1.5'"),
+    ("--temperature", "-1", "argument --temperature: expected a finite number >= 0"),
+    ("--temperature", "nan", "argument --temperature: expected a finite number >= 0"),
+    ("--repetition-penalty", "0", "argument --repetition-penalty: expected a finite number > 0"),
+    ("--max-new-tokens", "-1", "argument --max-new-tokens: expected an int >= 0, got '-1'"),
+    ("--max-new-tokens", "x", "argument --max-new-tokens: expected an int >= 0, got 'x'"),
+    ("--stop", "", "argument --stop: expected a non-empty text, got ''"),
+])
+def test_bad_flag_values_are_refused_by_name(folder, capsys, flag: str, value: str,
+                                             message: str) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--model", str(folder), "--prompt", "x", flag, value])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_prompt_longer_than_the_model(folder, capsys) -> None:
+    code, _, err = run(folder, capsys, prompt="the fox said hello to the world " * 40)
+    assert code == 2
+    assert "--prompt: encodes to" in err and "more than the model's limit of 256" in err
+
+
+@pytest.mark.parametrize(("file", "message"), [
+    ({"do_sample": True, "temperature": 0}, "temperature in .*generation_config.json: expected "
+                                            r"a temperature > 0 for sampling \(do_sample in"),
+    ({"top_p": "high"}, r"generation_config.json: top_p: expected a number in \(0, 1\]"),
+    ({"eos_token_id": [1, 5000]}, r"eos_token_id in .*generation_config.json\[1\]: expected a "
+                                  r"token id in \[0, \d+\)"),
+    ({"pad_token_id": 5000}, "pad_token_id in .*generation_config.json: expected a token id"),
+    ({"max_length": 2}, "generation_config.json: max_length 2 leaves no room after the "
+                        "prompt's 3 tokens; give --max-new-tokens"),
+])
+def test_bad_generation_config_names_field_and_file(folder, capsys, file: dict,
+                                                    message: str) -> None:
+    (folder / "generation_config.json").write_text(json.dumps(file))
+    code, _, err = run(folder, capsys)
+    assert code == 2
+    assert re.search(message, err), err
+
+
+def test_default_length_is_capped_at_the_model_limit(folder, capsys) -> None:
+    (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 1000}))
+    code, _, err = run(folder, capsys, prompt="the fox said hello to the world " * 30)
+    assert code == 0
+    assert "capped at" in err and "by the model's limit of 256 positions" in err
+
+
+@pytest.mark.parametrize(("n", "expected"), [
+    ("0", "0 new tokens (the model was not run)"),
+    ("1", "1 new token in"),
+    ("2", "2 new tokens in"),
+])
+def test_summary_is_true_for_few_tokens(folder, capsys, n: str, expected: str) -> None:
+    code, out, err = run(folder, capsys, "--max-new-tokens", n)
+    assert code == 0 and expected in err, err
+    assert "nan" not in err and "inf" not in err
+    if n == "0":
+        assert out == "\n"
+
+
+def test_summary_without_measurable_decode_time() -> None:
+    line = summary(3, 2, 0.0, 1.0, 1.0, note=None, machine="float32, 1 threads")
+    assert "nan" not in line and "inf" not in line
+    assert "a decode rate needs" in line or "tokens/s" not in line
+
+
+def test_every_option_has_help() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    generate_parser = sub.choices["generate"]
+    for action in generate_parser._actions:
+        assert action.help and action.help.strip(), action.option_strings
+    text = generate_parser.format_help()
+    assert "(default: None)" not in text and "generation_config.json" in text
+
+
+def test_sampling_flags_without_sampling_are_pointed_out(folder, capsys) -> None:
+    code, out, err = run(folder, capsys, "--max-new-tokens", "3", "--top-k", "5",
+                         "--temperature", "0.5")
+    _, greedy_out, _ = run(folder, capsys, "--max-new-tokens", "3")
+    assert code == 0 and out == greedy_out
+    assert "note: --temperature, --top-k unused: greedy decoding (add --do-sample" in err

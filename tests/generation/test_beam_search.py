@@ -161,5 +161,41 @@ def test_bad_input() -> None:
         generate_seq2seq(model, src, 12, bos_id=BOS, eos_id=EOS)
     with pytest.raises(ValueError, match="bos_id"):
         generate_seq2seq(model, src, 3, bos_id=99, eos_id=EOS)
-    with pytest.raises(ValueError, match="src: expected at least one token"):
+    with pytest.raises(ValueError, match="src: expected a non-empty B x P tensor"):
         generate_seq2seq(model, torch.zeros(1, 0, dtype=torch.long), 3, bos_id=BOS, eos_id=EOS)
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+@pytest.mark.parametrize(("src", "kwargs", "error", "message"), [
+    (torch.tensor([[True, False]]), {}, ValueError,
+     "src: expected integer token ids, got dtype torch.bool"),
+    (torch.tensor([[3, 9]]), {}, ValueError, r"src: expected token ids in \[0, 9\)"),
+    (torch.tensor([[3, -2]]), {}, ValueError, r"src: .* got \[-2\]"),
+    (torch.zeros(0, 2, dtype=torch.long), {}, ValueError, "src: expected a non-empty"),
+    (torch.tensor([[3, 4]]), {"eos_id": 9}, ValueError, r"eos_id: expected an id in \[0, 9\)"),
+    (torch.tensor([[3, 4]]), {"pad_id": -1}, ValueError, r"pad_id: expected an id in \[0, 9\)"),
+    (torch.tensor([[3, 4]]), {"bos_id": True}, ValueError, "bos_id: expected an id"),
+])
+def test_bad_ids_are_refused_before_any_compute(num_beams: int, src: torch.Tensor,
+                                                kwargs: dict, error: type,
+                                                message: str) -> None:
+    model = make()
+    calls = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    model.encoder.register_forward_pre_hook(lambda *_: calls.append(1))
+    model.decoder.register_forward_pre_hook(lambda *_: calls.append(1))
+    args = {"bos_id": BOS, "eos_id": EOS, **kwargs}
+    with pytest.raises(error, match=message):
+        generate_seq2seq(model, src, 3, num_beams=num_beams, **args)
+    assert not calls
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_nan_logits_are_refused(num_beams: int) -> None:
+    model = make()
+    with torch.no_grad():
+        model.output_proj.weight[5] = float("nan")
+    with pytest.raises(ValueError, match=r"logits \(the model's output for new token 1\): "
+                                         r"row 0 \(of \d+\) holds NaN"):
+        generate_seq2seq(model, torch.tensor([[3, 4]]), 3, bos_id=BOS, eos_id=EOS,
+                         num_beams=num_beams)

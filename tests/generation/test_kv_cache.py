@@ -151,3 +151,17 @@ def test_model_cache_errors() -> None:
         model(ids[:, :2], cache=cache)
     with pytest.raises(ValueError, match="max_len"):
         model(torch.ones(1, 25, dtype=torch.long))
+
+
+def test_truncate_and_reorder_refuse_bad_arguments() -> None:
+    cache = KVCache(2, 2, 1, 4, 2)
+    cache[0].update(torch.zeros(2, 1, 3, 2), torch.zeros(2, 1, 3, 2))
+    cache[1].update(torch.zeros(2, 1, 3, 2), torch.zeros(2, 1, 3, 2))
+    for bad in (1.5, True, -1, 4):
+        with pytest.raises(ValueError, match=r"length: expected an int in \[0, 3\]"):
+            cache.truncate(bad)
+    for bad in (torch.tensor([0, 2]), torch.tensor([-1, 0]), torch.tensor([0.0, 1.0]),
+                torch.tensor([True, False])):
+        with pytest.raises(ValueError, match=r"index: expected integer rows in \[0, 2\)"):
+            cache.reorder(bad)
+    assert cache.length == 3

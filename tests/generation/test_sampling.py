@@ -6,9 +6,12 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attnlab.generation import (
     apply_repetition_penalty,
+    check_logits,
     sample_logits,
     sampling_probs,
     top_k_filter,
@@ -104,3 +107,80 @@ def test_filter_bad_arguments() -> None:
         top_p_filter(torch.zeros(1, 3), 0)
     with pytest.raises(ValueError, match="repetition_penalty"):
         apply_repetition_penalty(torch.zeros(1, 3), torch.zeros(1, 1, dtype=torch.long), 0.0)
+
+
+@pytest.mark.parametrize(("row", "what"), [
+    ([0.0, float("nan"), 1.0], "NaN"),
+    ([0.0, float("inf"), 1.0], r"\+inf"),
+    ([float("-inf")] * 3, "only -inf"),
+])
+def test_nan_inf_or_all_removed_logits_are_refused(row: list[float], what: str) -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0], row])
+    with pytest.raises(ValueError, match=f"logits: row 1 \\(of 2\\) holds {what}"):
+        sample_logits(logits)
+    with pytest.raises(ValueError, match=f"row 1 .* holds {what}"):
+        sampling_probs(logits, 0.5, top_k=2)
+    with pytest.raises(ValueError, match="my logits: row 1"):
+        check_logits(logits, "my logits")
+    check_logits(torch.tensor([[0.0, float("-inf"), 1.0]]))  # -inf alone is a removed token
+    with pytest.raises(ValueError, match="logits: expected a floating-point tensor"):
+        check_logits(torch.tensor([[1, 2]]))
+
+
+finite = st.floats(-1e4, 1e4, allow_nan=False, width=32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-3, 3), min_size=2, max_size=12), st.integers(1, 12))
+def test_top_k_never_lets_ties_through(values: list[int], k: int) -> None:
+    logits = torch.tensor([values], dtype=torch.float32)
+    out = top_k_filter(logits, k)
+    kept = out.isfinite()
+    assert int(kept.sum()) == min(k, len(values))
+    if k < len(values):  # every kept logit >= every removed one
+        assert out[kept].min() >= logits[~kept].max()
+    probs = sampling_probs(logits, top_k=k)
+    assert int((probs > 0).sum()) == min(k, len(values))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(finite, min_size=1, max_size=10),
+       st.sampled_from([1e-30, 1e-6, 1e-3, 1e-12, 1.0, 1e3, 1e6, 1e30]),
+       st.one_of(st.none(), st.integers(1, 10)),
+       st.one_of(st.none(), st.sampled_from([1e-9, 0.5, 0.999999, 1.0]),
+                 st.floats(1e-6, 1.0)),
+       st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]))
+def test_sampling_probs_is_a_distribution_for_any_setting(values: list[float], T: float,
+                                                          k: int | None, p: float | None,
+                                                          dtype: torch.dtype) -> None:
+    logits = torch.tensor([values]).to(dtype)
+    probs = sampling_probs(logits, T, k, p)
+    assert probs.dtype in (torch.float32, torch.float64)
+    assert bool(probs.isfinite().all()) and bool((probs >= 0).all())
+    assert abs(float(probs.sum()) - 1.0) < 1e-5
+    # The most likely token always survives the filters; a tiny temperature is greedy.
+    best = logits.float().max()
+    assert float(probs[0][logits[0].float() == best].sum()) > 0
+    if T <= 1e-12 and float((logits.float() == best).sum()) == 1:
+        assert float(probs.max()) == 1.0
+    if T >= 1e30 and k is None and p is None:
+        assert float((probs - 1 / len(values)).abs().max()) < 1e-5  # uniform
+    token = sample_logits(logits, T, k, p, torch.Generator().manual_seed(0))
+    assert float(probs[0, int(token)]) > 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(0.0, 1.0), min_size=2, max_size=8).filter(lambda w: sum(w) > 0.1),
+       st.floats(1e-6, 1.0))
+def test_top_p_keeps_the_smallest_prefix_reaching_p(weights: list[float], p: float) -> None:
+    probs = torch.tensor(weights, dtype=torch.float64) / sum(weights)
+    out = top_p_filter(probs.log(), p)
+    kept = out.isfinite()
+    order = probs.argsort(descending=True, stable=True)
+    mass_before = torch.cumsum(probs[order], 0) - probs[order]
+    assert bool(kept[order[0]])  # the most likely token always stays
+    expected = torch.zeros_like(kept)
+    expected[order] = mass_before < p
+    # Float rounding may flip a token whose mass-before is within 1e-6 of p.
+    near = (mass_before - p).abs() < 1e-6
+    assert torch.equal(kept[order][~near], expected[order][~near])

@@ -1,24 +1,29 @@
-"""Generation: the KV cache, sampling functions, decoder-only ``generate`` and the
-encoder-decoder greedy / beam search."""
+"""Generation: the KV cache, sampling functions, decoder-only ``generate`` (end ids, stop
+strings, argument checks), a checkpoint's ``generation_config.json`` defaults (``config``)
+and the encoder-decoder greedy / beam search."""
 
 from attnlab.generation.beam import beam_search, generate_seq2seq, greedy_search
 from attnlab.generation.generate import Streamer, generate
 from attnlab.generation.kv_cache import KVCache, LayerKVCache
 from attnlab.generation.sampling import (
     apply_repetition_penalty,
+    check_logits,
     check_sampling_args,
     sample_logits,
     sampling_probs,
     top_k_filter,
     top_p_filter,
 )
+from attnlab.generation.stopping import StopStrings
 
 __all__ = [
     "KVCache",
     "LayerKVCache",
+    "StopStrings",
     "Streamer",
     "apply_repetition_penalty",
     "beam_search",
+    "check_logits",
     "check_sampling_args",
     "generate",
     "generate_seq2seq",

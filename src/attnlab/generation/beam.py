@@ -22,6 +22,8 @@ import torch
 from torch import Tensor
 
 from attnlab._checks import check_positive
+from attnlab.generation.inputs import check_token_ids
+from attnlab.generation.sampling import check_logits
 
 if TYPE_CHECKING:
     from attnlab.models.transformer import Transformer
@@ -65,8 +67,9 @@ def greedy_search(model: Transformer, src: Tensor, max_new_tokens: int, *, bos_i
     total = torch.zeros(B, device=src.device)
     lengths = torch.zeros(B, device=src.device)
     finished = torch.zeros(B, dtype=torch.bool, device=src.device)
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         logits = model.decode(ys[:, -1:], memory, memory_mask, cache=cache)[:, -1]
+        check_logits(logits, f"logits (the model's output for new token {step + 1})")
         logp = torch.log_softmax(logits.float(), dim=-1)
         token = logp.argmax(dim=-1).masked_fill(finished, pad)
         total += logp.gather(-1, token[:, None]).squeeze(-1).masked_fill(finished, 0.0)
@@ -100,6 +103,7 @@ def beam_search(model: Transformer, src: Tensor, max_new_tokens: int, *, bos_id:
     done = [False] * B
     for step in range(max_new_tokens):
         logits = model.decode(seqs[:, -1:], memory, memory_mask, cache=cache)[:, -1]
+        check_logits(logits, f"logits (the model's output for new token {step + 1})")
         logp = torch.log_softmax(logits.float(), dim=-1)
         V = logp.shape[-1]
         candidates = (beam_scores.view(-1, 1) + logp).view(B, K * V)
@@ -191,8 +195,7 @@ def _prepare(model: Transformer, src: Tensor, max_new_tokens: int, bos_id: int, 
         if (isinstance(value, bool) or not isinstance(value, int)
                 or not 0 <= value < c.tgt_vocab_size):
             raise ValueError(f"{name}: expected an id in [0, {c.tgt_vocab_size}), got {value!r}")
-    if isinstance(src, Tensor) and src.dim() == 2 and src.shape[0] == 0:
-        raise ValueError(f"src: expected at least one sequence, got shape {tuple(src.shape)}")
-    memory_mask = model._key_mask("src_mask", src, src_mask) if isinstance(src, Tensor) else None
+    check_token_ids("src", src, c.src_vocab_size)
+    memory_mask = model._key_mask("src_mask", src, src_mask)
     memory = model.encode(src, memory_mask)
     return memory, memory_mask, pad

@@ -6,20 +6,28 @@ step feeds only the newest token, at position ``offset = cache.length``. Per ste
     logits = model(last_token, attention_mask, cache, logits_to_keep=1)[:, -1]    B x V
     logits = repetition_penalty(logits) -> token = argmax(logits)       (greedy)
                                         or token ~ softmax(filter(logits / T))  (sampling)
+
+A row finishes on any of its end ids or when its new text contains a stop string
+(``stopping.py``); it is then filled with the pad id, and generation ends when all rows have.
+Arguments are checked first (``inputs.py``), so bad ids fail before any compute.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
+from attnlab.generation.inputs import check_token_ids, new_token_count, token_id, token_id_set
 from attnlab.generation.sampling import (
     apply_repetition_penalty,
+    check_logits,
     check_sampling_args,
     sample_logits,
 )
+from attnlab.generation.stopping import Decoder, StopStrings
 
 if TYPE_CHECKING:
     from attnlab.models.decoder import DecoderLM
@@ -39,16 +47,19 @@ class Streamer(Protocol):
 def generate(
     model: DecoderLM,
     input_ids: Tensor,
-    max_new_tokens: int,
+    max_new_tokens: int | None = None,
     *,
+    max_length: int | None = None,
     attention_mask: Tensor | None = None,
     do_sample: bool = False,
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
     repetition_penalty: float = 1.0,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | Tensor | None = None,
     pad_token_id: int | None = None,
+    stop_strings: str | Sequence[str] | None = None,
+    tokenizer: Decoder | None = None,
     seed: int | None = None,
     streamer: Streamer | None = None,
     use_cache: bool = True,
@@ -56,52 +67,79 @@ def generate(
     """Extend each prompt of ``input_ids`` (``B x P``) by up to ``max_new_tokens`` tokens.
 
     Returns ``B x (P + n)`` ids, the prompts followed by the new tokens, ``n <= max_new_tokens``
-    (fewer when every row has produced ``eos_token_id``; a finished row is filled with
-    ``pad_token_id``, which defaults to ``eos_token_id``).
+    (fewer when every row has finished; a finished row is filled with ``pad_token_id``).
 
+    - Length: ``max_new_tokens`` counts the new tokens, ``max_length`` (as in Hugging Face)
+      the prompt and the new tokens; give either (both only when they agree).
+    - A row finishes when it produces any id of ``eos_token_id`` (one id, or a list/tuple/
+      1-d tensor of them), or when its new text (decoded by ``tokenizer``, needed then)
+      contains one of ``stop_strings`` (``attnlab.generation.stopping``). ``pad_token_id``
+      defaults to the first end id; rows of a batch that stop on a string need one.
     - ``attention_mask`` ``B x P`` (1/True = real token) for prompts of different lengths,
       which must be **left**-padded (padding first), so that every row's next token is last.
-    - Greedy (``do_sample=False``) or sampling with ``temperature``, ``top_k``, ``top_p``
-      (``attnlab.generation.sampling``); ``seed`` makes sampling reproducible.
+    - Greedy (``do_sample=False``; ``temperature``, ``top_k``, ``top_p`` unused, so
+      ``temperature=0`` is fine) or sampling with them (``attnlab.generation.sampling``);
+      ``seed`` makes sampling reproducible.
     - ``repetition_penalty`` (CTRL) applies to every real token of the row so far.
     - ``streamer.put(ids B)`` is called with each new step's tokens, ``streamer.end()`` once.
     - ``use_cache=False`` recomputes the whole sequence at every step (same result, slower).
 
+    Every argument is checked before any compute: token ids (prompt, end, pad) must lie in
+    the model's vocabulary ``[0, V)``. Logits with NaN or +inf give a ``ValueError``.
     Call ``model.eval()`` first for deterministic dropout-free output.
     """
-    input_ids, attention_mask = _check_inputs(model, input_ids, max_new_tokens, attention_mask)
-    check_sampling_args(temperature, top_k, top_p, repetition_penalty)
-    if pad_token_id is None:
-        pad_token_id = eos_token_id
+    V = model.config.vocab_size
+    input_ids = check_token_ids("input_ids", input_ids, V)
+    attention_mask = _check_mask(attention_mask, input_ids)
+    B, P = input_ids.shape
+    max_new_tokens = new_token_count(P, model.config.max_len, max_new_tokens, max_length)
+    check_sampling_args(temperature, top_k, top_p, repetition_penalty, do_sample=do_sample)
+    eos = None if eos_token_id is None else token_id_set("eos_token_id", eos_token_id, V)
+    if pad_token_id is not None:
+        pad_token_id = token_id("pad_token_id", pad_token_id, V)
+    elif eos is not None:
+        pad_token_id = eos[0]
+    stop = None if stop_strings is None else StopStrings(stop_strings, tokenizer)
+    if stop is not None and B > 1 and pad_token_id is None:
+        raise ValueError("pad_token_id: rows of a batch that stop on one of stop_strings are "
+                         "filled with pad_token_id (default: the first eos_token_id); got "
+                         "neither")
     generator = None
     if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64:
+            raise ValueError(f"seed: expected an int in [-2**63, 2**64) (torch's range), got "
+                             f"{seed!r}")
         generator = torch.Generator(device=input_ids.device).manual_seed(seed)
 
-    B, P = input_ids.shape
     ids, mask = input_ids, attention_mask
+    eos_ids = None if eos is None else torch.tensor(eos, device=ids.device)
     cache = model.make_cache(B, P + max_new_tokens) if use_cache and max_new_tokens else None
     finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
     if max_new_tokens:
         logits = model(ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]
     for step in range(max_new_tokens):
+        check_logits(logits, f"logits (the model's output for new token {step + 1})")
         if repetition_penalty != 1.0:
             logits = apply_repetition_penalty(logits, ids, repetition_penalty, mask)
         if do_sample:
             token = sample_logits(logits, temperature, top_k, top_p, generator)
         else:
             token = logits.argmax(dim=-1)
-        if eos_token_id is not None:
+        if pad_token_id is not None:
             token = token.masked_fill(finished, pad_token_id)
-            finished |= token == eos_token_id
         ids = torch.cat([ids, token[:, None]], dim=1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        if eos_ids is not None:
+            finished |= torch.isin(token, eos_ids)
+        if stop is not None:
+            finished |= stop(ids[:, P:], ~finished)
         if streamer is not None:
             streamer.put(token)
         if bool(finished.all()) or step == max_new_tokens - 1:
             break
         if cache is not None:
             logits = model(token[:, None], attention_mask=mask, cache=cache,
-                               logits_to_keep=1)[:, -1]
+                           logits_to_keep=1)[:, -1]
         else:
             logits = model(ids, attention_mask=mask, logits_to_keep=1)[:, -1]
     if streamer is not None:
@@ -109,32 +147,20 @@ def generate(
     return ids
 
 
-def _check_inputs(model: DecoderLM, input_ids: Tensor, max_new_tokens: int,
-                  attention_mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    if (not isinstance(input_ids, Tensor) or input_ids.dim() != 2
-            or input_ids.is_floating_point()):
-        shape = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids)
-        raise ValueError(f"input_ids: expected integer token ids of shape B x P, got {shape}")
+def _check_mask(attention_mask: object, input_ids: Tensor) -> Tensor:
+    """The prompt's mask as 0/1 longs ``B x P`` (all ones when not given), left padding only."""
     B, P = input_ids.shape
-    if B == 0 or P == 0:
-        raise ValueError(f"input_ids: expected a non-empty prompt (B >= 1, P >= 1), got shape "
-                         f"{(B, P)}")
-    if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
-            or max_new_tokens < 0):
-        raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
-    max_len = model.config.max_len
-    if P + max_new_tokens > max_len:
-        raise ValueError(f"max_new_tokens: prompt length {P} + {max_new_tokens} new tokens "
-                         f"exceeds the model's max_len={max_len}")
     if attention_mask is None:
-        return input_ids, torch.ones_like(input_ids)
-    if tuple(attention_mask.shape) != (B, P):
-        raise ValueError(f"attention_mask: expected shape B x P = {(B, P)}, got "
-                         f"{tuple(attention_mask.shape)}")
+        return torch.ones_like(input_ids, dtype=torch.long)
+    if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (B, P):
+        got = (tuple(attention_mask.shape) if isinstance(attention_mask, Tensor)
+               else type(attention_mask).__name__)
+        raise ValueError(f"attention_mask: expected shape B x P = {(B, P)}, got {got}")
+    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise ValueError(f"attention_mask: expected 0/1 (or bool) values, got "
+                         f"{attention_mask.unique()[:5].tolist()}")
     mask = attention_mask.long()
-    if not bool(((mask == 0) | (mask == 1)).all()):
-        raise ValueError("attention_mask: expected 0/1 (or bool) values")
     if bool((mask[:, -1] == 0).any()) or bool((mask.diff(dim=1) < 0).any()):
         raise ValueError("attention_mask: expected left padding (zeros before ones, a real "
                          f"token last in every row), got {mask.tolist()}")
-    return input_ids, mask
+    return mask

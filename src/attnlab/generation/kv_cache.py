@@ -123,14 +123,17 @@ class LayerKVCache:
         return self.k.numel() * self.k.element_size() * 2
 
     def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
+        if isinstance(length, bool) or not isinstance(length, int) \
+                or not 0 <= length <= self.length:
             raise ValueError(f"length: expected an int in [0, {self.length}], got {length}")
         self.length = length
 
     def reorder(self, index: Tensor) -> None:
-        if index.dim() != 1 or index.shape[0] != self.k.shape[0]:
-            raise ValueError(
-                f"index: expected shape ({self.k.shape[0]},), got {tuple(index.shape)}"
-            )
+        B = self.k.shape[0]
+        if index.dim() != 1 or index.shape[0] != B:
+            raise ValueError(f"index: expected shape ({B},), got {tuple(index.shape)}")
+        if index.dtype == torch.bool or index.is_floating_point() or index.is_complex() \
+                or bool(((index < 0) | (index >= B)).any()):
+            raise ValueError(f"index: expected integer rows in [0, {B}), got {index.tolist()}")
         self.k = self.k.index_select(0, index)
         self.v = self.v.index_select(0, index)

@@ -17,6 +17,7 @@ from attnlab._checks import check_positive
 
 __all__ = [
     "apply_repetition_penalty",
+    "check_logits",
     "check_sampling_args",
     "sample_logits",
     "sampling_probs",
@@ -31,6 +32,7 @@ def sample_logits(logits: Tensor, temperature: float = 1.0, top_k: int | None = 
     """Draw one token per row from ``sampling_probs(logits, temperature, top_k, top_p)``.
 
     logits ``N.. x V`` -> token ids ``N..`` (long). ``generator`` makes the draw reproducible.
+    A row that holds NaN or +inf, or only -inf, gives a ``ValueError`` (``check_logits``).
     """
     probs = sampling_probs(logits, temperature, top_k, top_p)
     flat = probs.reshape(-1, probs.shape[-1])
@@ -42,10 +44,14 @@ def sampling_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None =
                    top_p: float | None = None) -> Tensor:
     """``softmax(filter(logits / temperature))``: the distribution ``sample_logits`` draws from.
 
-    logits ``N.. x V`` -> probabilities ``N.. x V`` (float32 or wider).
+    logits ``N.. x V`` -> probabilities ``N.. x V`` (float32 or wider). Each row is shifted
+    by its maximum before the division, so that a tiny temperature cannot overflow to
+    ``inf / inf = NaN``: the largest logits become 0, the others ``-inf`` or very negative.
     """
     check_sampling_args(temperature, top_k, top_p)
-    scaled = logits.float() / temperature
+    check_logits(logits)
+    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    scaled = (wide - wide.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None:
         scaled = top_k_filter(scaled, top_k)
     if top_p is not None:
@@ -109,13 +115,44 @@ def apply_repetition_penalty(logits: Tensor, token_ids: Tensor, penalty: float,
     return torch.where(seen, penalised, logits)
 
 
+def check_logits(logits: Tensor, name: str = "logits") -> None:
+    """Refuse logits ``N.. x V`` from which no token can be chosen: a row with NaN or +inf
+    (softmax gives NaN, argmax an arbitrary token), or with every entry ``-inf``.
+
+    ``-inf`` alone marks a removed token and is fine. ``name`` is how the message names them.
+    """
+    if not isinstance(logits, Tensor) or not logits.is_floating_point() or logits.dim() == 0 \
+            or logits.shape[-1] == 0:
+        got = (f"{logits.dtype} of shape {tuple(logits.shape)}" if isinstance(logits, Tensor)
+               else type(logits).__name__)
+        raise ValueError(f"{name}: expected a floating-point tensor N.. x V with V >= 1, "
+                         f"got {got}")
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    nan, pos_inf = flat.isnan().any(-1), (flat == math.inf).any(-1)
+    all_neg_inf = (flat == -math.inf).all(-1)
+    bad = nan | pos_inf | all_neg_inf
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0])
+        what = ("NaN" if nan[row] else "+inf" if pos_inf[row] else "only -inf (no token left)")
+        raise ValueError(f"{name}: row {row} (of {flat.shape[0]}) holds {what}; expected finite "
+                         "values, with -inf only for removed tokens (NaN or inf logits come "
+                         "from NaN weights or an overflow, e.g. in float16)")
+
+
 def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None,
-                        repetition_penalty: float = 1.0) -> None:
-    """Raise a ``ValueError`` naming the first bad argument."""
+                        repetition_penalty: float = 1.0, *, do_sample: bool = True) -> None:
+    """Raise a ``ValueError`` naming the first bad argument.
+
+    Greedy decoding (``do_sample=False``) does not use the temperature, so ``0`` (a common
+    way to ask for greedy decoding) is accepted there, as Hugging Face does.
+    """
     if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-            or not temperature > 0 or not math.isfinite(temperature)):
-        raise ValueError(f"temperature: expected a finite float > 0, got {temperature!r} "
-                         "(use do_sample=False for greedy decoding)")
+            or not math.isfinite(temperature) or temperature < 0
+            or (do_sample and temperature == 0)):
+        expected = "> 0 for sampling" if do_sample else ">= 0"
+        raise ValueError(f"temperature: expected a finite float {expected}, got {temperature!r}"
+                         + (" (temperature 0 means greedy: pass do_sample=False)"
+                            if do_sample and temperature == 0 else ""))
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k: expected None or a positive int, got {top_k!r}")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
