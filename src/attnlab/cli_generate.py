@@ -41,7 +41,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``generate`` on the top-level sub-parsers."""
     # Defaults are written in the help texts: the flags default to None ("not given").
     p = sub.add_parser("generate", help="stream text from a Qwen2/Llama checkpoint folder",
-                       formatter_class=argparse.HelpFormatter, description=_DESCRIPTION)
+                       description=_DESCRIPTION)
     p.add_argument("--model", required=True, help="folder with config.json, model.safetensors "
                    "(or a sharded index), tokenizer.json, tokenizer_config.json and, optionally, "
                    "generation_config.json")

@@ -161,17 +161,18 @@ def test_bad_input() -> None:
         generate_seq2seq(model, src, 12, bos_id=BOS, eos_id=EOS)
     with pytest.raises(ValueError, match="bos_id"):
         generate_seq2seq(model, src, 3, bos_id=99, eos_id=EOS)
-    with pytest.raises(ValueError, match="src: expected a non-empty B x P tensor"):
+    with pytest.raises(ValueError, match="src: expected at least one token"):
         generate_seq2seq(model, torch.zeros(1, 0, dtype=torch.long), 3, bos_id=BOS, eos_id=EOS)
 
 
 @pytest.mark.parametrize("num_beams", [1, 3])
 @pytest.mark.parametrize(("src", "kwargs", "error", "message"), [
     (torch.tensor([[True, False]]), {}, ValueError,
-     "src: expected integer token ids, got dtype torch.bool"),
-    (torch.tensor([[3, 9]]), {}, ValueError, r"src: expected token ids in \[0, 9\)"),
-    (torch.tensor([[3, -2]]), {}, ValueError, r"src: .* got \[-2\]"),
-    (torch.zeros(0, 2, dtype=torch.long), {}, ValueError, "src: expected a non-empty"),
+     r"src: expected integer token ids \(torch.long or torch.int32\) of shape B x L, got dtype "
+     "torch.bool"),
+    (torch.tensor([[3, 9]]), {}, ValueError, r"src: expected ids in \[0, 9\)"),
+    (torch.tensor([[3, -2]]), {}, ValueError, r"src: .* \(\[-2\]"),
+    (torch.zeros(0, 2, dtype=torch.long), {}, ValueError, "src: expected at least one token"),
     (torch.tensor([[3, 4]]), {"eos_id": 9}, ValueError, r"eos_id: expected an id in \[0, 9\)"),
     (torch.tensor([[3, 4]]), {"pad_id": -1}, ValueError, r"pad_id: expected an id in \[0, 9\)"),
     (torch.tensor([[3, 4]]), {"bos_id": True}, ValueError, "bos_id: expected an id"),

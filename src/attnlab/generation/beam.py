@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from attnlab._checks import check_positive
-from attnlab.generation.inputs import check_token_ids
 from attnlab.generation.sampling import check_logits
+from attnlab.models.inputs import check_token_ids
 
 if TYPE_CHECKING:
     from attnlab.models.transformer import Transformer

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
-from attnlab.generation.inputs import check_token_ids, new_token_count, token_id, token_id_set
+from attnlab.generation.inputs import new_token_count, token_id, token_id_set
 from attnlab.generation.sampling import (
     apply_repetition_penalty,
     check_logits,
@@ -28,6 +28,7 @@ from attnlab.generation.sampling import (
     sample_logits,
 )
 from attnlab.generation.stopping import Decoder, StopStrings
+from attnlab.models.inputs import check_token_ids
 
 if TYPE_CHECKING:
     from attnlab.models.decoder import DecoderLM
@@ -89,7 +90,7 @@ def generate(
     Call ``model.eval()`` first for deterministic dropout-free output.
     """
     V = model.config.vocab_size
-    input_ids = check_token_ids("input_ids", input_ids, V)
+    check_token_ids("input_ids", input_ids, V)
     attention_mask = _check_mask(attention_mask, input_ids)
     B, P = input_ids.shape
     max_new_tokens = new_token_count(P, model.config.max_len, max_new_tokens, max_length)

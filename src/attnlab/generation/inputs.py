@@ -1,9 +1,9 @@
 """Argument checks for generation, run before any compute so that a bad argument gives a
 ``ValueError`` naming it instead of an ``IndexError`` from an embedding halfway through.
 
-Token ids must lie in ``[0, V)`` for the model's vocabulary size ``V``; a bool tensor or a
-float is not a token id. Lengths count the prompt (``P``) and the new tokens against the
-model's limit of positions.
+Single token ids (end, pad) must lie in ``[0, V)`` for the model's vocabulary size ``V``;
+prompts are checked by ``attnlab.models.inputs.check_token_ids``. Lengths count the prompt
+(``P``) and the new tokens against the model's limit of positions.
 """
 
 from __future__ import annotations
@@ -13,25 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["check_token_ids", "new_token_count", "token_id", "token_id_set"]
+__all__ = ["new_token_count", "token_id", "token_id_set"]
 
-
-def check_token_ids(name: str, ids: object, vocab_size: int) -> Tensor:
-    """``ids`` when it is a non-empty ``B x P`` integer tensor with every id in ``[0, V)``."""
-    if not isinstance(ids, Tensor):
-        raise TypeError(f"{name}: expected a B x P tensor of token ids, got "
-                        f"{type(ids).__name__}")
-    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
-        raise ValueError(f"{name}: expected integer token ids, got dtype {ids.dtype}")
-    if ids.dim() != 2 or 0 in ids.shape:
-        raise ValueError(f"{name}: expected a non-empty B x P tensor of token ids (B >= 1, "
-                         f"P >= 1), got shape {tuple(ids.shape)}")
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0 or high >= vocab_size:
-        bad = ids[(ids < 0) | (ids >= vocab_size)]
-        raise ValueError(f"{name}: expected token ids in [0, {vocab_size}) (the model's "
-                         f"vocabulary), got {bad[:5].tolist()} (min {low}, max {high})")
-    return ids
 
 
 def token_id(name: str, value: object, vocab_size: int) -> int:

@@ -94,8 +94,9 @@ def check_token_ids(name: str, ids: object, vocab_size: int) -> tuple[int, int]:
                          f"{tuple(ids.shape)}")
     low, high = torch.stack(torch.aminmax(ids)).tolist()  # one read back
     if low < 0 or high >= vocab_size:
+        bad = ids[(ids < 0) | (ids >= vocab_size)]
         raise ValueError(f"{name}: expected ids in [0, {vocab_size}), got min {low} and max "
-                         f"{high}")
+                         f"{high} ({bad[:5].tolist()}; the model's vocabulary has {vocab_size})")
     return ids.shape[0], ids.shape[1]
 
 
