@@ -111,9 +111,12 @@ class _Tiling:
             self.mask = m.permute(self.perm)
 
     def q_rows(self, query: Tensor, factor: float) -> Tensor:
-        """``N.. x H x L x D`` -> ``BG x (L*F*R) x D`` times ``factor``, in one pass."""
+        """``N.. x H x L x D`` -> ``BG x (L*F*R) x D`` times ``factor``, in one pass (none
+        when ``factor`` is 1 and the layout allows a view)."""
         D = query.shape[-1]
         q = query.reshape(*self.lead, self.G, self.R, self.L, D).permute(self.perm)
+        if factor == 1.0:
+            return q.reshape(self.B * self.G, self.L * self.F * self.R, D)
         rows = torch.empty(q.shape, dtype=query.dtype, device=query.device)
         torch.mul(q, factor, out=rows)
         return rows.view(self.B * self.G, self.L * self.F * self.R, D)
