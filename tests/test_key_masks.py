@@ -123,3 +123,13 @@ def test_mixed_dtypes_are_fine_under_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = layer(x, x.bfloat16())
     assert out.shape == (2, 6, 8)
+
+
+def test_sparse_and_performer_name_a_key_or_value_of_another_dtype():
+    g = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(1, 2, 6, 4, generator=g) for _ in range(2))
+    features = orthogonal_random_features(8, 4, generator=g)
+    with pytest.raises(TypeError, match=r"value: expected query's dtype torch\.float32"):
+        sliding_window_attention(q, k, k.double(), 3)
+    with pytest.raises(TypeError, match=r"key: expected query's dtype torch\.float32"):
+        favor_attention(q, k.bfloat16(), k, features)

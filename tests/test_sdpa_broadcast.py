@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from attnlab.attention import SimpleMultiHeadAttention
 from attnlab.attention.flash import _Tiling
 from attnlab.functional import scaled_dot_product_attention
 from conftest import assert_close
@@ -124,3 +125,13 @@ def test_inputs_that_do_not_broadcast_or_differ_are_refused(kwargs, error, match
     for backend in BACKENDS:
         with pytest.raises(error, match=match):
             scaled_dot_product_attention(**args, backend=backend)
+
+
+def test_simple_multi_head_attention_broadcasts_one_memory_over_a_batch():
+    g = torch.Generator().manual_seed(0)
+    wq, wk, wv, wo = (torch.randn(8, 8, generator=g) for _ in range(4))
+    mha = SimpleMultiHeadAttention(8, 2, wq, wk, wv, wo)
+    x, memory = torch.randn(3, 4, 8, generator=g), torch.randn(5, 8, generator=g)
+    out = mha(x, memory, memory)
+    assert out.shape == (3, 4, 8)
+    assert_close(out, mha(x, memory.expand(3, 5, 8), memory.expand(3, 5, 8)))

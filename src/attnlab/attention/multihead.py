@@ -304,7 +304,8 @@ class SimpleMultiHeadAttention:
 
     ``wq, wk, wv``: ``(H*D) x E``; ``wo``: ``E x (H*D)`` with ``D = hidden_size / num_heads``.
     Called as ``mha(query, key, value, mask=None)`` with query ``N.. x L x E`` and key/value
-    ``N.. x S x E`` -> ``N.. x L x E``; ``mask`` broadcasts to ``N.. x H x L x S``.
+    ``M.. x S x E`` -> ``K.. x L x E``, ``K..`` the broadcast of ``N..`` and ``M..``; ``mask``
+    broadcasts to ``K.. x H x L x S``.
     """
 
     def __init__(
@@ -333,13 +334,10 @@ class SimpleMultiHeadAttention:
         self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None
     ) -> Tensor:
         H, D = self.num_heads, self.head_dim
-        *lead, L, _ = query.shape
-        S = key.shape[-2]
-        q = linear(query, self.wq).view(*lead, L, H, D).transpose(-3, -2)
-        k = linear(key, self.wk).view(*lead, S, H, D).transpose(-3, -2)
-        v = linear(value, self.wv).view(*lead, S, H, D).transpose(-3, -2)
-        out = scaled_dot_product_attention(q, k, v, mask)
-        return linear(out.transpose(-3, -2).reshape(*lead, L, H * D), self.wo)
+        q, k, v = (linear(x, w).view(*x.shape[:-1], H, D).transpose(-3, -2)
+                   for x, w in ((query, self.wq), (key, self.wk), (value, self.wv)))
+        out = scaled_dot_product_attention(q, k, v, mask)  # N.. broadcast as torch.matmul
+        return linear(out.transpose(-3, -2).flatten(-2), self.wo)
 
 
 def check_input_dtypes(weight: Tensor, **inputs: Tensor) -> None:

@@ -177,6 +177,11 @@ def _check(query: Tensor, key: Tensor, value: Tensor, features: Tensor, causal: 
     for name, t in (("query", query), ("key", key), ("value", value), ("features", features)):
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise TypeError(f"{name}: expected a floating-point Tensor, got {type(t).__name__}")
+        if name != "features" and (t.dtype != query.dtype or t.device != query.device):
+            raise TypeError(
+                f"{name}: expected query's dtype {query.dtype} on {query.device}, got "
+                f"{t.dtype} on {t.device}"
+            )
     if query.dim() < 3 or key.shape[:-2] != query.shape[:-2] or key.shape[-1] != query.shape[-1]:
         raise ValueError(
             f"key: expected shape {(*query.shape[:-2], 'S', query.shape[-1])} (query's N.. x H "

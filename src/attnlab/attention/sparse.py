@@ -265,6 +265,11 @@ def _check_qkv(query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | Non
             raise ValueError(
                 f"{name}: expected shape N.. x heads x len x dim, got {tuple(t.shape)}"
             )
+        if t.dtype != query.dtype or t.device != query.device:
+            raise TypeError(
+                f"{name}: expected query's dtype {query.dtype} on {query.device}, got "
+                f"{t.dtype} on {t.device}"
+            )
     H, G = query.shape[-3], key.shape[-3]
     if key.shape[:-3] != query.shape[:-3] or key.shape[-1] != query.shape[-1] or H % G:
         raise ValueError(
