@@ -51,16 +51,15 @@ def _inputs(case, dtype=torch.float64):
 @pytest.mark.parametrize("case", list(CASES))
 def test_broadcasting_matches_pytorch_forward_and_backward(case, backend, causal):
     q, k, v, mask, gqa = _inputs(case)
-    if causal and mask is not None:
-        pytest.skip("PyTorch's is_causal takes no mask; causal + mask is tested elsewhere")
     out = scaled_dot_product_attention(q, k, v, mask, is_causal=causal, enable_gqa=gqa,
                                        backend=backend)
-    # L <= S in every case: PyTorch's top-left causal mask is then ours only when L == S, so
-    # the reference gets ours spelled out.
-    ref_mask = mask.view(1, -1) if mask is not None and mask.dim() == 1 else mask  # torch: 2-D+
+    # PyTorch takes no mask with is_causal, and its causal mask is top-left: the reference
+    # gets ours (bottom-right) spelled out, and 2-D at least (it indexes the mask's dim -2).
+    L, S = q.shape[-2], k.shape[-2]
+    ref_mask = None if mask is None else mask.view(1, -1) if mask.dim() == 1 else mask
     if causal:
-        L, S = q.shape[-2], k.shape[-2]
-        ref_mask = torch.ones(L, S, dtype=torch.bool).tril(S - L)
+        below = torch.ones(L, S, dtype=torch.bool).tril(S - L)
+        ref_mask = below if ref_mask is None else ref_mask & below
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=ref_mask, enable_gqa=gqa)
     assert out.shape == ref.shape
     assert_close(out, ref, what=f"{backend} output")
