@@ -116,6 +116,8 @@ def test_flash_folds_broadcast_key_value_dims_into_query_rows():
          "key: expected query's device cpu"),
         ({"mask": torch.ones(5, 6, dtype=torch.bool, device="meta")}, ValueError,
          "mask: expected query's device"),
+        ({"scale": float("nan")}, ValueError, "scale: expected a finite float"),
+        ({"dropout_p": "0.1"}, TypeError, "dropout_p"),
     ],
 )
 def test_inputs_that_do_not_broadcast_or_differ_are_refused(kwargs, error, match):

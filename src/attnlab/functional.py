@@ -253,12 +253,16 @@ def _check_inputs(
             )
         if mask.device != query.device:
             raise ValueError(f"mask: expected query's device {query.device}, got {mask.device}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p}")
     if scale is None:
         return 1.0 / math.sqrt(query.shape[-1])
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite float, got {scale}")
     return float(scale)
 
 

@@ -192,13 +192,14 @@ def to_additive(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
 def to_bool(mask: Tensor) -> Tensor:
     """Additive float mask -> boolean mask (True where the value is not ``-inf``).
 
-    A boolean mask is returned as is; 0/1 integer masks (Hugging Face style) become bool.
+    A boolean mask is returned as is; 0/1 integer masks (Hugging Face style) become bool, and
+    integers other than 0/1 are refused (:func:`key_mask_to_bool`).
     """
     if mask.dtype == torch.bool:
         return mask
     if mask.is_floating_point():
         return mask != float("-inf")
-    return mask != 0
+    return key_mask_to_bool(mask, "mask")
 
 
 def from_key_padding_mask(key_padding_mask: Tensor) -> Tensor:
@@ -231,5 +232,5 @@ def from_hf_attention_mask(attention_mask: Tensor) -> Tensor:
 
 
 def _check_length(name: str, value: int) -> None:
-    if not isinstance(value, int) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
