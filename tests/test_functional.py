@@ -308,7 +308,7 @@ def _qkv():
         ),
         ({"key": torch.randn(2, 2, 6, 9), "value": torch.randn(2, 2, 6, 9)}, ValueError, "key"),
         ({"value": torch.randn(2, 2, 7, 8)}, ValueError, "value"),
-        ({"key": torch.randn(2, 2, 6, 8, 1)}, ValueError, "key, value"),
+        ({"key": torch.randn(2, 2, 6, 8, 1)}, ValueError, "key: expected head dim"),
         ({"enable_gqa": False}, ValueError, "enable_gqa"),
         (
             {"key": torch.randn(2, 3, 6, 8), "value": torch.randn(2, 3, 6, 8)},

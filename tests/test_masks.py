@@ -88,6 +88,9 @@ def test_converters_at_the_edges():
             "tokens_or_lengths",
         ),
         (lambda: masks.from_hf_attention_mask(torch.ones(3)), "attention_mask"),
+        (lambda: masks.causal_mask(True), "L"),
+        (lambda: masks.to_bool(torch.tensor([0, 1, 2])), "mask"),
+        (lambda: masks.combine_masks(torch.tensor([1, 3]), None), "mask"),
     ],
 )
 def test_bad_input_names_the_argument(call, name):

@@ -84,16 +84,22 @@ def scaled_dot_product_attention(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``softmax(Q K^T * scale + mask) V``.
 
-    query ``N.. x H x L x D``, key ``N.. x G x S x D``, value ``N.. x G x S x Dv`` (any number
-    of leading dims ``N..``, none too: ``L x D`` works) -> output ``N.. x H x L x Dv``.
+    query ``N.. x H x L x D``, key ``N.. x G x S x D``, value ``N.. x G x S x Dv`` -> output
+    ``N.. x H x L x Dv``. Every dim before the last two broadcasts as in ``torch.matmul``
+    (ranks may differ; ``L x D`` works), exactly as
+    ``torch.nn.functional.scaled_dot_product_attention``: without ``enable_gqa`` the heads
+    dim is one more batch dim; with it, ``G`` divides ``H`` and only the dims before the heads
+    broadcast. Gradients are summed over broadcast dims.
 
     - ``scale`` defaults to ``1 / sqrt(D)``.
-    - ``mask`` broadcasts to ``N.. x H x L x S``: boolean (True = may attend) or additive float.
+    - ``mask`` broadcasts to the output's ``N.. x H x L x S``: boolean (True = may attend) or
+      additive float.
     - ``is_causal`` adds the bottom-right causal mask (query ``i`` sees keys up to
       ``S - L + i``); it may be combined with ``mask``.
-    - ``enable_gqa``: ``H`` must be a multiple of ``G``; query head ``h`` uses key/value head
-      ``h // (H / G)``.
+    - ``enable_gqa``: query head ``h`` uses key/value head ``h // (H / G)``.
     - A query with no key to attend to gets a zero output (and zero weights), never NaN.
+    - bfloat16/float16 inputs: scores, softmax and sums are computed in float32 by every
+      backend; output and weights come back in the input dtype.
     - ``return_weights=True`` returns ``(output, weights)``, weights ``N.. x H x L x S`` being
       the ones that multiplied ``V`` (after dropout when ``dropout_p > 0``).
     - ``backend``: ``"math"``, ``"flash"``, ``"fused"`` or ``"auto"`` (the fused kernel, or
@@ -101,17 +107,16 @@ def scaled_dot_product_attention(
     """
     from attnlab.attention import flash_attention, fused_attention, math_attention
 
-    scale = _check_inputs(query, key, value, mask, scale, dropout_p, enable_gqa, backend)
+    scale = _check_inputs(query, key, value, mask, scale, dropout_p, backend)
     chosen = _choose_backend(backend, return_weights, dropout_p, mask)
-    squeeze = query.dim() == 2
-    if squeeze:
-        # A head dim of 1 lets every backend see N.. x H x L x D.
-        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+    rank = max(query.dim(), key.dim(), value.dim())
+    query, key, value = _broadcast(query, key, value, enable_gqa)
+    _check_mask(mask, query, key, rank)
     if chosen == "math":
         out, weights = math_attention(
             query, key, value, mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p
         )
-        if squeeze:
+        if rank == 2:
             out, weights = out.squeeze(0), weights.squeeze(0)
         return (out, weights) if return_weights else out
     if chosen == "flash":
@@ -120,7 +125,56 @@ def scaled_dot_product_attention(
         out = fused_attention(
             query, key, value, mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p
         )
-    return out.squeeze(0) if squeeze else out
+    return out.squeeze(0) if rank == 2 else out
+
+
+def _broadcast(
+    query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Views (no copies) of the inputs that every backend takes: query ``N.. x H x L x D``,
+    key and value ``M.. x G x S x D/Dv`` with ``G`` dividing ``H``, one rank (at least 3).
+
+    ``M..`` equals the broadcast ``N..`` except where key and value both have size 1 and the
+    query does not: a backend may fold such a dim into its query rows (as it does the ``H / G``
+    heads of a group) rather than repeat K and V. Heads that broadcast without
+    ``enable_gqa`` become ``G = 1`` where only the query has them; elsewhere they expand.
+    """
+    rank = max(query.dim(), key.dim(), value.dim(), 3)
+    query, key, value = (t.view((1,) * (rank - t.dim()) + tuple(t.shape))
+                         for t in (query, key, value))
+    shapes = {"query": query.shape[:-3], "key": key.shape[:-3], "value": value.shape[:-3]}
+    try:
+        lead = torch.broadcast_shapes(*shapes.values())
+    except RuntimeError:
+        raise ValueError(
+            "key: expected leading dims N.. that broadcast with query's (as torch.matmul), "
+            + ", ".join(f"got {n} {tuple(s)}" for n, s in shapes.items())
+        ) from None
+    H, Gk, Gv = query.shape[-3], key.shape[-3], value.shape[-3]
+    if enable_gqa:
+        if Gk != Gv:
+            raise ValueError(
+                f"value: with enable_gqa, expected key's {Gk} heads (dim -3), got {Gv}"
+            )
+        if Gk == 0 or H % Gk:
+            raise ValueError(
+                f"key: with enable_gqa, the query heads H={H} must be a multiple of the "
+                f"key/value heads G={Gk}"
+            )
+    elif not (Gk == Gv and Gk in (1, H)):
+        try:
+            H = torch.broadcast_shapes((H,), (Gk,), (Gv,))[0]
+        except RuntimeError:
+            raise ValueError(
+                f"key: expected {H} heads like query (dim -3) or 1, got {Gk} (value {Gv}); "
+                "pass enable_gqa=True for grouped-query attention"
+            ) from None
+        query = query.expand(*query.shape[:-3], H, -1, -1)
+        key, value = key.expand(*key.shape[:-3], H, -1, -1), value.expand(
+            *value.shape[:-3], H, -1, -1)
+    kv_lead = torch.broadcast_shapes(key.shape[:-3], value.shape[:-3])
+    return (query.expand(*lead, -1, -1, -1), key.expand(*kv_lead, -1, -1, -1),
+            value.expand(*kv_lead, -1, -1, -1))
 
 
 def _choose_backend(
@@ -156,7 +210,6 @@ def _check_inputs(
     mask: Tensor | None,
     scale: float | None,
     dropout_p: float,
-    enable_gqa: bool,
     backend: str,
 ) -> float:
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -164,49 +217,32 @@ def _check_inputs(
             raise TypeError(f"{name}: expected a Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"{name}: expected a floating-point tensor, got dtype {t.dtype}")
+        if t.dim() < 2:
+            raise ValueError(
+                f"{name}: expected shape N.. x L x D (rank >= 2), got {tuple(t.shape)}"
+            )
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    if query.dim() < 2:
-        raise ValueError(
-            f"query: expected shape N.. x H x L x D (rank >= 2), got {tuple(query.shape)}"
-        )
-    if key.dim() != query.dim() or value.dim() != query.dim():
-        raise ValueError(
-            f"key, value: expected the rank of query ({query.dim()}), got key "
-            f"{tuple(key.shape)} and value {tuple(value.shape)}"
-        )
-    if key.dtype != query.dtype or value.dtype != query.dtype:
-        raise TypeError(
-            f"key, value: expected query's dtype {query.dtype}, got {key.dtype} and {value.dtype}"
-        )
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise TypeError(
+                f"{name}: expected query's dtype {query.dtype}, got {t.dtype}; cast the "
+                "inputs to one dtype"
+            )
+        if t.device != query.device:
+            raise ValueError(f"{name}: expected query's device {query.device}, got {t.device}")
+    if query.shape[-1] == 0:
+        raise ValueError(f"query: expected a head dim D >= 1, got shape {tuple(query.shape)}")
     if key.shape[-1] != query.shape[-1]:
         raise ValueError(
             f"key: expected head dim D={query.shape[-1]} (query's last dim), got shape "
             f"{tuple(key.shape)}"
         )
-    if value.shape[:-1] != key.shape[:-1]:
+    if value.shape[-2] != key.shape[-2]:
         raise ValueError(
-            f"value: expected shape {(*key.shape[:-1], 'Dv')} to match key's N.. x G x S, got "
+            f"value: expected S={key.shape[-2]} positions (key's dim -2), got shape "
             f"{tuple(value.shape)}"
         )
-    if query.dim() >= 3:
-        H, G = query.shape[-3], key.shape[-3]
-        if query.shape[:-3] != key.shape[:-3]:
-            raise ValueError(
-                f"key: expected leading dims {tuple(query.shape[:-3])} (query's N..), got "
-                f"{tuple(key.shape[:-3])}"
-            )
-        if enable_gqa:
-            if G == 0 or H % G != 0:
-                raise ValueError(
-                    f"key: with enable_gqa, the query heads H={H} must be a multiple of the "
-                    f"key/value heads G={G}"
-                )
-        elif H != G:
-            raise ValueError(
-                f"key: expected {H} heads like query (dim -3), got {G}; pass enable_gqa=True "
-                "for grouped-query attention"
-            )
     if mask is not None:
         if not isinstance(mask, Tensor):
             raise TypeError(f"mask: expected a Tensor or None, got {type(mask).__name__}")
@@ -215,23 +251,35 @@ def _check_inputs(
                 f"mask: expected a bool (True = may attend) or float (additive) tensor, "
                 f"got dtype {mask.dtype}"
             )
-        target = (*query.shape[:-1], key.shape[-2])
-        try:
-            ok = torch.broadcast_shapes(mask.shape, target) == torch.Size(target)
-        except RuntimeError:
-            ok = False
-        if not ok:
-            raise ValueError(
-                f"mask: expected a shape that broadcasts to N.. x H x L x S = {target}, got "
-                f"{tuple(mask.shape)}"
-            )
+        if mask.device != query.device:
+            raise ValueError(f"mask: expected query's device {query.device}, got {mask.device}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p}")
     if scale is None:
         return 1.0 / math.sqrt(query.shape[-1])
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite float, got {scale}")
     return float(scale)
+
+
+def _check_mask(mask: Tensor | None, query: Tensor, key: Tensor, rank: int) -> None:
+    """``mask`` must broadcast to the output's ``N.. x H x L x S`` (of the callers' ``rank``)."""
+    if mask is None:
+        return
+    target = (*query.shape[:-1], key.shape[-2])[-rank:]
+    try:
+        ok = torch.broadcast_shapes(mask.shape, target) == torch.Size(target)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"mask: expected a shape that broadcasts to N.. x H x L x S = {tuple(target)}, got "
+            f"{tuple(mask.shape)}"
+        )
 
 
 # oneDNN's linear on plain (not prepacked) tensors; a private op, so only when present.

@@ -1,8 +1,14 @@
 """Attention masks, with one convention: a boolean mask is True where a query **may attend**.
 
-A float mask is additive: 0 where a query may attend, ``-inf`` where it may not (other
-finite values are biases, such as ALiBi). Every mask broadcasts against ``N.. x L x S``
-(queries along ``L``, keys along ``S``).
+A float attention mask is additive: 0 where a query may attend, ``-inf`` where it may not
+(other finite values are biases, such as ALiBi); only the arguments documented as additive
+(``mask`` of ``scaled_dot_product_attention`` and of the attention modules) read floats that
+way. Every mask broadcasts against ``N.. x L x S`` (queries along ``L``, keys along ``S``).
+
+A *key mask* (``key_mask`` of every layer, :func:`padding_mask`, Hugging Face's
+``attention_mask``) says which keys are real: bool, or 0/1 integers or floats, with True / 1 =
+may attend (:func:`key_mask_to_bool`). Anything else (a float key mask holding ``-inf``, 0.5 or
+2) is ambiguous and refused.
 
 The causal mask is aligned bottom-right: query ``i`` of ``L`` sees keys ``0 .. S - L + i``,
 so the last query sees every key. With a KV cache (``S > L``) that is the right alignment;
@@ -29,6 +35,7 @@ __all__ = [
     "from_hf_attention_mask",
     "from_key_padding_mask",
     "key_mask_to_attention_mask",
+    "key_mask_to_bool",
     "padding_mask",
     "sliding_window_mask",
     "to_additive",
@@ -116,10 +123,34 @@ def padding_mask(
 
 
 def key_mask_to_attention_mask(key_mask: Tensor) -> Tensor:
-    """``B x S`` key mask -> ``B x 1 x 1 x S``, which broadcasts against ``B x H x L x S``."""
+    """``B x S`` key mask (see :func:`key_mask_to_bool`) -> bool ``B x 1 x 1 x S``, which
+    broadcasts against ``B x H x L x S``."""
+    key_mask = key_mask_to_bool(key_mask)
     if key_mask.dim() != 2:
         raise ValueError(f"key_mask: expected shape B x S, got {tuple(key_mask.shape)}")
-    return to_bool(key_mask)[:, None, None, :]
+    return key_mask[:, None, None, :]
+
+
+def key_mask_to_bool(key_mask: Tensor, name: str = "key_mask") -> Tensor:
+    """A key mask of any shape as bool (True = the key may be attended).
+
+    Accepts bool, or integers / floats holding only 0 and 1 (1 = may attend, as Hugging Face's
+    ``attention_mask``). Any other value (such as an additive ``-inf`` mask, whose 0 would mean
+    "attend") is ambiguous: a ``ValueError`` naming ``name`` (the caller's argument).
+    """
+    if not isinstance(key_mask, Tensor):
+        raise TypeError(f"{name}: expected a bool or 0/1 Tensor, got {type(key_mask).__name__}")
+    if key_mask.dtype == torch.bool:
+        return key_mask
+    if key_mask.is_complex():
+        raise TypeError(f"{name}: expected a bool or 0/1 tensor, got dtype {key_mask.dtype}")
+    bad = key_mask[(key_mask != 0) & (key_mask != 1)]
+    if bad.numel():
+        raise ValueError(
+            f"{name}: expected bool or 0/1 values (1 = may attend), got a {key_mask.dtype} mask "
+            f"holding {bad.unique()[:4].tolist()}; an additive 0/-inf mask goes to `mask`"
+        )
+    return key_mask != 0
 
 
 def combine_masks(*masks: Tensor | None) -> Tensor | None:
@@ -161,32 +192,45 @@ def to_additive(mask: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
 def to_bool(mask: Tensor) -> Tensor:
     """Additive float mask -> boolean mask (True where the value is not ``-inf``).
 
-    A boolean mask is returned as is; 0/1 integer masks (Hugging Face style) become bool.
+    A boolean mask is returned as is; 0/1 integer masks (Hugging Face style) become bool, and
+    integers other than 0/1 are refused (:func:`key_mask_to_bool`).
     """
     if mask.dtype == torch.bool:
         return mask
     if mask.is_floating_point():
         return mask != float("-inf")
-    return mask != 0
+    return key_mask_to_bool(mask, "mask")
 
 
 def from_key_padding_mask(key_padding_mask: Tensor) -> Tensor:
-    """PyTorch's ``key_padding_mask`` (True = ignore, ``B x S``) -> key mask (True = attend).
+    """PyTorch's ``key_padding_mask`` (True = ignore, ``B x S``) -> bool key mask (True = attend).
 
-    A float ``key_padding_mask`` is additive in PyTorch and is returned as is.
+    A bool or 0/1 integer mask is negated. A float one is additive in PyTorch: one holding only
+    0 and ``-inf`` becomes True where 0; other values (biases) are not a key mask and raise.
     """
+    if not isinstance(key_padding_mask, Tensor):
+        raise TypeError(
+            f"key_padding_mask: expected a Tensor, got {type(key_padding_mask).__name__}"
+        )
     if key_padding_mask.is_floating_point():
-        return key_padding_mask
-    return ~key_padding_mask.bool()
+        blocked = key_padding_mask == float("-inf")
+        if not bool((blocked | (key_padding_mask == 0)).all()):
+            raise ValueError(
+                "key_padding_mask: a float mask is additive in PyTorch; expected only 0 and "
+                "-inf, got other values; pass a bias as `mask` of shape B x 1 x 1 x S instead"
+            )
+        return ~blocked
+    return ~key_mask_to_bool(key_padding_mask, "key_padding_mask")
 
 
 def from_hf_attention_mask(attention_mask: Tensor) -> Tensor:
     """Hugging Face ``attention_mask`` (1 = real token, 0 = padding, ``B x S``) -> bool key mask."""
+    attention_mask = key_mask_to_bool(attention_mask, "attention_mask")
     if attention_mask.dim() != 2:
         raise ValueError(f"attention_mask: expected shape B x S, got {tuple(attention_mask.shape)}")
-    return attention_mask != 0
+    return attention_mask
 
 
 def _check_length(name: str, value: int) -> None:
-    if not isinstance(value, int) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name}: expected a non-negative int, got {value!r}")

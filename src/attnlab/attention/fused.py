@@ -29,10 +29,14 @@ def fused_attention(
 ) -> Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` under our conventions.
 
-    query ``N.. x H x L x D``, key ``N.. x G x S x D``, value ``N.. x G x S x Dv``
+    query ``N.. x H x L x D``, key ``M.. x G x S x D``, value ``M.. x G x S x Dv`` (``M..``
+    broadcasting to ``N..``), ``mask`` of any shape that broadcasts to ``N.. x H x L x S``
     -> ``N.. x H x L x Dv``.
     """
     L, S = query.shape[-2], key.shape[-2]
+    if mask is not None and mask.dim() < 2:
+        # PyTorch indexes the mask's dim -2 (an IndexError for a key mask of shape S).
+        mask = mask.view((1,) * (2 - mask.dim()) + tuple(mask.shape))
     if is_causal and (mask is not None or L != S):
         allowed = causal_mask(L, S, device=query.device)
         if mask is None:

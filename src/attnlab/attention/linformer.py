@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from attnlab._checks import check_positive
 from attnlab.attention.projected import ProjectedAttention
 from attnlab.functional import scaled_dot_product_attention
+from attnlab.masks import key_mask_to_bool
 
 __all__ = ["LinformerAttention", "linformer_attention", "mean_pooling_projection"]
 
@@ -41,8 +42,9 @@ def linformer_attention(
 
     query ``N.. x H x L x D``, key ``N.. x G x S x D``, value ``N.. x G x S x Dv`` (``G``
     dividing ``H``), e_proj and f_proj ``P x S`` -> ``N.. x H x L x Dv``. ``key_mask``
-    ``N.. x S`` (True = a real key) zeroes padding keys and values first. ``backend`` is that
-    of :func:`attnlab.functional.scaled_dot_product_attention` on the ``L x P`` problem.
+    ``N.. x S`` (bool or 0/1, True = a real key) zeroes padding keys and values first.
+    ``backend`` is that of :func:`attnlab.functional.scaled_dot_product_attention` on the
+    ``L x P`` problem.
     """
     if not isinstance(key, Tensor) or key.dim() < 3:
         raise ValueError(f"key: expected shape N.. x G x S x D, got {getattr(key, 'shape', key)}")
@@ -57,6 +59,7 @@ def linformer_attention(
             f"f_proj: expected {e_proj.shape[0]} rows like e_proj, got {f_proj.shape[0]}"
         )
     if key_mask is not None:
+        key_mask = key_mask_to_bool(key_mask)
         if tuple(key_mask.shape) != (*key.shape[:-3], S):
             raise ValueError(
                 f"key_mask: expected shape N.. x S = {(*key.shape[:-3], S)}, got "

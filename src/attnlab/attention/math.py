@@ -28,23 +28,28 @@ def math_attention(
 ) -> tuple[Tensor, Tensor]:
     """Attention by the formula; inputs already checked by ``scaled_dot_product_attention``.
 
-    query ``N.. x H x L x D``, key ``N.. x G x S x D``, value ``N.. x G x S x Dv`` with ``G``
-    dividing ``H`` -> ``(out N.. x H x L x Dv, weights N.. x H x L x S)``.
+    query ``N.. x H x L x D``, key ``M.. x G x S x D``, value ``M.. x G x S x Dv`` with ``G``
+    dividing ``H`` and ``M..`` broadcasting to ``N..`` -> ``(out N.. x H x L x Dv, weights
+    N.. x H x L x S)``. bfloat16/float16 inputs are computed in float32 (scores, softmax and
+    the sum over keys), as PyTorch's kernels do; out and weights come back in their dtype.
 
     ``hook(point, tensor) -> tensor`` (for ``attnlab.analysis``) sees and may replace the
-    masked ``"scores"`` and the ``"pattern"`` (the weights that multiply V), ``N.. x H x L x S``.
+    masked ``"scores"`` and the ``"pattern"`` (the weights that multiply V), ``N.. x H x L x S``,
+    in the computing dtype (float32 for half-precision inputs).
     """
     *lead, H, L, D = query.shape
     G, S = key.shape[-3], key.shape[-2]
+    R = H // max(G, 1)  # G = 0 only with H = 0
+    compute = torch.promote_types(query.dtype, torch.float32)
     # Grouped heads share K/V without copies: the R = H/G query heads of a group are stacked
     # along the query axis and meet their one K/V head in a single matmul.
-    q = (query * scale).reshape(*lead, G, (H // G) * L, D)
-    scores = torch.matmul(q, key.transpose(-2, -1)).view(*lead, H, L, S)
+    q = (query.to(compute) * scale).reshape(*lead, G, R * L, D)
+    scores = torch.matmul(q, key.to(compute).transpose(-2, -1)).view(*lead, H, L, S)
     if mask is not None:
         if mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, float("-inf"))
         else:
-            scores = scores + mask.to(scores.dtype)
+            scores = scores + mask.to(compute)
     if is_causal:
         scores = scores.masked_fill(~causal_mask(L, S, device=scores.device), float("-inf"))
     if hook is not None:
@@ -54,5 +59,6 @@ def math_attention(
         weights = torch.nn.functional.dropout(weights, p=dropout_p, training=True)
     if hook is not None:
         weights = hook("pattern", weights)
-    out = torch.matmul(weights.reshape(*lead, G, (H // G) * L, S), value)
-    return out.view(*lead, H, L, value.shape[-1]), weights
+    out = torch.matmul(weights.reshape(*lead, G, R * L, S), value.to(compute))
+    out = out.view(*lead, H, L, value.shape[-1])
+    return out.to(query.dtype), weights.to(query.dtype)

@@ -19,12 +19,17 @@ from torch import Tensor, nn
 from attnlab._checks import check_positive
 from attnlab.attention.math import math_attention
 from attnlab.functional import BACKENDS, linear, scaled_dot_product_attention
-from attnlab.masks import combine_masks, key_mask_to_attention_mask
+from attnlab.masks import combine_masks, key_mask_to_attention_mask, key_mask_to_bool
 
 if TYPE_CHECKING:
     from attnlab.generation.kv_cache import LayerKVCache
 
-__all__ = ["MultiHeadAttention", "SimpleMultiHeadAttention", "resolve_head_dim"]
+__all__ = [
+    "MultiHeadAttention",
+    "SimpleMultiHeadAttention",
+    "check_input_dtypes",
+    "resolve_head_dim",
+]
 
 
 class MultiHeadAttention(nn.Module):
@@ -139,9 +144,12 @@ class MultiHeadAttention(nn.Module):
 
         ``key=None`` means self-attention (key = value = query); ``value=None`` means
         value = key. ``mask`` broadcasts to ``B x H x L x S``: bool (True = may attend) or
-        additive float. ``key_mask`` is ``B x S`` with True for a real key that may be attended
-        (Hugging Face's ``attention_mask`` meaning; PyTorch's ``key_padding_mask`` is its
-        negation: pass ``~key_padding_mask``). ``is_causal`` adds the bottom-right causal mask.
+        additive float. ``key_mask`` is ``B x S``, bool or 0/1 (True / 1 for a real key that
+        may be attended: Hugging Face's ``attention_mask`` meaning; PyTorch's
+        ``key_padding_mask`` is its negation, see ``attnlab.masks.from_key_padding_mask``); a
+        float key_mask with other values is refused. Inputs must have the module's dtype and
+        device (under ``torch.autocast`` the dtypes may differ). ``is_causal`` adds the
+        bottom-right causal mask.
         Returns ``B x L x E``, or ``(output, weights B x H x L x S)`` with ``return_weights``.
 
         Incremental decoding (``attnlab.generation``): ``rotary`` maps the projected queries
@@ -155,6 +163,7 @@ class MultiHeadAttention(nn.Module):
         self._check_input("query", query, self.embed_dim)
         self._check_input("key", key, self.kdim)
         self._check_input("value", value, self.vdim)
+        check_input_dtypes(self.out_proj.weight, query=query, key=key, value=value)
         B, L, _ = query.shape
         S = key.shape[1]
         if key.shape[0] != B or value.shape[:2] != key.shape[:2]:
@@ -163,6 +172,7 @@ class MultiHeadAttention(nn.Module):
                 f"{tuple(key.shape)} and value {tuple(value.shape)}"
             )
         if key_mask is not None:
+            key_mask = key_mask_to_bool(key_mask)
             S_all = S + (cache.length if cache is not None else 0)  # cached keys come first
             if tuple(key_mask.shape) != (B, S_all):
                 raise ValueError(
@@ -294,7 +304,8 @@ class SimpleMultiHeadAttention:
 
     ``wq, wk, wv``: ``(H*D) x E``; ``wo``: ``E x (H*D)`` with ``D = hidden_size / num_heads``.
     Called as ``mha(query, key, value, mask=None)`` with query ``N.. x L x E`` and key/value
-    ``N.. x S x E`` -> ``N.. x L x E``; ``mask`` broadcasts to ``N.. x H x L x S``.
+    ``M.. x S x E`` -> ``K.. x L x E``, ``K..`` the broadcast of ``N..`` and ``M..``; ``mask``
+    broadcasts to ``K.. x H x L x S``.
     """
 
     def __init__(
@@ -323,13 +334,26 @@ class SimpleMultiHeadAttention:
         self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None
     ) -> Tensor:
         H, D = self.num_heads, self.head_dim
-        *lead, L, _ = query.shape
-        S = key.shape[-2]
-        q = linear(query, self.wq).view(*lead, L, H, D).transpose(-3, -2)
-        k = linear(key, self.wk).view(*lead, S, H, D).transpose(-3, -2)
-        v = linear(value, self.wv).view(*lead, S, H, D).transpose(-3, -2)
-        out = scaled_dot_product_attention(q, k, v, mask)
-        return linear(out.transpose(-3, -2).reshape(*lead, L, H * D), self.wo)
+        q, k, v = (linear(x, w).view(*x.shape[:-1], H, D).transpose(-3, -2)
+                   for x, w in ((query, self.wq), (key, self.wk), (value, self.wv)))
+        out = scaled_dot_product_attention(q, k, v, mask)  # N.. broadcast as torch.matmul
+        return linear(out.transpose(-3, -2).flatten(-2), self.wo)
+
+
+def check_input_dtypes(weight: Tensor, **inputs: Tensor) -> None:
+    """Each input must have ``weight``'s dtype and device (a module's parameters): else a
+    ``TypeError`` / ``ValueError`` naming the input and both, not a bare error from a matmul.
+    Under ``torch.autocast`` for the inputs' device the dtypes may differ (autocast casts)."""
+    for name, x in inputs.items():
+        if x.device != weight.device:
+            raise ValueError(
+                f"{name}: expected the module's device {weight.device}, got {x.device}"
+            )
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"{name}: expected the module's dtype {weight.dtype}, got {x.dtype}; cast the "
+                f"input (.to({weight.dtype})) or the module (.to({x.dtype}))"
+            )
 
 
 def resolve_head_dim(embed_dim: int, num_heads: int, head_dim: int | None) -> int:

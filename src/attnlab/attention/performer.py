@@ -26,6 +26,7 @@ from torch import Tensor
 
 from attnlab._checks import check_positive
 from attnlab.attention.projected import ProjectedAttention
+from attnlab.masks import key_mask_to_bool
 
 __all__ = ["PerformerAttention", "favor_attention", "orthogonal_random_features",
            "positive_random_features"]
@@ -46,9 +47,10 @@ def favor_attention(
 
     query ``N.. x H x L x D``, key ``N.. x H x S x D``, value ``N.. x H x S x Dv``, features
     ``m x D`` (from :func:`orthogonal_random_features`) -> ``N.. x H x L x Dv``. ``causal``
-    needs ``L == S`` (query ``i`` sees keys ``j <= i``). ``key_mask`` ``N.. x S`` (True = a
-    real key) drops keys. ``scale`` defaults to ``1 / sqrt(D)``. A query with no key gets zeros.
+    needs ``L == S`` (query ``i`` sees keys ``j <= i``). ``key_mask`` ``N.. x S`` (bool or 0/1, True
+    = a real key) drops keys. ``scale`` defaults to ``1 / sqrt(D)``. A query with no key gets zeros.
     """
+    key_mask = None if key_mask is None else key_mask_to_bool(key_mask)
     _check(query, key, value, features, causal, key_mask, chunk_size)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     root = math.sqrt(scale)
@@ -175,6 +177,11 @@ def _check(query: Tensor, key: Tensor, value: Tensor, features: Tensor, causal: 
     for name, t in (("query", query), ("key", key), ("value", value), ("features", features)):
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise TypeError(f"{name}: expected a floating-point Tensor, got {type(t).__name__}")
+        if name != "features" and (t.dtype != query.dtype or t.device != query.device):
+            raise TypeError(
+                f"{name}: expected query's dtype {query.dtype} on {query.device}, got "
+                f"{t.dtype} on {t.device}"
+            )
     if query.dim() < 3 or key.shape[:-2] != query.shape[:-2] or key.shape[-1] != query.shape[-1]:
         raise ValueError(
             f"key: expected shape {(*query.shape[:-2], 'S', query.shape[-1])} (query's N.. x H "

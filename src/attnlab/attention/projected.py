@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from attnlab.attention.multihead import resolve_head_dim
+from attnlab.attention.multihead import check_input_dtypes, resolve_head_dim
 from attnlab.functional import linear
+from attnlab.masks import key_mask_to_bool
 
 __all__ = ["ProjectedAttention"]
 
@@ -61,7 +62,8 @@ class ProjectedAttention(nn.Module):
         """Attend from ``query`` (``B x L x E``) to ``key``/``value`` (``B x S x E``).
 
         ``key=None`` is self-attention, ``value=None`` means value = key. ``key_mask``
-        ``B x S`` is True for a real key (PyTorch's ``key_padding_mask`` is its negation).
+        ``B x S``, bool or 0/1, is True / 1 for a real key (PyTorch's ``key_padding_mask`` is
+        its negation); other values are refused.
         ``is_causal`` asks for the bottom-right causal form where the layer has one.
         Returns ``B x L x E``.
         """
@@ -75,6 +77,7 @@ class ProjectedAttention(nn.Module):
                     f"{name}: expected shape B x len x {self.embed_dim} (batch first), got "
                     f"{tuple(x.shape)}"
                 )
+        check_input_dtypes(self.in_proj_weight, query=query, key=key, value=value)
         B, L, _ = query.shape
         S = key.shape[1]
         if key.shape[0] != B or value.shape[:2] != key.shape[:2]:
@@ -82,6 +85,8 @@ class ProjectedAttention(nn.Module):
                 f"key, value: expected shapes ({B}, S, {self.embed_dim}) with the same S, got "
                 f"key {tuple(key.shape)} and value {tuple(value.shape)}"
             )
+        if key_mask is not None:
+            key_mask = key_mask_to_bool(key_mask)
         if key_mask is not None and tuple(key_mask.shape) != (B, S):
             raise ValueError(
                 f"key_mask: expected shape B x S = ({B}, {S}), got {tuple(key_mask.shape)}"

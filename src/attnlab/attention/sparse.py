@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnlab.attention.projected import ProjectedAttention
+from attnlab.masks import key_mask_to_bool
 
 __all__ = ["SparseAttention", "sliding_window_attention", "strided_attention", "strided_mask"]
 
@@ -53,8 +54,9 @@ def sliding_window_attention(
     query ``N.. x H x L x D``, key ``N.. x G x S x D``, value ``N.. x G x S x Dv`` (``G``
     divides ``H``: query head ``h`` uses key/value head ``h // (H / G)``) -> ``N.. x H x L x Dv``.
     Query ``i`` sees keys ``p - window < j <= p`` (causal) or ``|j - p| < window`` with
-    ``p = i + S - L``. ``key_mask`` ``N.. x S`` (True = a real key) removes keys too. A query
-    with no key gets zeros. ``block_size`` (default ``max(window, 32)``) is the query tile.
+    ``p = i + S - L``. ``key_mask`` ``N.. x S`` (bool or 0/1, True = a real key) removes keys
+    too. A query with no key gets zeros. ``block_size`` (default ``max(window, 32)``) is the
+    query tile.
     """
     return _block_sparse(query, key, value, window, causal, scale, key_mask, block_size, None)
 
@@ -161,6 +163,7 @@ def _block_sparse(
     summary_pos: Tensor | None,
 ) -> Tensor:
     """The shared kernel: local span per query block, plus optional summary keys."""
+    key_mask = None if key_mask is None else key_mask_to_bool(key_mask)
     _check_qkv(query, key, value, key_mask)
     _check_int("window", window, 1)
     *lead, H, L, D = query.shape
@@ -261,6 +264,11 @@ def _check_qkv(query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | Non
         if t.dim() < 3:
             raise ValueError(
                 f"{name}: expected shape N.. x heads x len x dim, got {tuple(t.shape)}"
+            )
+        if t.dtype != query.dtype or t.device != query.device:
+            raise TypeError(
+                f"{name}: expected query's dtype {query.dtype} on {query.device}, got "
+                f"{t.dtype} on {t.device}"
             )
     H, G = query.shape[-3], key.shape[-3]
     if key.shape[:-3] != query.shape[:-3] or key.shape[-1] != query.shape[-1] or H % G:
