@@ -24,7 +24,7 @@ def _model(task, heads=2):
         norm_first=True, max_len=32))
 
 
-def test_reverse_model_aligns_where_it_should():
+def test_reverse_model_aligns_where_it_should(one_thread):
     torch.manual_seed(0)
     task = make_seq2seq_task("reverse", max_len=6, n_test=128, n_valid=8)
     pairs = [p for p in task.test if len(p[0]) >= 4][:32]  # long enough to tell places apart
