@@ -207,7 +207,7 @@ def test_errors_speak_of_flags(folder, capsys, flags: list[str], message: str) -
 
 
 @pytest.mark.parametrize(("flag", "value", "message"), [
-    ("--top-k", "0", "argument --top-k: expected an int >= 1, got '0'"),
+    ("--top-k", "0", "argument --top-k: expected a positive int, got '0'"),
     ("--top-p", "1.5", r"argument --top-p: expected a number in (0, 1], got '1.5'"),
     ("--temperature", "-1", "argument --temperature: expected a finite number >= 0"),
     ("--temperature", "nan", "argument --temperature: expected a finite number >= 0"),

@@ -20,6 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
+from attnlab.arg_types import (
+    non_negative_int,
+    number,
+    positive_float,
+    positive_int,
+    probability,
+)
 from attnlab.generation import generate
 from attnlab.generation.config import GenerationConfig, read_generation_config
 from attnlab.generation.inputs import token_id, token_id_set
@@ -49,10 +56,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--system", default=None, help="a system message for --chat (default: none)")
-    p.add_argument("--max-new-tokens", type=_count, default=None, metavar="N",
+    p.add_argument("--max-new-tokens", type=non_negative_int, default=None, metavar="N",
                    help=f"new tokens at most ({_FROM_FILE} {DEFAULT_MAX_NEW_TOKENS}; a default "
                    "is capped at the model's limit of positions)")
-    p.add_argument("--max-length", type=_count, default=None, metavar="N",
+    p.add_argument("--max-length", type=non_negative_int, default=None, metavar="N",
                    help="prompt + new tokens at most, as Hugging Face's max_length (default: "
                    "generation_config.json's when it sets no max_new_tokens)")
     p.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None,
@@ -60,12 +67,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    f"({_FROM_FILE} greedy)")
     p.add_argument("--temperature", type=_temperature, default=None, metavar="T",
                    help=f"divide the logits by T before sampling; 0: greedy ({_FROM_FILE} 1.0)")
-    p.add_argument("--top-k", type=_positive, default=None, metavar="K",
+    p.add_argument("--top-k", type=positive_int, default=None, metavar="K",
                    help=f"sample among the K most likely tokens only ({_FROM_FILE} all)")
-    p.add_argument("--top-p", type=_probability, default=None, metavar="P",
+    p.add_argument("--top-p", type=probability, default=None, metavar="P",
                    help=f"sample among the most likely tokens whose probabilities add up to P, "
                    f"0 < P <= 1 ({_FROM_FILE} 1.0: all)")
-    p.add_argument("--repetition-penalty", type=_penalty, default=None, metavar="R",
+    p.add_argument("--repetition-penalty", type=positive_float, default=None, metavar="R",
                    help=f"CTRL's penalty on tokens already in the text, R > 1 repeats less "
                    f"({_FROM_FILE} 1.0: none)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT", type=_text,
@@ -236,35 +243,8 @@ def _new_tokens(args: argparse.Namespace, file: GenerationConfig, prompt_length:
     return min(n, room), n > room
 
 
-def _number(text: str, kind: type, ok: object, expected: str) -> float:
-    try:
-        value = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-    if not ok(value):
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-    return value
-
-
-def _count(text: str) -> int:
-    return _number(text, int, lambda v: v >= 0, "an int >= 0")
-
-
-def _positive(text: str) -> int:
-    return _number(text, int, lambda v: v >= 1, "an int >= 1")
-
-
-def _temperature(text: str) -> float:
-    return _number(text, float, lambda v: math.isfinite(v) and v >= 0,
-                   "a finite number >= 0 (0: greedy)")
-
-
-def _probability(text: str) -> float:
-    return _number(text, float, lambda v: 0 < v <= 1, "a number in (0, 1]")
-
-
-def _penalty(text: str) -> float:
-    return _number(text, float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+_temperature = number(float, lambda v: v >= 0 and math.isfinite(v),
+                      "a finite number >= 0 (0: greedy)")
 
 
 def _text(text: str) -> str:

@@ -16,6 +16,13 @@ from typing import Any
 
 import torch
 
+from attnlab.arg_types import (
+    fraction,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 from attnlab.models.transformer import Transformer, TransformerConfig
 from attnlab.training.checkpoint import checkpoint_folder, load_config, load_trainer_state
@@ -40,7 +47,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s2s.add_argument("--task", choices=SEQ2SEQ_TASKS, default="dates",
                      help="generated task: human dates to ISO 8601, or copy/reverse/sort/add "
                      "of digit strings")
-    s2s.add_argument("--max-len", type=_positive_int, default=12,
+    s2s.add_argument("--max-len", type=positive_int, default=12,
                      help="longest input of copy/reverse/sort/add")
     _model_arguments(s2s, d_model=128, layers=2, heads=8)
     _train_arguments(s2s)
@@ -48,7 +55,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     lm = kinds.add_parser("lm", help="character-level decoder-only LM on a UTF-8 text file")
     lm.add_argument("--text", required=True, help="UTF-8 text file to learn")
-    lm.add_argument("--block-size", type=_positive_int, default=128,
+    lm.add_argument("--block-size", type=positive_int, default=128,
                     help="characters of context per training window")
     lm.add_argument("--style", choices=("gpt", "llama"), default="gpt",
                     help="gpt: learned positions, LayerNorm, GELU; llama: RoPE, RMSNorm, SwiGLU, "
@@ -59,38 +66,38 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _model_arguments(p: argparse.ArgumentParser, *, d_model: int, layers: int, heads: int) -> None:
-    p.add_argument("--d-model", type=_positive_int, default=d_model,
+    p.add_argument("--d-model", type=positive_int, default=d_model,
                    help="model width E (a multiple of --heads)")
-    p.add_argument("--layers", type=_positive_int, default=layers,
+    p.add_argument("--layers", type=positive_int, default=layers,
                    help="layers (per stack for seq2seq)")
-    p.add_argument("--heads", type=_positive_int, default=heads, help="attention heads")
-    p.add_argument("--d-ff", type=_positive_int, default=None,
+    p.add_argument("--heads", type=positive_int, default=heads, help="attention heads")
+    p.add_argument("--d-ff", type=positive_int, default=None,
                    help="feed-forward width; None: 4 x d-model (llama: 8/3 x d-model, rounded)")
-    p.add_argument("--dropout", type=_fraction, default=0.1, help="dropout probability")
+    p.add_argument("--dropout", type=fraction, default=0.1, help="dropout probability")
 
 
 def _train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="run folder: checkpoints, metrics.jsonl")
-    p.add_argument("--steps", type=_positive_int, default=2000,
+    p.add_argument("--steps", type=positive_int, default=2000,
                    help="optimizer steps of the whole run")
-    p.add_argument("--batch-size", type=_positive_int, default=64,
+    p.add_argument("--batch-size", type=positive_int, default=64,
                    help="global batch size (sequences per step, all processes together)")
-    p.add_argument("--lr", type=_positive_float, default=1e-3,
+    p.add_argument("--lr", type=positive_float, default=1e-3,
                    help="peak learning rate (noam: a factor on its d-model^-0.5 curve)")
     p.add_argument("--schedule", choices=("cosine", "noam", "constant"), default="cosine",
                    help="learning-rate schedule after the linear warmup")
-    p.add_argument("--warmup", type=_non_negative_int, default=100,
+    p.add_argument("--warmup", type=non_negative_int, default=100,
                    help="warmup steps of the schedule")
-    p.add_argument("--grad-accum", type=_positive_int, default=1,
+    p.add_argument("--grad-accum", type=positive_int, default=1,
                    help="micro-batches per step (the batch size must be a multiple)")
-    p.add_argument("--grad-clip", type=_non_negative_float, default=1.0,
+    p.add_argument("--grad-clip", type=non_negative_float, default=1.0,
                    help="clip the gradient norm to this value (0: no clipping)")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
-    p.add_argument("--eval-every", type=_positive_int, default=200,
+    p.add_argument("--eval-every", type=positive_int, default=200,
                    help="steps between evaluations and checkpoints")
-    p.add_argument("--log-every", type=_positive_int, default=10,
+    p.add_argument("--log-every", type=positive_int, default=10,
                    help="steps between the loss records of metrics.jsonl")
-    p.add_argument("--patience", type=_positive_int, default=None,
+    p.add_argument("--patience", type=positive_int, default=None,
                    help="early stopping: evaluations without improvement before stopping")
     p.add_argument("--seed", type=int, default=0, help="seed of the data and the weights")
     p.add_argument("--resume", action="store_true", help=(
@@ -290,23 +297,3 @@ def _check_multiples(args: argparse.Namespace) -> None:
                          f"{args.grad_accum}, got {args.batch_size}")
 
 
-def _number(kind: type, test: Any, expected: str) -> Any:
-    """An argparse ``type`` that parses ``kind`` and refuses values failing ``test``."""
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not test(value):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-        return value
-
-    parse.__name__ = expected
-    return parse
-
-
-_positive_int = _number(int, lambda v: v >= 1, "a positive int")
-_non_negative_int = _number(int, lambda v: v >= 0, "an int >= 0")
-_positive_float = _number(float, lambda v: 0 < v < float("inf"), "a finite float > 0")
-_non_negative_float = _number(float, lambda v: 0 <= v < float("inf"), "a finite float >= 0")
-_fraction = _number(float, lambda v: 0 <= v < 1, "a float in [0, 1)")

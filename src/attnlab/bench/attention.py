@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from attnlab.arg_types import positive_int
 from attnlab.bench.harness import (
     Measurement,
     available_memory,
@@ -27,7 +28,6 @@ from attnlab.bench.harness import (
     machine_section,
     oom_as_error,
     peak_memory,
-    positive_int,
     time_median,
     time_medians,
 )

@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from attnlab.arg_types import positive_int
 from attnlab.bench.harness import (
     device_arg,
     int_list,
     machine_info,
     machine_section,
     oom_as_error,
-    positive_int,
     time_median,
 )
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig

@@ -33,7 +33,6 @@ __all__ = [
     "machine_section",
     "oom_as_error",
     "peak_memory",
-    "positive_int",
     "time_median",
     "time_medians",
 ]
@@ -201,16 +200,6 @@ def int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
     return values
 
-
-def positive_int(text: str) -> int:
-    """``argparse`` type for a positive int (``"5"``)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
-    return value
 
 
 def device_arg(text: str) -> torch.device:

@@ -17,13 +17,13 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from attnlab.arg_types import positive_int
 from attnlab.attention import MultiHeadAttention
 from attnlab.bench.harness import (
     device_arg,
     machine_info,
     machine_section,
     oom_as_error,
-    positive_int,
     time_medians,
 )
 

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
+from attnlab.arg_types import positive_int
 from attnlab.bench.harness import (
     machine_info,
     machine_section,
     oom_as_error,
-    positive_int,
     time_median,
 )
 from attnlab.generation import generate

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from attnlab.arg_types import positive_int
 from attnlab.attention import MultiHeadAttention
 from attnlab.attention.accounting import gqa_table
 from attnlab.attention.linformer import LinformerAttention, mean_pooling_projection
@@ -35,7 +36,6 @@ from attnlab.bench.harness import (
     is_oom,
     machine_info,
     peak_memory,
-    positive_int,
     time_median,
 )
 from attnlab.bench.variants_report import markdown, plot
