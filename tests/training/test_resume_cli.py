@@ -96,9 +96,9 @@ def _subparser(parser, name):
     ("flags", "message"),
     [
         (["--steps", "0"], "argument --steps: expected a positive int, got '0'"),
-        (["--grad-clip", "-1"], "argument --grad-clip: expected a finite float >= 0"),
+        (["--grad-clip", "-1"], "argument --grad-clip: expected a finite number >= 0"),
         (["--patience", "0"], "argument --patience: expected a positive int"),
-        (["--lr", "nan"], "argument --lr: expected a finite float > 0"),
+        (["--lr", "nan"], "argument --lr: expected a finite number > 0"),
         (["--max-len", "0"], "argument --max-len: expected a positive int"),
     ],
 )
