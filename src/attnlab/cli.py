@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
             default=None,
             help=f"folder for the results (None: {BENCH_OUT}, or {BENCH_QUICK_OUT} with --quick)",
         )
+        p.add_argument(
+            "--quick",
+            action="store_true",
+            help=f"tiny sizes for a smoke test (the size options are ignored); writes to "
+            f"{BENCH_QUICK_OUT} unless --out is given",
+        )
         module.add_arguments(p)
         p.set_defaults(handler=_bench_handler(module))
     return parser

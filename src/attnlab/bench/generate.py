@@ -52,9 +52,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=positive_int, default=5,
                         help="timed runs per cell (median)")
     parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny sizes and 3 repeats, for a smoke test (the sizes above are "
-                        "ignored); writes to runs/bench-quick unless --out is given")
 
 
 def run(args: argparse.Namespace) -> Path:

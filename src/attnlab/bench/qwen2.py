@@ -67,9 +67,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip transformers even when it is installed")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch threads for every model (None: torch's default)")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny sizes, for a smoke test (the sizes above are "
-                        "ignored); writes to runs/bench-quick unless --out is given")
 
 
 def run(args: argparse.Namespace) -> Path:
