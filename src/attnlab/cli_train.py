@@ -295,5 +295,3 @@ def _check_multiples(args: argparse.Namespace) -> None:
     if args.batch_size % args.grad_accum:
         raise ValueError(f"--batch-size: expected a multiple of --grad-accum="
                          f"{args.grad_accum}, got {args.batch_size}")
-
-

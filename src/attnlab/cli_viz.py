@@ -74,7 +74,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     viz.set_defaults(handler=_viz)
 
 
-
 def load_for_viz(checkpoint: str | Path, text: str) -> tuple[nn.Module, Any, dict, str]:
     """``(model, inputs, tokens, description)`` ready for ``capture`` on ``text``."""
     folder = Path(checkpoint)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnlab._checks import check_positive
+from attnlab._checks import check_positive, is_int
 
 __all__ = [
     "causal_mask",
@@ -232,5 +232,5 @@ def from_hf_attention_mask(attention_mask: Tensor) -> Tensor:
 
 
 def _check_length(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not is_int(value) or value < 0:
         raise ValueError(f"{name}: expected a non-negative int, got {value!r}")

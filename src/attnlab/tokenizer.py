@@ -28,6 +28,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
 from torch import Tensor
 
+from attnlab._checks import is_int
 from attnlab.models.hf_loading import check_folder, read_json
 
 __all__ = ["TextStreamer", "Tokenizer"]
@@ -171,7 +172,7 @@ class Tokenizer:
             raise TypeError(f"ids: expected a sequence of token ids, got {type(ids).__name__}")
         ids = list(ids)
         for i, token in enumerate(ids):
-            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            if not is_int(token) or token < 0:
                 raise ValueError(f"ids: expected token ids (ints >= 0), got {token!r} at "
                                  f"position {i}")
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

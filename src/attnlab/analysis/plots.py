@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from attnlab._checks import is_int
 from attnlab.masks import causal_mask
 
 __all__ = [
@@ -92,9 +93,9 @@ def plot_masks(length: int, valid: int, path: str | Path, *, title: str = "") ->
     """The padding, look-ahead (causal) and combined masks of a ``length``-token sequence
     whose first ``valid`` tokens are real, as ``L x L`` grids with 0/1 in each cell
     (1 = may attend, rows = queries, columns = keys)."""
-    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+    if not is_int(length) or length < 1:
         raise ValueError(f"length: expected a positive int, got {length!r}")
-    if isinstance(valid, bool) or not isinstance(valid, int) or not 0 <= valid <= length:
+    if not is_int(valid) or not 0 <= valid <= length:
         raise ValueError(f"valid: expected an int in 0 .. {length}, got {valid!r}")
     padding = (torch.arange(length) < valid)[None, :].expand(length, length)
     causal = causal_mask(length)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from attnlab._checks import check_positive
+from attnlab._checks import check_positive, is_int
 from attnlab.analysis.capture import AttentionCapture, kind_label
 from attnlab.analysis.metrics import head_report
 from attnlab.analysis.table import Table
@@ -127,7 +127,7 @@ def _check_arguments(result: Any, example: Any, report: Any, title: Any) -> None
     if not isinstance(title, str):
         raise TypeError(f"title: expected a str, got {type(title).__name__}")
     rows = min(m.weights.shape[0] for m in result.maps.values())
-    if isinstance(example, bool) or not isinstance(example, int) or not 0 <= example < rows:
+    if not is_int(example) or not 0 <= example < rows:
         raise ValueError(f"example: expected a row index in 0 .. {rows - 1}, got {example!r}")
 
 

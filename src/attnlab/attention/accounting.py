@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlab._checks import check_positive
+from attnlab._checks import check_positive, is_int
 
 __all__ = ["attention_parameter_count", "gqa_table", "kv_cache_bytes"]
 
@@ -67,7 +67,7 @@ def kv_cache_bytes(
 ) -> int:
     """Bytes of the K and V caches: ``2 * layers * B * G * S * D * itemsize(dtype)``."""
     S = seq_len
-    if isinstance(S, bool) or not isinstance(S, int) or S < 0:
+    if not is_int(S) or S < 0:
         raise ValueError(f"seq_len: expected a non-negative int, got {S!r}")
     G, D = check_positive("num_kv_heads", num_kv_heads), check_positive("head_dim", head_dim)
     layers, B = check_positive("num_layers", num_layers), check_positive("batch_size", batch_size)

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnlab._checks import is_int
 from attnlab.attention.projected import ProjectedAttention
 from attnlab.masks import key_mask_to_bool
 
@@ -289,5 +290,5 @@ def _check_qkv(query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | Non
 
 
 def _check_int(name: str, value: int, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if not is_int(value) or value < low:
         raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")

@@ -201,7 +201,6 @@ def int_list(text: str) -> tuple[int, ...]:
     return values
 
 
-
 def device_arg(text: str) -> torch.device:
     """``argparse`` type for a device that this machine has (``"cpu"``, ``"cuda"``,
     ``"cuda:1"``)."""

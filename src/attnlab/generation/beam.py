@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from attnlab._checks import check_positive
+from attnlab._checks import check_positive, is_int
 from attnlab.generation.sampling import check_logits
 from attnlab.models.inputs import check_token_ids
 
@@ -180,7 +180,7 @@ def _prepare(model: Transformer, src: Tensor, max_new_tokens: int, bos_id: int, 
              length_penalty: float) -> tuple[Tensor, Tensor | None, int]:
     """Check the arguments, encode once: memory ``B x S x E``, key mask ``B x S``, pad id."""
     c = model.config
-    if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+    if (not is_int(max_new_tokens)
             or max_new_tokens < 0):
         raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
     if 1 + max_new_tokens > c.max_len:
@@ -192,7 +192,7 @@ def _prepare(model: Transformer, src: Tensor, max_new_tokens: int, bos_id: int, 
     pad = c.pad_id if pad_id is None else pad_id
     pad = eos_id if pad is None else pad
     for name, value in (("bos_id", bos_id), ("eos_id", eos_id), ("pad_id", pad)):
-        if (isinstance(value, bool) or not isinstance(value, int)
+        if (not is_int(value)
                 or not 0 <= value < c.tgt_vocab_size):
             raise ValueError(f"{name}: expected an id in [0, {c.tgt_vocab_size}), got {value!r}")
     check_token_ids("src", src, c.src_vocab_size)

@@ -11,9 +11,10 @@ transformers, ``top_k = 0`` means no top-k filter (``None`` here). The file is p
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, fields
 from pathlib import Path
+
+from attnlab._checks import is_int, is_number
 
 __all__ = ["GENERATION_CONFIG_NAME", "GenerationConfig", "read_generation_config"]
 
@@ -73,48 +74,39 @@ def _refuse_constant(name: str) -> float:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and math.isfinite(value)
-
-
 def _check_bool(config: GenerationConfig, name: str, value: object) -> None:
     if not isinstance(value, bool):
         config._fail(name, value, "true or false")
 
 
 def _check_temperature(config: GenerationConfig, name: str, value: object) -> None:
-    if not _is_number(value) or value < 0:
+    if not is_number(value, finite=True) or value < 0:
         config._fail(name, value, "a finite number >= 0")
 
 
 def _check_positive_number(config: GenerationConfig, name: str, value: object) -> None:
-    if not _is_number(value) or value <= 0:
+    if not is_number(value, finite=True) or value <= 0:
         config._fail(name, value, "a finite number > 0")
 
 
 def _check_top_p(config: GenerationConfig, name: str, value: object) -> None:
-    if not _is_number(value) or not 0 < value <= 1:
+    if not is_number(value, finite=True) or not 0 < value <= 1:
         config._fail(name, value, "a number in (0, 1]")
 
 
 def _check_count(config: GenerationConfig, name: str, value: object) -> None:
-    if not _is_int(value) or value < 0:
+    if not is_int(value) or value < 0:
         config._fail(name, value, "an int >= 0")
 
 
 def _check_token(config: GenerationConfig, name: str, value: object) -> None:
-    if not _is_int(value) or value < 0:
+    if not is_int(value) or value < 0:
         config._fail(name, value, "a token id (an int >= 0)")
 
 
 def _check_eos(config: GenerationConfig, name: str, value: object) -> None:
     ids = value if isinstance(value, (list, tuple)) else [value]
-    if not ids or not all(_is_int(i) and i >= 0 for i in ids):
+    if not ids or not all(is_int(i) and i >= 0 for i in ids):
         config._fail(name, value, "a token id (an int >= 0) or a non-empty list of them")
 
 

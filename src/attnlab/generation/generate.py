@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
+from attnlab._checks import is_int
 from attnlab.generation.inputs import new_token_count, token_id, token_id_set
 from attnlab.generation.sampling import (
     apply_repetition_penalty,
@@ -107,7 +108,7 @@ def generate(
                          "neither")
     generator = None
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64:
+        if not is_int(seed) or not -2**63 <= seed < 2**64:
             raise ValueError(f"seed: expected an int in [-2**63, 2**64) (torch's range), got "
                              f"{seed!r}")
         generator = torch.Generator(device=input_ids.device).manual_seed(seed)

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["new_token_count", "token_id", "token_id_set"]
+from attnlab._checks import is_int
 
+__all__ = ["new_token_count", "token_id", "token_id_set"]
 
 
 def token_id(name: str, value: object, vocab_size: int) -> int:
@@ -22,7 +23,7 @@ def token_id(name: str, value: object, vocab_size: int) -> int:
     if isinstance(value, Tensor) and value.dim() == 0 and not value.is_floating_point() \
             and value.dtype != torch.bool:
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{name}: expected a token id (an int), got {value!r}")
     if not 0 <= value < vocab_size:
         raise ValueError(f"{name}: expected a token id in [0, {vocab_size}) (the model's "
@@ -55,7 +56,7 @@ def new_token_count(prompt_length: int, limit: int, max_new_tokens: object,
         raise ValueError(f"input_ids: the prompt has {plen} tokens, more than the model's "
                          f"limit of {limit} positions")
     for name, value in (("max_new_tokens", max_new_tokens), ("max_length", max_length)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+        if value is not None and (not is_int(value)
                                   or value < 0):
             raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
     if max_length is not None and max_length < plen:

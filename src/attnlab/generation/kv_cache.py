@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnlab._checks import check_positive
+from attnlab._checks import check_positive, is_int
 
 __all__ = ["KVCache", "LayerKVCache"]
 
@@ -123,7 +123,7 @@ class LayerKVCache:
         return self.k.numel() * self.k.element_size() * 2
 
     def truncate(self, length: int) -> None:
-        if isinstance(length, bool) or not isinstance(length, int) \
+        if not is_int(length) \
                 or not 0 <= length <= self.length:
             raise ValueError(f"length: expected an int in [0, {self.length}], got {length}")
         self.length = length

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from attnlab._checks import check_positive
+from attnlab._checks import check_positive, is_int
 
 __all__ = [
     "apply_repetition_penalty",
@@ -153,7 +153,7 @@ def check_sampling_args(temperature: float, top_k: int | None, top_p: float | No
         raise ValueError(f"temperature: expected a finite float {expected}, got {temperature!r}"
                          + (" (temperature 0 means greedy: pass do_sample=False)"
                             if do_sample and temperature == 0 else ""))
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+    if top_k is not None and (not is_int(top_k) or top_k < 1):
         raise ValueError(f"top_k: expected None or a positive int, got {top_k!r}")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
                               or not 0.0 < top_p <= 1.0):

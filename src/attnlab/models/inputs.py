@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from attnlab._checks import is_int
 from attnlab.generation.kv_cache import KVCache
 
 __all__ = ["DecoderInputs", "check_tensor", "check_token_ids", "decoder_inputs"]
@@ -55,7 +56,7 @@ def decoder_inputs(input_ids: object, attention_mask: object, cache: object,
     if offset + L > max_len:
         raise ValueError(f"input_ids: positions {offset} .. {offset + L - 1} exceed the "
                          f"model's {max_len_name}={max_len}")
-    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) \
+    if not is_int(logits_to_keep) \
             or logits_to_keep < 0:
         raise ValueError(f"logits_to_keep: expected an int >= 0, got {logits_to_keep!r}")
     key_mask = None

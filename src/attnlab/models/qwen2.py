@@ -30,7 +30,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from attnlab._checks import check_positive
+from attnlab._checks import check_positive, is_int
 from attnlab.attention.multihead import MultiHeadAttention
 from attnlab.functional import linear
 from attnlab.generation.kv_cache import KVCache, LayerKVCache
@@ -89,7 +89,7 @@ class Qwen2Config(ConfigMixin):
 
     def __post_init__(self) -> None:
         eos = self.eos_token_id  # Hugging Face allows one id or a list of them
-        if eos is None or (isinstance(eos, int) and not isinstance(eos, bool)):
+        if eos is None or (is_int(eos)):
             object.__setattr__(self, "eos_token_id", () if eos is None else (eos,))
         elif not isinstance(eos, (list, tuple)):
             raise TypeError(f"eos_token_id: expected an int, a list of ints or null, got "

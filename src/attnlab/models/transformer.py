@@ -334,4 +334,3 @@ def _expand(name: str, mask: Tensor | None, B: int, S: int) -> Tensor | None:
         raise ValueError(f"{name}: expected a key mask of shape ({B}, {S}), got "
                          f"{tuple(mask.shape)}")
     return mask.bool()[:, None, None, :]
-

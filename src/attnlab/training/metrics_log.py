@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from attnlab._checks import is_int
 from attnlab.training.durable import write_text_atomic
 
 __all__ = ["append_record", "drop_records_after"]
@@ -40,6 +41,6 @@ def _record_step(line: str) -> float:
     except (json.JSONDecodeError, RecursionError):
         return math.inf
     step = record.get("step") if isinstance(record, dict) else None
-    if not line.endswith("\n") or isinstance(step, bool) or not isinstance(step, int):
+    if not line.endswith("\n") or not is_int(step):
         return math.inf
     return step

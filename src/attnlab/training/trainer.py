@@ -413,4 +413,3 @@ class Trainer:
         self.history.append(record)
         if self.is_main and self.out_dir is not None:
             append_record(self.out_dir / "metrics.jsonl", record)
-

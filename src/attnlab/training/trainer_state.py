@@ -26,6 +26,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from attnlab._checks import is_int, is_number
+
 __all__ = ["INFO", "LEGACY", "TENSORS", "TrainerState", "check_resumable",
            "checked_optimizer_state", "read_trainer_state", "write_trainer_state"]
 
@@ -156,11 +158,11 @@ def _parse(info: Any, tensors: dict[str, Tensor], info_path: Path,
         raise ValueError(f"checkpoint: {str(info_path)!r} lacks {missing}; the trainer state "
                          "is incomplete")
     for key in ("step", "bad_evals"):
-        if not _is_int(info[key]) or info[key] < 0:
+        if not is_int(info[key]) or info[key] < 0:
             raise bad(key, info[key], "a non-negative int")
     for key in ("best", "loss"):
         value = info[key]
-        if value is not None and not _is_number(value):
+        if value is not None and not is_number(value):
             raise bad(key, value, "a number or null")
     if not isinstance(info["train_config"], dict):
         raise bad("train_config", info["train_config"], "an object")
@@ -222,11 +224,3 @@ def _python_rng(value: Any, bad: Any) -> tuple[Any, ...]:
     except (TypeError, ValueError, OverflowError):
         raise bad("python_rng", value, expected) from None
     return state
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
