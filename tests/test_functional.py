@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from attnlab.attention import scaled_dot_product_attention
 from attnlab.attention.flash import flash_attention
-from attnlab.functional import linear, scaled_dot_product_attention, softmax
+from attnlab.functional import linear, softmax
 from attnlab.masks import causal_mask
 from conftest import assert_close
 

@@ -6,9 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnlab.attention import SimpleMultiHeadAttention
+from attnlab.attention import SimpleMultiHeadAttention, scaled_dot_product_attention
 from attnlab.attention.flash import _Tiling
-from attnlab.functional import scaled_dot_product_attention
 from conftest import assert_close
 
 BACKENDS = ["math", "flash", "fused", "auto"]

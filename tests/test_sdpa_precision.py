@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from attnlab.attention import scaled_dot_product_attention
 from attnlab.attention.flash import flash_attention
-from attnlab.functional import scaled_dot_product_attention
 
 BACKENDS = ["math", "flash", "fused", "auto"]
 # Max abs error on unit-scale values (outputs; gradients relative to their largest entry).

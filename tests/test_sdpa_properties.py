@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attnlab.functional import scaled_dot_product_attention
+from attnlab.attention import scaled_dot_product_attention
 from attnlab.masks import causal_mask
 from conftest import assert_close
 

@@ -1,8 +1,12 @@
 """attnlab: a Transformer toolkit for PyTorch, built from the mathematics up."""
 
 from attnlab import functional, masks
-from attnlab.attention import MultiHeadAttention, SimpleMultiHeadAttention
-from attnlab.functional import linear, scaled_dot_product_attention, softmax
+from attnlab.attention import (
+    MultiHeadAttention,
+    SimpleMultiHeadAttention,
+    scaled_dot_product_attention,
+)
+from attnlab.functional import linear, softmax
 
 __version__ = "0.1.0"
 

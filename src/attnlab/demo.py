@@ -15,8 +15,7 @@ from pathlib import Path
 import torch
 
 from attnlab.analysis import capture_attention, plot_attention_heads
-from attnlab.attention import MultiHeadAttention
-from attnlab.functional import scaled_dot_product_attention
+from attnlab.attention import MultiHeadAttention, scaled_dot_product_attention
 from attnlab.masks import causal_mask, combine_masks, padding_mask
 from attnlab.models.transformer import Transformer, TransformerConfig
 from attnlab.training.checkpoint import load_model

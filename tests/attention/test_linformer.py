@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnlab.attention import MultiHeadAttention
+from attnlab.attention import MultiHeadAttention, scaled_dot_product_attention
 from attnlab.attention.linformer import (
     LinformerAttention,
     linformer_attention,
     mean_pooling_projection,
 )
-from attnlab.functional import scaled_dot_product_attention
 from conftest import assert_close
 
 

@@ -7,14 +7,13 @@ import math
 import pytest
 import torch
 
-from attnlab.attention import MultiHeadAttention
+from attnlab.attention import MultiHeadAttention, scaled_dot_product_attention
 from attnlab.attention.performer import (
     PerformerAttention,
     favor_attention,
     orthogonal_random_features,
     positive_random_features,
 )
-from attnlab.functional import scaled_dot_product_attention
 from conftest import assert_close
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnlab.attention import MultiHeadAttention
+from attnlab.attention import MultiHeadAttention, scaled_dot_product_attention
 from attnlab.attention.sparse import (
     SparseAttention,
     sliding_window_attention,
@@ -13,7 +13,6 @@ from attnlab.attention.sparse import (
     strided_mask,
 )
 from attnlab.bench.harness import peak_memory
-from attnlab.functional import scaled_dot_product_attention
 from attnlab.masks import sliding_window_mask
 from conftest import assert_close
 

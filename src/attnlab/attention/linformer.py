@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from attnlab._checks import check_positive
 from attnlab.attention.projected import ProjectedAttention
-from attnlab.functional import scaled_dot_product_attention
+from attnlab.attention.sdpa import scaled_dot_product_attention
 from attnlab.masks import key_mask_to_bool
 
 __all__ = ["LinformerAttention", "linformer_attention", "mean_pooling_projection"]
@@ -43,7 +43,7 @@ def linformer_attention(
     query ``N.. x H x L x D``, key ``N.. x G x S x D``, value ``N.. x G x S x Dv`` (``G``
     dividing ``H``), e_proj and f_proj ``P x S`` -> ``N.. x H x L x Dv``. ``key_mask``
     ``N.. x S`` (bool or 0/1, True = a real key) zeroes padding keys and values first.
-    ``backend`` is that of :func:`attnlab.functional.scaled_dot_product_attention` on the
+    ``backend`` is that of :func:`attnlab.attention.scaled_dot_product_attention` on the
     ``L x P`` problem.
     """
     if not isinstance(key, Tensor) or key.dim() < 3:

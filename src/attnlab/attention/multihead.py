@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from attnlab._checks import check_positive
+from attnlab.attention.kv_cache import LayerKVCache
 from attnlab.attention.math import math_attention
-from attnlab.functional import BACKENDS, linear, scaled_dot_product_attention
+from attnlab.attention.sdpa import BACKENDS, scaled_dot_product_attention
+from attnlab.functional import linear
 from attnlab.masks import combine_masks, key_mask_to_attention_mask, key_mask_to_bool
-
-if TYPE_CHECKING:
-    from attnlab.generation.kv_cache import LayerKVCache
 
 __all__ = [
     "MultiHeadAttention",

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from attnlab._checks import is_int
 from attnlab.attention.projected import ProjectedAttention
-from attnlab.masks import key_mask_to_bool
+from attnlab.masks import key_mask_to_bool, sliding_window_mask
 
 __all__ = ["SparseAttention", "sliding_window_attention", "strided_attention", "strided_mask"]
 
@@ -105,8 +105,6 @@ def strided_mask(
 
     For tests and pictures only: the point of :func:`strided_attention` is never to build it.
     """
-    from attnlab.masks import sliding_window_mask
-
     S = L if S is None else S
     _check_int("stride", stride, 1)
     _check_int("summary", summary, 1)

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from attnlab.arg_types import positive_int
+from attnlab.attention import scaled_dot_product_attention
 from attnlab.bench.harness import (
     Measurement,
     available_memory,
@@ -31,7 +32,6 @@ from attnlab.bench.harness import (
     time_median,
     time_medians,
 )
-from attnlab.functional import scaled_dot_product_attention
 
 __all__ = ["add_arguments", "run"]
 

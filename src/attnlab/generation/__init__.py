@@ -2,9 +2,9 @@
 strings, argument checks), a checkpoint's ``generation_config.json`` defaults (``config``)
 and the encoder-decoder greedy / beam search."""
 
+from attnlab.attention.kv_cache import KVCache, LayerKVCache
 from attnlab.generation.beam import beam_search, generate_seq2seq, greedy_search
 from attnlab.generation.generate import Streamer, generate
-from attnlab.generation.kv_cache import KVCache, LayerKVCache
 from attnlab.generation.sampling import (
     apply_repetition_penalty,
     check_logits,

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from attnlab._checks import is_int
-from attnlab.generation.kv_cache import KVCache
+from attnlab.attention.kv_cache import KVCache
 
 __all__ = ["DecoderInputs", "check_tensor", "check_token_ids", "decoder_inputs"]
 

@@ -31,9 +31,9 @@ import torch
 from torch import Tensor, nn
 
 from attnlab._checks import check_positive, is_int
+from attnlab.attention.kv_cache import KVCache, LayerKVCache
 from attnlab.attention.multihead import MultiHeadAttention
 from attnlab.functional import linear
-from attnlab.generation.kv_cache import KVCache, LayerKVCache
 from attnlab.layers import RMSNorm, RoPE, SwiGLU
 from attnlab.masks import causal_mask
 from attnlab.models.config import ConfigMixin, check_value

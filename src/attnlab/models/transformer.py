@@ -26,9 +26,10 @@ from typing import Literal
 from torch import Tensor, nn
 
 from attnlab._checks import check_positive
+from attnlab.attention.kv_cache import KVCache, LayerKVCache
 from attnlab.attention.multihead import MultiHeadAttention
-from attnlab.functional import BACKENDS, linear
-from attnlab.generation.kv_cache import KVCache, LayerKVCache
+from attnlab.attention.sdpa import BACKENDS
+from attnlab.functional import linear
 from attnlab.layers import FeedForward, SinusoidalPositionalEncoding
 from attnlab.models.config import ConfigMixin
 from attnlab.models.inputs import check_tensor, check_token_ids
