@@ -8,6 +8,7 @@ It checks its inputs once and hands them to one of the backends of this package:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -33,6 +34,7 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
     return_weights: bool = False,
     backend: str = "auto",
+    hook: Callable[[str, Tensor], Tensor] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``softmax(Q K^T * scale + mask) V``.
 
@@ -56,15 +58,19 @@ def scaled_dot_product_attention(
       the ones that multiplied ``V`` (after dropout when ``dropout_p > 0``).
     - ``backend``: ``"math"``, ``"flash"``, ``"fused"`` or ``"auto"`` (the fused kernel, or
       ``math`` when weights are asked for). A backend asked for something it cannot do raises.
+    - ``hook(point, tensor) -> tensor`` sees, and may replace, the masked ``"scores"`` and the
+      ``"pattern"`` ``N.. x H x L x S`` (analysis hook points): only ``math`` forms them, so
+      ``auto`` then runs ``math`` and another explicit backend raises.
     """
     scale = _check_inputs(query, key, value, mask, scale, dropout_p, backend)
-    chosen = _choose_backend(backend, return_weights, dropout_p, mask)
+    chosen = _choose_backend(backend, return_weights or hook is not None, dropout_p, mask)
     rank = max(query.dim(), key.dim(), value.dim())
     query, key, value = _broadcast(query, key, value, enable_gqa)
     _check_mask(mask, query, key, rank)
     if chosen == "math":
         out, weights = math_attention(
-            query, key, value, mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p
+            query, key, value, mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+            hook=hook,
         )
         if rank == 2:
             out, weights = out.squeeze(0), weights.squeeze(0)
@@ -130,14 +136,15 @@ def _broadcast(
 def _choose_backend(
     backend: str, return_weights: bool, dropout_p: float, mask: Tensor | None
 ) -> str:
+    """The backend that runs: ``return_weights`` also stands for a scores/pattern hook."""
     if backend == "auto":
         # torch's fused kernel is the fastest exact path on every device we run on; only the
         # weights need the written-out formula.
         return "math" if return_weights else "fused"
     if return_weights and backend != "math":
         raise ValueError(
-            f"return_weights: backend {backend!r} cannot return attention weights; "
-            "use backend='math' or 'auto'"
+            f"return_weights: backend {backend!r} cannot return attention weights (nor show "
+            "scores and pattern to a hook); use backend='math' or 'auto'"
         )
     if backend == "flash":
         if dropout_p > 0:

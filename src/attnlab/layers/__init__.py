@@ -1,6 +1,7 @@
-"""Building blocks: position encodings, feed-forward networks and normalisation."""
+"""Building blocks: position encodings, feed-forward networks, normalisation and the
+decoder's self-attention."""
 
-from attnlab.layers.feedforward import FeedForward, SwiGLU
+from attnlab.layers.feedforward import ACTIVATIONS, FeedForward, GatedMLP, SwiGLU
 from attnlab.layers.norms import RMSNorm
 from attnlab.layers.positional import (
     LearnedPositionalEmbedding,
@@ -10,7 +11,9 @@ from attnlab.layers.positional import (
 )
 
 __all__ = [
+    "ACTIVATIONS",
     "FeedForward",
+    "GatedMLP",
     "LearnedPositionalEmbedding",
     "RMSNorm",
     "RoPE",

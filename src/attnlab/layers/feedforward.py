@@ -1,21 +1,29 @@
-"""Position-wise feed-forward networks: ``FeedForward`` (ReLU/GELU) and ``SwiGLU``.
+"""Position-wise feed-forward networks: ``FeedForward`` (two layers) and ``GatedMLP``
+(SwiGLU, GeGLU).
 
-Both map ``N.. x E`` -> ``N.. x E`` and act on every position independently.
+Both map ``N.. x E`` -> ``N.. x E`` and act on every position independently. They call their
+``nn.Linear`` submodules, so a hook, a LoRA wrapper or a quantized Linear swapped in for one
+of them takes effect.
 """
 
 from __future__ import annotations
 
 from torch import Tensor, nn
 
-from attnlab.functional import linear
+__all__ = ["ACTIVATIONS", "FeedForward", "GatedMLP", "SwiGLU"]
 
-__all__ = ["FeedForward", "SwiGLU"]
-
-_ACTIVATIONS = {"relu": nn.functional.relu, "gelu": nn.functional.gelu}
+# "gelu" is exact (erf); "gelu_tanh" is the tanh approximation (GPT-2's gelu_new, Gemma's
+# gelu_pytorch_tanh).
+ACTIVATIONS = {
+    "relu": nn.functional.relu,
+    "gelu": nn.functional.gelu,
+    "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+    "silu": nn.functional.silu,
+}
 
 
 class FeedForward(nn.Module):
-    """``FFN(x) = W_2 dropout(act(W_1 x + b_1)) + b_2`` with ``act`` ReLU or GELU (exact, erf).
+    """``FFN(x) = W_2 dropout(act(W_1 x + b_1)) + b_2``, ``act`` one of ``ACTIVATIONS``.
 
     ``linear1``: ``d_ff x E``, ``linear2``: ``E x d_ff`` (the names of
     ``torch.nn.TransformerEncoderLayer``, so weights copy across by name).
@@ -25,10 +33,7 @@ class FeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, activation: str = "relu", dropout: float = 0.0,
                  bias: bool = True) -> None:
         super().__init__()
-        if activation not in _ACTIVATIONS:
-            raise ValueError(
-                f"activation: expected one of {tuple(_ACTIVATIONS)}, got {activation!r}"
-            )
+        _check_activation(activation)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout: expected a float in [0, 1), got {dropout}")
         self.activation, self.dropout = activation, dropout
@@ -36,29 +41,47 @@ class FeedForward(nn.Module):
         self.linear2 = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = _ACTIVATIONS[self.activation](linear(x, self.linear1.weight, self.linear1.bias))
+        h = ACTIVATIONS[self.activation](self.linear1(x))
         if self.dropout:
             h = nn.functional.dropout(h, self.dropout, self.training)
-        return linear(h, self.linear2.weight, self.linear2.bias)
+        return self.linear2(h)
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}, dropout={self.dropout}"
 
 
-class SwiGLU(nn.Module):
-    """``SwiGLU(x) = W_down (silu(W_gate x) * W_up x)`` (Shazeer 2020; Llama's MLP).
+class GatedMLP(nn.Module):
+    """``GLU(x) = W_down (act(W_gate x) * W_up x)`` (Shazeer 2020): SwiGLU with ``silu``
+    (Llama, Qwen, Mistral, Phi-3), GeGLU with ``gelu_tanh`` (Gemma).
 
-    ``silu(z) = z * sigmoid(z)``. ``gate_proj``, ``up_proj``: ``d_ff x E``; ``down_proj``:
-    ``E x d_ff`` (Llama/Qwen names), no biases by default. x ``N.. x E`` -> ``N.. x E``.
+    ``gate_proj``, ``up_proj``: ``d_ff x E``; ``down_proj``: ``E x d_ff`` (Llama/Qwen names),
+    no biases by default. x ``N.. x E`` -> ``N.. x E``.
     """
 
-    def __init__(self, d_model: int, d_ff: int, bias: bool = False) -> None:
+    def __init__(self, d_model: int, d_ff: int, bias: bool = False,
+                 activation: str = "silu") -> None:
         super().__init__()
+        _check_activation(activation)
+        self.activation = activation
         self.gate_proj = nn.Linear(d_model, d_ff, bias=bias)
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate = nn.functional.silu(linear(x, self.gate_proj.weight, self.gate_proj.bias))
-        up = linear(x, self.up_proj.weight, self.up_proj.bias)
-        return linear(gate * up, self.down_proj.weight, self.down_proj.bias)
+        return self.down_proj(ACTIVATIONS[self.activation](self.gate_proj(x)) * self.up_proj(x))
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"
+
+
+class SwiGLU(GatedMLP):
+    """``SwiGLU(x) = W_down (silu(W_gate x) * W_up x)``, ``silu(z) = z * sigmoid(z)``: the
+    ``GatedMLP`` with ``silu``. x ``N.. x E`` -> ``N.. x E``."""
+
+    def __init__(self, d_model: int, d_ff: int, bias: bool = False) -> None:
+        super().__init__(d_model, d_ff, bias=bias, activation="silu")
+
+
+def _check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {tuple(ACTIVATIONS)}, got {activation!r}")

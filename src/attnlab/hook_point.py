@@ -1,0 +1,27 @@
+"""``HookPoint``: an identity module that names a place in a model's computation.
+
+``y = x``. A model calls ``self.resid_post(x)`` where the residual stream, a head's scores or
+its attention pattern pass by; nothing happens until a forward hook is registered on that
+module (``module.register_forward_hook``, or ``attnlab.analysis.hooks``), which then sees the
+tensor under the module's qualified name (``"layers.3.self_attn.pattern"``) and may return a
+replacement. The hooked computation and the plain one are the same code (TransformerLens's
+idea, with PyTorch's own hook machinery).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+__all__ = ["HookPoint"]
+
+
+class HookPoint(nn.Module):
+    """Identity: ``forward(x) -> x`` for a tensor of any shape (the place names its shape)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+    @property
+    def has_hooks(self) -> bool:
+        """Whether a forward or pre-forward hook is registered on this point."""
+        return bool(self._forward_hooks or self._forward_pre_hooks)

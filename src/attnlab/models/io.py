@@ -1,0 +1,80 @@
+"""``from_pretrained`` / ``save_pretrained``: Hugging Face checkpoint folders <-> ``DecoderLM``.
+
+A folder holds ``config.json`` and ``model.safetensors`` (or a sharded index). Its
+``model_type`` picks the family (``attnlab.models.families``), which maps the config and the
+tensor names; the tensors are memory-mapped and checked name by name and shape by shape
+against what the config implies (raw-weight parity: values as stored, only renamed, and
+transposed or split where the format needs it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from attnlab.models.config import check_value
+from attnlab.models.decoder import DecoderLM, make_rotary
+from attnlab.models.families import family_for
+from attnlab.models.hf_loading import (
+    CONFIG_NAME,
+    check_folder,
+    load_tensors,
+    parse_dtype,
+    read_json,
+    save_tensors,
+)
+
+__all__ = ["from_pretrained", "save_pretrained"]
+
+
+def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
+                    device: torch.device | str | None = None) -> DecoderLM:
+    """Load the checkpoint folder ``path`` as a ``DecoderLM`` (eval mode, trainable weights).
+
+    ``dtype`` (``"float32"``, ``"bfloat16"``, a ``torch.dtype``) defaults to the stored
+    ``torch_dtype``/``dtype``; ``device`` to the CPU. An unsupported ``model_type`` is refused
+    naming the supported ones; a missing, extra or misshapen tensor names the tensor.
+    """
+    folder = check_folder(path)
+    dtype = parse_dtype(dtype)
+    device = torch.device("cpu" if device is None else device)
+    file = folder / CONFIG_NAME
+    raw = read_json(file)
+    family = family_for(raw.get("model_type"))
+    try:
+        config = family.config_from_hf(raw)
+        dtype_key = "dtype" if raw.get("dtype") is not None else "torch_dtype"
+        stored = check_value(dtype_key, raw.get(dtype_key) or "float32", str)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{file}: {error}") from None
+    dtype = dtype or parse_dtype(stored, f"{file}: {dtype_key}")
+    with torch.device("meta"):
+        model = DecoderLM(config)
+    weights = family.weights(config)
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    expected = {k: tuple(t.shape) for k, t in weights.to_stored(model.state_dict()).items()}
+    ignore = ("lm_head.weight",) if config.tie_embeddings else ()
+    stored_tensors = load_tensors(folder, expected, dtype=dtype, ignore=ignore)
+    state = weights.to_ours(stored_tensors, shapes)
+    if config.tie_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    model.rotary = make_rotary(config)  # its frequencies are buffers, made on "meta" above
+    return model.to(device).eval()
+
+
+def save_pretrained(model: DecoderLM, path: str | Path) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` in the model's family format."""
+    if not isinstance(model, DecoderLM):
+        raise TypeError(f"model: expected a DecoderLM, got {type(model).__name__}")
+    c = model.config
+    family = family_for(c.family)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    hf = {**family.config_to_hf(c), "torch_dtype": dtype}
+    (path / CONFIG_NAME).write_text(json.dumps(hf, indent=2) + "\n")
+    save_tensors(path, family.weights(c).to_stored(model.state_dict()))
+    return path
