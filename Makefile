@@ -29,6 +29,7 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
