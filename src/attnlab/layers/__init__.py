@@ -8,13 +8,19 @@ from attnlab.layers.positional import (
     SinusoidalPositionalEncoding,
     positions_from_offset,
 )
+from attnlab.layers.rope_scaling import RopeScaling, rope_inverse_frequencies
+from attnlab.layers.rotary import RotaryEmbedding, apply_rotary
 
 __all__ = [
     "FeedForward",
     "LearnedPositionalEmbedding",
     "RMSNorm",
     "RoPE",
+    "RopeScaling",
+    "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
     "SwiGLU",
+    "apply_rotary",
     "positions_from_offset",
+    "rope_inverse_frequencies",
 ]

@@ -1,0 +1,173 @@
+"""Rotary position embeddings computed once per forward: cos/sin from positions, then applied.
+
+A decoder calls ``cos, sin = rotary(positions)`` once and every block rotates its queries and
+keys with ``apply_rotary(q, cos, sin)``. Feature pairs ``(a, b)`` at position ``p`` turn by the
+angle ``p * inv_freq_i``: ``(a, b) -> (a cos - b sin, a sin + b cos)``, written as the
+elementwise ``x * cos + rotate(x) * sin`` with cos/sin laid out to match the pairs:
+
+- half-split (Llama, Qwen, transformers' default): pairs ``(x[i], x[i + R/2])``, cos/sin
+  ``[c_0 .. c_{R/2-1}, c_0 .. c_{R/2-1}]``;
+- interleaved (the paper, GPT-J, ``RoPE(traditional=True)``): pairs ``(x[2i], x[2i+1])``,
+  cos/sin ``[c_0, c_0, c_1, c_1, ..]``.
+
+Only the first ``R`` = rotary_dim features of a head turn (partial rotary, Phi, GPT-NeoX);
+``inv_freq`` and its scalings come from ``attnlab.layers.rope_scaling``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from attnlab._checks import check_positive
+from attnlab.layers.rope_scaling import RopeScaling, rope_inverse_frequencies
+
+__all__ = ["RotaryEmbedding", "apply_rotary"]
+
+
+class RotaryEmbedding(nn.Module):
+    """Positions -> the cos and sin that ``apply_rotary`` multiplies by (float32).
+
+    ``rotary_dim`` R (even) features per head turn; ``base`` is the RoPE theta; positions must
+    lie in ``[0, max_len)``; ``scaling`` the context extension (default: none);
+    ``max_position_embeddings`` is transformers' ``config.max_position_embeddings``, the
+    length dynamic NTK starts scaling past and yarn/longrope take their default factor from
+    (default ``max_len``; for dynamic give ``max_len`` larger, or nothing is ever scaled).
+
+    Nothing of size ``max_len`` is allocated: each call is one outer product
+    ``positions x inv_freq``, so a 128k-context model costs ``L x R`` per forward.
+
+    Like transformers, ``dynamic`` and ``longrope`` keep state across calls (decided from
+    ``s = max(positions) + 1`` over the whole batch, as a KV cache's decode steps see it):
+    dynamic recomputes ``inv_freq`` for ``s`` whenever ``s`` exceeds the largest length seen so
+    far (beyond ``max_position_embeddings``), and returns to the unscaled frequencies when a
+    call has ``s < max_position_embeddings`` after a longer one; longrope uses the long factors
+    while ``s > original_max_position_embeddings``. Keys already in a cache keep the rotation
+    they were given, in transformers as here.
+    """
+
+    def __init__(self, rotary_dim: int, *, base: float = 10000.0, max_len: int,
+                 scaling: RopeScaling | None = None, interleaved: bool = False,
+                 max_position_embeddings: int | None = None) -> None:
+        super().__init__()
+        check_positive("max_len", max_len)
+        if not isinstance(interleaved, bool):
+            raise TypeError(f"interleaved: expected a bool, got {interleaved!r}")
+        if max_position_embeddings is None:
+            max_position_embeddings = max_len
+        scaling = RopeScaling() if scaling is None else scaling
+        inv_freq, self.attention_factor = rope_inverse_frequencies(
+            rotary_dim, base, scaling, max_position_embeddings)
+        self.rotary_dim, self.base, self.max_len = rotary_dim, base, max_len
+        self.scaling, self.interleaved = scaling, interleaved
+        self.max_position_embeddings = max_position_embeddings
+        # Plain attributes, not buffers: `model.to(torch.bfloat16)` would round a buffer, and
+        # a model built on the meta device and then loaded would leave one there. They follow
+        # the positions' device instead.
+        self._inv_freq = self._original_inv_freq = inv_freq
+        self._max_seq_len_cached = max_position_embeddings  # dynamic: longest length seen
+        self._long_inv_freq = None
+        if scaling.rope_type == "longrope":
+            original = scaling.original_max_position_embeddings or max_position_embeddings
+            self._long_inv_freq, _ = rope_inverse_frequencies(
+                rotary_dim, base, scaling, max_position_embeddings, seq_len=original + 1)
+
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions ``B x L`` or ``L`` (integers in ``[0, max_len)``) -> cos, sin.
+
+        Both ``B x L x R`` (``1 x L x R`` for ``L`` positions), float32, on the positions'
+        device, already multiplied by the attention factor, half-split or interleaved as
+        the module was built.
+        """
+        if not isinstance(positions, Tensor):
+            raise TypeError(f"positions: expected an integer Tensor of shape L or B x L, got "
+                            f"{type(positions).__name__}")
+        if positions.dtype == torch.bool or positions.is_floating_point() \
+                or positions.is_complex():
+            raise TypeError(f"positions: expected an integer dtype (torch.long), got "
+                            f"{positions.dtype}")
+        if positions.dim() not in (1, 2):
+            raise ValueError(f"positions: expected shape L or B x L, got "
+                             f"{tuple(positions.shape)}")
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0)
+        if positions.numel():
+            # One host sync per forward: the bounds check and the dynamic/longrope choice.
+            low, high = (int(v) for v in torch.aminmax(positions))
+            if low < 0 or high >= self.max_len:
+                raise ValueError(f"positions: expected values in [0, max_len={self.max_len}), "
+                                 f"got min {low} and max {high}")
+            self._update_frequencies(high + 1)
+        inv_freq = self._inv_freq.to(positions.device)
+        freqs = positions[..., None].float() * inv_freq  # B x L x R/2
+        if self.interleaved:
+            angles = freqs.repeat_interleave(2, dim=-1)
+        else:
+            angles = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos, sin
+
+    def _update_frequencies(self, seq_len: int) -> None:
+        """transformers' ``dynamic_rope_update``, step for step."""
+        rope_type = self.scaling.rope_type
+        if rope_type == "longrope":
+            original = (self.scaling.original_max_position_embeddings
+                        or self.max_position_embeddings)
+            self._inv_freq = (self._long_inv_freq if seq_len > original
+                              else self._original_inv_freq)
+        elif rope_type == "dynamic":
+            cached = self._max_seq_len_cached
+            if seq_len > cached:  # the sequence grew past every earlier one: scale further
+                self._inv_freq, _ = rope_inverse_frequencies(
+                    self.rotary_dim, self.base, self.scaling, self.max_position_embeddings,
+                    seq_len=seq_len)
+                self._max_seq_len_cached = seq_len
+            if seq_len < self.max_position_embeddings < cached:  # short again: unscaled
+                self._inv_freq = self._original_inv_freq
+                self._max_seq_len_cached = self.max_position_embeddings
+
+    def extra_repr(self) -> str:
+        return (f"rotary_dim={self.rotary_dim}, base={self.base}, max_len={self.max_len}, "
+                f"rope_type={self.scaling.rope_type!r}, interleaved={self.interleaved}")
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False) -> Tensor:
+    """Rotate the first ``R`` features of each head of ``x`` by cos/sin; pass the rest through.
+
+    x ``B x L x H x D`` (heads before the head transpose), cos and sin ``B x L x R`` or
+    ``1 x L x R`` from ``RotaryEmbedding`` (``R <= D``, even) -> x's shape and dtype:
+    ``x_rot * cos + rotate(x_rot) * sin`` with ``rotate`` the pair turn ``(a, b) -> (-b, a)``
+    of the layout (``interleaved`` must match the module's). As transformers does, cos and sin
+    are cast to x's dtype first, so half-precision results match its own.
+    """
+    if not isinstance(x, Tensor) or x.dim() != 4:
+        raise ValueError(f"x: expected a Tensor of shape B x L x H x D, got "
+                         f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, Tensor) or t.dim() != 3:
+            raise ValueError(f"{name}: expected a Tensor of shape B x L x R, got "
+                             f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+    if sin.shape != cos.shape:
+        raise ValueError(f"sin: expected cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
+    batch, length, _, dim = x.shape
+    rows, cos_len, rotary_dim = cos.shape
+    if rows not in (1, batch) or cos_len != length or rotary_dim % 2 or rotary_dim > dim:
+        raise ValueError(f"cos: expected shape ({batch} or 1) x {length} x R with R even and "
+                         f"<= {dim} (x is {tuple(x.shape)}), got {tuple(cos.shape)}")
+    cos = cos.to(x.dtype).unsqueeze(-2)  # B x L x 1 x R: the same turn for every head
+    sin = sin.to(x.dtype).unsqueeze(-2)
+    rot = x if rotary_dim == dim else x[..., :rotary_dim]
+    turned = _rotate_pairs(rot) if interleaved else _rotate_half(rot)
+    out = rot * cos + turned * sin
+    return out if rotary_dim == dim else torch.cat((out, x[..., rotary_dim:]), dim=-1)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotate_pairs(x: Tensor) -> Tensor:
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
