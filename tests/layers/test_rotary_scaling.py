@@ -167,7 +167,9 @@ def test_stateful_scaling_follows_transformers_through_a_kv_cache(case: str) -> 
              torch.tensor([[42], [12]]),                 # batch: the longest row decides
              torch.arange(20),                           # shorter than seen, >= MAX_POS: kept
              torch.arange(10),                           # dynamic: back to unscaled
-             torch.arange(3, 36), torch.tensor([36])]
+             torch.arange(3, 36), torch.tensor([36]),
+             # the boundaries: longrope's original length (8), dynamic's MAX_POS (32)
+             torch.arange(8), torch.tensor([[8]]), torch.arange(32), torch.tensor([32])]
     for positions in calls:
         assert_same_cos_sin(ours, theirs, positions)
     # The state matters: the same positions after a long call differ from a fresh module.
@@ -271,6 +273,8 @@ def test_one_dimensional_positions_broadcast_over_the_batch() -> None:
     torch.testing.assert_close(apply_rotary(x, cos, sin), per_row, rtol=0, atol=0)
     empty = rotary(torch.zeros(2, 0, dtype=torch.long))[0]
     assert empty.shape == (2, 0, HEAD_DIM)
+    # Meta tensors have no values: a shape-only run skips the bounds check.
+    assert rotary(torch.zeros(2, 5, dtype=torch.long, device="meta"))[1].shape == (2, 5, HEAD_DIM)
 
 
 def test_no_table_of_max_len_rows_and_robust_to_meta_and_dtype_casts() -> None:
@@ -369,6 +373,11 @@ def test_bad_arguments_are_refused_naming_them() -> None:
                               torch.zeros(3, 3, 8)), ValueError, ["cos", "(3, 3, 8)"]),
         (lambda: apply_rotary(torch.zeros(1, 3, 1, 8), torch.zeros(1, 3, 8),
                               torch.zeros(1, 3, 6)), ValueError, ["sin", "(1, 3, 6)"]),
+        (lambda: apply_rotary(torch.zeros(1, 3, 1, 8, dtype=torch.long), *rotary(torch.arange(3))),
+         TypeError, ["x", "int64", "floating"]),
+        (lambda: apply_rotary(torch.zeros(1, 3, 1, 8), torch.zeros(1, 3, 8, device="meta"),
+                              torch.zeros(1, 3, 8, device="meta")),
+         ValueError, ["cos, sin", "cpu", "meta"]),
         (lambda: apply_rotary(torch.zeros(1, 3, 1, 8), torch.zeros(1, 3, 5),
                               torch.zeros(1, 3, 5)), ValueError, ["cos", "even"]),
     ]

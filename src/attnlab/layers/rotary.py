@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from attnlab._checks import check_positive
 from attnlab.layers.rope_scaling import RopeScaling, rope_inverse_frequencies
 
-__all__ = ["RotaryEmbedding", "apply_rotary"]
+# RopeScaling and rope_inverse_frequencies are part of this module's interface too.
+__all__ = ["RopeScaling", "RotaryEmbedding", "apply_rotary", "rope_inverse_frequencies"]
 
 
 class RotaryEmbedding(nn.Module):
@@ -91,7 +92,7 @@ class RotaryEmbedding(nn.Module):
                              f"{tuple(positions.shape)}")
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
-        if positions.numel():
+        if positions.numel() and positions.device.type != "meta":  # meta: shapes only
             # One host sync per forward: the bounds check and the dynamic/longrope choice.
             low, high = (int(v) for v in torch.aminmax(positions))
             if low < 0 or high >= self.max_len:
@@ -149,6 +150,11 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = Fal
         if not isinstance(t, Tensor) or t.dim() != 3:
             raise ValueError(f"{name}: expected a Tensor of shape B x L x R, got "
                              f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"x: expected a floating-point Tensor, got {x.dtype}")
+    if cos.device != x.device or sin.device != x.device:
+        raise ValueError(f"cos, sin: expected x's device {x.device}, got {cos.device} and "
+                         f"{sin.device}")
     if sin.shape != cos.shape:
         raise ValueError(f"sin: expected cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
     batch, length, _, dim = x.shape
