@@ -141,7 +141,8 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = Fal
     ``1 x L x R`` from ``RotaryEmbedding`` (``R <= D``, even) -> x's shape and dtype:
     ``x_rot * cos + rotate(x_rot) * sin`` with ``rotate`` the pair turn ``(a, b) -> (-b, a)``
     of the layout (``interleaved`` must match the module's). As transformers does, cos and sin
-    are cast to x's dtype first, so half-precision results match its own.
+    are cast to x's dtype first, so half-precision results match its own; a model that is not
+    float32 casts them once per forward (``cos.to(dtype)``) rather than in every layer.
     """
     if not isinstance(x, Tensor) or x.dim() != 4:
         raise ValueError(f"x: expected a Tensor of shape B x L x H x D, got "
@@ -162,8 +163,9 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = Fal
     if rows not in (1, batch) or cos_len != length or rotary_dim % 2 or rotary_dim > dim:
         raise ValueError(f"cos: expected shape ({batch} or 1) x {length} x R with R even and "
                          f"<= {dim} (x is {tuple(x.shape)}), got {tuple(cos.shape)}")
-    cos = cos.to(x.dtype).unsqueeze(-2)  # B x L x 1 x R: the same turn for every head
-    sin = sin.to(x.dtype).unsqueeze(-2)
+    if cos.dtype != x.dtype:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # B x L x 1 x R: the same for every head
     rot = x if rotary_dim == dim else x[..., :rotary_dim]
     turned = _rotate_pairs(rot) if interleaved else _rotate_half(rot)
     out = rot * cos + turned * sin
