@@ -297,6 +297,8 @@ def test_scaling_round_trips_through_json() -> None:
         text = json.dumps(scaling.to_dict())
         assert RopeScaling.from_dict(json.loads(text)) == scaling
     assert RopeScaling.from_hf(None) == RopeScaling.from_hf({}) == RopeScaling()
+    eight = RopeScaling.from_hf({"rope_type": "linear", "factor": 8})  # JSON ints: floats
+    assert type(eight.factor) is float and eight.to_dict()["factor"] == 8.0
     # The old key "type" and JSON nulls read as transformers reads them.
     assert RopeScaling.from_hf({"type": "yarn", "factor": 2.0, "beta_fast": None}) == \
         RopeScaling(rope_type="yarn", factor=2.0)
