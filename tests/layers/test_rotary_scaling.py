@@ -273,8 +273,10 @@ def test_one_dimensional_positions_broadcast_over_the_batch() -> None:
     torch.testing.assert_close(apply_rotary(x, cos, sin), per_row, rtol=0, atol=0)
     empty = rotary(torch.zeros(2, 0, dtype=torch.long))[0]
     assert empty.shape == (2, 0, HEAD_DIM)
-    # Meta tensors have no values: a shape-only run skips the bounds check.
+    # Meta tensors have no values: a shape-only run skips the bounds check (and leaves the
+    # module as it was).
     assert rotary(torch.zeros(2, 5, dtype=torch.long, device="meta"))[1].shape == (2, 5, HEAD_DIM)
+    torch.testing.assert_close(rotary(torch.arange(3, 7)), (cos, sin), rtol=0, atol=0)
 
 
 def test_no_table_of_max_len_rows_and_robust_to_meta_and_dtype_casts() -> None:

@@ -99,8 +99,7 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError(f"positions: expected values in [0, max_len={self.max_len}), "
                                  f"got min {low} and max {high}")
             self._update_frequencies(high + 1)
-        inv_freq = self._inv_freq.to(positions.device)
-        freqs = positions[..., None].float() * inv_freq  # B x L x R/2
+        freqs = positions[..., None].float() * self._inv_freq_on(positions.device)  # B x L x R/2
         if self.interleaved:
             angles = freqs.repeat_interleave(2, dim=-1)
         else:
@@ -128,6 +127,16 @@ class RotaryEmbedding(nn.Module):
             if seq_len < self.max_position_embeddings < cached:  # short again: unscaled
                 self._inv_freq = self._original_inv_freq
                 self._max_seq_len_cached = self.max_position_embeddings
+
+    def _inv_freq_on(self, device: torch.device) -> Tensor:
+        """The current ``inv_freq`` on ``device``, kept there: moved once, not in every forward."""
+        if device.type == "meta":  # a shape-only run must not leave the module on meta
+            return self._inv_freq.to(device)
+        for name in ("_inv_freq", "_original_inv_freq", "_long_inv_freq"):
+            held = getattr(self, name)
+            if held is not None and held.device != device:
+                setattr(self, name, held.to(device))
+        return self._inv_freq
 
     def extra_repr(self) -> str:
         return (f"rotary_dim={self.rotary_dim}, base={self.base}, max_len={self.max_len}, "
