@@ -129,11 +129,11 @@ def test_llama31_checkpoint_numbers_equal_transformers() -> None:
 
 
 def rotary_pair(params: dict, max_len: int = 128):
-    """Ours and transformers' rotary modules for one config."""
-    config = hf_config(params)
-    theirs = (Phi3RotaryEmbedding if params.get("rope_type") == "longrope"
-              else LlamaRotaryEmbedding)(hf_config(params, cls=Phi3Config)
-                                         if params.get("rope_type") == "longrope" else config)
+    """Ours and transformers' rotary modules for one config (Phi-3's for longrope)."""
+    if params.get("rope_type") == "longrope":
+        theirs = Phi3RotaryEmbedding(hf_config(params, cls=Phi3Config))
+    else:
+        theirs = LlamaRotaryEmbedding(hf_config(params))
     ours = RotaryEmbedding(HEAD_DIM, base=THETA, max_len=max_len,
                            scaling=RopeScaling.from_hf(params), max_position_embeddings=MAX_POS)
     return ours, theirs
