@@ -314,6 +314,7 @@ def test_scaling_round_trips_through_json() -> None:
     ({"rope_type": "linear", "factor": "2"}, TypeError, ["factor", "'2'", "number"]),
     ({"rope_type": "linear", "factor": True}, TypeError, ["factor", "True"]),
     ({"rope_type": "linear", "factor": float("nan")}, ValueError, ["factor", "nan", "finite"]),
+    ({"rope_type": "linear", "factor": 10**400}, ValueError, ["factor", "finite"]),
     # transformers requires these keys: no silent default.
     ({"rope_type": "linear"}, ValueError, ["'linear'", "missing ['factor']"]),
     ({"rope_type": "llama3", "factor": 8.0}, ValueError,
