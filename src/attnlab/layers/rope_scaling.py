@@ -181,7 +181,7 @@ def rope_inverse_frequencies(rotary_dim: int, base: float, scaling: RopeScaling,
     check_positive("rotary_dim", rotary_dim)
     if rotary_dim % 2:
         raise ValueError(f"rotary_dim: expected an even int, got {rotary_dim}")
-    if not is_number(base, finite=True) or base <= 1:
+    if _checked_number("base", base, positive=True) <= 1:
         raise ValueError(f"base: expected a finite number > 1, got {base!r}")
     if not isinstance(scaling, RopeScaling):
         raise TypeError(f"scaling: expected a RopeScaling, got {type(scaling).__name__}")
