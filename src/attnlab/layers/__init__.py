@@ -9,6 +9,8 @@ from attnlab.layers.positional import (
     SinusoidalPositionalEncoding,
     positions_from_offset,
 )
+from attnlab.layers.rope_scaling import RopeScaling, rope_inverse_frequencies
+from attnlab.layers.rotary import RotaryEmbedding, apply_rotary
 
 __all__ = [
     "ACTIVATIONS",
@@ -17,7 +19,11 @@ __all__ = [
     "LearnedPositionalEmbedding",
     "RMSNorm",
     "RoPE",
+    "RopeScaling",
+    "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
     "SwiGLU",
+    "apply_rotary",
     "positions_from_offset",
+    "rope_inverse_frequencies",
 ]

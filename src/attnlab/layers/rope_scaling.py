@@ -76,15 +76,15 @@ class RopeScaling:
         if not isinstance(self.rope_type, str) or self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_type: expected one of {ROPE_TYPES}, got {self.rope_type!r}")
         if self.factor is not None or self.rope_type in ("linear", "dynamic", "llama3"):
-            _check_number("factor", self.factor, positive=True)
+            self._set_number("factor", positive=True)
         if self.original_max_position_embeddings is not None:
             check_positive("original_max_position_embeddings",
                            self.original_max_position_embeddings)
         for name in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"):
-            _check_number(name, getattr(self, name), positive=name == "low_freq_factor")
+            self._set_number(name, positive=name == "low_freq_factor")
         for name in ("mscale", "mscale_all_dim", "attention_factor"):
             if getattr(self, name) is not None:
-                _check_number(name, getattr(self, name), positive=name == "attention_factor")
+                self._set_number(name, positive=name == "attention_factor")
         if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(f"high_freq_factor: expected a number > low_freq_factor="
                              f"{self.low_freq_factor} (llama3 divides by their difference), "
@@ -99,9 +99,14 @@ class RopeScaling:
                 continue
             if not isinstance(value, (list, tuple)):
                 raise TypeError(f"{name}: expected a list of numbers, got {value!r}")
-            for i, item in enumerate(value):
-                _check_number(f"{name}[{i}]", item, positive=True)
-            object.__setattr__(self, name, tuple(float(v) for v in value))
+            items = tuple(_checked_number(f"{name}[{i}]", v, positive=True)
+                          for i, v in enumerate(value))
+            object.__setattr__(self, name, items)
+
+    def _set_number(self, name: str, *, positive: bool) -> None:
+        # Stored as a float, so that factor 8 (JSON) and 8.0 give equal, alike configs.
+        object.__setattr__(self, name, _checked_number(name, getattr(self, name),
+                                                       positive=positive))
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict (tuples as lists); ``from_dict`` reads it back."""
@@ -127,9 +132,11 @@ class RopeScaling:
         """The scaling a ``config.json`` ``rope_scaling`` / ``rope_parameters`` dict describes.
 
         ``None`` or ``{}`` is the default RoPE. The type is ``rope_type`` (or the old ``type``);
-        ``rope_theta`` and ``partial_rotary_factor`` are left to the caller; a JSON ``null``
-        takes the field's default, as transformers does. ``source`` (e.g. ``"config.json:
-        rope_scaling"``) starts every error message.
+        ``rope_theta`` and ``partial_rotary_factor`` are left to the caller. A key that
+        transformers requires for the type must be there; a JSON ``null`` means "unset" where
+        transformers reads it so (``beta_fast``, ``beta_slow``, yarn's ``factor``, ``mscale``,
+        ``attention_factor``, ``original_max_position_embeddings``) and is refused elsewhere.
+        ``source`` (e.g. ``"config.json: rope_scaling"``) starts every error message.
         """
         if d is None:
             return cls()
@@ -174,7 +181,7 @@ def rope_inverse_frequencies(rotary_dim: int, base: float, scaling: RopeScaling,
     check_positive("rotary_dim", rotary_dim)
     if rotary_dim % 2:
         raise ValueError(f"rotary_dim: expected an even int, got {rotary_dim}")
-    if not is_number(base, finite=True) or base <= 1:
+    if _checked_number("base", base, positive=True) <= 1:
         raise ValueError(f"base: expected a finite number > 1, got {base!r}")
     if not isinstance(scaling, RopeScaling):
         raise TypeError(f"scaling: expected a RopeScaling, got {type(scaling).__name__}")
@@ -295,10 +302,15 @@ _INIT_FUNCTIONS = {"default": _default, "linear": _linear, "dynamic": _dynamic,
                    "yarn": _yarn, "llama3": _llama3, "longrope": _longrope}
 
 
-def _check_number(name: str, value: object, *, positive: bool) -> None:
+def _checked_number(name: str, value: object, *, positive: bool) -> float:
     if not is_number(value):
         raise TypeError(f"{name}: expected a finite number, got {value!r}")
-    if not math.isfinite(value):
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not finite:
         raise ValueError(f"{name}: expected a finite number, got {value!r}")
     if positive and value <= 0:
         raise ValueError(f"{name}: expected a number > 0, got {value!r}")
+    return float(value)

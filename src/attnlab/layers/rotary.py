@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from attnlab._checks import check_positive
 from attnlab.layers.rope_scaling import RopeScaling, rope_inverse_frequencies
 
-__all__ = ["RotaryEmbedding", "apply_rotary"]
+# RopeScaling and rope_inverse_frequencies are part of this module's interface too.
+__all__ = ["RopeScaling", "RotaryEmbedding", "apply_rotary", "rope_inverse_frequencies"]
 
 
 class RotaryEmbedding(nn.Module):
@@ -91,15 +92,14 @@ class RotaryEmbedding(nn.Module):
                              f"{tuple(positions.shape)}")
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
-        if positions.numel():
+        if positions.numel() and positions.device.type != "meta":  # meta: shapes only
             # One host sync per forward: the bounds check and the dynamic/longrope choice.
             low, high = (int(v) for v in torch.aminmax(positions))
             if low < 0 or high >= self.max_len:
                 raise ValueError(f"positions: expected values in [0, max_len={self.max_len}), "
                                  f"got min {low} and max {high}")
             self._update_frequencies(high + 1)
-        inv_freq = self._inv_freq.to(positions.device)
-        freqs = positions[..., None].float() * inv_freq  # B x L x R/2
+        freqs = positions[..., None].float() * self._inv_freq_on(positions.device)  # B x L x R/2
         if self.interleaved:
             angles = freqs.repeat_interleave(2, dim=-1)
         else:
@@ -128,6 +128,16 @@ class RotaryEmbedding(nn.Module):
                 self._inv_freq = self._original_inv_freq
                 self._max_seq_len_cached = self.max_position_embeddings
 
+    def _inv_freq_on(self, device: torch.device) -> Tensor:
+        """The current ``inv_freq`` on ``device``, kept there: moved once, not in every forward."""
+        if device.type == "meta":  # a shape-only run must not leave the module on meta
+            return self._inv_freq.to(device)
+        for name in ("_inv_freq", "_original_inv_freq", "_long_inv_freq"):
+            held = getattr(self, name)
+            if held is not None and held.device != device:
+                setattr(self, name, held.to(device))
+        return self._inv_freq
+
     def extra_repr(self) -> str:
         return (f"rotary_dim={self.rotary_dim}, base={self.base}, max_len={self.max_len}, "
                 f"rope_type={self.scaling.rope_type!r}, interleaved={self.interleaved}")
@@ -140,7 +150,8 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = Fal
     ``1 x L x R`` from ``RotaryEmbedding`` (``R <= D``, even) -> x's shape and dtype:
     ``x_rot * cos + rotate(x_rot) * sin`` with ``rotate`` the pair turn ``(a, b) -> (-b, a)``
     of the layout (``interleaved`` must match the module's). As transformers does, cos and sin
-    are cast to x's dtype first, so half-precision results match its own.
+    are cast to x's dtype first, so half-precision results match its own; a model that is not
+    float32 casts them once per forward (``cos.to(dtype)``) rather than in every layer.
     """
     if not isinstance(x, Tensor) or x.dim() != 4:
         raise ValueError(f"x: expected a Tensor of shape B x L x H x D, got "
@@ -149,6 +160,11 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = Fal
         if not isinstance(t, Tensor) or t.dim() != 3:
             raise ValueError(f"{name}: expected a Tensor of shape B x L x R, got "
                              f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"x: expected a floating-point Tensor, got {x.dtype}")
+    if cos.device != x.device or sin.device != x.device:
+        raise ValueError(f"cos, sin: expected x's device {x.device}, got {cos.device} and "
+                         f"{sin.device}")
     if sin.shape != cos.shape:
         raise ValueError(f"sin: expected cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
     batch, length, _, dim = x.shape
@@ -156,8 +172,9 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = Fal
     if rows not in (1, batch) or cos_len != length or rotary_dim % 2 or rotary_dim > dim:
         raise ValueError(f"cos: expected shape ({batch} or 1) x {length} x R with R even and "
                          f"<= {dim} (x is {tuple(x.shape)}), got {tuple(cos.shape)}")
-    cos = cos.to(x.dtype).unsqueeze(-2)  # B x L x 1 x R: the same turn for every head
-    sin = sin.to(x.dtype).unsqueeze(-2)
+    if cos.dtype != x.dtype:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # B x L x 1 x R: the same for every head
     rot = x if rotary_dim == dim else x[..., :rotary_dim]
     turned = _rotate_pairs(rot) if interleaved else _rotate_half(rot)
     out = rot * cos + turned * sin
