@@ -83,7 +83,8 @@ def write_phi3(c: DecoderLMConfig) -> dict[str, Any]:
                      if k in ("short_factor", "long_factor", "factor", "attention_factor")
                      and v is not None})
         d["original_max_position_embeddings"] = s.original_max_position_embeddings or c.max_len
-    d.update(rope_parameters=rope, sliding_window=c.sliding_window)
+    # No pad id: transformers' default (32000) is outside a small vocabulary.
+    d.update(rope_parameters=rope, sliding_window=c.sliding_window, pad_token_id=None)
     return check_round_trip(c, d, read_phi3)
 
 
