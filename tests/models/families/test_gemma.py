@@ -68,25 +68,19 @@ def test_gemma_norm_matches_transformers_in_bfloat16(pair) -> None:
     theirs.float(), mine.float()
 
 
-def test_gemma_embedding_scale_is_rounded_to_the_weights_dtype_as_transformers() -> None:
-    # sqrt(E) in bfloat16 is not sqrt(E): the scale must be rounded first, as Gemma does.
-    emb = torch.randn(V, 48, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    theirs = transformers.models.gemma.modeling_gemma.GemmaTextScaledWordEmbedding(
-        V, 48, 0, embed_scale=48 ** 0.5)
-    theirs.weight.data.copy_(emb)
-    theirs.to(torch.bfloat16)
-    ours = gemma.tiny_config(hidden_size=48)
-    ids = torch.arange(V)[None]
-    expected = theirs(ids)
-    got = emb[ids] * torch.tensor(ours.embedding_scale, dtype=torch.bfloat16)
-    assert torch.equal(got, expected)
-
-
 def test_gemma_bfloat16_checkpoint_matches_transformers(tmp_path) -> None:
+    # sqrt(48) in bfloat16 is 6.9375, not 6.9282: the scaled embeddings must be equal bit for
+    # bit, which holds only if the scale is rounded to the weights' dtype first, as Gemma does.
     hf = tiny_checkpoint(tmp_path, transformers.GemmaForCausalLM, _config(),
                          dtype=torch.bfloat16)
     ours = load(tmp_path)
     assert ours.embed_tokens.weight.dtype == torch.bfloat16
+    seen = []
+    ours.layers[0].resid_pre.register_forward_hook(lambda m, i, out: seen.append(out))
+    ids = torch.arange(V)[None]
+    with torch.no_grad():
+        ours(ids)
+        assert torch.equal(seen[0], hf.model.embed_tokens(ids))
     assert_logits_match(hf, ours, atol=0.05)
 
 
