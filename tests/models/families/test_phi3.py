@@ -141,6 +141,7 @@ def test_phi3_old_rope_scaling_spelling_su_reads_as_longrope(pair) -> None:
     ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 4,
                           "long_factor": [1.0] * 3}},
      r"rope_parameters.short_factor: expected rotary_dim/2 = 3 numbers"),
+    ({"rope_parameters": {"type": [1]}}, r"rope_parameters.rope_type \[1\] is not supported"),
     ({"sliding_window": 0}, "sliding_window: expected a positive int, got 0"),
     ({"sliding_window": "4"}, "sliding_window"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported for phi3"),

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from attnlab.models.decoder import DecoderLMConfig
 
-__all__ = ["Family", "WeightMap", "check_round_trip"]
+__all__ = ["Family", "WeightMap", "check_round_trip", "config_from_keys"]
 
 _LAYER = re.compile(r"\.(\d+)\.")
 
@@ -114,6 +114,18 @@ class Family:
     config_from_hf: Callable[[dict[str, Any]], DecoderLMConfig]
     config_to_hf: Callable[[DecoderLMConfig], dict[str, Any]]
     weights: Callable[[DecoderLMConfig], WeightMap]
+
+
+def config_from_keys(keys: Mapping[str, str], **fields: Any) -> DecoderLMConfig:
+    """``DecoderLMConfig(**fields)``; an error about a field read from a ``config.json`` key
+    (``keys``: field -> key) names the key first: ``"n_embd (d_model): expected ..."``."""
+    try:
+        return DecoderLMConfig(**fields)
+    except (TypeError, ValueError) as error:
+        field_name, colon, rest = str(error).partition(":")
+        if not colon or field_name not in keys:
+            raise
+        raise type(error)(f"{keys[field_name]} ({field_name}):{rest}") from None
 
 
 def check_round_trip(config: DecoderLMConfig, hf: dict[str, Any],

@@ -21,7 +21,7 @@ from typing import Any
 from attnlab._checks import check_positive
 from attnlab.models.config import check_value
 from attnlab.models.decoder import DecoderLMConfig
-from attnlab.models.families.base import Family, WeightMap, check_round_trip
+from attnlab.models.families.base import Family, WeightMap, check_round_trip, config_from_keys
 
 __all__ = ["FAMILY", "gpt2_weights", "read_gpt2", "tiny_config", "write_gpt2"]
 
@@ -67,9 +67,11 @@ def read_gpt2(d: dict[str, Any]) -> DecoderLMConfig:
                    for key, (ours, default, hint) in _OPTIONAL.items()})
     # Without scale_attn_weights GPT-2 leaves the scores unscaled: a scale of 1.
     scaled = check_value("scale_attn_weights", d.get("scale_attn_weights", True), bool)
-    return DecoderLMConfig(**fields, position="learned", norm="layernorm",
-                           mlp=_ACTIVATIONS[act], bias=True,
-                           attention_scale=None if scaled else 1.0, family="gpt2")
+    keys = {**{ours: key for key, ours in _REQUIRED.items()},
+            **{ours: key for key, (ours, _, _) in _OPTIONAL.items()}}
+    return config_from_keys(keys, **fields, position="learned", norm="layernorm",
+                            mlp=_ACTIVATIONS[act], bias=True,
+                            attention_scale=None if scaled else 1.0, family="gpt2")
 
 
 def write_gpt2(c: DecoderLMConfig) -> dict[str, Any]:

@@ -42,7 +42,7 @@ def read_phi3(d: dict[str, Any]) -> DecoderLMConfig:
     rope = {**(check_value("rope_scaling", d.get("rope_scaling"), dict | None) or {}),
             **(check_value("rope_parameters", d.get("rope_parameters"), dict | None) or {})}
     kind = rope.pop("type", None) or rope.get("rope_type") or "default"
-    if kind not in _ROPE_TYPES:
+    if not isinstance(kind, str) or kind not in _ROPE_TYPES:
         raise ValueError(f"rope_parameters.rope_type {kind!r} is not supported for phi3; "
                          f"expected one of {sorted(_ROPE_TYPES)}")
     rope["rope_type"] = _ROPE_TYPES[kind]
