@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,7 +20,9 @@ from family_parity import (
     tiny_checkpoint,
 )
 
+from attnlab.models.decoder import DecoderLM
 from attnlab.models.families import gemma
+from attnlab.models.io import save_pretrained
 
 transformers = pytest.importorskip("transformers")
 
@@ -101,6 +104,18 @@ def test_gemma_save_pretrained_is_read_by_transformers(pair, tmp_path) -> None:
                        ours.layers[1].input_layernorm.weight)
 
 
+@pytest.mark.parametrize(("change", "words"), [
+    ({"norm": "rmsnorm"}, "norm: the gemma format cannot hold 'rmsnorm'"),
+    ({"embedding_scale": 2.0}, "embedding_scale: the gemma format cannot hold 2.0"),
+    ({"mlp_bias": True}, "mlp_bias: the gemma format cannot hold True"),
+])
+def test_gemma_save_refuses_a_config_the_format_cannot_hold(tmp_path, change, words) -> None:
+    c = replace(gemma.tiny_config(), **change)
+    with pytest.raises(ValueError, match=words):
+        save_pretrained(DecoderLM(c), tmp_path)
+    assert not (tmp_path / "model.safetensors").exists()
+
+
 def test_gemma_legacy_gelu_reads_as_the_tanh_approximation(pair, tmp_path) -> None:
     folder, _, _ = pair
     d = json.loads((folder / "config.json").read_text())
@@ -125,7 +140,6 @@ def test_gemma_refuses_unsupported_options_naming_the_key(pair, tmp_path, key, v
 
 
 def test_gemma_tiny_config_builds_a_model() -> None:
-    from attnlab.models.decoder import DecoderLM
     model = DecoderLM(gemma.tiny_config())
     logits = model(torch.tensor([[1, 2, 3]]))
     assert logits.shape == (1, 3, V) and model.config.embedding_scale == math.sqrt(32)

@@ -5,6 +5,7 @@ gelu_new, tied head; names with and without ``transformer.``, old mask buffers s
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -113,7 +114,7 @@ def test_gpt2_save_refuses_a_config_the_format_cannot_hold(tmp_path) -> None:
                         position="rope", family="gpt2")
     with pytest.raises(ValueError, match="position: the gpt2 format cannot hold 'rope'"):
         save_pretrained(DecoderLM(c), tmp_path)
-    c = gpt2.tiny_config().__class__(**{**gpt2.tiny_config().to_dict(), "qkv_bias": False})
+    c = replace(gpt2.tiny_config(), qkv_bias=False)
     with pytest.raises(ValueError, match="qkv_bias: the gpt2 format cannot hold False"):
         save_pretrained(DecoderLM(c), tmp_path)
 
