@@ -79,7 +79,11 @@ def test_gpt2_names_without_the_transformer_prefix_and_old_mask_buffers(pair, tm
 
 
 def test_gpt2_mask_buffers_are_skipped_only_under_their_own_names(pair, tmp_path) -> None:
-    folder, _, _ = pair
+    folder, _, ours = pair
+    weights = gpt2.gpt2_weights(ours.config).matching(["h.0.ln_1.weight"])
+    buffers = {"h.1.attn.bias": torch.ones(1), "h.1.attn.masked_bias": torch.ones(1)}
+    assert weights.skipped([*buffers, "h.1.ln_1.bias"]) == list(buffers)
+    assert weights.to_ours(buffers, {}) == {}
     stored = load_file(folder / "model.safetensors")
     save_file({**stored, "transformer.h.0.attn.extra": torch.zeros(1)},
               tmp_path / "model.safetensors")

@@ -64,11 +64,14 @@ class WeightMap:
                 ) -> dict[str, Tensor]:
         """Stored tensors -> ours; ``shapes`` are our state dict's (for the splits).
 
-        A stored name that matches no pattern raises a ``ValueError`` naming it.
+        A stored name that matches no pattern raises a ``ValueError`` naming it; those that
+        match an ``ignored`` pattern are dropped.
         """
         ours: dict[str, Tensor] = {}
         for name, t in stored.items():
             pattern, index = _pattern(name)
+            if pattern in self.ignored:
+                continue
             if pattern not in self.names:
                 raise ValueError(f"unexpected tensor {name!r}: no weight of this family is "
                                  f"stored under that name")
