@@ -8,6 +8,9 @@ saved from ``GPT2LMHeadModel`` prefix the names with ``transformer.``, those sav
 ``GPT2Model`` (the original ``gpt2`` upload) do not: both read. The causal-mask buffers of
 old checkpoints (``attn.bias``, ``attn.masked_bias``) are skipped.
 
+The dropout probabilities (``attn_pdrop``, ``resid_pdrop``, ``embd_pdrop``) are not read: a
+loaded model runs without dropout (set ``DecoderLMConfig.dropout`` to fine-tune with one).
+
 Refused, naming the key: ``scale_attn_by_inverse_layer_idx`` and ``reorder_and_upcast_attn``
 true (the
 Stanford CRFM runs), ``add_cross_attention`` true (an encoder-decoder part), an
