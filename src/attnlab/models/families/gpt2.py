@@ -12,9 +12,9 @@ The dropout probabilities (``attn_pdrop``, ``resid_pdrop``, ``embd_pdrop``) are 
 loaded model runs without dropout (set ``DecoderLMConfig.dropout`` to fine-tune with one).
 
 Refused, naming the key: ``scale_attn_by_inverse_layer_idx`` and ``reorder_and_upcast_attn``
-true (the
-Stanford CRFM runs), ``add_cross_attention`` true (an encoder-decoder part), an
+true (the Stanford CRFM runs), ``add_cross_attention`` true (an encoder-decoder part), an
 ``activation_function`` other than ``gelu_new``, ``gelu_pytorch_tanh``, ``gelu``, ``relu``.
+``scale_attn_weights`` false (unscaled scores) reads as ``attention_scale=1``.
 """
 
 from __future__ import annotations
