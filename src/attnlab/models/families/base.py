@@ -142,11 +142,12 @@ def check_round_trip(config: DecoderLMConfig, hf: dict[str, Any],
     """
     want, got = _resolved(config), _resolved(read(hf))
     for f in fields(want):
-        if getattr(want, f.name) != getattr(got, f.name):
+        ours, theirs = getattr(want, f.name), getattr(got, f.name)
+        if ours != theirs:
             raise ValueError(f"{f.name}: the {hf.get('model_type')} format cannot hold "
-                             f"{getattr(config, f.name)!r} (it reads back as "
-                             f"{getattr(got, f.name)!r}); expected a {hf.get('model_type')} "
-                             f"config, e.g. one loaded from such a checkpoint")
+                             f"{ours!r} (it reads back as {theirs!r}); expected a "
+                             f"{hf.get('model_type')} config, e.g. one loaded from such a "
+                             f"checkpoint")
     return hf
 
 
