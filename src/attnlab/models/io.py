@@ -24,6 +24,7 @@ from attnlab.models.hf_loading import (
     parse_dtype,
     read_json,
     save_tensors,
+    weight_files,
 )
 
 __all__ = ["from_pretrained", "save_pretrained"]
@@ -52,15 +53,19 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
     dtype = dtype or parse_dtype(stored, f"{file}: {dtype_key}")
     with torch.device("meta"):
         model = DecoderLM(config)
-    weights = family.weights(config)
+    stored_names = weight_files(folder)
+    weights = family.weights(config).matching(stored_names)
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     expected = {k: tuple(t.shape) for k, t in weights.to_stored(model.state_dict()).items()}
-    ignore = ("lm_head.weight",) if config.tie_embeddings else ()
+    ignore = [*weights.skipped(stored_names), *(("lm_head.weight",) if config.tie_embeddings
+                                                 else ())]
     stored_tensors = load_tensors(folder, expected, dtype=dtype, ignore=ignore)
     state = weights.to_ours(stored_tensors, shapes)
     if config.tie_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_embeddings:  # `assign` made two Parameters of the one tensor: one again
+        model.lm_head.weight = model.embed_tokens.weight
     model.rotary = make_rotary(config)  # its frequencies are buffers, made on "meta" above
     return model.to(device).eval()
 

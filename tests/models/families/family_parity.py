@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from attnlab.generation import generate
-from attnlab.models.io import from_pretrained
+from attnlab.models.io import from_pretrained, save_pretrained
 
 V = 96
 
@@ -45,11 +45,19 @@ def left_padded_batch(seed: int = 1, vocab: int = V, lengths: tuple[int, ...] = 
 
 
 def assert_logits_match(hf: nn.Module, ours: nn.Module, *, atol: float = 1e-4,
-                        seed: int = 1) -> None:
-    """Logits of a left-padded batch agree at every real position within ``atol``."""
-    ids, mask = left_padded_batch(seed, vocab=ours.config.vocab_size)
+                        seed: int = 1, lengths: tuple[int, ...] = (13, 7, 10),
+                        hf_positions_from_mask: bool = False) -> None:
+    """Logits of a left-padded batch agree at every real position within ``atol``.
+
+    transformers' forward numbers the positions ``0 .. L-1`` whatever the padding (its
+    ``generate`` counts real tokens, as we always do); RoPE does not see the shift, learned
+    positions (GPT-2) do: ``hf_positions_from_mask`` passes transformers ``generate``'s
+    ``position_ids``.
+    """
+    ids, mask = left_padded_batch(seed, vocab=ours.config.vocab_size, lengths=lengths)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0) if hf_positions_from_mask else None
     with torch.no_grad():
-        expected = hf(input_ids=ids, attention_mask=mask).logits.float()
+        expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
         got = ours(ids, mask).float()
     real = mask.bool()
     err = (expected - got)[real].abs().max().item()
@@ -57,14 +65,16 @@ def assert_logits_match(hf: nn.Module, ours: nn.Module, *, atol: float = 1e-4,
 
 
 def assert_greedy_match(hf: nn.Module, ours: nn.Module, *, new_tokens: int = 16,
-                        seed: int = 2) -> None:
+                        seed: int = 2, lengths: tuple[int, ...] = (13, 7, 10),
+                        use_cache: bool = True) -> None:
     """Greedy generation from a left-padded batch gives the same tokens as transformers'."""
-    ids, mask = left_padded_batch(seed, vocab=ours.config.vocab_size)
+    ids, mask = left_padded_batch(seed, vocab=ours.config.vocab_size, lengths=lengths)
     with torch.no_grad():
         expected = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                                eos_token_id=None)
-    got = generate(ours, ids, new_tokens, attention_mask=mask, eos_token_id=None)
+    got = generate(ours, ids, new_tokens, attention_mask=mask, eos_token_id=None,
+                   use_cache=use_cache)
     assert torch.equal(got, expected), (got[:, ids.shape[1]:], expected[:, ids.shape[1]:])
 
 
@@ -80,6 +90,16 @@ def assert_cache_matches_full(ours: nn.Module, *, seed: int = 3) -> None:
     real = mask.bool()
     err = (torch.cat(steps, 1) - full)[real].abs().max().item()
     assert err <= 1e-5, f"cached vs full: max difference {err:.3g}"
+
+
+def assert_save_round_trip(ours: nn.Module, model_cls: type, folder: Path, **kwargs: object
+                           ) -> nn.Module:
+    """``save_pretrained(ours, folder)``: transformers' ``model_cls`` loads it and its logits
+    match ours (``kwargs`` to ``assert_logits_match``); returns that model."""
+    save_pretrained(ours, folder)
+    hf = model_cls.from_pretrained(folder).eval()
+    assert_logits_match(hf, ours, **kwargs)
+    return hf
 
 
 def load(folder: Path, **kwargs: object) -> nn.Module:

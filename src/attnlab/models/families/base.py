@@ -9,8 +9,8 @@ forward pass is ``DecoderLM``'s for every family; a family module holds no model
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -18,7 +18,7 @@ from torch import Tensor
 
 from attnlab.models.decoder import DecoderLMConfig
 
-__all__ = ["Family", "WeightMap"]
+__all__ = ["Family", "WeightMap", "check_round_trip", "config_from_keys"]
 
 _LAYER = re.compile(r"\.(\d+)\.")
 
@@ -32,21 +32,46 @@ class WeightMap:
     A tuple of our patterns means the stored tensor is theirs concatenated along dim 0
     (Phi-3's ``qkv_proj``, GPT-2's ``c_attn``); it is split by our tensors' sizes.
     ``transposed``: stored patterns kept ``in x out`` (GPT-2's ``Conv1D``), transposed to our
-    ``out x in`` on the way in and back on the way out.
+    ``out x in`` on the way in and back on the way out. ``ignored``: stored patterns skipped
+    when present (buffers of old checkpoints: GPT-2's ``attn.bias`` causal mask).
+    ``optional_prefix``: a prefix of the patterns that some checkpoints leave out (GPT-2's
+    ``transformer.``); ``matching`` gives the map as a checkpoint spells it.
     """
 
     names: Mapping[str, str | tuple[str, ...]]
     transposed: frozenset[str] = field(default_factory=frozenset)
+    ignored: frozenset[str] = field(default_factory=frozenset)
+    optional_prefix: str = ""
+
+    def matching(self, stored: Iterable[str]) -> WeightMap:
+        """This map as the stored names ``stored`` spell it: without ``optional_prefix`` when
+        none of them starts with it, else as it is."""
+        prefix = self.optional_prefix
+        if not prefix or any(name.startswith(prefix) for name in stored):
+            return self
+
+        def strip(patterns: Iterable[str]) -> frozenset[str]:
+            return frozenset(p.removeprefix(prefix) for p in patterns)
+
+        return WeightMap({k.removeprefix(prefix): v for k, v in self.names.items()},
+                         strip(self.transposed), strip(self.ignored))
+
+    def skipped(self, stored: Iterable[str]) -> list[str]:
+        """The names in ``stored`` that an ``ignored`` pattern matches (read, then dropped)."""
+        return [name for name in stored if _pattern(name)[0] in self.ignored]
 
     def to_ours(self, stored: Mapping[str, Tensor], shapes: Mapping[str, torch.Size]
                 ) -> dict[str, Tensor]:
         """Stored tensors -> ours; ``shapes`` are our state dict's (for the splits).
 
-        A stored name that matches no pattern raises a ``ValueError`` naming it.
+        A stored name that matches no pattern raises a ``ValueError`` naming it; those that
+        match an ``ignored`` pattern are dropped.
         """
         ours: dict[str, Tensor] = {}
         for name, t in stored.items():
             pattern, index = _pattern(name)
+            if pattern in self.ignored:
+                continue
             if pattern not in self.names:
                 raise ValueError(f"unexpected tensor {name!r}: no weight of this family is "
                                  f"stored under that name")
@@ -92,6 +117,50 @@ class Family:
     config_from_hf: Callable[[dict[str, Any]], DecoderLMConfig]
     config_to_hf: Callable[[DecoderLMConfig], dict[str, Any]]
     weights: Callable[[DecoderLMConfig], WeightMap]
+
+
+def config_from_keys(keys: Mapping[str, str], **fields: Any) -> DecoderLMConfig:
+    """``DecoderLMConfig(**fields)``; an error about a field read from a ``config.json`` key
+    (``keys``: field -> key) names the key first: ``"n_embd (d_model): expected ..."``."""
+    try:
+        return DecoderLMConfig(**fields)
+    except (TypeError, ValueError) as error:
+        field_name, colon, rest = str(error).partition(":")
+        if not colon or field_name not in keys:
+            raise
+        raise type(error)(f"{keys[field_name]} ({field_name}):{rest}") from None
+
+
+def check_round_trip(config: DecoderLMConfig, hf: dict[str, Any],
+                     read: Callable[[dict[str, Any]], DecoderLMConfig]) -> dict[str, Any]:
+    """``hf`` (a ``config.json`` object written for ``config``) when ``read(hf)`` builds the same
+    model; else a ``ValueError`` naming the first field the family's format cannot hold (a
+    GPT-2 file for a rotary config, say), so that a save never writes a different model.
+
+    Fields that do not change the computation (dropout, backend) are not compared, and
+    defaults are compared resolved (``num_kv_heads=None`` is ``num_heads``).
+    """
+    want, got = _resolved(config), _resolved(read(hf))
+    for f in fields(want):
+        ours, theirs = getattr(want, f.name), getattr(got, f.name)
+        if ours != theirs:
+            raise ValueError(f"{f.name}: the {hf.get('model_type')} format cannot hold "
+                             f"{ours!r} (it reads back as {theirs!r}); expected a "
+                             f"{hf.get('model_type')} config, e.g. one loaded from such a "
+                             f"checkpoint")
+    return hf
+
+
+def _resolved(c: DecoderLMConfig) -> DecoderLMConfig:
+    """``c`` with its defaults resolved and the fields that do not change outputs cleared."""
+    rope = c.position == "rope"
+    return replace(
+        c, num_kv_heads=c.kv_heads, d_ff=c.ff_dim, bias=False,
+        **{name: c.resolved_bias(name) for name in ("qkv_bias", "o_bias", "mlp_bias")},
+        norm_bias=c.norm == "layernorm" and c.resolved_bias("norm_bias"),
+        rotary_dim=c.rotary_size if rope else None, rope_base=c.rope_base if rope else 1.0,
+        rope_traditional=rope and c.rope_traditional, rope_scaling=c.rope_scaling if rope else None,
+        dropout=0.0, backend="auto")
 
 
 def _pattern(name: str) -> tuple[str, int | None]:
