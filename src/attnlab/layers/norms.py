@@ -13,8 +13,8 @@ __all__ = ["RMSNorm"]
 class RMSNorm(nn.Module):
     """``RMSNorm(x) = x / sqrt(mean(x^2) + eps) * weight`` over the last dim (Zhang & Sennrich).
 
-    No mean subtraction and no bias. Computed in float32 and cast back to ``x``'s dtype, as
-    Llama does. x ``N.. x dim`` -> ``N.. x dim``; ``weight`` ``dim``, initialised to ones.
+    No mean subtraction and no bias. The normalisation is computed in float32, cast back to
+    ``x``'s dtype, then scaled by ``weight``, as Llama does. x ``N.. x dim`` -> ``N.. x dim``; ``weight`` ``dim``, initialised to ones.
     ``unit_offset=True`` scales by ``1 + weight`` instead (Gemma; ``weight`` then starts at
     zeros), the product taken in float32 before the cast, as Gemma does.
     """
@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
         normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         if self.unit_offset:
             return (normed * (1.0 + self.weight.float())).to(x.dtype)
-        return (normed * self.weight.float()).to(x.dtype)
+        return (normed.to(x.dtype) * self.weight).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}" + (", unit_offset=True" if self.unit_offset else "")
