@@ -329,8 +329,14 @@ def make_rotary(c: DecoderLMConfig) -> RotaryEmbedding | None:
     """The config's rotary embedding (no parameters; its frequencies are buffers), if any."""
     if c.position != "rope":
         return None
+    scaling = c.rope_scaling
+    # Dynamic NTK scales past the length trained on, kept as the scaling's
+    # original_max_position_embeddings; max_len is then the extended context.
+    start = (scaling.original_max_position_embeddings
+             if scaling is not None and scaling.rope_type == "dynamic" else None)
     return RotaryEmbedding(c.rotary_size, base=c.rope_base, max_len=c.max_len,
-                           scaling=c.rope_scaling, interleaved=c.rope_traditional)
+                           scaling=scaling, interleaved=c.rope_traditional,
+                           max_position_embeddings=start)
 
 
 def make_norm(c: DecoderLMConfig, dim: int) -> nn.Module:

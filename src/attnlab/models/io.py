@@ -42,8 +42,8 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
     device = torch.device("cpu" if device is None else device)
     file = folder / CONFIG_NAME
     raw = read_json(file)
-    family = family_for(raw.get("model_type"))
     try:
+        family = family_for(raw.get("model_type"))
         config = family.config_from_hf(raw)
         dtype_key = "dtype" if raw.get("dtype") is not None else "torch_dtype"
         stored = check_value(dtype_key, raw.get(dtype_key) or "float32", str)
@@ -61,6 +61,8 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
     if config.tie_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_embeddings:  # assign gave each name its own Parameter: tie them again
+        model.lm_head.weight = model.embed_tokens.weight
     model.rotary = make_rotary(config)  # its frequencies are buffers, made on "meta" above
     return model.to(device).eval()
 
