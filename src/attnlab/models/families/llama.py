@@ -43,7 +43,8 @@ _COPIED: dict[str, tuple[str, Any]] = {
     "eos_token_id": ("eos_token_id", int | list[int] | None)}
 # transformers' LlamaConfig defaults for the optional keys; other families pass their own.
 LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
-                  "tie_word_embeddings": False, "initializer_range": 0.02}
+                  "tie_word_embeddings": False, "initializer_range": 0.02, "bos_token_id": 1,
+                  "eos_token_id": 2}
 # The rope_parameters keys transformers reads for each rope_type (its validation warns about
 # any other), besides rope_type and rope_theta.
 _ROPE_KEYS = {"default": (), "linear": ("factor",), "dynamic": ("factor",),

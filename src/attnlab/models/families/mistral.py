@@ -23,8 +23,7 @@ from attnlab.models.families.llama import (
 __all__ = ["FAMILY"]
 
 # transformers' MistralConfig defaults that differ from Llama's.
-_DEFAULTS = {**LLAMA_DEFAULTS, "max_position_embeddings": 4096 * 32, "bos_token_id": 1,
-             "eos_token_id": 2}
+_DEFAULTS = {**LLAMA_DEFAULTS, "max_position_embeddings": 4096 * 32, "num_key_value_heads": 8}
 
 
 def read_mistral(d: Mapping[str, Any]) -> DecoderLMConfig:

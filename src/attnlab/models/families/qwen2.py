@@ -23,7 +23,8 @@ from attnlab.models.families.llama import (
 __all__ = ["FAMILY", "QWEN_DEFAULTS", "refuse_sliding_window"]
 
 # transformers' Qwen2Config (and Qwen3Config) defaults that differ from Llama's.
-QWEN_DEFAULTS = {**LLAMA_DEFAULTS, "max_position_embeddings": 32768}
+QWEN_DEFAULTS = {**LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 32,
+                 "bos_token_id": None, "eos_token_id": None}
 
 
 def read_qwen2(d: Mapping[str, Any]) -> DecoderLMConfig:
