@@ -53,6 +53,8 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
     except RuntimeError as error:  # a size whose element count overflows
         raise ValueError(f"{folder / CONFIG_NAME}: sizes too large to build a model "
                          f"({error})") from None
+    except (TypeError, ValueError) as error:  # a value only the layers check (RoPE's sizes)
+        raise type(error)(f"{folder / CONFIG_NAME}: {error}") from None
     weights = family.weights(config)
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     expected = {k: tuple(t.shape) for k, t in weights.to_stored(model.state_dict()).items()}

@@ -54,8 +54,10 @@ _ROPE_KEYS = {"default": (), "linear": ("factor",), "dynamic": ("factor",),
                          "high_freq_factor"),
               "longrope": ("short_factor", "long_factor", "original_max_position_embeddings",
                            "attention_factor", "factor")}
-_OUR_NAMES = re.compile(r"\b(" + "|".join(ours for ours, _ in _COPIED.values()) + r")\b")
-_HF_NAME = {ours: key for key, (ours, _) in _COPIED.items()}
+# DecoderLMConfig field -> the config.json key it comes from, to word its errors.
+_HF_NAME = {**{ours: key for key, (ours, _) in _COPIED.items()}, "rope_base": "rope_theta",
+            "rotary_dim": "head_dim"}
+_OUR_NAMES = re.compile(r"\b(" + "|".join(_HF_NAME) + r")\b")
 
 
 def read_llama_like(d: Mapping[str, Any], *, family: str, activation: str = "silu",
@@ -110,8 +112,10 @@ def rope_of(d: Mapping[str, Any]) -> tuple[RopeScaling | None, float]:
     rope = {**scaling, **parameters}
     theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
     scaled = RopeScaling.from_hf(rope, source="rope_parameters" if parameters else "rope_scaling")
-    return (None if scaled.rope_type == "default" else scaled), check_value("rope_theta", theta,
-                                                                             float)
+    theta = check_value("rope_theta", theta, float)
+    if theta <= 1:  # base^(-2i/D) must fall with i: slower rotations for later features
+        raise ValueError(f"rope_theta: expected a number > 1, got {theta}")
+    return (None if scaled.rope_type == "default" else scaled), theta
 
 
 def rope_parameters_of(c: DecoderLMConfig) -> dict[str, Any]:
