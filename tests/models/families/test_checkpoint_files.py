@@ -210,6 +210,16 @@ def test_wrong_shape_dtype_extra_and_missing_tensors(folder) -> None:
             from_pretrained(folder)
 
 
+def test_old_rotary_buffers_are_skipped(folder) -> None:
+    """Old Llama checkpoints store each layer's ``rotary_emb.inv_freq``: recomputed, not read."""
+    reference = from_pretrained(folder)
+    rewrite(folder, lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq":
+                                        torch.full((4,), 7.0)}))
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(from_pretrained(folder)(ids), reference(ids))
+
+
 def test_unsupported_dtype_and_device_arguments(folder) -> None:
     with pytest.raises(ValueError, match=r"dtype: expected one of .*got torch\.int64"):
         from_pretrained(folder, dtype=torch.int64)

@@ -85,17 +85,21 @@ def read_llama_like(d: Mapping[str, Any], *, family: str, activation: str = "sil
             value = check_value(key, d[key] if key in d else defaults[key], hint)
             if value is not None:
                 fields[ours] = value
-    for key in ("attention_bias", "mlp_bias"):
-        fields[key] = check_value(key, d.get(key, defaults.get(key, False)), bool)
+    bias, mlp_bias = (check_value(key, d.get(key, False), bool)
+                      for key in ("attention_bias", "mlp_bias"))
     rope, theta = rope_of(d)
+    for source in (d, d.get("rope_parameters") or {}):
+        # transformers' Llama attention rotates whole heads: a fraction would not even run.
+        if source.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"partial_rotary_factor: expected 1.0 for {family} (every "
+                             f"feature rotated), got {source['partial_rotary_factor']!r}")
     if rope is not None and rope.rope_type == "dynamic":
         original = fields["max_len"]
         rope = RopeScaling(rope_type="dynamic", factor=rope.factor,
                            original_max_position_embeddings=original)
         fields["max_len"] = math.ceil(rope.factor * original)
-    bias = fields.pop("attention_bias")
     fields.update(position="rope", norm="rmsnorm", mlp="swiglu", bias=False, qkv_bias=bias,
-                  o_bias=bias, mlp_bias=fields.pop("mlp_bias"), rope_base=theta,
+                  o_bias=bias, mlp_bias=mlp_bias, rope_base=theta,
                   rope_scaling=rope, family=family)
     fields.update(fixed)
     try:
