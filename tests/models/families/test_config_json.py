@@ -138,6 +138,8 @@ def test_unsupported_model_type_names_the_supported_ones(saved, tmp_path) -> Non
      r"rope_parameters: rope_type 'llama3' needs the keys"),
     ("rope_parameters", {"rope_type": "linear", "factor": -2.0}, ValueError,
      "rope_parameters: factor: expected a number > 0"),
+    ("rope_parameters", {"rope_type": "dynamic", "factor": 0.5}, ValueError,
+     "rope_parameters: factor: expected a number >= 1 for dynamic"),
     ("rope_parameters", {"rope_type": "linear", "factor": 2.0, "bogus": 1}, ValueError,
      r"rope_parameters: unsupported keys \['bogus'\]"),
     ("partial_rotary_factor", 0.5, ValueError, "partial_rotary_factor: expected 1.0 for qwen2"),
@@ -175,6 +177,22 @@ def test_non_object_config_json_is_named(tmp_path, text, message) -> None:
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(ValueError, match=rf"^{tmp_path / 'config.json'}: {message}"):
         read_config(tmp_path)
+
+
+def test_transformers_4_rope_scaling_reads_as_rope_parameters(saved, tmp_path) -> None:
+    """transformers 4 wrote ``rope_scaling`` (``type`` or ``rope_type``) and a top-level
+    ``rope_theta``; 5 writes both inside ``rope_parameters``: the same config either way."""
+    config = {k: v for k, v in saved[1].items() if k != "rope_parameters"}
+    llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 16}
+    write(tmp_path, {**config, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5,
+                                                   **llama3}})
+    new = config_of(tmp_path)
+    for old in ({"rope_scaling": {"rope_type": "llama3", **llama3}, "rope_theta": 5e5},
+                {"rope_scaling": {"type": "llama3", **llama3}, "rope_theta": 5e5}):
+        write(tmp_path, {**config, **old})
+        assert config_of(tmp_path) == new
+    assert new.rope_scaling.rope_type == "llama3" and new.rope_base == 5e5
 
 
 def test_eos_int_or_list_is_a_tuple_of_ints(saved, tmp_path) -> None:

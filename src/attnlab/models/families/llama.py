@@ -94,6 +94,9 @@ def read_llama_like(d: Mapping[str, Any], *, family: str, activation: str = "sil
             raise ValueError(f"partial_rotary_factor: expected 1.0 for {family} (every "
                              f"feature rotated), got {source['partial_rotary_factor']!r}")
     if rope is not None and rope.rope_type == "dynamic":
+        if rope.factor < 1:  # it would shrink the context below the one trained on
+            raise ValueError(f"rope_parameters: factor: expected a number >= 1 for dynamic, "
+                             f"got {rope.factor}")
         original = fields["max_len"]
         rope = RopeScaling(rope_type="dynamic", factor=rope.factor,
                            original_max_position_embeddings=original)
