@@ -6,19 +6,22 @@ import pytest
 import torch
 from torch import nn
 
-from attnlab.layers import FeedForward, LearnedPositionalEmbedding, RMSNorm, RoPE, SwiGLU
+from attnlab.layers import FeedForward, GatedMLP, LearnedPositionalEmbedding, RMSNorm
+from attnlab.layers.rotary import RotaryEmbedding
 from attnlab.models import DecoderLM, DecoderLMConfig, count_parameters
 
 
 def test_styles_pick_their_components() -> None:
     gpt = DecoderLM(DecoderLMConfig.gpt(30, d_model=32, num_layers=1, num_heads=4))
     llama = DecoderLM(DecoderLMConfig.llama(30, d_model=32, num_layers=1, num_heads=4))
-    assert isinstance(gpt.pos, LearnedPositionalEmbedding) and gpt.rope is None
-    assert isinstance(gpt.norm, nn.LayerNorm) and isinstance(gpt.blocks[0].mlp, FeedForward)
-    assert isinstance(llama.rope, RoPE) and llama.pos is None
-    assert isinstance(llama.norm, RMSNorm) and isinstance(llama.blocks[0].mlp, SwiGLU)
-    attn = llama.blocks[0].attn
-    assert (attn.num_heads, attn.num_kv_heads) == (4, 2) and attn.in_proj_bias is None
+    assert isinstance(gpt.embed_positions, LearnedPositionalEmbedding) and gpt.rotary is None
+    assert isinstance(gpt.norm, nn.LayerNorm) and isinstance(gpt.layers[0].mlp, FeedForward)
+    assert isinstance(llama.rotary, RotaryEmbedding) and llama.embed_positions is None
+    assert isinstance(llama.norm, RMSNorm) and isinstance(llama.layers[0].mlp, GatedMLP)
+    assert llama.layers[0].mlp.activation == "silu"  # SwiGLU
+    attn = llama.layers[0].self_attn
+    assert (attn.num_heads, attn.num_kv_heads) == (4, 2)
+    assert all(getattr(attn, f"{p}_proj").bias is None for p in "qkvo")
     assert llama.config.ff_dim == 88  # 8 * 32 / 3 rounded up to a multiple of 8
 
 
@@ -33,7 +36,7 @@ def test_tying_and_gqa_parameter_counts() -> None:
     tied = DecoderLM(DecoderLMConfig.gpt(30, d_model=32, num_layers=1, num_heads=4))
     untied = DecoderLM(DecoderLMConfig.gpt(30, d_model=32, num_layers=1, num_heads=4,
                                            tie_embeddings=False))
-    assert tied.lm_head.weight is tied.embed.weight
+    assert tied.lm_head.weight is tied.embed_tokens.weight
     assert count_parameters(untied) - count_parameters(tied) == 30 * 32
     mha = DecoderLM(DecoderLMConfig.llama(30, d_model=32, num_layers=1, num_heads=4,
                                           num_kv_heads=4))

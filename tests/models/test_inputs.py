@@ -9,15 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnlab.models import DecoderLM, DecoderLMConfig, Transformer, TransformerConfig
+from attnlab.models.families import family_for
 from attnlab.models.inputs import check_token_ids
-from attnlab.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
 V = 13
 torch.manual_seed(0)
 LM = DecoderLM(DecoderLMConfig.llama(V, d_model=16, num_layers=1, num_heads=2, max_len=16)).eval()
-QWEN = Qwen2ForCausalLM(Qwen2Config(vocab_size=V, hidden_size=16, intermediate_size=24,
-                                    num_hidden_layers=1, num_attention_heads=2,
-                                    max_position_embeddings=16)).eval()
+QWEN = DecoderLM(family_for("qwen2").config_from_hf(
+    {"vocab_size": V, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
+     "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 16})).eval()
 SEQ2SEQ = Transformer(TransformerConfig(src_vocab_size=V, tgt_vocab_size=V + 2, d_model=16,
                                         num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
                                         d_ff=16, max_len=16, dropout=0.0)).eval()

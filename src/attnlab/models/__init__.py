@@ -1,6 +1,9 @@
-"""Models: the encoder-decoder ``Transformer`` and the decoder-only ``DecoderLM``."""
+"""Models: the encoder-decoder ``Transformer`` and the decoder-only ``DecoderLM``, with
+``from_pretrained`` / ``save_pretrained`` for Hugging Face checkpoint folders of the
+families in ``attnlab.models.families`` (Llama, Mistral, Qwen2, Qwen3, ...)."""
 
 from attnlab.models.decoder import DecoderBlock, DecoderLM, DecoderLMConfig
+from attnlab.models.io import from_pretrained, save_pretrained
 from attnlab.models.summary import count_parameters, summary
 from attnlab.models.transformer import (
     Decoder,
@@ -22,5 +25,7 @@ __all__ = [
     "Transformer",
     "TransformerConfig",
     "count_parameters",
+    "from_pretrained",
+    "save_pretrained",
     "summary",
 ]

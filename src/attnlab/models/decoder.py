@@ -170,15 +170,6 @@ class DecoderLMConfig(ConfigMixin):
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
-    def max_positions(self) -> int:
-        """Positions accepted: ``max_len``, times the factor for dynamic (NTK) RoPE scaling,
-        whose point is to run past the trained length."""
-        s = self.rope_scaling
-        if self.position == "rope" and s is not None and s.rope_type == "dynamic":
-            return int(self.max_len * s.factor)
-        return self.max_len
-
-    @property
     def ff_dim(self) -> int:
         if self.d_ff is not None:
             return self.d_ff
@@ -244,7 +235,7 @@ class DecoderLM(nn.Module):
         c = self.config
         _, L, offset, key_mask, positions = decoder_inputs(
             input_ids, attention_mask, cache, position_ids, logits_to_keep,
-            vocab_size=c.vocab_size, max_len=c.max_positions, max_len_name="max_len",
+            vocab_size=c.vocab_size, max_len=c.max_len, max_len_name="max_len",
             num_layers=c.num_layers)
         if key_mask is not None and bool(key_mask.all()):  # no padding: the plain causal path
             key_mask = None
@@ -285,7 +276,7 @@ class DecoderLM(nn.Module):
         """An empty ``KVCache`` (``G`` heads per layer, ``max_len`` positions, model's dtype)."""
         c, p = self.config, self.embed_tokens.weight
         return KVCache(c.num_layers, batch_size, c.kv_heads,
-                       c.max_positions if max_len is None else max_len, c.head_dim,
+                       c.max_len if max_len is None else max_len, c.head_dim,
                        dtype=p.dtype, device=p.device)
 
     def summary(self, max_depth: int = 2) -> str:
@@ -338,9 +329,14 @@ def make_rotary(c: DecoderLMConfig) -> RotaryEmbedding | None:
     """The config's rotary embedding (no parameters; its frequencies are buffers), if any."""
     if c.position != "rope":
         return None
-    return RotaryEmbedding(c.rotary_size, base=c.rope_base, max_len=c.max_positions,
-                           scaling=c.rope_scaling, interleaved=c.rope_traditional,
-                           max_position_embeddings=c.max_len)
+    scaling = c.rope_scaling
+    # Dynamic NTK scales past the length trained on, kept as the scaling's
+    # original_max_position_embeddings; max_len is then the extended context.
+    start = (scaling.original_max_position_embeddings
+             if scaling is not None and scaling.rope_type == "dynamic" else None)
+    return RotaryEmbedding(c.rotary_size, base=c.rope_base, max_len=c.max_len,
+                           scaling=scaling, interleaved=c.rope_traditional,
+                           max_position_embeddings=start)
 
 
 def make_norm(c: DecoderLMConfig, dim: int) -> nn.Module:

@@ -70,7 +70,7 @@ def load_tensors(folder: str | Path, expected: Mapping[str, tuple[int, ...]], *,
                          f"expected tensors are missing: {missing[:5]}")
     for name, path in files.items():
         if name not in expected and name not in ignore and not name.endswith("inv_freq"):
-            raise ValueError(f"{path.name}: unexpected tensor {name!r}; the config expects "
+            raise ValueError(f"{path}: unexpected tensor {name!r}; the config expects "
                              f"{len(expected)} tensors such as {next(iter(expected))!r}")
     by_file: dict[Path, list[str]] = {}
     for name in expected:
@@ -86,10 +86,10 @@ def load_tensors(folder: str | Path, expected: Mapping[str, tuple[int, ...]], *,
                 view = f.get_slice(name)
                 shape, code = tuple(view.get_shape()), view.get_dtype()
                 if shape != tuple(expected[name]):
-                    raise ValueError(f"{path.name}: tensor {name!r} has shape {shape}, "
+                    raise ValueError(f"{path}: tensor {name!r} has shape {shape}, "
                                      f"expected {tuple(expected[name])} from {CONFIG_NAME}")
                 if code not in _STORED:
-                    raise ValueError(f"{path.name}: tensor {name!r} has dtype {code}, expected "
+                    raise ValueError(f"{path}: tensor {name!r} has dtype {code}, expected "
                                      f"one of {sorted(_STORED)} (float32, bfloat16, float16)")
                 t = f.get_tensor(name)  # the header was checked against the file's size
                 tensors[name] = t if dtype is None or t.dtype == dtype else t.to(dtype)

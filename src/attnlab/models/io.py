@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from attnlab.models.config import check_value
-from attnlab.models.decoder import DecoderLM, make_rotary
-from attnlab.models.families import family_for
+from attnlab.models.decoder import DecoderLM, DecoderLMConfig, make_rotary
+from attnlab.models.families import Family, family_for
 from attnlab.models.hf_loading import (
     CONFIG_NAME,
     check_folder,
@@ -27,7 +27,7 @@ from attnlab.models.hf_loading import (
     weight_files,
 )
 
-__all__ = ["from_pretrained", "save_pretrained"]
+__all__ = ["from_pretrained", "read_config", "save_pretrained"]
 
 
 def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
@@ -40,20 +40,21 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
     """
     folder = check_folder(path)
     dtype = parse_dtype(dtype)
-    device = torch.device("cpu" if device is None else device)
-    file = folder / CONFIG_NAME
-    raw = read_json(file)
-    family = family_for(raw.get("model_type"))
-    try:
-        config = family.config_from_hf(raw)
-        dtype_key = "dtype" if raw.get("dtype") is not None else "torch_dtype"
-        stored = check_value(dtype_key, raw.get(dtype_key) or "float32", str)
-    except (TypeError, ValueError) as error:
-        raise type(error)(f"{file}: {error}") from None
-    dtype = dtype or parse_dtype(stored, f"{file}: {dtype_key}")
-    with torch.device("meta"):
-        model = DecoderLM(config)
+    device = _device(device)
+    family, config, stored_dtype = read_config(folder)
+    dtype = dtype or stored_dtype
     stored_names = weight_files(folder)
+    if config.num_layers > len(stored_names):  # each layer stores tensors: refuse first
+        raise ValueError(f"{folder / CONFIG_NAME}: asks for {config.num_layers} layers, but "
+                         f"the weights hold only {len(stored_names)} tensors")
+    try:
+        with torch.device("meta"):
+            model = DecoderLM(config)
+    except RuntimeError as error:  # a size whose element count overflows
+        raise ValueError(f"{folder / CONFIG_NAME}: sizes too large to build a model "
+                         f"({error})") from None
+    except (TypeError, ValueError) as error:  # a value only the layers check (RoPE's sizes)
+        raise type(error)(f"{folder / CONFIG_NAME}: {error}") from None
     weights = family.weights(config).matching(stored_names)
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     expected = {k: tuple(t.shape) for k, t in weights.to_stored(model.state_dict()).items()}
@@ -70,6 +71,25 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
     return model.to(device).eval()
 
 
+def read_config(path: str | Path) -> tuple[Family, DecoderLMConfig, torch.dtype]:
+    """``(family, config, stored dtype)`` of the checkpoint folder ``path``'s ``config.json``.
+
+    The family is picked by ``model_type``; the stored dtype is ``dtype`` (transformers 5) or
+    ``torch_dtype`` (4), float32 when absent. Every error names the file and the key.
+    """
+    file = check_folder(path) / CONFIG_NAME
+    raw = read_json(file)
+    try:
+        family = family_for(raw.get("model_type"))
+        config = family.config_from_hf(raw)
+        dtype_key = "dtype" if raw.get("dtype") is not None else "torch_dtype"
+        stored = check_value(dtype_key, raw.get(dtype_key) or "float32", str)
+        dtype = parse_dtype(stored, dtype_key)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{file}: {error}") from None
+    return family, config, dtype
+
+
 def save_pretrained(model: DecoderLM, path: str | Path) -> Path:
     """Write ``config.json`` and ``model.safetensors`` in the model's family format."""
     if not isinstance(model, DecoderLM):
@@ -83,3 +103,16 @@ def save_pretrained(model: DecoderLM, path: str | Path) -> Path:
     (path / CONFIG_NAME).write_text(json.dumps(hf, indent=2) + "\n")
     save_tensors(path, family.weights(c).to_stored(model.state_dict()))
     return path
+
+
+def _device(device: object) -> torch.device:
+    """``device`` as a ``torch.device`` (CPU for ``None``); else a ``ValueError`` naming it."""
+    if device is None:
+        return torch.device("cpu")
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device: expected a str or torch.device, got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"device: expected a device such as 'cpu' or 'cuda:0', got "
+                         f"{device!r} ({error})") from None

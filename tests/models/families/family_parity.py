@@ -105,3 +105,24 @@ def assert_save_round_trip(ours: nn.Module, model_cls: type, folder: Path, **kwa
 def load(folder: Path, **kwargs: object) -> nn.Module:
     """``from_pretrained(folder, **kwargs)``."""
     return from_pretrained(folder, **kwargs)
+
+
+def assert_cache_matches_transformers(hf: nn.Module, ours: nn.Module, *, atol: float = 1e-4,
+                                      seed: int = 3) -> None:
+    """Prefill + one-token steps through our KV cache give transformers' logits through its
+    own cache, positions as its ``generate`` passes them (for dynamic RoPE, where the cached
+    keys keep the rotation of their step, so cached != full in both libraries)."""
+    ids, mask = left_padded_batch(seed, vocab=ours.config.vocab_size)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    ends = [5, *range(6, ids.shape[1] + 1)]
+    with torch.no_grad():
+        cache, past, start = ours.make_cache(ids.shape[0], ids.shape[1]), None, 0
+        for end in ends:
+            got = ours(ids[:, start:end], mask[:, :end], cache=cache)
+            out = hf(input_ids=ids[:, start:end], attention_mask=mask[:, :end],
+                     position_ids=positions[:, start:end], past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            real = mask[:, start:end].bool()
+            err = (out.logits.float() - got.float())[real].abs().max().item()
+            assert err <= atol, f"step ending at {end}: max |logit difference| {err:.3g}"
+            start = end

@@ -4,12 +4,12 @@ Each module holds one family's config mapping and weight-name map (``base.Family
 model is always ``DecoderLM``.
 """
 
-from attnlab.models.families import gemma, gpt2, llama, phi3, qwen2
+from attnlab.models.families import gemma, gpt2, llama, mistral, phi3, qwen2, qwen3
 from attnlab.models.families.base import Family, WeightMap
 
 FAMILIES: dict[str, Family] = {
     model_type: module.FAMILY
-    for module in (llama, qwen2, gemma, gpt2, phi3)
+    for module in (llama, mistral, qwen2, qwen3, gemma, gpt2, phi3)
     for model_type in module.FAMILY.model_types
 }
 

@@ -4,11 +4,20 @@ stored names <-> ours.
 Llama: RMSNorm, SwiGLU, RoPE (``rope_scaling`` types ``linear``, ``dynamic``, ``yarn``,
 ``llama3``), no biases unless ``attention_bias`` (q/k/v and o) or ``mlp_bias``, GQA.
 ``read_llama_like`` reads the keys the family shares, so another family states only what
-differs (``**fixed`` fields, or a check before calling it).
+differs (its transformers defaults, ``**fixed`` fields, or a check before calling it).
+
+Dynamic NTK RoPE has no length limit in transformers: past ``max_position_embeddings`` ``M``
+it raises the base. Our positions are bounded by ``max_len``, so a dynamic model reads as
+``max_len = ceil(factor * M)`` (the context the scaling is for) with ``M`` kept as the
+scaling's ``original_max_position_embeddings``, where the rotary embedding starts scaling;
+``save_pretrained`` writes ``M`` back as ``max_position_embeddings``.
 """
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Mapping
 from typing import Any
 
 from attnlab.layers.rope_scaling import RopeScaling
@@ -16,30 +25,52 @@ from attnlab.models.config import check_value
 from attnlab.models.decoder import DecoderLMConfig
 from attnlab.models.families.base import Family, WeightMap
 
-__all__ = ["FAMILY", "llama_like_weights", "read_llama_like", "write_llama_like"]
+__all__ = ["FAMILY", "llama_like_weights", "read_llama_like", "rope_of",
+           "rope_parameters_of", "write_llama_like"]
 
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads")
 
-# config.json key -> DecoderLMConfig field, for the keys copied as they are.
-_COPIED = {"vocab_size": "vocab_size", "hidden_size": "d_model",
-           "intermediate_size": "d_ff", "num_hidden_layers": "num_layers",
-           "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads",
-           "head_dim": "head_dim", "rms_norm_eps": "norm_eps",
-           "max_position_embeddings": "max_len", "tie_word_embeddings": "tie_embeddings",
-           "initializer_range": "initializer_range", "bos_token_id": "bos_token_id",
-           "eos_token_id": "eos_token_id"}
+# config.json key -> (DecoderLMConfig field, the type transformers accepts), for the keys
+# copied as they are. A JSON null takes the default only where transformers allows None.
+_COPIED: dict[str, tuple[str, Any]] = {
+    "vocab_size": ("vocab_size", int), "hidden_size": ("d_model", int),
+    "intermediate_size": ("d_ff", int), "num_hidden_layers": ("num_layers", int),
+    "num_attention_heads": ("num_heads", int), "num_key_value_heads": ("num_kv_heads", int | None),
+    "head_dim": ("head_dim", int | None), "rms_norm_eps": ("norm_eps", float),
+    "max_position_embeddings": ("max_len", int), "tie_word_embeddings": ("tie_embeddings", bool),
+    "initializer_range": ("initializer_range", float), "bos_token_id": ("bos_token_id", int | None),
+    "eos_token_id": ("eos_token_id", int | list[int] | None)}
+# transformers' LlamaConfig defaults for the optional keys; other families pass their own.
+LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+                  "tie_word_embeddings": False, "initializer_range": 0.02, "bos_token_id": 1,
+                  "eos_token_id": 2}
+# The rope_parameters keys transformers reads for each rope_type (its validation warns about
+# any other), besides rope_type and rope_theta.
+_ROPE_KEYS = {"default": (), "linear": ("factor",), "dynamic": ("factor",),
+              "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                       "mscale", "mscale_all_dim", "attention_factor", "truncate"),
+              "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor",
+                         "high_freq_factor"),
+              "longrope": ("short_factor", "long_factor", "original_max_position_embeddings",
+                           "attention_factor", "factor")}
+# DecoderLMConfig field -> the config.json key it comes from, to word its errors.
+_HF_NAME = {**{ours: key for key, (ours, _) in _COPIED.items()}, "rope_base": "rope_theta",
+            "rotary_dim": "head_dim"}
+_OUR_NAMES = re.compile(r"\b(" + "|".join(_HF_NAME) + r")\b")
 
 
-def read_llama_like(d: dict[str, Any], *, family: str, activation: str = "silu",
-                    **fixed: Any) -> DecoderLMConfig:
-    """A ``DecoderLMConfig`` from a Llama-layout ``config.json`` object.
+def read_llama_like(d: Mapping[str, Any], *, family: str, activation: str = "silu",
+                    defaults: Mapping[str, Any] = LLAMA_DEFAULTS, **fixed: Any
+                    ) -> DecoderLMConfig:
+    """A ``DecoderLMConfig`` from a Llama-layout ``config.json`` object ``d``.
 
     Reads the sizes, ``rms_norm_eps``, the RoPE base (``rope_theta``, or
     ``rope_parameters.rope_theta`` in transformers 5) and scaling, ``attention_bias``,
     ``mlp_bias``, ``tie_word_embeddings``, token ids; ``hidden_act`` must be ``activation``.
+    ``defaults`` are the family's transformers defaults for absent keys (config.json names);
     ``fixed`` overrides fields (e.g. ``qkv_bias=True`` for Qwen2). Keys it does not use are
-    ignored, as transformers does. Errors name the key.
+    ignored, as transformers does. Every error names the config.json key.
     """
     missing = [k for k in REQUIRED if k not in d]
     if missing:
@@ -48,21 +79,39 @@ def read_llama_like(d: dict[str, Any], *, family: str, activation: str = "silu",
     if act != activation:
         raise ValueError(f"hidden_act {act!r} is not supported for {family}; expected "
                          f"{activation!r}")
-    fields: dict[str, Any] = {ours: d[key] for key, ours in _COPIED.items()
-                              if d.get(key) is not None}
+    fields: dict[str, Any] = {}
+    for key, (ours, hint) in _COPIED.items():
+        if key in d or key in defaults:
+            value = check_value(key, d[key] if key in d else defaults[key], hint)
+            if value is not None:
+                fields[ours] = value
+    bias, mlp_bias = (check_value(key, d.get(key, False), bool)
+                      for key in ("attention_bias", "mlp_bias"))
     rope, theta = rope_of(d)
-    bias = check_value("attention_bias", d.get("attention_bias", False), bool)
+    for source in (d, d.get("rope_parameters") or {}):
+        # transformers' Llama attention rotates whole heads: a fraction would not even run.
+        if source.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"partial_rotary_factor: expected 1.0 for {family} (every "
+                             f"feature rotated), got {source['partial_rotary_factor']!r}")
+    if rope is not None and rope.rope_type == "dynamic":
+        if rope.factor < 1:  # it would shrink the context below the one trained on
+            raise ValueError(f"rope_parameters: factor: expected a number >= 1 for dynamic, "
+                             f"got {rope.factor}")
+        original = fields["max_len"]
+        rope = RopeScaling(rope_type="dynamic", factor=rope.factor,
+                           original_max_position_embeddings=original)
+        fields["max_len"] = math.ceil(rope.factor * original)
     fields.update(position="rope", norm="rmsnorm", mlp="swiglu", bias=False, qkv_bias=bias,
-                  o_bias=bias, mlp_bias=check_value("mlp_bias", d.get("mlp_bias", False), bool),
-                  rope_base=theta, rope_scaling=rope, family=family)
-    fields.setdefault("tie_embeddings", False)
-    fields.setdefault("norm_eps", 1e-6)
-    fields.setdefault("max_len", 2048)
+                  o_bias=bias, mlp_bias=mlp_bias, rope_base=theta,
+                  rope_scaling=rope, family=family)
     fields.update(fixed)
-    return DecoderLMConfig(**fields)
+    try:
+        return DecoderLMConfig(**fields)
+    except (TypeError, ValueError) as error:  # say it in config.json's words
+        raise type(error)(_OUR_NAMES.sub(lambda m: _HF_NAME[m.group(1)], str(error))) from None
 
 
-def rope_of(d: dict[str, Any]) -> tuple[RopeScaling | None, float]:
+def rope_of(d: Mapping[str, Any]) -> tuple[RopeScaling | None, float]:
     """``(scaling or None for plain RoPE, rope_theta)`` from ``rope_parameters`` (transformers
     5) or ``rope_scaling`` + ``rope_theta`` (4)."""
     parameters, scaling = (check_value(k, d.get(k), dict | None) or {}
@@ -70,22 +119,36 @@ def rope_of(d: dict[str, Any]) -> tuple[RopeScaling | None, float]:
     rope = {**scaling, **parameters}
     theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
     scaled = RopeScaling.from_hf(rope, source="rope_parameters" if parameters else "rope_scaling")
-    return (None if scaled.rope_type == "default" else scaled), check_value("rope_theta", theta,
-                                                                             float)
+    theta = check_value("rope_theta", theta, float)
+    if theta <= 1:  # base^(-2i/D) must fall with i: slower rotations for later features
+        raise ValueError(f"rope_theta: expected a number > 1, got {theta}")
+    return (None if scaled.rope_type == "default" else scaled), theta
+
+
+def rope_parameters_of(c: DecoderLMConfig) -> dict[str, Any]:
+    """transformers 5's ``rope_parameters`` for ``c``: ``rope_type``, ``rope_theta`` and only
+    the keys that type reads (a ``None`` field left out, a yarn ``factor`` made explicit)."""
+    s = c.rope_scaling or RopeScaling()
+    original = s.original_max_position_embeddings or c.max_len
+    values = {**s.to_dict(), "original_max_position_embeddings": original,
+              "factor": c.max_len / original if s.factor is None else s.factor}
+    return {"rope_type": s.rope_type, "rope_theta": c.rope_base,
+            **{k: values[k] for k in _ROPE_KEYS[s.rope_type] if values[k] is not None}}
 
 
 def write_llama_like(c: DecoderLMConfig, *, model_type: str, architecture: str
                      ) -> dict[str, Any]:
     """The ``config.json`` keys shared by the Llama layout (readable by ``read_llama_like``
     and by transformers)."""
-    d: dict[str, Any] = {key: getattr(c, ours) for key, ours in _COPIED.items()}
+    d: dict[str, Any] = {key: getattr(c, ours) for key, (ours, _) in _COPIED.items()}
+    rope = rope_parameters_of(c)
+    if rope["rope_type"] == "dynamic":  # transformers' dynamic scales from here on
+        d["max_position_embeddings"] = c.rope_scaling.original_max_position_embeddings
     d.update(intermediate_size=c.ff_dim, num_key_value_heads=c.kv_heads,
              eos_token_id=list(c.eos_token_id) or None, model_type=model_type,
              architectures=[architecture], hidden_act="silu",
              attention_bias=c.resolved_bias("qkv_bias"), mlp_bias=c.resolved_bias("mlp_bias"),
-             rope_parameters={"rope_theta": c.rope_base,
-                              **(c.rope_scaling.to_dict() if c.rope_scaling is not None
-                                 else {"rope_type": "default"})})
+             rope_parameters=rope)
     return d
 
 

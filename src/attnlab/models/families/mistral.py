@@ -1,0 +1,48 @@
+"""Mistral: the Llama layout without biases, every layer attending within a sliding window.
+
+``sliding_window`` ``W`` (4096 when absent, as transformers reads it; ``null`` for none):
+each token sees itself and the ``W - 1`` tokens before it, in the cache too
+(``DecoderLMConfig.sliding_window``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from attnlab.models.config import check_value
+from attnlab.models.decoder import DecoderLMConfig
+from attnlab.models.families.base import Family
+from attnlab.models.families.llama import (
+    LLAMA_DEFAULTS,
+    llama_like_weights,
+    read_llama_like,
+    write_llama_like,
+)
+
+__all__ = ["FAMILY"]
+
+# transformers' MistralConfig defaults that differ from Llama's.
+_DEFAULTS = {**LLAMA_DEFAULTS, "max_position_embeddings": 4096 * 32, "num_key_value_heads": 8}
+
+
+def read_mistral(d: Mapping[str, Any]) -> DecoderLMConfig:
+    """``DecoderLMConfig`` of a Mistral ``config.json``: Llama's keys and ``sliding_window``."""
+    window = check_value("sliding_window", d.get("sliding_window", 4096), int | None)
+    if window is not None and window < 1:
+        raise ValueError(f"sliding_window: expected a positive int or null, got {window}")
+    return read_llama_like(d, family="mistral", defaults=_DEFAULTS, sliding_window=window,
+                           qkv_bias=False, o_bias=False, mlp_bias=False)
+
+
+def write_mistral(c: DecoderLMConfig) -> dict[str, Any]:
+    """A Mistral ``config.json`` object for ``c``."""
+    d = write_llama_like(c, model_type="mistral", architecture="MistralForCausalLM")
+    for key in ("attention_bias", "mlp_bias"):
+        del d[key]
+    return {**d, "sliding_window": c.sliding_window}
+
+
+FAMILY = Family(name="mistral", model_types=("mistral",), architecture="MistralForCausalLM",
+                config_from_hf=read_mistral, config_to_hf=write_mistral,
+                weights=llama_like_weights)

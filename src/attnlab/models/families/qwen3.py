@@ -1,0 +1,37 @@
+"""Qwen3: the Llama layout with an RMSNorm on each query and key head (``q_norm``,
+``k_norm``, over ``head_dim`` features, before RoPE), ``head_dim`` given explicitly (128 when
+absent, as transformers reads it, not ``hidden_size / num_attention_heads``) and q/k/v/o
+biases only with ``attention_bias``. Its sliding window is refused, as Qwen2's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from attnlab.models.decoder import DecoderLMConfig
+from attnlab.models.families.base import Family
+from attnlab.models.families.llama import llama_like_weights, read_llama_like, write_llama_like
+from attnlab.models.families.qwen2 import QWEN_DEFAULTS, refuse_sliding_window
+
+__all__ = ["FAMILY"]
+
+_DEFAULTS = {**QWEN_DEFAULTS, "head_dim": 128}
+
+
+def read_qwen3(d: Mapping[str, Any]) -> DecoderLMConfig:
+    """``DecoderLMConfig`` of a Qwen3 ``config.json``: Llama's keys plus q/k norms."""
+    refuse_sliding_window(d, "qwen3")
+    return read_llama_like(d, family="qwen3", defaults=_DEFAULTS, qk_norm=True,
+                           mlp_bias=False)
+
+
+def write_qwen3(c: DecoderLMConfig) -> dict[str, Any]:
+    """A Qwen3 ``config.json`` object for ``c``."""
+    d = write_llama_like(c, model_type="qwen3", architecture="Qwen3ForCausalLM")
+    del d["mlp_bias"]
+    return {**d, "use_sliding_window": False}
+
+
+FAMILY = Family(name="qwen3", model_types=("qwen3",), architecture="Qwen3ForCausalLM",
+                config_from_hf=read_qwen3, config_to_hf=write_qwen3, weights=llama_like_weights)
