@@ -52,7 +52,9 @@ def read_phi3(d: dict[str, Any]) -> DecoderLMConfig:
     factor = rope.pop("partial_rotary_factor", d.get("partial_rotary_factor"))
     factor = check_value("partial_rotary_factor", 1.0 if factor is None else factor, float)
     window = check_value("sliding_window", d.get("sliding_window"), int | None)
-    c = read_llama_like({**d, "rope_parameters": rope, "rope_scaling": None}, family="phi3",
+    # The Llama reader refuses a partial rotary: it is read here, for Phi-3.
+    whole = {k: v for k, v in d.items() if k != "partial_rotary_factor"}
+    c = read_llama_like({**whole, "rope_parameters": rope, "rope_scaling": None}, family="phi3",
                         qkv_bias=False, o_bias=False, mlp_bias=False, sliding_window=window)
     rotary_dim = int(c.head_dim * factor)
     if not 0.0 < factor <= 1.0 or rotary_dim < 2 or rotary_dim % 2:
