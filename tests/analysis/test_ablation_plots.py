@@ -17,7 +17,7 @@ from attnlab.analysis import (
     run_with_cache,
 )
 from attnlab.analysis.ablation import head_means, seq2seq_metrics
-from attnlab.analysis.hooks import attention_modules
+from attnlab.analysis.hooks import attention_modules, hook_points
 from attnlab.models.transformer import Transformer, TransformerConfig
 from attnlab.training.tasks.seq2seq import make_seq2seq_task
 from conftest import assert_close
@@ -49,7 +49,7 @@ def test_zero_and_mean_ablation_edit_one_heads_output():
     with ablate_heads(model, {name: [0]}, mode="mean", means=means):
         _, cache = run_with_cache(model, (src, tgt), f"{name}.z")
     assert_close(cache[f"{name}.z"][0, 0, 0], means[name][0])
-    assert all(m.hook_fn is None for m in attention_modules(model).values())
+    assert not any(p.has_hooks for p in hook_points(model).values())
     with pytest.raises(ValueError, match="mode: expected one of"):
         ablate_heads(model, {name: [0]}, mode="half").__enter__()
     with pytest.raises(ValueError, match=r"heads: 'decoder.layers.0.cross_attn' has heads"):

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from attnlab.analysis import capture, capture_attention, hook_names, hooks, run_with_cache
-from attnlab.analysis.hooks import attention_modules
+from attnlab.analysis.hooks import attention_modules, hook_points
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 from attnlab.models.transformer import Transformer, TransformerConfig
+from attention_reference import reference_pattern
 from conftest import assert_close
 
 
@@ -78,11 +79,13 @@ def test_decoder_lm_gqa_rope_capture_and_tokens():
     mask[1, :2] = False  # left padding
     inputs = {"input_ids": ids, "attention_mask": mask}
     result = capture(model, inputs, tokens=[list("abcdef"), list("wxyz")])
-    expected = _math_weights(model, lambda: model(**inputs))
+    _, qk = run_with_cache(model, inputs, "*.[qk]")
     maps = result["self"]
     assert result.kinds == ["self"] and maps.causal
-    for i in range(2):
-        assert_close(maps.weights[:, i], expected[f"blocks.{i}.attn"])
+    for i in range(2):  # the formula on the layer's own (rotated) queries and keys
+        expected = reference_pattern(qk[f"layers.{i}.self_attn.q"],
+                                     qk[f"layers.{i}.self_attn.k"], mask)
+        assert_close(maps.weights[:, i], expected)
     w, queries, keys = maps.example(1)
     assert queries == keys == list("wxyz") and w.shape == (2, 4, 4, 4)
     assert maps.query_tokens[1] == ("<pad>", "<pad>", "w", "x", "y", "z")
@@ -95,7 +98,7 @@ def test_only_asked_layers_and_heads_are_hooked_and_stored():
     src, tgt = torch.randint(4, 20, (1, 6)), torch.randint(4, 18, (1, 4))
     hooked = set()
     handles = [m.register_forward_pre_hook(
-        lambda mod, args, n=n: hooked.add(n) if mod.hook_fn is not None else None)
+        lambda mod, args, n=n: hooked.add(n) if mod.pattern.has_hooks else None)
         for n, m in attention_modules(model).items()]
     result = capture(model, (src, tgt), layers=[1], heads=[0, 3], kinds=["cross", "encoder"])
     for h in handles:
@@ -151,14 +154,14 @@ def test_hooks_are_removed_even_when_the_forward_raises():
 
     with pytest.raises(RuntimeError, match="boom"):
         run_with_cache(model, (src, tgt), "*.pattern", hooks={"decoder.layers.1.*.z": boom})
-    assert all(m.hook_fn is None for m in attention_modules(model).values())
+    assert not any(p.has_hooks for p in hook_points(model).values())
     with pytest.raises(ValueError, match="tgt"):  # the model itself raises (bad ids)
         capture(model, (src, torch.full((1, 4), 99)))
-    assert all("hook_fn" not in m.__dict__ for m in attention_modules(model).values())
+    assert not any(p.has_hooks for p in hook_points(model).values())
     bad = hooks(model, {"*.scores": lambda x, n: x[..., :1]})
     with pytest.raises(ValueError, match=r"hook for .*\.scores: expected None or a tensor"), bad:
         model(src, tgt)
-    assert all(m.hook_fn is None for m in attention_modules(model).values())
+    assert not any(p.has_hooks for p in hook_points(model).values())
 
 
 def test_interventions_change_the_output():
@@ -184,5 +187,5 @@ def test_legacy_capture_attention_keeps_its_signature():
     assert list(weights) == ["decoder.layers.2.cross_attn"] and out.shape == (1, 4, 18)
     assert_close(weights["decoder.layers.2.cross_attn"],
                  capture(model, (src, tgt), layers=[2], kinds=["cross"])["cross"].weights[:, 0])
-    with pytest.raises(ValueError, match=r"names: .* are not MultiHeadAttention modules"):
+    with pytest.raises(ValueError, match=r"names: .* are not attention modules"):
         capture_attention(model, lambda: None, ["decoder.nope"])

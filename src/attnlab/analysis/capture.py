@@ -1,18 +1,23 @@
 """Capture the attention weights of a model, per attention kind, layer and head.
 
 ``capture(model, inputs)`` runs the model once with a ``pattern`` hook (see
-``attnlab.analysis.hooks``) on each chosen attention layer. A hooked layer runs the
-``math`` path, so the weights are exact whatever backend the model was built with, and
-layers (and heads) that were not asked for store nothing.
+``attnlab.analysis.hooks``) on each chosen attention layer. The chosen layers run the
+``math`` backend for that call (the one that forms the weights; a layer built with
+``flash`` or ``fused`` is switched for the call and switched back), so the weights are
+exact whatever backend the model was built with, and layers (and heads) that were not asked
+for store nothing and keep their backend.
 
 Kinds: ``"encoder"``, ``"decoder"`` (self-attention) and ``"cross"`` for the encoder-decoder
-``Transformer``; ``"self"`` for decoder-only models (``DecoderLM``, Qwen2).
+``Transformer``; ``"self"`` for decoder-only models (``DecoderLM``, every family). Layers and
+heads are read from the modules (``attention_modules``: names and ``num_heads``), whatever
+the model's class.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +26,8 @@ from torch import Tensor, nn
 
 from attnlab.analysis.hooks import attention_modules, run_with_cache
 
-__all__ = ["AttentionCapture", "AttentionMaps", "capture", "capture_attention", "classify"]
+__all__ = ["AttentionCapture", "AttentionMaps", "capture", "capture_attention", "classify",
+           "math_backend"]
 
 KINDS = ("encoder", "decoder", "cross", "self")
 # Which token row (role) the queries and keys of each kind come from.
@@ -121,7 +127,8 @@ def capture(
                 raise ValueError(f"layers: {kind_label(k)} has layers {available}, got {bad}")
         names[k] = [(i, n) for i, n in by_kind[k] if wanted_layers is None or i in wanted_layers]
     modules = attention_modules(model)
-    H = modules[names[chosen_kinds[0]][0][1]].num_heads
+    chosen = [modules[n] for k in chosen_kinds for _, n in names[k]]
+    H = min(m.num_heads for m in chosen)
     head_list = list(range(H)) if heads is None else sorted(set(heads))
     if not head_list or any(not 0 <= h < H for h in head_list):
         raise ValueError(f"heads: expected indices in 0 .. {H - 1}, got {list(heads or [])}")
@@ -132,7 +139,7 @@ def capture(
         stored[name] = x.detach().index_select(1, index.to(x.device))
 
     hook_names = {f"{n}.pattern": keep for k in chosen_kinds for _, n in names[k]}
-    with torch.no_grad():
+    with torch.no_grad(), math_backend(chosen):
         output, _ = run_with_cache(model, inputs, [], hooks=hook_names)
     labels = _labels(tokens, roles)
     maps = {}
@@ -160,25 +167,28 @@ def capture_attention(
 ) -> tuple[Any, dict[str, Tensor]]:
     """Call ``run()`` and return ``(its result, {module name: weights B x H x L x S})``.
 
-    ``names``: qualified names of ``MultiHeadAttention`` submodules of ``model`` (e.g.
-    ``"decoder.layers.1.cross_attn"``); all of them when None. A module called several
-    times (incremental decoding) keeps the weights of its last call.
+    ``names``: qualified names of attention submodules of ``model`` (e.g.
+    ``"decoder.layers.1.cross_attn"``, ``"layers.0.self_attn"``); all of them when None. A
+    module called several times (incremental decoding) keeps the weights of its last call.
+    The modules run the ``math`` backend for the call, as in ``capture``.
     """
     modules = attention_modules(model)
     wanted = list(modules) if names is None else list(names)
     unknown = [n for n in wanted if n not in modules]
     if unknown:
         raise ValueError(
-            f"names: {unknown} are not MultiHeadAttention modules of the model; "
+            f"names: {unknown} are not attention modules of the model; "
             f"expected some of {sorted(modules)}"
         )
-    result, cache = run_with_cache(model, run, [f"{n}.pattern" for n in wanted])
+    with math_backend(modules[n] for n in wanted):
+        result, cache = run_with_cache(model, run, [f"{n}.pattern" for n in wanted])
     return result, {n: cache[f"{n}.pattern"] for n in wanted if f"{n}.pattern" in cache}
 
 
 def classify(model: nn.Module, name: str) -> tuple[str, int]:
-    """``(kind, layer index)`` of the attention module called ``name`` in ``model``."""
-    numbers = re.findall(r"\.(\d+)(?:\.|$)", name)
+    """``(kind, layer index)`` of the attention module called ``name`` in ``model``: the
+    first index in the name (``"model.layers.3.self_attn"`` -> 3; 0 when there is none)."""
+    numbers = re.findall(r"(?:^|\.)(\d+)(?:\.|$)", name)
     layer = int(numbers[0]) if numbers else 0
     if "cross" in name:
         return "cross", layer
@@ -186,6 +196,22 @@ def classify(model: nn.Module, name: str) -> tuple[str, int]:
         return "encoder", layer
     has_encoder = any(n.startswith("encoder.") for n in attention_modules(model))
     return ("decoder" if has_encoder and name.startswith("decoder.") else "self"), layer
+
+
+@contextmanager
+def math_backend(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Within the block, every module of ``modules`` built with a backend other than ``auto``
+    or ``math`` runs ``math`` (``auto`` runs it by itself under a pattern hook); the old
+    backends come back afterwards, even when the block raises."""
+    switched = [(m, m.backend) for m in modules
+                if getattr(m, "backend", "auto") not in ("auto", "math")]
+    try:
+        for m, _ in switched:
+            m.backend = "math"
+        yield
+    finally:
+        for m, backend in switched:
+            m.backend = backend
 
 
 def kind_label(kind: str) -> str:
