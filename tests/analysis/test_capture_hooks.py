@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_reference import reference_pattern
 
 from attnlab.analysis import capture, capture_attention, hook_names, hooks, run_with_cache
 from attnlab.analysis.hooks import attention_modules, hook_points
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 from attnlab.models.transformer import Transformer, TransformerConfig
-from attention_reference import reference_pattern
 from conftest import assert_close
 
 
