@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 from attention_reference import reference_pattern
-from transformers import AutoConfig
+from tiny_families import tiny_hf_config
 
 import attnlab.attention.sdpa as sdpa
 from attnlab.analysis import hook_names, hooks, run_with_cache, run_with_hooks
@@ -41,17 +41,8 @@ STYLES = {
     "phi3": lambda: DecoderLMConfig.llama(V, **SIZES, rotary_dim=4),
 }
 
-# A tiny transformers config of any model_type; the keys a type does not know are ignored.
-_HF_SIZES = {"vocab_size": V, "hidden_size": 32, "intermediate_size": 48,
-             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "head_dim": 8, "max_position_embeddings": 64, "n_positions": 64,
-             "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
-_HF_EXTRA = {"mistral": {"sliding_window": 4}, "phi3": {"partial_rotary_factor": 0.5}}
-
-
 def _from_family(model_type: str) -> DecoderLMConfig:
-    hf = AutoConfig.for_model(model_type, **_HF_SIZES, **_HF_EXTRA.get(model_type, {}))
-    return FAMILIES[model_type].config_from_hf(hf.to_dict())
+    return FAMILIES[model_type].config_from_hf(tiny_hf_config(model_type, V).to_dict())
 
 
 BUILDS = {**{f"style-{n}": f for n, f in STYLES.items()},
