@@ -7,7 +7,14 @@ import pytest
 import torch
 from attention_reference import reference_pattern
 
-from attnlab.analysis import capture, capture_attention, hook_names, hooks, run_with_cache
+from attnlab.analysis import (
+    capture,
+    capture_attention,
+    hook_names,
+    hooks,
+    run_with_cache,
+    run_with_hooks,
+)
 from attnlab.analysis.hooks import attention_modules, hook_points
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 from attnlab.models.transformer import Transformer, TransformerConfig
@@ -189,3 +196,54 @@ def test_legacy_capture_attention_keeps_its_signature():
                  capture(model, (src, tgt), layers=[2], kinds=["cross"])["cross"].weights[:, 0])
     with pytest.raises(ValueError, match=r"names: .* are not attention modules"):
         capture_attention(model, lambda: None, ["decoder.nope"])
+
+
+def test_capture_on_a_flash_decoder_lm_runs_math_for_the_call_only():
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderLMConfig.llama(30, d_model=32, num_layers=2, num_heads=4,
+                                            num_kv_heads=2, max_len=32, backend="flash")).eval()
+    ids = torch.randint(0, 30, (1, 5))
+    result = capture(model, ids, layers=[1])
+    _, qk = run_with_cache(model, ids, "layers.1.self_attn.[qk]")  # on flash
+    expected = reference_pattern(qk["layers.1.self_attn.q"], qk["layers.1.self_attn.k"])
+    assert_close(result["self"].weights[:, 0], expected)
+    assert [m.backend for m in attention_modules(model).values()] == ["flash", "flash"]
+    with pytest.raises(ValueError, match="input_ids"):  # the model raises: backends restored
+        capture(model, torch.full((1, 5), 99))
+    assert [m.backend for m in attention_modules(model).values()] == ["flash", "flash"]
+    assert not any(p.has_hooks for p in hook_points(model).values())
+
+
+def test_hostile_arguments_are_refused_by_name():
+    model = _transformer()
+    src, tgt = torch.randint(4, 20, (1, 6)), torch.randint(4, 18, (1, 4))
+    cases = [
+        (lambda: capture(model, (src, tgt), kinds=[]), ValueError, "kinds: expected some of"),
+        (lambda: capture(model, (src, tgt), kinds="cross"), TypeError,
+         "kinds: expected a list of strs, got str"),
+        (lambda: capture(model, (src, tgt), layers=1), TypeError,
+         "layers: expected a list of ints, got int"),
+        (lambda: capture(model, (src, tgt), heads=[0, True]), TypeError,
+         "heads: expected a list of ints, got True"),
+        (lambda: capture(model, (src, tgt), heads=iter([7])), ValueError,
+         r"heads: expected indices in 0 \.\. 3, got \[7\]"),
+        (lambda: run_with_cache(model, (src, tgt), 3), TypeError,
+         "names: expected a string or strings, got int"),
+        (lambda: run_with_cache(model, (src, tgt), "*.z", hooks={"*.q": "x"}), TypeError,
+         r"hooks\['\*\.q'\]: expected a callable"),
+        (lambda: hooks(model, [("*.q", print)]).__enter__(), TypeError,
+         "fns: expected a mapping"),
+        (lambda: hook_names("model"), TypeError, "model: expected a torch.nn.Module, got str"),
+        (lambda: run_with_cache(torch.nn.Linear(2, 2), torch.ones(2), "*"), ValueError,
+         "model: expected a model with hook points"),
+        (lambda: run_with_hooks(model, (src, tgt), {"*.q": lambda x, n: x.double()}), ValueError,
+         r"hook for encoder.layers.0.self_attn.q: expected None or a tensor of shape "
+         r"\(1, 4, 6, 8\), dtype torch.float32 on cpu, got shape \(1, 4, 6, 8\), dtype "
+         r"torch.float64"),
+        (lambda: run_with_hooks(model, (src, tgt), {"*.q": lambda x, n: 0}), TypeError,
+         "hook for encoder.layers.0.self_attn.q: expected None or a Tensor, got int"),
+    ]
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
+    assert not any(p.has_hooks for p in hook_points(model).values())

@@ -24,10 +24,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnlab._checks import is_int
 from attnlab.analysis.hooks import attention_modules, run_with_cache
 
-__all__ = ["AttentionCapture", "AttentionMaps", "capture", "capture_attention", "classify",
-           "math_backend"]
+__all__ = [
+    "AttentionCapture",
+    "AttentionMaps",
+    "capture",
+    "capture_attention",
+    "checked_list",
+    "classify",
+    "math_backend",
+]
 
 KINDS = ("encoder", "decoder", "cross", "self")
 # Which token row (role) the queries and keys of each kind come from.
@@ -113,11 +121,13 @@ def capture(
         by_kind.setdefault(kind, []).append((layer, name))
     if not by_kind:
         raise ValueError(f"model: expected attention layers, got {type(model).__name__}")
-    chosen_kinds = list(by_kind) if kinds is None else list(kinds)
+    chosen_kinds = list(by_kind) if kinds is None else checked_list("kinds", kinds, str)
+    if not chosen_kinds:
+        raise ValueError(f"kinds: expected some of {list(by_kind)}, got none")
     for k in chosen_kinds:
         if k not in by_kind:
             raise ValueError(f"kinds: expected some of {list(by_kind)}, got {k!r}")
-    wanted_layers = None if layers is None else sorted(set(layers))
+    wanted_layers = None if layers is None else sorted(set(checked_list("layers", layers, int)))
     names: dict[str, list[tuple[int, str]]] = {}
     for k in chosen_kinds:
         available = [layer for layer, _ in by_kind[k]]
@@ -128,10 +138,14 @@ def capture(
         names[k] = [(i, n) for i, n in by_kind[k] if wanted_layers is None or i in wanted_layers]
     modules = attention_modules(model)
     chosen = [modules[n] for k in chosen_kinds for _, n in names[k]]
+    missing = [n for k in chosen_kinds for _, n in names[k]
+               if not is_int(getattr(modules[n], "num_heads", None))]
+    if missing:
+        raise ValueError(f"model: attention modules {missing} do not state their num_heads")
     H = min(m.num_heads for m in chosen)
-    head_list = list(range(H)) if heads is None else sorted(set(heads))
+    head_list = list(range(H)) if heads is None else sorted(set(checked_list("heads", heads, int)))
     if not head_list or any(not 0 <= h < H for h in head_list):
-        raise ValueError(f"heads: expected indices in 0 .. {H - 1}, got {list(heads or [])}")
+        raise ValueError(f"heads: expected indices in 0 .. {H - 1}, got {head_list}")
     index = torch.tensor(head_list)
     stored: dict[str, Tensor] = {}
 
@@ -196,6 +210,19 @@ def classify(model: nn.Module, name: str) -> tuple[str, int]:
         return "encoder", layer
     has_encoder = any(n.startswith("encoder.") for n in attention_modules(model))
     return ("decoder" if has_encoder and name.startswith("decoder.") else "self"), layer
+
+
+def checked_list(name: str, values: object, kind: type) -> list:
+    """``values`` (an iterable of ``kind``: ints, not bools, or strings) as a list; else a
+    ``TypeError`` naming the argument ``name``."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name}: expected a list of {kind.__name__}s, got "
+                        f"{type(values).__name__}")
+    values = list(values)
+    bad = [v for v in values if not (is_int(v) if kind is int else isinstance(v, kind))]
+    if bad:
+        raise TypeError(f"{name}: expected a list of {kind.__name__}s, got {bad[0]!r}")
+    return values
 
 
 @contextmanager

@@ -86,7 +86,7 @@ def run_with_cache(
     def store(x: Tensor, name: str) -> None:
         cache[name] = x.detach() if detach else x
 
-    chain = _chain(model, hooks or {})
+    chain = _chain(model, hooks or {}, "hooks")
     for n in wanted:
         chain.setdefault(n, []).append(store)
     with _installed(model, chain):
@@ -103,7 +103,7 @@ def run_with_hooks(model: nn.Module, inputs: Any, fns: Mapping[str, HookFn]) -> 
 @contextmanager
 def hooks(model: nn.Module, fns: Mapping[str, HookFn]) -> Iterator[None]:
     """Install ``{name or pattern: fn(tensor, name) -> tensor | None}`` for a ``with`` block."""
-    with _installed(model, _chain(model, fns)):
+    with _installed(model, _chain(model, fns, "fns")):
         yield
 
 
@@ -186,14 +186,16 @@ def run_model(model: nn.Module, inputs: Any) -> Any:
     )
 
 
-def _chain(model: nn.Module, fns: Mapping[str, HookFn]) -> dict[str, list[HookFn]]:
-    """``{name or pattern: fn}`` -> ``{point name: [fn, ...]}`` (every fn checked callable)."""
+def _chain(model: nn.Module, fns: Mapping[str, HookFn], arg: str
+           ) -> dict[str, list[HookFn]]:
+    """``{name or pattern: fn}`` (the argument ``arg``) -> ``{point name: [fn, ...]}``."""
     if not isinstance(fns, Mapping):
-        raise TypeError(f"hooks: expected a mapping {{name: fn}}, got {type(fns).__name__}")
+        raise TypeError(f"{arg}: expected a mapping {{name or pattern: fn}}, got "
+                        f"{type(fns).__name__}")
     chain: dict[str, list[HookFn]] = {}
     for name, fn in fns.items():
         if not callable(fn):
-            raise TypeError(f"hooks[{name!r}]: expected a callable fn(tensor, name), got "
+            raise TypeError(f"{arg}[{name!r}]: expected a callable fn(tensor, name), got "
                             f"{type(fn).__name__}")
         for n in resolve_names(model, name):
             chain.setdefault(n, []).append(fn)
@@ -229,13 +231,21 @@ def _forward_hook(name: str, fns: list[HookFn]) -> Callable[[nn.Module, Any, Ten
         for fn in fns:
             result = fn(x, name)
             if result is not None:
-                if not isinstance(result, Tensor) or result.shape != x.shape:
-                    got = tuple(result.shape) if isinstance(result, Tensor) else type(result)
-                    raise ValueError(
-                        f"hook for {name}: expected None or a tensor of shape {tuple(x.shape)}, "
-                        f"got {got}"
-                    )
+                _check_replacement(name, result, x)
                 x = result
         return x
 
     return hook
+
+
+def _check_replacement(name: str, new: object, old: Tensor) -> None:
+    """A hook's replacement must fit where the old tensor was: same shape, dtype, device."""
+    if not isinstance(new, Tensor):
+        raise TypeError(f"hook for {name}: expected None or a Tensor, got {type(new).__name__}")
+    got, want = (tuple(new.shape), new.dtype, new.device), (tuple(old.shape), old.dtype,
+                                                             old.device)
+    if got != want:
+        raise ValueError(
+            f"hook for {name}: expected None or a tensor of shape {want[0]}, dtype {want[1]} "
+            f"on {want[2]}, got shape {got[0]}, dtype {got[1]} on {got[2]}"
+        )
