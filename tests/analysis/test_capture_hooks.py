@@ -247,3 +247,15 @@ def test_hostile_arguments_are_refused_by_name():
         with pytest.raises(error, match=message):
             call()
     assert not any(p.has_hooks for p in hook_points(model).values())
+
+
+def test_a_fn_under_overlapping_patterns_runs_once_per_point():
+    model = _transformer()
+    src, tgt = torch.randint(4, 20, (1, 6)), torch.randint(4, 18, (1, 4))
+    seen = []
+
+    def count(x, name):
+        seen.append(name)
+
+    run_with_hooks(model, (src, tgt), {"*.q": count, "encoder.*": count})
+    assert sorted(seen) == sorted(set(seen)) and len(seen) == 8 + 2 * 5  # 8 q + 2 x (k..z)

@@ -198,7 +198,9 @@ def _chain(model: nn.Module, fns: Mapping[str, HookFn], arg: str
             raise TypeError(f"{arg}[{name!r}]: expected a callable fn(tensor, name), got "
                             f"{type(fn).__name__}")
         for n in resolve_names(model, name):
-            chain.setdefault(n, []).append(fn)
+            fns_here = chain.setdefault(n, [])
+            if fn not in fns_here:  # two patterns naming one point: the fn runs once there
+                fns_here.append(fn)
     return chain
 
 
