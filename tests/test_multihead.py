@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+import attnlab.attention.sdpa as sdpa
 from attnlab import MultiHeadAttention, SimpleMultiHeadAttention
 from attnlab.functional import softmax
 from attnlab.masks import causal_mask
@@ -201,3 +202,74 @@ def test_bad_forward_input_names_the_argument():
         MultiHeadAttention(12, 4, backend="flash")(x, return_weights=True)
     with pytest.raises(ValueError, match="add_bias_kv"):
         MultiHeadAttention.from_torch(nn.MultiheadAttention(12, 4, add_bias_kv=True))
+
+
+def _counting(monkeypatch):
+    """Count the backend calls of ``scaled_dot_product_attention`` (one per layer call)."""
+    calls = dict.fromkeys(("math", "fused", "flash"), 0)
+    for kind in calls:
+        real = getattr(sdpa, f"{kind}_attention")
+
+        def counted(*args, _real=real, _kind=kind, **kwargs):
+            calls[_kind] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(sdpa, f"{kind}_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("backend", ["auto", "fused", "flash", "math"])
+def test_hook_points_see_every_tensor_on_the_modules_backend(backend, monkeypatch):
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 4, num_kv_heads=2, backend=backend).eval()
+    assert [n for n, _ in mha.named_children()] == ["out_proj", "q", "k", "v", "scores",
+                                                    "pattern", "z"]
+    x, mem = torch.randn(2, 5, 16), torch.randn(2, 7, 16)
+    seen = {}
+    handles = [getattr(mha, p).register_forward_hook(
+        lambda m, a, out, p=p: seen.__setitem__(p, out)) for p in ("q", "k", "v", "z")]
+    calls = _counting(monkeypatch)
+    with torch.no_grad():
+        out = mha(x, mem)
+    for h in handles:
+        h.remove()
+    ran = {"auto": "fused"}.get(backend, backend)
+    assert calls == {k: int(k == ran) for k in calls}  # q/k/v/z hooks keep the backend
+    assert {p: tuple(t.shape) for p, t in seen.items()} == {
+        "q": (2, 4, 5, 4), "k": (2, 2, 7, 4), "v": (2, 2, 7, 4), "z": (2, 4, 5, 4)}
+    # z is what out_proj receives: the output recomputed from the hooked z
+    assert_close(mha.out_proj(seen["z"].transpose(1, 2).reshape(2, 5, 16)), out)
+    # and the heads are the textbook ones, from the hooked q, k and v
+    k, v = (t.repeat_interleave(2, dim=1) for t in (seen["k"], seen["v"]))
+    assert_close(seen["z"], softmax(seen["q"] @ k.transpose(-1, -2) / 2.0) @ v, atol=1e-6)
+
+
+def test_scores_and_pattern_hooks_run_math_or_raise_naming_the_backend(monkeypatch):
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 4).eval()
+    x = torch.randn(1, 5, 16)
+    uniform = mha.scores.register_forward_hook(lambda m, a, s: torch.zeros_like(s))
+    kept = {}
+    mha.pattern.register_forward_hook(lambda m, a, w: kept.setdefault("w", w))
+    calls = _counting(monkeypatch)
+    with torch.no_grad():
+        out, weights = mha(x, return_weights=True)
+    assert calls["math"] == 1 and calls["fused"] == 0  # auto -> math while hooked
+    assert torch.equal(weights, kept["w"])
+    assert torch.allclose(weights, torch.full_like(weights, 0.2))
+    _, _, v = mha._project(x, x, x, True)  # uniform attention: every query gets mean(v)
+    expected = mha.out_proj(v.mean(1, keepdim=True).expand(1, 5, 16))
+    assert_close(out, expected, atol=1e-6)
+    uniform.remove()
+    for backend in ("flash", "fused"):
+        mha.backend = backend
+        with pytest.raises(ValueError, match=f"backend '{backend}' cannot .*scores and pattern"):
+            mha(x)
+
+
+def test_out_proj_is_called_as_a_module():
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 4).eval()
+    x = torch.randn(1, 3, 16)
+    mha.out_proj.register_forward_hook(lambda m, a, out: torch.zeros_like(out))
+    assert torch.equal(mha(x), torch.zeros(1, 3, 16))

@@ -5,7 +5,9 @@ attention layer and head on the text, prints the head metric table, and writes t
 interactive HTML viewer and/or PNG pictures (a head grid per kind and layer, a layer x head
 entropy map and head similarity per kind). ``DIR`` is an attnlab checkpoint (a seq2seq
 model: the text is the source and the model's greedy translation the target; a character
-LM: the text is the input) or a Hugging Face Qwen2/Llama folder with ``tokenizer.json``.
+LM: the text is the input) or a Hugging Face checkpoint folder of any family that
+``attnlab.models.io.from_pretrained`` reads (``attnlab.models.families.FAMILIES``: Llama,
+Qwen2, ...), with its ``tokenizer.json``.
 ``--alignment`` adds, for a date checkpoint, the year-alignment report and its pictures;
 it refuses any other checkpoint before doing any work.
 """
@@ -13,12 +15,10 @@ it refuses any other checkpoint before doing any work.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer
 from torch import nn
 
 from attnlab._checks import check_positive
@@ -33,7 +33,10 @@ from attnlab.analysis import (
 )
 from attnlab.analysis.capture import AttentionCapture, kind_label
 from attnlab.analysis.dates import check_date_checkpoint, date_alignment_report
-from attnlab.models.qwen2 import Qwen2ForCausalLM
+from attnlab.models.families import FAMILIES
+from attnlab.models.hf_loading import read_json
+from attnlab.models.io import from_pretrained
+from attnlab.tokenizer import Tokenizer
 from attnlab.training.checkpoint import FORMAT, load_model
 from attnlab.training.tasks.seq2seq import SEQ2SEQ_TASKS, make_seq2seq_task
 from attnlab.training.tasks.vocab import BOS, CharVocab
@@ -49,7 +52,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                          "viewer and/or PNG pictures.")
     viz.add_argument("--checkpoint", required=True, metavar="DIR",
                      help="an attnlab checkpoint folder (seq2seq or character LM) or a Hugging "
-                          "Face Qwen2/Llama folder with tokenizer.json")
+                          "Face checkpoint folder with tokenizer.json, of a supported family "
+                          f"({', '.join(sorted(FAMILIES))})")
     viz.add_argument("--text", required=True,
                      help="the input text: the source of a seq2seq model, else the prompt")
     viz.add_argument("--html", metavar="FILE",
@@ -82,7 +86,7 @@ def load_for_viz(checkpoint: str | Path, text: str) -> tuple[nn.Module, Any, dic
         raise FileNotFoundError(f"checkpoint: no config.json in {str(folder)!r}")
     if not text:
         raise ValueError("text: expected a non-empty string, got ''")
-    raw = json.loads(config_path.read_text())
+    raw = read_json(config_path)
     if raw.get("format") != FORMAT:
         return _load_hf(folder, text, raw)
     model, config = load_model(folder)
@@ -192,16 +196,24 @@ def _seq2seq_task(extra: dict) -> Any:
 
 
 def _load_hf(folder: Path, text: str, raw: dict) -> tuple[nn.Module, Any, dict, str]:
-    if raw.get("model_type") not in ("qwen2", "llama"):
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise ValueError(f"checkpoint: {str(folder)!r} is neither an attnlab checkpoint nor a "
-                         f"Qwen2/Llama folder (model_type {raw.get('model_type')!r})")
-    tok_path = folder / "tokenizer.json"
-    if not tok_path.is_file():
+                         f"folder of a supported family (model_type {model_type!r}; expected "
+                         f"one of {sorted(FAMILIES)})")
+    if not (folder / "tokenizer.json").is_file():
         raise ValueError(f"checkpoint: {str(folder)!r} has no tokenizer.json")
-    tokenizer = Tokenizer.from_file(str(tok_path))
-    ids = tokenizer.encode(text).ids
+    tokenizer = Tokenizer.from_pretrained(folder)
+    ids = tokenizer.encode(text)
     if not ids:
         raise ValueError(f"text: {text!r} encodes to no tokens")
-    model = Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    tokens = [tokenizer.decode([i]) or tokenizer.id_to_token(i) for i in ids]
+    model = from_pretrained(folder, dtype=torch.float32)
+    if len(ids) > model.config.max_len:
+        raise ValueError(f"text: expected at most {model.config.max_len} tokens (the model's "
+                         f"max_len), got {len(ids)}")
+    unknown = sorted({i for i in ids if i >= model.config.vocab_size})
+    if unknown:
+        raise ValueError(f"checkpoint: tokenizer.json gives ids {unknown} for the text, outside "
+                         f"the model's vocabulary of {model.config.vocab_size}")
+    tokens = [tokenizer.decode([i]) or tokenizer.backend.id_to_token(i) for i in ids]
     return model, torch.tensor([ids]), {"input": [tokens]}, repr(text)

@@ -16,8 +16,9 @@ from attnlab.analysis import (
     plot_single_vs_multi,
     run_with_cache,
 )
-from attnlab.analysis.ablation import head_means, seq2seq_metrics
-from attnlab.analysis.hooks import attention_modules
+from attnlab.analysis.ablation import head_means, seq2seq_metrics, token_metrics
+from attnlab.analysis.hooks import attention_modules, hook_points
+from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 from attnlab.models.transformer import Transformer, TransformerConfig
 from attnlab.training.tasks.seq2seq import make_seq2seq_task
 from conftest import assert_close
@@ -49,7 +50,7 @@ def test_zero_and_mean_ablation_edit_one_heads_output():
     with ablate_heads(model, {name: [0]}, mode="mean", means=means):
         _, cache = run_with_cache(model, (src, tgt), f"{name}.z")
     assert_close(cache[f"{name}.z"][0, 0, 0], means[name][0])
-    assert all(m.hook_fn is None for m in attention_modules(model).values())
+    assert not any(p.has_hooks for p in hook_points(model).values())
     with pytest.raises(ValueError, match="mode: expected one of"):
         ablate_heads(model, {name: [0]}, mode="half").__enter__()
     with pytest.raises(ValueError, match=r"heads: 'decoder.layers.0.cross_attn' has heads"):
@@ -95,3 +96,42 @@ def test_pictures_are_pngs(tmp_path):
         plot_single_vs_multi(w[0, 0], w[0, :, :2], q, k, tmp_path / "x.png")
     with pytest.raises(ValueError, match="values: expected a 2-d tensor"):
         plot_metric_map(torch.rand(3), tmp_path / "x.png")
+
+
+def test_ablation_and_head_importance_on_a_gqa_decoder_lm():
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderLMConfig.llama(30, d_model=32, num_layers=2, num_heads=4,
+                                            num_kv_heads=2, max_len=16)).eval()
+    ids = torch.randint(0, 30, (2, 6))
+    name = "layers.1.self_attn"
+    with torch.no_grad():  # head 2 of layer 1 writes nothing: ablating it is free
+        model.layers[1].self_attn.o_proj.weight[:, 16:24] = 0
+    with ablate_heads(model, {name: [0, 3]}):
+        _, cache = run_with_cache(model, ids, f"{name}.z")
+    z = cache[f"{name}.z"]
+    assert z.shape == (2, 4, 6, 8) and z[:, [0, 3]].abs().max() == 0
+    assert z[:, [1, 2]].abs().min(-1).values.max() > 0
+
+    def evaluate():
+        return token_metrics(model(ids[:, :-1]), ids[:, 1:], ignore_index=None)
+
+    table = head_importance(model, evaluate)
+    rows = {(r["kind"], r["layer"], r["head"]): r for r in table.to_dicts()}
+    assert sorted(rows) == [("self", layer, h) for layer in (0, 1) for h in range(4)]
+    assert rows[("self", 1, 2)]["delta_loss"] == 0.0
+    assert all(abs(rows[("self", 1, h)]["delta_loss"]) > 1e-6 for h in (0, 1, 3))
+    assert not any(p.has_hooks for p in hook_points(model).values())
+
+
+def test_ablation_refuses_bad_arguments_by_name():
+    model = _model()
+    name = "decoder.layers.0.cross_attn"
+    with pytest.raises(TypeError, match=r"heads: expected a mapping"):
+        ablate_heads(model, [name]).__enter__()
+    with pytest.raises(TypeError, match=r"heads\['decoder.layers.0.cross_attn'\]: expected a "
+                                        r"list of ints, got True"):
+        ablate_heads(model, {name: [True]}).__enter__()
+    with pytest.raises(ValueError, match=r"modules: \['nope'\] are not attention modules"):
+        head_importance(model, dict, modules=["nope"])
+    with pytest.raises(TypeError, match="modules: expected a list of strs, got str"):
+        head_importance(model, dict, modules=name)

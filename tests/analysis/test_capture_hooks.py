@@ -5,9 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_reference import reference_pattern
 
-from attnlab.analysis import capture, capture_attention, hook_names, hooks, run_with_cache
-from attnlab.analysis.hooks import attention_modules
+from attnlab.analysis import (
+    capture,
+    capture_attention,
+    hook_names,
+    hooks,
+    run_with_cache,
+    run_with_hooks,
+)
+from attnlab.analysis.hooks import attention_modules, hook_points
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 from attnlab.models.transformer import Transformer, TransformerConfig
 from conftest import assert_close
@@ -78,11 +86,13 @@ def test_decoder_lm_gqa_rope_capture_and_tokens():
     mask[1, :2] = False  # left padding
     inputs = {"input_ids": ids, "attention_mask": mask}
     result = capture(model, inputs, tokens=[list("abcdef"), list("wxyz")])
-    expected = _math_weights(model, lambda: model(**inputs))
+    _, qk = run_with_cache(model, inputs, "*.[qk]")
     maps = result["self"]
     assert result.kinds == ["self"] and maps.causal
-    for i in range(2):
-        assert_close(maps.weights[:, i], expected[f"blocks.{i}.attn"])
+    for i in range(2):  # the formula on the layer's own (rotated) queries and keys
+        expected = reference_pattern(qk[f"layers.{i}.self_attn.q"],
+                                     qk[f"layers.{i}.self_attn.k"], mask)
+        assert_close(maps.weights[:, i], expected)
     w, queries, keys = maps.example(1)
     assert queries == keys == list("wxyz") and w.shape == (2, 4, 4, 4)
     assert maps.query_tokens[1] == ("<pad>", "<pad>", "w", "x", "y", "z")
@@ -95,7 +105,7 @@ def test_only_asked_layers_and_heads_are_hooked_and_stored():
     src, tgt = torch.randint(4, 20, (1, 6)), torch.randint(4, 18, (1, 4))
     hooked = set()
     handles = [m.register_forward_pre_hook(
-        lambda mod, args, n=n: hooked.add(n) if mod.hook_fn is not None else None)
+        lambda mod, args, n=n: hooked.add(n) if mod.pattern.has_hooks else None)
         for n, m in attention_modules(model).items()]
     result = capture(model, (src, tgt), layers=[1], heads=[0, 3], kinds=["cross", "encoder"])
     for h in handles:
@@ -151,14 +161,14 @@ def test_hooks_are_removed_even_when_the_forward_raises():
 
     with pytest.raises(RuntimeError, match="boom"):
         run_with_cache(model, (src, tgt), "*.pattern", hooks={"decoder.layers.1.*.z": boom})
-    assert all(m.hook_fn is None for m in attention_modules(model).values())
+    assert not any(p.has_hooks for p in hook_points(model).values())
     with pytest.raises(ValueError, match="tgt"):  # the model itself raises (bad ids)
         capture(model, (src, torch.full((1, 4), 99)))
-    assert all("hook_fn" not in m.__dict__ for m in attention_modules(model).values())
+    assert not any(p.has_hooks for p in hook_points(model).values())
     bad = hooks(model, {"*.scores": lambda x, n: x[..., :1]})
     with pytest.raises(ValueError, match=r"hook for .*\.scores: expected None or a tensor"), bad:
         model(src, tgt)
-    assert all(m.hook_fn is None for m in attention_modules(model).values())
+    assert not any(p.has_hooks for p in hook_points(model).values())
 
 
 def test_interventions_change_the_output():
@@ -184,5 +194,68 @@ def test_legacy_capture_attention_keeps_its_signature():
     assert list(weights) == ["decoder.layers.2.cross_attn"] and out.shape == (1, 4, 18)
     assert_close(weights["decoder.layers.2.cross_attn"],
                  capture(model, (src, tgt), layers=[2], kinds=["cross"])["cross"].weights[:, 0])
-    with pytest.raises(ValueError, match=r"names: .* are not MultiHeadAttention modules"):
+    with pytest.raises(ValueError, match=r"names: .* are not attention modules"):
         capture_attention(model, lambda: None, ["decoder.nope"])
+
+
+def test_capture_on_a_flash_decoder_lm_runs_math_for_the_call_only():
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderLMConfig.llama(30, d_model=32, num_layers=2, num_heads=4,
+                                            num_kv_heads=2, max_len=32, backend="flash")).eval()
+    ids = torch.randint(0, 30, (1, 5))
+    result = capture(model, ids, layers=[1])
+    _, qk = run_with_cache(model, ids, "layers.1.self_attn.[qk]")  # on flash
+    expected = reference_pattern(qk["layers.1.self_attn.q"], qk["layers.1.self_attn.k"])
+    assert_close(result["self"].weights[:, 0], expected)
+    assert [m.backend for m in attention_modules(model).values()] == ["flash", "flash"]
+    with pytest.raises(ValueError, match="input_ids"):  # the model raises: backends restored
+        capture(model, torch.full((1, 5), 99))
+    assert [m.backend for m in attention_modules(model).values()] == ["flash", "flash"]
+    assert not any(p.has_hooks for p in hook_points(model).values())
+
+
+def test_hostile_arguments_are_refused_by_name():
+    model = _transformer()
+    src, tgt = torch.randint(4, 20, (1, 6)), torch.randint(4, 18, (1, 4))
+    cases = [
+        (lambda: capture(model, (src, tgt), kinds=[]), ValueError, "kinds: expected some of"),
+        (lambda: capture(model, (src, tgt), kinds="cross"), TypeError,
+         "kinds: expected a list of strs, got str"),
+        (lambda: capture(model, (src, tgt), layers=1), TypeError,
+         "layers: expected a list of ints, got int"),
+        (lambda: capture(model, (src, tgt), heads=[0, True]), TypeError,
+         "heads: expected a list of ints, got True"),
+        (lambda: capture(model, (src, tgt), heads=iter([7])), ValueError,
+         r"heads: expected indices in 0 \.\. 3, got \[7\]"),
+        (lambda: run_with_cache(model, (src, tgt), 3), TypeError,
+         "names: expected a string or strings, got int"),
+        (lambda: run_with_cache(model, (src, tgt), "*.z", hooks={"*.q": "x"}), TypeError,
+         r"hooks\['\*\.q'\]: expected a callable"),
+        (lambda: hooks(model, [("*.q", print)]).__enter__(), TypeError,
+         "fns: expected a mapping"),
+        (lambda: hook_names("model"), TypeError, "model: expected a torch.nn.Module, got str"),
+        (lambda: run_with_cache(torch.nn.Linear(2, 2), torch.ones(2), "*"), ValueError,
+         "model: expected a model with hook points"),
+        (lambda: run_with_hooks(model, (src, tgt), {"*.q": lambda x, n: x.double()}), ValueError,
+         r"hook for encoder.layers.0.self_attn.q: expected None or a tensor of shape "
+         r"\(1, 4, 6, 8\), dtype torch.float32 on cpu, got shape \(1, 4, 6, 8\), dtype "
+         r"torch.float64"),
+        (lambda: run_with_hooks(model, (src, tgt), {"*.q": lambda x, n: 0}), TypeError,
+         "hook for encoder.layers.0.self_attn.q: expected None or a Tensor, got int"),
+    ]
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
+    assert not any(p.has_hooks for p in hook_points(model).values())
+
+
+def test_a_fn_under_overlapping_patterns_runs_once_per_point():
+    model = _transformer()
+    src, tgt = torch.randint(4, 20, (1, 6)), torch.randint(4, 18, (1, 4))
+    seen = []
+
+    def count(x, name):
+        seen.append(name)
+
+    run_with_hooks(model, (src, tgt), {"*.q": count, "encoder.*": count})
+    assert sorted(seen) == sorted(set(seen)) and len(seen) == 8 + 2 * 5  # 8 q + 2 x (k..z)

@@ -1,18 +1,23 @@
-"""``attnlab viz`` on tiny checkpoints made by the test: seq2seq, char LM and Qwen2 folder."""
+"""``attnlab viz`` on tiny checkpoints made by the test: seq2seq, char LM and a Hugging Face
+folder of every supported family."""
 
 from __future__ import annotations
 
 import json
 import re
 
+import pytest
 import torch
+from tiny_families import tiny_hf_config
 from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM
 
 import attnlab.cli_viz
+from attnlab.analysis import capture
 from attnlab.analysis.viewer_page import script_json
 from attnlab.cli import build_parser, main
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
-from attnlab.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from attnlab.models.families import FAMILIES
 from attnlab.models.transformer import Transformer, TransformerConfig
 from attnlab.training.checkpoint import save_checkpoint
 from attnlab.training.tasks.seq2seq import make_seq2seq_task
@@ -63,26 +68,57 @@ def test_viz_char_lm_and_errors(tmp_path, capsys, monkeypatch):
     assert "layers: self-attention has layers [0], got [3]" in capsys.readouterr().err
 
 
-def _qwen2_folder(path):
+def _hf_folder(path, model_type="qwen2", vocab_size=16):
+    """A tiny random transformers checkpoint of ``model_type`` with a word-level tokenizer;
+    returns ``(folder, the transformers model)``."""
     words = ["<unk>", "the", "cat", "sat", "on", "mat"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=16, hidden_size=32, intermediate_size=48,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=32)
-    folder = Qwen2ForCausalLM(config).save_pretrained(path)
-    tok.save(str(folder / "tokenizer.json"))
-    return folder
+    config = tiny_hf_config(model_type, vocab_size)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model.save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    return path, model
 
 
-def test_viz_qwen2_folder(tmp_path, capsys):
-    folder = _qwen2_folder(tmp_path / "qwen")
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_viz_hf_folder_of_every_family(tmp_path, capsys, model_type):
+    folder, hf = _hf_folder(tmp_path / model_type, model_type)
     html = tmp_path / "q.html"
-    assert main(["viz", "--checkpoint", str(folder), "--text", "the cat sat on the mat",
-                 "--html", str(html)]) == 0
+    text = "the cat sat on the mat"
+    assert main(["viz", "--checkpoint", str(folder), "--text", text, "--html", str(html)]) == 0
     assert "| self | 1 | 3 |" in capsys.readouterr().out
     assert '"queries":["the","cat","sat","on","the","mat"]' in html.read_text()
+    # the weights drawn are transformers' own attention weights
+    model, ids, tokens, _ = attnlab.cli_viz.load_for_viz(folder, text)
+    maps = capture(model, ids, tokens=tokens["input"])["self"]
+    with torch.no_grad():
+        expected = torch.stack(hf(ids, output_attentions=True).attentions, dim=1)
+    torch.testing.assert_close(maps.weights, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_viz_refuses_unsupported_and_mismatched_folders(tmp_path, capsys):
+    folder, _ = _hf_folder(tmp_path / "qwen")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
+    assert main(["viz", "--checkpoint", str(folder), "--text", "the cat"]) == 2
+    err = capsys.readouterr().err
+    assert "model_type 'bert'; expected one of [" in err and "'qwen2'" in err
+    (folder / "config.json").write_text("{not json")
+    assert main(["viz", "--checkpoint", str(folder), "--text", "the cat"]) == 2
+    assert "config.json: not valid JSON" in capsys.readouterr().err
+    folder, _ = _hf_folder(tmp_path / "qwen2")
+    assert main(["viz", "--checkpoint", str(folder), "--text", "cat " * 65]) == 2
+    assert "text: expected at most 64 tokens (the model's max_len), got 65" in \
+        capsys.readouterr().err
+    small, _ = _hf_folder(tmp_path / "small", vocab_size=4)  # the tokenizer has 6 words
+    assert main(["viz", "--checkpoint", str(small), "--text", "the cat on the mat"]) == 2
+    assert ("tokenizer.json gives ids [4, 5] for the text, outside the model's vocabulary "
+            "of 4") in capsys.readouterr().err
+    (small / "tokenizer.json").write_text("{}")
+    assert main(["viz", "--checkpoint", str(small), "--text", "the cat"]) == 2
+    assert "tokenizer.json: not a readable tokenizers file" in capsys.readouterr().err
 
 
 def _char_lm(path, chars):
@@ -104,7 +140,7 @@ def test_viz_alignment_refuses_other_checkpoints_before_any_work(tmp_path, capsy
     err = capsys.readouterr().err
     assert "--alignment: needs a date-task checkpoint" in err
     assert "got model_type 'transformer' with task 'copy'" in err
-    qwen = _qwen2_folder(tmp_path / "qwen")
+    qwen, _ = _hf_folder(tmp_path / "qwen")
     assert main(["viz", "--checkpoint", str(qwen), "--text", "the cat", "--alignment"]) == 2
     err = capsys.readouterr().err
     assert "--alignment: needs a date-task checkpoint" in err and "not an attnlab" in err

@@ -3,7 +3,9 @@
 - ``capture(model, inputs, layers, heads)``: the attention weights per kind, layer and head;
 - ``metrics``: entropy, distance, diagonal / previous / first-token shares, broadness,
   Jensen-Shannon head similarity and ``head_report``;
-- ``hooks``: named hook points (q, k, v, scores, pattern, z) and ``run_with_cache``;
+- ``hooks``: the named hook points of any model (q, k, v, scores, pattern, z in every
+  attention layer; resid_pre, attn_out, resid_mid, mlp_out, resid_post in every decoder
+  block), ``run_with_cache``, ``run_with_hooks`` and the ``hooks`` block;
 - ``ablation``: zero / mean head ablation and ``head_importance``;
 - ``plots`` (PNG) and ``viewer`` (one self-contained interactive HTML file).
 """
@@ -15,7 +17,14 @@ from attnlab.analysis.capture import (
     capture,
     capture_attention,
 )
-from attnlab.analysis.hooks import hook_names, hooks, run_with_cache, run_with_hooks
+from attnlab.analysis.hooks import (
+    attention_modules,
+    hook_names,
+    hook_points,
+    hooks,
+    run_with_cache,
+    run_with_hooks,
+)
 from attnlab.analysis.metrics import (
     attention_distance,
     broadness,
@@ -43,6 +52,7 @@ __all__ = [
     "Table",
     "ablate_heads",
     "attention_distance",
+    "attention_modules",
     "broadness",
     "capture",
     "capture_attention",
@@ -53,6 +63,7 @@ __all__ = [
     "head_report",
     "head_similarity",
     "hook_names",
+    "hook_points",
     "hooks",
     "js_divergence",
     "plot_attention_heads",

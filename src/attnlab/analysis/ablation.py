@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from attnlab.analysis.capture import classify
+from attnlab.analysis.capture import checked_list, classify
 from attnlab.analysis.hooks import attention_modules, hooks, run_with_cache
 from attnlab.analysis.table import Table
 
@@ -40,6 +40,9 @@ def ablate_heads(
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    if not isinstance(heads, Mapping):
+        raise TypeError(f"heads: expected a mapping {{attention module name: head indices}}, "
+                        f"got {type(heads).__name__}")
     modules = attention_modules(model)
     fns = {}
     for name, hs in heads.items():
@@ -47,7 +50,7 @@ def ablate_heads(
             raise ValueError(f"heads: {name!r} is not an attention module; expected one of "
                              f"{list(modules)}")
         H = modules[name].num_heads
-        hs = sorted(set(hs))
+        hs = sorted(set(checked_list(f"heads[{name!r}]", hs, int)))
         if any(not 0 <= h < H for h in hs):
             raise ValueError(f"heads: {name!r} has heads 0 .. {H - 1}, got {hs}")
         fns[f"{name}.z"] = _ablation(hs, mode, None if means is None else means.get(name))
@@ -71,14 +74,18 @@ def head_importance(
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-    names = list(attention_modules(model)) if modules is None else list(modules)
+    modules_by_name = attention_modules(model)
+    names = list(modules_by_name) if modules is None else checked_list("modules", modules, str)
+    unknown = [n for n in names if n not in modules_by_name]
+    if unknown:
+        raise ValueError(f"modules: {unknown} are not attention modules; expected some of "
+                         f"{list(modules_by_name)}")
     with torch.no_grad():
         baseline, cache = run_with_cache(model, evaluate, [f"{n}.z" for n in names])
         means = {n: cache[f"{n}.z"].float().mean(dim=(0, 2)) for n in names} if mode == "mean" \
             else None
         keys = list(baseline)
         table = Table(["kind", "layer", "head", *[c for k in keys for c in (k, f"delta_{k}")]])
-        modules_by_name = attention_modules(model)
         for name in names:
             kind, layer = classify(model, name)
             for h in range(modules_by_name[name].num_heads):

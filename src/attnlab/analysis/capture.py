@@ -1,27 +1,41 @@
 """Capture the attention weights of a model, per attention kind, layer and head.
 
 ``capture(model, inputs)`` runs the model once with a ``pattern`` hook (see
-``attnlab.analysis.hooks``) on each chosen attention layer. A hooked layer runs the
-``math`` path, so the weights are exact whatever backend the model was built with, and
-layers (and heads) that were not asked for store nothing.
+``attnlab.analysis.hooks``) on each chosen attention layer. The chosen layers run the
+``math`` backend for that call (the one that forms the weights; a layer built with
+``flash`` or ``fused`` is switched for the call and switched back), so the weights are
+exact whatever backend the model was built with, and layers (and heads) that were not asked
+for store nothing and keep their backend.
 
 Kinds: ``"encoder"``, ``"decoder"`` (self-attention) and ``"cross"`` for the encoder-decoder
-``Transformer``; ``"self"`` for decoder-only models (``DecoderLM``, Qwen2).
+``Transformer``; ``"self"`` for decoder-only models (``DecoderLM``, every family). Layers and
+heads are read from the modules (``attention_modules``: names and ``num_heads``), whatever
+the model's class.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from attnlab._checks import is_int
 from attnlab.analysis.hooks import attention_modules, run_with_cache
 
-__all__ = ["AttentionCapture", "AttentionMaps", "capture", "capture_attention", "classify"]
+__all__ = [
+    "AttentionCapture",
+    "AttentionMaps",
+    "capture",
+    "capture_attention",
+    "checked_list",
+    "classify",
+    "math_backend",
+]
 
 KINDS = ("encoder", "decoder", "cross", "self")
 # Which token row (role) the queries and keys of each kind come from.
@@ -107,11 +121,13 @@ def capture(
         by_kind.setdefault(kind, []).append((layer, name))
     if not by_kind:
         raise ValueError(f"model: expected attention layers, got {type(model).__name__}")
-    chosen_kinds = list(by_kind) if kinds is None else list(kinds)
+    chosen_kinds = list(by_kind) if kinds is None else checked_list("kinds", kinds, str)
+    if not chosen_kinds:
+        raise ValueError(f"kinds: expected some of {list(by_kind)}, got none")
     for k in chosen_kinds:
         if k not in by_kind:
             raise ValueError(f"kinds: expected some of {list(by_kind)}, got {k!r}")
-    wanted_layers = None if layers is None else sorted(set(layers))
+    wanted_layers = None if layers is None else sorted(set(checked_list("layers", layers, int)))
     names: dict[str, list[tuple[int, str]]] = {}
     for k in chosen_kinds:
         available = [layer for layer, _ in by_kind[k]]
@@ -121,10 +137,15 @@ def capture(
                 raise ValueError(f"layers: {kind_label(k)} has layers {available}, got {bad}")
         names[k] = [(i, n) for i, n in by_kind[k] if wanted_layers is None or i in wanted_layers]
     modules = attention_modules(model)
-    H = modules[names[chosen_kinds[0]][0][1]].num_heads
-    head_list = list(range(H)) if heads is None else sorted(set(heads))
+    chosen = [modules[n] for k in chosen_kinds for _, n in names[k]]
+    missing = [n for k in chosen_kinds for _, n in names[k]
+               if not is_int(getattr(modules[n], "num_heads", None))]
+    if missing:
+        raise ValueError(f"model: attention modules {missing} do not state their num_heads")
+    H = min(m.num_heads for m in chosen)
+    head_list = list(range(H)) if heads is None else sorted(set(checked_list("heads", heads, int)))
     if not head_list or any(not 0 <= h < H for h in head_list):
-        raise ValueError(f"heads: expected indices in 0 .. {H - 1}, got {list(heads or [])}")
+        raise ValueError(f"heads: expected indices in 0 .. {H - 1}, got {head_list}")
     index = torch.tensor(head_list)
     stored: dict[str, Tensor] = {}
 
@@ -132,7 +153,7 @@ def capture(
         stored[name] = x.detach().index_select(1, index.to(x.device))
 
     hook_names = {f"{n}.pattern": keep for k in chosen_kinds for _, n in names[k]}
-    with torch.no_grad():
+    with torch.no_grad(), math_backend(chosen):
         output, _ = run_with_cache(model, inputs, [], hooks=hook_names)
     labels = _labels(tokens, roles)
     maps = {}
@@ -160,25 +181,28 @@ def capture_attention(
 ) -> tuple[Any, dict[str, Tensor]]:
     """Call ``run()`` and return ``(its result, {module name: weights B x H x L x S})``.
 
-    ``names``: qualified names of ``MultiHeadAttention`` submodules of ``model`` (e.g.
-    ``"decoder.layers.1.cross_attn"``); all of them when None. A module called several
-    times (incremental decoding) keeps the weights of its last call.
+    ``names``: qualified names of attention submodules of ``model`` (e.g.
+    ``"decoder.layers.1.cross_attn"``, ``"layers.0.self_attn"``); all of them when None. A
+    module called several times (incremental decoding) keeps the weights of its last call.
+    The modules run the ``math`` backend for the call, as in ``capture``.
     """
     modules = attention_modules(model)
     wanted = list(modules) if names is None else list(names)
     unknown = [n for n in wanted if n not in modules]
     if unknown:
         raise ValueError(
-            f"names: {unknown} are not MultiHeadAttention modules of the model; "
+            f"names: {unknown} are not attention modules of the model; "
             f"expected some of {sorted(modules)}"
         )
-    result, cache = run_with_cache(model, run, [f"{n}.pattern" for n in wanted])
+    with math_backend(modules[n] for n in wanted):
+        result, cache = run_with_cache(model, run, [f"{n}.pattern" for n in wanted])
     return result, {n: cache[f"{n}.pattern"] for n in wanted if f"{n}.pattern" in cache}
 
 
 def classify(model: nn.Module, name: str) -> tuple[str, int]:
-    """``(kind, layer index)`` of the attention module called ``name`` in ``model``."""
-    numbers = re.findall(r"\.(\d+)(?:\.|$)", name)
+    """``(kind, layer index)`` of the attention module called ``name`` in ``model``: the
+    first index in the name (``"model.layers.3.self_attn"`` -> 3; 0 when there is none)."""
+    numbers = re.findall(r"(?:^|\.)(\d+)(?:\.|$)", name)
     layer = int(numbers[0]) if numbers else 0
     if "cross" in name:
         return "cross", layer
@@ -186,6 +210,35 @@ def classify(model: nn.Module, name: str) -> tuple[str, int]:
         return "encoder", layer
     has_encoder = any(n.startswith("encoder.") for n in attention_modules(model))
     return ("decoder" if has_encoder and name.startswith("decoder.") else "self"), layer
+
+
+def checked_list(name: str, values: object, kind: type) -> list:
+    """``values`` (an iterable of ``kind``: ints, not bools, or strings) as a list; else a
+    ``TypeError`` naming the argument ``name``."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name}: expected a list of {kind.__name__}s, got "
+                        f"{type(values).__name__}")
+    values = list(values)
+    bad = [v for v in values if not (is_int(v) if kind is int else isinstance(v, kind))]
+    if bad:
+        raise TypeError(f"{name}: expected a list of {kind.__name__}s, got {bad[0]!r}")
+    return values
+
+
+@contextmanager
+def math_backend(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Within the block, every module of ``modules`` built with a backend other than ``auto``
+    or ``math`` runs ``math`` (``auto`` runs it by itself under a pattern hook); the old
+    backends come back afterwards, even when the block raises."""
+    switched = [(m, m.backend) for m in modules
+                if getattr(m, "backend", "auto") not in ("auto", "math")]
+    try:
+        for m, _ in switched:
+            m.backend = "math"
+        yield
+    finally:
+        for m, backend in switched:
+            m.backend = backend
 
 
 def kind_label(kind: str) -> str:

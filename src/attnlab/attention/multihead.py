@@ -9,7 +9,6 @@ head ``g = h // (H / G)``. ``G = H`` is classic MHA, ``1 < G < H`` grouped-query
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -17,9 +16,9 @@ from torch import Tensor, nn
 
 from attnlab._checks import check_positive
 from attnlab.attention.kv_cache import LayerKVCache
-from attnlab.attention.math import math_attention
 from attnlab.attention.sdpa import BACKENDS, scaled_dot_product_attention
 from attnlab.functional import linear
+from attnlab.hook_point import HookPoint
 from attnlab.masks import combine_masks, key_mask_to_attention_mask, key_mask_to_bool
 
 __all__ = [
@@ -46,14 +45,14 @@ class MultiHeadAttention(nn.Module):
     PyTorch, since Transformer layers drop the residual branch themselves) drops the output.
     Initialisation: Xavier-uniform weights, zero biases.
 
-    ``hook_fn`` (None by default; set by ``attnlab.analysis.hooks``): when set, the call runs
-    the ``math`` path and ``hook_fn(point, tensor) -> tensor`` sees, and may replace, ``"q"``
-    ``B x H x L x D``, ``"k"``, ``"v"`` ``B x G x S x D`` (the new keys: after ``rotary``,
-    before the cache), ``"scores"``, ``"pattern"`` ``B x H x L x S`` and ``"z"`` (per-head
-    outputs ``B x H x L x D``, before ``out_proj``).
+    Hook points (``attnlab.hook_point.HookPoint`` submodules, as in ``SelfAttention``; a
+    forward hook on one sees, and may replace, its tensor): ``q`` ``B x H x L x D``, ``k``,
+    ``v`` ``B x G x S x D`` (the new keys: after ``rotary``, before the cache), ``scores``,
+    ``pattern`` ``B x H x L x S`` and ``z`` (per-head outputs ``B x H x L x D``, before
+    ``out_proj``). The call is the same with or without hooks, on the module's backend; only
+    ``scores`` and ``pattern`` need the ``math`` backend (the only one that forms them), so a
+    hook there makes ``auto`` run ``math`` and an explicit ``flash``/``fused`` backend raise.
     """
-
-    hook_fn: Callable[[str, Tensor], Tensor] | None = None
 
     def __init__(
         self,
@@ -113,6 +112,8 @@ class MultiHeadAttention(nn.Module):
         else:
             self.register_parameter("in_proj_bias", None)
         self.out_proj = nn.Linear(q_size, embed_dim, bias=bias, **factory)
+        for point in ("q", "k", "v", "scores", "pattern", "z"):
+            setattr(self, point, HookPoint())
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -184,9 +185,7 @@ class MultiHeadAttention(nn.Module):
         if rotary is not None:
             q, k = rotary(q), rotary(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, S, G, D).transpose(1, 2)
-        hook = self.hook_fn
-        if hook is not None:
-            q, k, v = hook("q", q), hook("k", k), hook("v", v)
+        q, k, v = self.q(q), self.k(k), self.v(v)
         if cache is not None:
             offset = cache.length
             k, v = cache.update(k, v)
@@ -195,29 +194,22 @@ class MultiHeadAttention(nn.Module):
                     f"cache: expected query length + offset = {L} + {offset} keys, "
                     f"got {k.shape[-2]}"
                 )
-        dropout_p = self.dropout if self.training else 0.0
-        if hook is not None:
-            out, weights = math_attention(
-                q, k, v, mask, is_causal=is_causal, scale=1.0 / math.sqrt(D),
-                dropout_p=dropout_p, hook=hook,
-            )
-            out = hook("z", out)
-        else:
-            result = scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                mask,
-                is_causal=is_causal,
-                dropout_p=dropout_p,
-                enable_gqa=G != H,
-                return_weights=return_weights,
-                backend=self.backend,
-            )
-            out, weights = result if return_weights else (result, None)
-        out = linear(
-            out.transpose(1, 2).reshape(B, L, H * D), self.out_proj.weight, self.out_proj.bias
+        hooked = self.scores.has_hooks or self.pattern.has_hooks
+        result = scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            mask,
+            is_causal=is_causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=G != H,
+            return_weights=return_weights,
+            backend=self.backend,
+            hook=self._score_hook if hooked else None,
         )
+        out, weights = result if return_weights else (result, None)
+        out = self.z(out)
+        out = self.out_proj(out.transpose(1, 2).reshape(B, L, H * D))
         if self.output_dropout > 0.0 and self.training:
             out = nn.functional.dropout(out, self.output_dropout, training=True)
         return (out, weights) if return_weights else out
@@ -246,6 +238,10 @@ class MultiHeadAttention(nn.Module):
             )
             return q, k, v
         return q, linear(key, w_k, biases[1]), linear(value, w_v, biases[2])
+
+    def _score_hook(self, point: str, x: Tensor) -> Tensor:
+        """What ``scaled_dot_product_attention`` calls at ``"scores"`` and ``"pattern"``."""
+        return self.get_submodule(point)(x)
 
     def _check_input(self, name: str, x: Tensor, dim: int) -> None:
         if not isinstance(x, Tensor):
