@@ -25,14 +25,12 @@ from typing import Literal
 
 from torch import Tensor, nn
 
-from attnlab._checks import check_positive
+from attnlab._checks import check_positive, check_tensor, check_token_ids
 from attnlab.attention.kv_cache import KVCache, LayerKVCache
 from attnlab.attention.multihead import MultiHeadAttention
 from attnlab.attention.sdpa import BACKENDS
-from attnlab.functional import linear
 from attnlab.layers import FeedForward, SinusoidalPositionalEncoding
 from attnlab.models.config import ConfigMixin
-from attnlab.models.inputs import check_tensor, check_token_ids
 from attnlab.models.summary import summary
 
 __all__ = ["Decoder", "DecoderLayer", "Encoder", "EncoderLayer", "Transformer",
@@ -299,7 +297,7 @@ class Transformer(nn.Module):
         self_mask = _expand("tgt_mask", tgt_mask, B, offset + T)
         cross_mask = _expand("memory_mask", memory_mask, B, memory.shape[1])
         h = self.decoder(tgt, memory, self_mask, cross_mask, cache)
-        return linear(h, self.output_proj.weight)
+        return self.output_proj(h)
 
     def make_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty ``KVCache`` for the decoder's self-attention (``max_len`` positions)."""
@@ -313,6 +311,11 @@ class Transformer(nn.Module):
         text = summary(self, max_depth=max_depth)
         print(text)
         return text
+
+    def source_mask(self, src: Tensor, src_mask: Tensor | None = None) -> Tensor | None:
+        """The source key mask ``B x S`` bool (True = real token): ``src_mask`` checked, or
+        ``src != pad_id``, or ``None`` (no padding) when the config has no ``pad_id``."""
+        return self._key_mask("src_mask", src, src_mask)
 
     def _key_mask(self, name: str, tokens: Tensor, mask: Tensor | None) -> Tensor | None:
         if mask is not None:
