@@ -1,0 +1,144 @@
+"""attnlab's own checkpoint format: ``save_pretrained`` / ``from_pretrained`` on every model.
+
+A folder holds ``config.json`` = ``{"model_type": <the class's MODEL_TYPE>, "torch_dtype":
+<the weights' dtype>, <every field of the model's config>}`` and ``model.safetensors``, the
+state dict under our own names (a tied tensor stored once). ``DecoderLM`` writes
+``"attnlab_decoder"``, ``Transformer`` ``"attnlab_transformer"``; Hugging Face family
+folders are ``attnlab.models.io``'s business.
+
+Loading checks before it allocates: the config is rebuilt (every field typed and checked,
+errors naming ``config.json`` and the field), the model is built on the ``meta`` device and
+every stored tensor's shape is compared with it, so a config from elsewhere that asks for a
+huge model fails on its shapes, not on memory. The parameters come back trainable.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+from attnlab.models.config import ConfigMixin
+from attnlab.models.hf_loading import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    check_folder,
+    parse_dtype,
+    read_json,
+)
+
+__all__ = ["PreTrainedModel", "cast_weights", "load_weights", "shape_mismatch"]
+
+M = TypeVar("M", bound="PreTrainedModel")
+
+
+class PreTrainedModel(nn.Module):
+    """A model built as ``cls(config)`` with ``save_pretrained(folder)`` and
+    ``cls.from_pretrained(folder, dtype=, device=)`` in attnlab's own format (module
+    docstring). A subclass names its ``MODEL_TYPE`` (the ``config.json`` tag) and
+    ``CONFIG_CLASS``.
+    """
+
+    MODEL_TYPE: ClassVar[str]
+    CONFIG_CLASS: ClassVar[type[ConfigMixin]]
+    config: Any
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` to the folder ``path`` (made if
+        needed); returns it."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
+        config = {"model_type": self.MODEL_TYPE, "torch_dtype": dtype, **self.config.to_dict()}
+        (path / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        save_model(self, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+        return path
+
+    @classmethod
+    def from_pretrained(cls: type[M], path: str | Path, dtype: torch.dtype | str | None = None,
+                        device: torch.device | str | None = None) -> M:
+        """Load a folder written by ``save_pretrained`` (eval mode, trainable weights).
+
+        ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"`` or a ``torch.dtype``) defaults
+        to the stored ``torch_dtype``; ``device`` to the CPU.
+        """
+        folder = check_folder(path)
+        dtype = parse_dtype(dtype)
+        file = folder / CONFIG_NAME
+        raw = read_json(file)
+        model_type = raw.pop("model_type", None)
+        if model_type != cls.MODEL_TYPE:
+            raise ValueError(f"{file}: model_type {model_type!r} is not {cls.__name__}'s "
+                             f"{cls.MODEL_TYPE!r}; attnlab.models.from_pretrained reads every "
+                             f"supported model_type")
+        stored = parse_dtype(raw.pop("torch_dtype", "float32"), f"{file}: torch_dtype")
+        config = cls.CONFIG_CLASS.from_dict(raw, source=file)
+        with torch.device("meta"):  # shapes without memory, checked against the file first
+            skeleton = cls(config)  # type: ignore[call-arg]
+        weights = folder / WEIGHTS_NAME
+        wrong = shape_mismatch(weights, skeleton)
+        if wrong:
+            raise ValueError(wrong)
+        model = cls(config)  # type: ignore[call-arg]
+        load_weights(weights, model)
+        cast_weights(model, dtype or stored)
+        return model.to(torch.device("cpu" if device is None else device)).eval()
+
+
+def cast_weights(model: nn.Module, dtype: torch.dtype) -> None:
+    """Parameters and stored buffers to ``dtype``; computed buffers (sinusoids, rotary
+    frequencies: not in the state dict) stay in the float32 they were made in, as the modules
+    cast them to the input's dtype where they are used."""
+    stored = model.state_dict(keep_vars=True)
+    computed = [(name, b) for name, b in model.named_buffers() if name not in stored]
+    model.to(dtype)
+    for name, buffer in computed:
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner).register_buffer(leaf, buffer, persistent=False)
+
+
+def load_weights(path: Path, model: nn.Module, what: str | None = None) -> None:
+    """Load the safetensors file ``path`` into ``model``, strictly (a tied tensor may be stored
+    under either name); a missing file, a shape or name mismatch or a corrupt file raises a
+    ``ValueError`` naming the file (after ``what: `` when given)."""
+    where = "" if what is None else f"{what}: "
+    if not path.is_file():
+        raise ValueError(f"{where}{str(path)!r} is missing")
+    try:
+        missing, unexpected = load_model(model, str(path), strict=False)
+    except (SafetensorError, OSError, RuntimeError) as error:
+        raise ValueError(shape_mismatch(path, model, what)
+                         or f"{where}cannot read {str(path)!r}: the file is truncated or "
+                         f"corrupt ({error})") from None
+    if missing or unexpected:
+        raise ValueError(f"{where}{str(path)!r} does not match the model: missing "
+                         f"{sorted(missing)}, unexpected {sorted(unexpected)}")
+
+
+def shape_mismatch(path: Path, model: nn.Module, what: str | None = None) -> str | None:
+    """Why the tensors of the safetensors file ``path`` do not fit ``model`` (a shape differs,
+    a tensor is absent), or ``None`` when they fit or the file cannot be read."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            stored = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError):
+        return None
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    wrong = [f"{name}: {shape} in the file, {expected[name]} from the config"
+             for name, shape in stored.items() if name in expected and shape != expected[name]]
+    # tied tensors (one tensor under two names) are stored once, under either name
+    tensors = model.state_dict(keep_vars=True)
+    stored_ids = {id(t) for name, t in tensors.items() if name in stored}
+    wrong += [f"{name}: not in the file" for name, t in tensors.items()
+              if name not in stored and id(t) not in stored_ids]
+    if not wrong:
+        return None
+    more = f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else ""
+    where = "" if what is None else f"{what}: "
+    return (f"{where}the config does not match the weights in {str(path)!r}: "
+            + "; ".join(wrong[:4]) + more)
