@@ -15,13 +15,14 @@ huge model fails on its shapes, not on memory. The parameters come back trainabl
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_model, save_model
-from torch import nn
+from safetensors.torch import load_file, save_model
+from torch import Tensor, nn
 
 from attnlab.models.config import ConfigMixin
 from attnlab.models.hf_loading import (
@@ -32,7 +33,8 @@ from attnlab.models.hf_loading import (
     read_json,
 )
 
-__all__ = ["PreTrainedModel", "cast_weights", "load_weights", "shape_mismatch"]
+__all__ = ["PreTrainedModel", "cast_weights", "load_state", "read_weights", "shape_mismatch",
+           "stored_shapes"]
 
 M = TypeVar("M", bound="PreTrainedModel")
 
@@ -81,11 +83,11 @@ class PreTrainedModel(nn.Module):
         with torch.device("meta"):  # shapes without memory, checked against the file first
             skeleton = cls(config)  # type: ignore[call-arg]
         weights = folder / WEIGHTS_NAME
-        wrong = shape_mismatch(weights, skeleton)
+        wrong = shape_mismatch(stored_shapes(weights), skeleton, weights)
         if wrong:
             raise ValueError(wrong)
         model = cls(config)  # type: ignore[call-arg]
-        load_weights(weights, model)
+        load_state(model, read_weights(weights), weights)
         cast_weights(model, dtype or stored)
         return model.to(torch.device("cpu" if device is None else device)).eval()
 
@@ -102,35 +104,40 @@ def cast_weights(model: nn.Module, dtype: torch.dtype) -> None:
         model.get_submodule(owner).register_buffer(leaf, buffer, persistent=False)
 
 
-def load_weights(path: Path, model: nn.Module, what: str | None = None) -> None:
-    """Load the safetensors file ``path`` into ``model``, strictly (a tied tensor may be stored
-    under either name); a missing file, a shape or name mismatch or a corrupt file raises a
-    ``ValueError`` naming the file (after ``what: `` when given)."""
+def read_weights(path: Path, what: str | None = None) -> dict[str, Tensor]:
+    """Every tensor of the safetensors file ``path`` (memory-mapped); a missing, truncated or
+    corrupt file raises a ``ValueError`` naming it (after ``what: `` when given)."""
     where = "" if what is None else f"{what}: "
     if not path.is_file():
         raise ValueError(f"{where}{str(path)!r} is missing")
     try:
-        missing, unexpected = load_model(model, str(path), strict=False)
-    except (SafetensorError, OSError, RuntimeError) as error:
-        raise ValueError(shape_mismatch(path, model, what)
-                         or f"{where}cannot read {str(path)!r}: the file is truncated or "
-                         f"corrupt ({error})") from None
-    if missing or unexpected:
-        raise ValueError(f"{where}{str(path)!r} does not match the model: missing "
-                         f"{sorted(missing)}, unexpected {sorted(unexpected)}")
+        return load_file(str(path))
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{where}cannot read {str(path)!r}: the file is truncated or corrupt "
+                         f"({error})") from None
 
 
-def shape_mismatch(path: Path, model: nn.Module, what: str | None = None) -> str | None:
-    """Why the tensors of the safetensors file ``path`` do not fit ``model`` (a shape differs,
-    a tensor is absent), or ``None`` when they fit or the file cannot be read."""
+def stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of the safetensors file ``path``, read from its header
+    alone (nothing allocated); empty when the file cannot be read (``read_weights`` says
+    why)."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            stored = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
     except (SafetensorError, OSError):
+        return {}
+
+
+def shape_mismatch(stored: Mapping[str, tuple[int, ...]], model: nn.Module, source: Path,
+                   what: str | None = None) -> str | None:
+    """Why tensors of these ``stored`` shapes (from ``source``) do not fit ``model`` (a shape
+    differs, a tensor is absent), or ``None`` when they fit or nothing was read."""
+    if not stored:
         return None
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    wrong = [f"{name}: {shape} in the file, {expected[name]} from the config"
-             for name, shape in stored.items() if name in expected and shape != expected[name]]
+    wrong = [f"{name}: {tuple(shape)} in the file, {expected[name]} from the config"
+             for name, shape in stored.items()
+             if name in expected and tuple(shape) != expected[name]]
     # tied tensors (one tensor under two names) are stored once, under either name
     tensors = model.state_dict(keep_vars=True)
     stored_ids = {id(t) for name, t in tensors.items() if name in stored}
@@ -140,5 +147,22 @@ def shape_mismatch(path: Path, model: nn.Module, what: str | None = None) -> str
         return None
     more = f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else ""
     where = "" if what is None else f"{what}: "
-    return (f"{where}the config does not match the weights in {str(path)!r}: "
+    return (f"{where}the config does not match the weights in {str(source)!r}: "
             + "; ".join(wrong[:4]) + more)
+
+
+def load_state(model: nn.Module, state: Mapping[str, Tensor], source: Path,
+               what: str | None = None) -> None:
+    """Copy ``state`` (read from ``source``) into ``model``, strictly: every tensor of the
+    model is given (a tied one under either of its names) and nothing else; a mismatch raises
+    a ``ValueError`` naming ``source`` and the tensors."""
+    wrong = shape_mismatch({k: tuple(v.shape) for k, v in state.items()}, model, source, what)
+    if wrong:
+        raise ValueError(wrong)
+    tensors = model.state_dict(keep_vars=True)
+    unexpected = sorted(set(state) - set(tensors))
+    if unexpected:
+        where = "" if what is None else f"{what}: "
+        raise ValueError(f"{where}{str(source)!r} does not match the model: unexpected "
+                         f"{unexpected}")
+    model.load_state_dict(state, strict=False)  # the missing ones are tied (checked above)
