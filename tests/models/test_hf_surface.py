@@ -293,3 +293,27 @@ def test_a_family_model_is_written_by_its_family(tmp_path) -> None:
     assert json.loads((tmp_path / "again" / "config.json").read_text())["model_type"] == "qwen2"
     with pytest.raises(ValueError, match="model_type 'qwen2' is not DecoderLM's"):
         DecoderLM.from_pretrained(tmp_path / "again")
+
+
+def test_hostile_paths_devices_and_config_values(tmp_path) -> None:
+    model = tiny_decoder()
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(FileExistsError, match=r"path: .*file is a file; expected a folder"):
+        model.save_pretrained(tmp_path / "file")
+    with pytest.raises(TypeError, match=r"path: expected a folder path .*got NoneType"):
+        model.save_pretrained(None)
+    model.save_pretrained(tmp_path / "ok")
+    with pytest.raises(ValueError, match=r"device: expected a torch device .*got 'gpu7'"):
+        DecoderLM.from_pretrained(tmp_path / "ok", device="gpu7")
+    with pytest.raises(ValueError, match="dtype: expected one of"):
+        DecoderLM.from_pretrained(tmp_path / "ok", dtype="int8")
+    path = tmp_path / "ok" / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "torch_dtype": None}))  # absent: float32
+    assert DecoderLM.from_pretrained(tmp_path / "ok").lm_head.weight.dtype == torch.float32
+    path.write_text(json.dumps({**config, "model_type": ["attnlab_decoder"]}))
+    with pytest.raises(ValueError, match=r"model_type \['attnlab_decoder'\] is not supported"):
+        from_pretrained(tmp_path / "ok")
+    with pytest.raises(TypeError, match="model: expected a DecoderLM or a Transformer, got "
+                                        "Linear"):
+        save_pretrained(torch.nn.Linear(2, 2), tmp_path / "linear")

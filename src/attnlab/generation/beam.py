@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from attnlab._checks import check_positive, check_token_ids, is_int
-from attnlab.generation.protocols import Seq2SeqLM
+from attnlab.generation.protocols import Seq2SeqLM, Seq2SeqLMConfig
 from attnlab.generation.sampling import check_logits
 
 __all__ = ["beam_search", "generate_seq2seq", "greedy_search"]
@@ -175,6 +175,11 @@ def _prepare(model: Seq2SeqLM, src: Tensor, max_new_tokens: int, bos_id: int, eo
              src_mask: Tensor | None, pad_id: int | None, num_beams: int,
              length_penalty: float) -> tuple[Tensor, Tensor | None, int]:
     """Check the arguments, encode once: memory ``B x S x E``, key mask ``B x S``, pad id."""
+    if not isinstance(model, Seq2SeqLM) or not isinstance(model.config, Seq2SeqLMConfig):
+        raise TypeError(f"model: expected an encoder-decoder (source_mask, encode, decode, "
+                        f"make_cache and a config with src_vocab_size, tgt_vocab_size, max_len, "
+                        f"pad_id: attnlab.generation.protocols.Seq2SeqLM), got "
+                        f"{type(model).__name__}")
     c = model.config
     if (not is_int(max_new_tokens)
             or max_new_tokens < 0):

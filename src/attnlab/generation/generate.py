@@ -23,7 +23,7 @@ from torch import Tensor
 
 from attnlab._checks import check_token_ids, is_int
 from attnlab.generation.inputs import new_token_count, token_id, token_id_set
-from attnlab.generation.protocols import CausalLM
+from attnlab.generation.protocols import CausalLM, CausalLMConfig
 from attnlab.generation.sampling import (
     apply_repetition_penalty,
     check_logits,
@@ -88,6 +88,10 @@ def generate(
     the model's vocabulary ``[0, V)``. Logits with NaN or +inf give a ``ValueError``.
     Call ``model.eval()`` first for deterministic dropout-free output.
     """
+    if not isinstance(model, CausalLM) or not isinstance(model.config, CausalLMConfig):
+        raise TypeError(f"model: expected a causal LM (callable, with make_cache and a config "
+                        f"with vocab_size and max_len: attnlab.generation.protocols.CausalLM), "
+                        f"got {type(model).__name__}")
     V = model.config.vocab_size
     check_token_ids("input_ids", input_ids, V)
     attention_mask = _check_mask(attention_mask, input_ids)

@@ -5,11 +5,14 @@
 ``generate`` methods call these loops). Typing them structurally keeps generation below
 models in the import layers (``.importlinter``), as in transformers, where the generation
 loop is a mixin that knows models only through the methods it calls.
+
+The protocols are runtime-checkable: the loops refuse, by name, a model or a config that
+lacks one of their members (``isinstance`` looks at the names, not at the signatures).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
@@ -18,6 +21,7 @@ from attnlab.attention.kv_cache import KVCache
 __all__ = ["CausalLM", "CausalLMConfig", "Seq2SeqLM", "Seq2SeqLMConfig"]
 
 
+@runtime_checkable
 class CausalLMConfig(Protocol):
     """A causal LM's sizes: vocabulary ``V`` and number of positions."""
 
@@ -28,6 +32,7 @@ class CausalLMConfig(Protocol):
     def max_len(self) -> int: ...
 
 
+@runtime_checkable
 class CausalLM(Protocol):
     """``model(input_ids B x L, attention_mask=, cache=, logits_to_keep=) -> logits B x k x V``
     and ``model.make_cache(batch_size, max_len) -> KVCache``."""
@@ -41,6 +46,7 @@ class CausalLM(Protocol):
     def make_cache(self, batch_size: int, max_len: int | None = None) -> KVCache: ...
 
 
+@runtime_checkable
 class Seq2SeqLMConfig(Protocol):
     """An encoder-decoder's sizes: both vocabularies, positions, its padding id."""
 
@@ -57,6 +63,7 @@ class Seq2SeqLMConfig(Protocol):
     def pad_id(self) -> int | None: ...
 
 
+@runtime_checkable
 class Seq2SeqLM(Protocol):
     """Encoder-decoder: ``source_mask`` (``B x S`` key mask or ``None``), ``encode`` (memory
     ``B x S x E``), ``decode`` (logits ``B x T x V``, extending a ``KVCache``), ``make_cache``."""

@@ -49,8 +49,9 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
     device = torch.device("cpu" if device is None else device)
     file = folder / CONFIG_NAME
     raw = read_json(file)
-    if raw.get("model_type") in _OWN:
-        return _OWN[raw["model_type"]].from_pretrained(folder, dtype=dtype, device=device)
+    own = _OWN.get(raw["model_type"]) if isinstance(raw.get("model_type"), str) else None
+    if own is not None:
+        return own.from_pretrained(folder, dtype=dtype, device=device)
     family = family_for(raw.get("model_type"))
     try:
         config = family.config_from_hf(raw)

@@ -15,6 +15,7 @@ huge model fails on its shapes, not on memory. The parameters come back trainabl
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -53,7 +54,13 @@ class PreTrainedModel(nn.Module):
     def save_pretrained(self, path: str | Path) -> Path:
         """Write ``config.json`` and ``model.safetensors`` to the folder ``path`` (made if
         needed); returns it."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path: expected a folder path (str or Path), got "
+                            f"{type(path).__name__}")
         path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise FileExistsError(f"path: {path} is a file; expected a folder (made if "
+                                  f"missing) to write {CONFIG_NAME} and {WEIGHTS_NAME} in")
         path.mkdir(parents=True, exist_ok=True)
         dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
         config = {"model_type": self.MODEL_TYPE, "torch_dtype": dtype, **self.config.to_dict()}
@@ -71,6 +78,7 @@ class PreTrainedModel(nn.Module):
         """
         folder = check_folder(path)
         dtype = parse_dtype(dtype)
+        device = _parse_device(device)
         file = folder / CONFIG_NAME
         raw = read_json(file)
         model_type = raw.pop("model_type", None)
@@ -78,7 +86,7 @@ class PreTrainedModel(nn.Module):
             raise ValueError(f"{file}: model_type {model_type!r} is not {cls.__name__}'s "
                              f"{cls.MODEL_TYPE!r}; attnlab.models.from_pretrained reads every "
                              f"supported model_type")
-        stored = parse_dtype(raw.pop("torch_dtype", "float32"), f"{file}: torch_dtype")
+        stored = parse_dtype(raw.pop("torch_dtype", None) or "float32", f"{file}: torch_dtype")
         config = cls.CONFIG_CLASS.from_dict(raw, source=file)
         with torch.device("meta"):  # shapes without memory, checked against the file first
             skeleton = cls(config)  # type: ignore[call-arg]
@@ -89,7 +97,18 @@ class PreTrainedModel(nn.Module):
         model = cls(config)  # type: ignore[call-arg]
         load_state(model, read_weights(weights), weights)
         cast_weights(model, dtype or stored)
-        return model.to(torch.device("cpu" if device is None else device)).eval()
+        return model.to(device).eval()
+
+
+def _parse_device(device: object) -> torch.device:
+    """``device`` (``None`` = the CPU, a name such as ``"cuda:0"``, a ``torch.device``)."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        return torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda:0', got "
+                         f"{device!r} ({error})") from None
 
 
 def cast_weights(model: nn.Module, dtype: torch.dtype) -> None:
