@@ -258,6 +258,10 @@ def test_hf_keywords_are_checked_by_name() -> None:
         seq2seq(ids, ids % (V - 5), labels=labels[:, 1:])
     with pytest.raises(TypeError, match="past_key_values: expected a KVCache"):
         seq2seq(ids, ids % (V - 5), past_key_values=[])
+    with pytest.raises(ValueError, match="cache: expected 2 layers for batch size 3"):
+        seq2seq(ids, ids % (V - 5), past_key_values=KVCache(1, 3, 4, 8, 8))
+    with pytest.raises(TypeError, match="cache: expected a KVCache"):
+        seq2seq.decode(ids % (V - 5), seq2seq.encode(ids), cache=object())
 
 
 def test_bad_folders_are_refused_by_name(tmp_path) -> None:

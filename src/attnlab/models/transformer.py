@@ -329,6 +329,12 @@ class Transformer(PreTrainedModel):
         """
         c = self.config
         B, T = check_token_ids("tgt", tgt, c.tgt_vocab_size)
+        if cache is not None and not isinstance(cache, KVCache):
+            raise TypeError(f"cache: expected a KVCache (model.make_cache) or None, got "
+                            f"{type(cache).__name__}")
+        if cache is not None and (len(cache) != c.num_decoder_layers or cache.batch_size != B):
+            raise ValueError(f"cache: expected {c.num_decoder_layers} layers for batch size {B}, "
+                             f"got {cache!r}")
         offset = 0 if cache is None else cache.length
         if offset + T > c.max_len:
             raise ValueError(f"tgt: positions {offset} .. {offset + T - 1} exceed the model's "
