@@ -175,6 +175,7 @@ def test_decoder_lm_save_and_load_round_trip(tmp_path) -> None:
     assert saved["model_type"] == "attnlab_decoder" and saved["torch_dtype"] == "float32"
     for loaded in (DecoderLM.from_pretrained(tmp_path), from_pretrained(tmp_path)):
         assert type(loaded) is DecoderLM and loaded.config == model.config
+        assert all(p.requires_grad for p in loaded.parameters()) and not loaded.training
         assert loaded.lm_head.weight is loaded.embed_tokens.weight  # still tied
         for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
             assert torch.equal(a, b), name
@@ -198,6 +199,7 @@ def test_transformer_save_and_load_round_trip(tmp_path) -> None:
     tgt = src[:, :4] % (V - 5)
     for loaded in (Transformer.from_pretrained(tmp_path), from_pretrained(tmp_path)):
         assert type(loaded) is Transformer and loaded.config == model.config
+        assert all(p.requires_grad for p in loaded.parameters()) and not loaded.training
         assert loaded.output_proj.weight is loaded.decoder.embed.weight
         assert torch.equal(loaded(src, tgt), model(src, tgt))
     half = Transformer.from_pretrained(tmp_path, dtype=torch.float16)
