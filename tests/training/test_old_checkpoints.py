@@ -103,6 +103,7 @@ def test_an_old_layout_that_does_not_fit_its_config_is_refused(tmp_path) -> None
         ({"num_kv_heads": 4}, r"old-layout weights .*model\.safetensors.*RuntimeError"),
         ({"bias": True}, r"does not match the weights .*q_proj\.bias: not in the file"),
         ({"num_layers": 3}, r"does not match the weights .*layers\.2\..*: not in the file"),
+        ({"d_model": 2**20, "d_ff": 2**22}, r"old-layout weights .*RuntimeError"),  # no alloc
     ]:
         path.write_text(json.dumps({**saved, "model": {**saved["model"], **change}}))
         with pytest.raises(ValueError, match=message):

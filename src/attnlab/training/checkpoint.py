@@ -155,12 +155,11 @@ def load_model(directory: str | Path) -> tuple[nn.Module, dict[str, Any]]:
             f"checkpoint: bad model config in {str(directory / CONFIG)!r} ({error})"
         ) from None
     path = directory / WEIGHTS
-    shapes = stored_shapes(path)
-    if not is_old_decoder_lm(shapes):  # the old names are checked once mapped, below
-        wrong = shape_mismatch(shapes, skeleton, path, "checkpoint")
-        if wrong:
-            raise ValueError(wrong)
-    state = _weights(path, skeleton)
+    state = _weights(path, skeleton)  # memory-mapped: nothing read yet
+    wrong = shape_mismatch({name: tuple(t.shape) for name, t in state.items()}, skeleton, path,
+                           "checkpoint")
+    if wrong:
+        raise ValueError(wrong)
     model = model_cls(model_config)  # the file holds every tensor: its size bounds this one
     load_state(model, state, path, "checkpoint")
     model.eval()
