@@ -29,7 +29,7 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
-	$(BIN)/lint-imports
+	$(BIN)/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -165,3 +165,24 @@ def test_truncate_and_reorder_refuse_bad_arguments() -> None:
         with pytest.raises(ValueError, match=r"index: expected integer rows in \[0, 2\)"):
             cache.reorder(bad)
     assert cache.length == 3
+
+
+def test_growing_cache_reallocates_and_keeps_what_it_holds() -> None:
+    """A ``grow=True`` cache sized for 2 positions takes 2 + 1 + 4 of them (room 2, 4, 8:
+    doubling), and returns exactly the keys and values it was given;
+    a fixed cache refuses the same overflow."""
+    g = torch.Generator().manual_seed(0)
+    chunks = [torch.randn(2, 3, n, 4, generator=g) for n in (2, 1, 4)]
+    cache = KVCache(1, 2, 3, 2, 4, grow=True)
+    for i, room in enumerate((2, 4, 8)):
+        k, v = cache[0].update(chunks[i], -chunks[i])
+        assert cache.max_len == room
+        assert_close(k, torch.cat(chunks[:i + 1], dim=2), rtol=0, atol=0)
+        assert_close(v, -k, rtol=0, atol=0)
+    assert cache.length == 7
+    fixed = KVCache(1, 2, 3, 2, 4)
+    fixed[0].update(chunks[0], chunks[0])
+    with pytest.raises(ValueError, match="max_len=2"):
+        fixed[0].update(chunks[1], chunks[1])
+    with pytest.raises(TypeError, match="grow: expected a bool, got 'yes'"):
+        KVCache(1, 2, 3, 2, 4, grow="yes")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attnlab.generation import beam_search, generate_seq2seq, greedy_search
-from attnlab.models import Transformer, TransformerConfig
+from attnlab.models import DecoderLM, DecoderLMConfig, Transformer, TransformerConfig
 from conftest import assert_close
 
 BOS, EOS = 1, 2
@@ -200,3 +200,12 @@ def test_nan_logits_are_refused(num_beams: int) -> None:
                                          r"row 0 \(of \d+\) holds NaN"):
         generate_seq2seq(model, torch.tensor([[3, 4]]), 3, bos_id=BOS, eos_id=EOS,
                          num_beams=num_beams)
+
+
+def test_a_model_without_the_protocol_is_refused_by_name() -> None:
+    lm = DecoderLM(DecoderLMConfig(vocab_size=8, d_model=8, num_layers=1, num_heads=2, max_len=8))
+    src = torch.zeros(1, 2, dtype=torch.long)
+    for bad, name in ((lm, "DecoderLM"), (None, "NoneType")):
+        for num_beams in (1, 2):
+            with pytest.raises(TypeError, match=f"expected an encoder-decoder .*got {name}$"):
+                generate_seq2seq(bad, src, 2, bos_id=1, eos_id=2, num_beams=num_beams)

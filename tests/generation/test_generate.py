@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnlab.generation import generate
-from attnlab.models import DecoderLM, DecoderLMConfig
+from attnlab.models import DecoderLM, DecoderLMConfig, Transformer, TransformerConfig
 
 V = 19
 
@@ -336,3 +336,14 @@ def test_batched_stops_equal_each_row_alone(prompts: list[list[int]], eos: list[
         assert out[row, P:P + keep].tolist() == free[:keep]
         assert (out[row, P + keep:] == 0).all()
     assert out.shape[1] == P + max(keeps)
+
+
+def test_a_model_without_the_protocol_is_refused_by_name() -> None:
+    """generate drives any CausalLM (attnlab.generation.protocols); an encoder-decoder or
+    another object is named, not met with an AttributeError halfway through."""
+    seq2seq = Transformer(TransformerConfig(8, 8, d_model=8, num_heads=2, num_encoder_layers=1,
+                                            num_decoder_layers=1, d_ff=8, max_len=8))
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    for bad, name in ((seq2seq, "Transformer"), (None, "NoneType"), ("gpt2", "str")):
+        with pytest.raises(TypeError, match=f"model: expected a causal LM .*got {name}$"):
+            generate(bad, ids, 2)

@@ -184,3 +184,15 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p(weights: list[float], p: flo
     # Float rounding may flip a token whose mass-before is within 1e-6 of p.
     near = (mass_before - p).abs() < 1e-6
     assert torch.equal(kept[order][~near], expected[order][~near])
+
+
+def test_filters_keep_the_most_likely_token_when_a_temperature_rounds_it_into_a_tie() -> None:
+    """(0, 1.2e-17) / 1e30 rounds to (0, 0) in float32: ranked by the scaled values alone,
+    top-k and top-p would keep token 0; ranked by the logits they keep token 1."""
+    logits = torch.tensor([[0.0, 1.178451627788164e-17]])
+    for k, p in ((1, None), (None, 1e-9), (1, 1e-9)):
+        assert sampling_probs(logits, 1e30, k, p).tolist() == [[0.0, 1.0]]
+    scaled = torch.tensor([[0.0, 0.0]])
+    assert top_p_filter(scaled, 1e-9).tolist() == [[0.0, float("-inf")]]
+    assert top_p_filter(scaled, 1e-9, rank_by=logits).tolist() == [[float("-inf"), 0.0]]
+    assert top_k_filter(scaled, 1, rank_by=logits).tolist() == [[float("-inf"), 0.0]]

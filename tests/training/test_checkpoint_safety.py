@@ -249,7 +249,7 @@ def test_a_huge_or_wrong_model_config_is_refused_before_allocating(copy):
     good = dict(config["model"])
     for change, message in [
         ({"d_model": 2**20, "d_ff": 2**22}, r"config does not match the weights.*in the file"),
-        ({"num_layers": 2}, r"blocks\.1\..*: not in the file"),
+        ({"num_layers": 2}, r"layers\.1\..*: not in the file"),
         ({"num_layers": -1}, "bad model config"),
     ]:
         config["model"] = {**good, **change}

@@ -9,6 +9,11 @@ key/value heads are stored, not the ``H`` query heads.
 ``layer_cache.update(k, v)`` with the new keys/values ``B x G x L x D`` and attend over what
 it returns (``B x G x (offset + L) x D``). ``offset`` (the cache's ``length`` before the
 call) is the position of the first new token.
+
+A cache made with ``grow=True`` starts with room for ``max_len`` positions and, when an
+update would overflow it, reallocates to ``max(needed, 2 * max_len)`` (amortised ``O(1)`` per
+token, as a Python list grows): ``model(ids, use_cache=True)`` makes one sized to the prompt
+that then takes any number of next tokens, up to the model's own limit of positions.
 """
 
 from __future__ import annotations
@@ -26,18 +31,22 @@ class KVCache:
 
     ``cache[i]`` is layer ``i``'s ``LayerKVCache``; ``cache.length`` is the number of
     positions stored (the offset of the next token). Models build one with
-    ``model.make_cache(batch_size, max_len)``.
+    ``model.make_cache(batch_size, max_len)``. With ``grow=True`` ``max_len`` is the room
+    allocated first, doubled whenever an update needs more (module docstring).
     """
 
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, max_len: int,
                  head_dim: int, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, grow: bool = False) -> None:
         for name, value in (("num_layers", num_layers), ("batch_size", batch_size),
                             ("num_kv_heads", num_kv_heads), ("max_len", max_len),
                             ("head_dim", head_dim)):
             check_positive(name, value)
+        if not isinstance(grow, bool):
+            raise TypeError(f"grow: expected a bool, got {grow!r}")
         self.layers = [LayerKVCache(batch_size, num_kv_heads, max_len, head_dim,
-                                    dtype=dtype, device=device) for _ in range(num_layers)]
+                                    dtype=dtype, device=device, grow=grow)
+                       for _ in range(num_layers)]
 
     def __getitem__(self, index: int) -> LayerKVCache:
         return self.layers[index]
@@ -52,6 +61,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
+        """Positions the buffers hold now (a growing cache's grows)."""
         return self.layers[0].max_len
 
     @property
@@ -84,22 +94,25 @@ class KVCache:
 
 
 class LayerKVCache:
-    """One layer's buffers ``k``, ``v``: ``B x G x max_len x D``; ``length`` positions filled."""
+    """One layer's buffers ``k``, ``v``: ``B x G x max_len x D``; ``length`` positions filled;
+    ``grow``: reallocate instead of refusing an update that overflows ``max_len``."""
 
     def __init__(self, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int, *,
                  dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, grow: bool = False) -> None:
         shape = (batch_size, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.length = 0
+        self.grow = grow
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append ``k``, ``v`` (``B x G x L x D``) at ``length``; return all keys and values.
 
         Returns views ``B x G x (length + L) x D`` of the buffers. Raises a ``ValueError`` when
-        the shapes do not match the buffers or the cache would overflow ``max_len``.
+        the shapes do not match the buffers or the cache would overflow ``max_len`` (a growing
+        cache reallocates instead).
         """
         B, G, _, D = self.k.shape
         for name, t in (("k", k), ("v", v)):
@@ -110,6 +123,8 @@ class LayerKVCache:
             raise ValueError(f"v: expected k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
         L = k.shape[2]
         end = self.length + L
+        if end > self.max_len and self.grow:
+            self._reallocate(max(end, 2 * self.max_len))
         if end > self.max_len:
             raise ValueError(f"k: the cache holds {self.length} of max_len={self.max_len} "
                              f"positions and cannot take {L} more")
@@ -121,6 +136,15 @@ class LayerKVCache:
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
+
+    def _reallocate(self, max_len: int) -> None:
+        """New buffers of ``max_len`` positions holding the ``length`` stored ones."""
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros((*old.shape[:2], max_len, old.shape[3]))
+            new[:, :, :self.length] = old[:, :, :self.length]
+            setattr(self, name, new)
+        self.max_len = max_len
 
     def truncate(self, length: int) -> None:
         if not is_int(length) \

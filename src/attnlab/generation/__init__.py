@@ -1,10 +1,15 @@
 """Generation: the KV cache, sampling functions, decoder-only ``generate`` (end ids, stop
 strings, argument checks), a checkpoint's ``generation_config.json`` defaults (``config``)
-and the encoder-decoder greedy / beam search."""
+and the encoder-decoder greedy / beam search.
+
+The loops know models only through ``protocols.CausalLM`` and ``protocols.Seq2SeqLM``, so
+generation sits below ``attnlab.models`` in the import layers (``.importlinter``) and the
+models' ``generate`` methods call it."""
 
 from attnlab.attention.kv_cache import KVCache, LayerKVCache
 from attnlab.generation.beam import beam_search, generate_seq2seq, greedy_search
 from attnlab.generation.generate import Streamer, generate
+from attnlab.generation.protocols import CausalLM, Seq2SeqLM
 from attnlab.generation.sampling import (
     apply_repetition_penalty,
     check_logits,
@@ -17,8 +22,10 @@ from attnlab.generation.sampling import (
 from attnlab.generation.stopping import StopStrings
 
 __all__ = [
+    "CausalLM",
     "KVCache",
     "LayerKVCache",
+    "Seq2SeqLM",
     "StopStrings",
     "Streamer",
     "apply_repetition_penalty",

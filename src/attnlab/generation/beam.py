@@ -1,4 +1,5 @@
-"""Greedy and beam-search decoding for the encoder-decoder ``attnlab.models.Transformer``.
+"""Greedy and beam-search decoding for an encoder-decoder (any ``protocols.Seq2SeqLM``, e.g.
+``attnlab.models.Transformer``, whose ``generate`` method calls this).
 
 The source is encoded once; each step runs the decoder on the newest token only, with the
 decoder self-attention's keys/values in a ``KVCache`` and cross-attention over the memory.
@@ -16,22 +17,17 @@ running prefix, scored at the current length, cannot beat the worst finished one
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
-from attnlab._checks import check_positive, is_int
+from attnlab._checks import check_positive, check_token_ids, is_int
+from attnlab.generation.protocols import Seq2SeqLM, Seq2SeqLMConfig
 from attnlab.generation.sampling import check_logits
-from attnlab.models.inputs import check_token_ids
-
-if TYPE_CHECKING:
-    from attnlab.models.transformer import Transformer
 
 __all__ = ["beam_search", "generate_seq2seq", "greedy_search"]
 
 
-def generate_seq2seq(model: Transformer, src: Tensor, max_new_tokens: int, *, bos_id: int,
+def generate_seq2seq(model: Seq2SeqLM, src: Tensor, max_new_tokens: int, *, bos_id: int,
                      eos_id: int, num_beams: int = 1, length_penalty: float = 1.0,
                      early_stopping: bool = False, src_mask: Tensor | None = None,
                      pad_id: int | None = None,
@@ -54,7 +50,7 @@ def generate_seq2seq(model: Transformer, src: Tensor, max_new_tokens: int, *, bo
 
 
 @torch.no_grad()
-def greedy_search(model: Transformer, src: Tensor, max_new_tokens: int, *, bos_id: int,
+def greedy_search(model: Seq2SeqLM, src: Tensor, max_new_tokens: int, *, bos_id: int,
                   eos_id: int, length_penalty: float = 1.0, src_mask: Tensor | None = None,
                   pad_id: int | None = None,
                   return_scores: bool = False) -> Tensor | tuple[Tensor, Tensor]:
@@ -83,7 +79,7 @@ def greedy_search(model: Transformer, src: Tensor, max_new_tokens: int, *, bos_i
 
 
 @torch.no_grad()
-def beam_search(model: Transformer, src: Tensor, max_new_tokens: int, *, bos_id: int,
+def beam_search(model: Seq2SeqLM, src: Tensor, max_new_tokens: int, *, bos_id: int,
                 eos_id: int, num_beams: int = 4, length_penalty: float = 1.0,
                 early_stopping: bool = False, src_mask: Tensor | None = None,
                 pad_id: int | None = None,
@@ -175,10 +171,15 @@ def _is_done(hyps: list[tuple[float, list[int]]], K: int, best_running: float,
     return early_stopping or hyps[-1][0] >= best_running
 
 
-def _prepare(model: Transformer, src: Tensor, max_new_tokens: int, bos_id: int, eos_id: int,
+def _prepare(model: Seq2SeqLM, src: Tensor, max_new_tokens: int, bos_id: int, eos_id: int,
              src_mask: Tensor | None, pad_id: int | None, num_beams: int,
              length_penalty: float) -> tuple[Tensor, Tensor | None, int]:
     """Check the arguments, encode once: memory ``B x S x E``, key mask ``B x S``, pad id."""
+    if not isinstance(model, Seq2SeqLM) or not isinstance(model.config, Seq2SeqLMConfig):
+        raise TypeError(f"model: expected an encoder-decoder (source_mask, encode, decode, "
+                        f"make_cache and a config with src_vocab_size, tgt_vocab_size, max_len, "
+                        f"pad_id: attnlab.generation.protocols.Seq2SeqLM), got "
+                        f"{type(model).__name__}")
     c = model.config
     if (not is_int(max_new_tokens)
             or max_new_tokens < 0):
@@ -196,6 +197,6 @@ def _prepare(model: Transformer, src: Tensor, max_new_tokens: int, bos_id: int, 
                 or not 0 <= value < c.tgt_vocab_size):
             raise ValueError(f"{name}: expected an id in [0, {c.tgt_vocab_size}), got {value!r}")
     check_token_ids("src", src, c.src_vocab_size)
-    memory_mask = model._key_mask("src_mask", src, src_mask)
+    memory_mask = model.source_mask(src, src_mask)
     memory = model.encode(src, memory_mask)
     return memory, memory_mask, pad

@@ -1,4 +1,5 @@
-"""Autoregressive generation for a decoder-only LM (``attnlab.models.DecoderLM``).
+"""Autoregressive generation for a decoder-only LM (any ``protocols.CausalLM``, e.g.
+``attnlab.models.DecoderLM``, whose ``generate`` method calls this).
 
 One prefill pass runs the whole (left-padded) prompt and fills the KV cache; each later
 step feeds only the newest token, at position ``offset = cache.length``. Per step:
@@ -15,13 +16,14 @@ Arguments are checked first (``inputs.py``), so bad ids fail before any compute.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from attnlab._checks import is_int
+from attnlab._checks import check_token_ids, is_int
 from attnlab.generation.inputs import new_token_count, token_id, token_id_set
+from attnlab.generation.protocols import CausalLM, CausalLMConfig
 from attnlab.generation.sampling import (
     apply_repetition_penalty,
     check_logits,
@@ -29,10 +31,6 @@ from attnlab.generation.sampling import (
     sample_logits,
 )
 from attnlab.generation.stopping import Decoder, StopStrings
-from attnlab.models.inputs import check_token_ids
-
-if TYPE_CHECKING:
-    from attnlab.models.decoder import DecoderLM
 
 __all__ = ["Streamer", "generate"]
 
@@ -47,7 +45,7 @@ class Streamer(Protocol):
 
 @torch.no_grad()
 def generate(
-    model: DecoderLM,
+    model: CausalLM,
     input_ids: Tensor,
     max_new_tokens: int | None = None,
     *,
@@ -90,6 +88,10 @@ def generate(
     the model's vocabulary ``[0, V)``. Logits with NaN or +inf give a ``ValueError``.
     Call ``model.eval()`` first for deterministic dropout-free output.
     """
+    if not isinstance(model, CausalLM) or not isinstance(model.config, CausalLMConfig):
+        raise TypeError(f"model: expected a causal LM (callable, with make_cache and a config "
+                        f"with vocab_size and max_len: attnlab.generation.protocols.CausalLM), "
+                        f"got {type(model).__name__}")
     V = model.config.vocab_size
     check_token_ids("input_ids", input_ids, V)
     attention_mask = _check_mask(attention_mask, input_ids)

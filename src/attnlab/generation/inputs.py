@@ -2,7 +2,7 @@
 ``ValueError`` naming it instead of an ``IndexError`` from an embedding halfway through.
 
 Single token ids (end, pad) must lie in ``[0, V)`` for the model's vocabulary size ``V``;
-prompts are checked by ``attnlab.models.inputs.check_token_ids``. Lengths count the prompt
+prompts are checked by ``attnlab._checks.check_token_ids``. Lengths count the prompt
 (``P``) and the new tokens against the model's limit of positions.
 """
 

@@ -52,39 +52,47 @@ def sampling_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None =
     check_logits(logits)
     wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
     scaled = (wide - wide.amax(dim=-1, keepdim=True)) / temperature
+    # The filters rank by the logits themselves: a huge temperature can round distinct
+    # logits to one scaled value, and the tie must not drop the most likely token.
     if top_k is not None:
-        scaled = top_k_filter(scaled, top_k)
+        scaled = top_k_filter(scaled, top_k, rank_by=wide)
     if top_p is not None:
-        scaled = top_p_filter(scaled, top_p)
+        scaled = top_p_filter(scaled, top_p, rank_by=wide)
     return torch.softmax(scaled, dim=-1)
 
 
-def top_k_filter(logits: Tensor, k: int) -> Tensor:
+def top_k_filter(logits: Tensor, k: int, *, rank_by: Tensor | None = None) -> Tensor:
     """Keep exactly the ``k`` largest logits of each row, set the others to ``-inf``.
 
     Ties at the k-th value do not let more than ``k`` tokens through: among equal logits,
-    the ones ``torch.topk`` picks are kept. ``k >= V`` keeps everything.
+    the ones ``torch.topk`` picks are kept. ``k >= V`` keeps everything. ``rank_by``
+    (``N.. x V``, ordered as ``logits`` but without the ties that rounding made, e.g. the
+    logits before a temperature) ranks the tokens instead when given.
     """
     check_positive("top_k", k)
     if k >= logits.shape[-1]:
         return logits.clone()
+    keys = logits if rank_by is None else rank_by
     keep = torch.zeros_like(logits, dtype=torch.bool)
-    keep.scatter_(-1, logits.topk(k, dim=-1).indices, True)
+    keep.scatter_(-1, keys.topk(k, dim=-1).indices, True)
     return logits.masked_fill(~keep, float("-inf"))
 
 
-def top_p_filter(logits: Tensor, p: float) -> Tensor:
+def top_p_filter(logits: Tensor, p: float, *, rank_by: Tensor | None = None) -> Tensor:
     """Nucleus filtering (Holtzman et al., 2019): keep the smallest set of most likely tokens
     whose probability sums to at least ``p``; set the others to ``-inf``.
 
     Sorted by probability ``q_1 >= q_2 >= ..``, token ``j`` is kept when
     ``q_1 + .. + q_(j-1) < p`` (so the most likely token is always kept). ``p = 1`` keeps all.
+    ``rank_by`` breaks ties among equal probabilities, as in ``top_k_filter``.
     """
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
         raise ValueError(f"top_p: expected a float in (0, 1], got {p!r}")
     if p >= 1.0:
         return logits.clone()
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    order = (logits if rank_by is None else rank_by).argsort(dim=-1, descending=True,
+                                                             stable=True)
+    sorted_logits = logits.gather(-1, order)
     probs = torch.softmax(sorted_logits.float(), dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     remove_sorted = mass_before >= p

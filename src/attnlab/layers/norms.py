@@ -14,7 +14,8 @@ class RMSNorm(nn.Module):
     """``RMSNorm(x) = x / sqrt(mean(x^2) + eps) * weight`` over the last dim (Zhang & Sennrich).
 
     No mean subtraction and no bias. The normalisation is computed in float32, cast back to
-    ``x``'s dtype, then scaled by ``weight``, as Llama does. x ``N.. x dim`` -> ``N.. x dim``; ``weight`` ``dim``, initialised to ones.
+    ``x``'s dtype, then scaled by ``weight``, as Llama does. x ``N.. x dim`` -> ``N.. x dim``;
+    ``weight`` ``dim``, initialised to ones.
     ``unit_offset=True`` scales by ``1 + weight`` instead (Gemma; ``weight`` then starts at
     zeros), the product taken in float32 before the cast, as Gemma does.
     """

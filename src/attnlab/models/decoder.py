@@ -26,7 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +35,7 @@ from torch import Tensor, nn
 from attnlab._checks import check_positive, is_int
 from attnlab.attention.kv_cache import KVCache, LayerKVCache
 from attnlab.attention.sdpa import BACKENDS
+from attnlab.generation import generate
 from attnlab.hook_point import HookPoint
 from attnlab.layers import FeedForward, GatedMLP, LearnedPositionalEmbedding, RMSNorm
 from attnlab.layers.rope_scaling import RopeScaling
@@ -42,6 +44,13 @@ from attnlab.layers.self_attention import SelfAttention
 from attnlab.masks import causal_mask, sliding_window_mask
 from attnlab.models.config import ConfigMixin
 from attnlab.models.inputs import decoder_inputs
+from attnlab.models.outputs import (
+    CausalLMOutput,
+    check_hf_keywords,
+    check_labels,
+    next_token_loss,
+)
+from attnlab.models.pretrained import PreTrainedModel
 from attnlab.models.summary import summary
 
 __all__ = ["DecoderBlock", "DecoderLM", "DecoderLMConfig", "make_norm", "make_rotary"]
@@ -183,7 +192,7 @@ class DecoderLMConfig(ConfigMixin):
         return self.bias if value is None else value
 
 
-class DecoderLM(nn.Module):
+class DecoderLM(PreTrainedModel):
     """Causal LM: ``forward(input_ids B x L, attention_mask, *, cache, ...) -> logits B x L x V``.
 
     Submodules (Hugging Face's names): ``embed_tokens``, ``embed_positions`` (learned
@@ -191,7 +200,15 @@ class DecoderLM(nn.Module):
     ``k_proj``, ``v_proj``, ``o_proj``, ``post_attention_layernorm``, ``mlp``), ``norm``,
     ``lm_head``. New weights are drawn as Hugging Face does: ``N(0, initializer_range^2)``
     for linear and embedding weights, zero biases, unit norms.
+
+    The Hugging Face call surface: ``model(ids, attention_mask=, labels=, past_key_values=,
+    use_cache=)`` returns a ``CausalLMOutput`` (``attnlab.models.outputs``: ``loss``,
+    ``logits``, ``past_key_values``); ``generate``; ``save_pretrained``/``from_pretrained``
+    (attnlab's own format, ``attnlab.models.pretrained``).
     """
+
+    MODEL_TYPE = "attnlab_decoder"
+    CONFIG_CLASS = DecoderLMConfig
 
     def __init__(self, config: DecoderLMConfig) -> None:
         super().__init__()
@@ -222,8 +239,10 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, *,
+                labels: Tensor | None = None, past_key_values: KVCache | None = None,
+                use_cache: bool | None = None, return_dict: bool | None = None,
                 cache: KVCache | None = None, position_ids: Tensor | None = None,
-                logits_to_keep: int = 0) -> Tensor:
+                logits_to_keep: int = 0) -> Tensor | CausalLMOutput:
         """input_ids ``B x L`` -> logits ``B x L x V`` (``B x min(k, L) x V`` for ``k > 0``).
 
         ``attention_mask``: ``B x (offset + L)``, 1/True = real token (covering the cached
@@ -231,12 +250,28 @@ class DecoderLM(nn.Module):
         holding ``offset`` positions; ``input_ids`` are then the next ``L`` tokens and the
         cache is extended by them. ``position_ids`` ``B x L`` overrides the positions.
         ``logits_to_keep=k > 0`` projects only the last ``k`` positions (generation: ``k = 1``).
+
+        Hugging Face keywords (any of them, or ``return_dict=True``, returns a
+        ``CausalLMOutput`` instead of the logits): ``labels`` ``B x L`` (the input ids,
+        ``-100`` where no loss is wanted; shifted inside) gives ``.loss``, the next-token
+        cross-entropy (``attnlab.models.outputs``); ``past_key_values`` is ``cache`` under
+        Hugging Face's name; ``use_cache=True`` without one makes a cache that grows as
+        tokens come (``KVCache(grow=True)``); either way ``.past_key_values`` is the cache,
+        holding every position so far, to pass back with the next tokens.
         """
         c = self.config
-        _, L, offset, key_mask, positions = decoder_inputs(
+        as_output = check_hf_keywords(
+            labels=labels, use_cache=use_cache, past_key_values=past_key_values, cache=cache,
+            return_dict=return_dict, logits_to_keep=logits_to_keep)
+        cache = past_key_values if past_key_values is not None else cache
+        B, L, offset, key_mask, positions = decoder_inputs(
             input_ids, attention_mask, cache, position_ids, logits_to_keep,
             vocab_size=c.vocab_size, max_len=c.max_len, max_len_name="max_len",
             num_layers=c.num_layers)
+        if labels is not None:
+            check_labels(labels, (B, L), c.vocab_size)
+        if use_cache and cache is None:
+            cache = self.make_cache(B, L, grow=True)
         if key_mask is not None and bool(key_mask.all()):  # no padding: the plain causal path
             key_mask = None
             positions = offset if position_ids is None else positions
@@ -258,7 +293,11 @@ class DecoderLM(nn.Module):
                       cache=None if cache is None else cache[i])
         if logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
-        return self.lm_head(self.norm(x))
+        logits = self.lm_head(self.norm(x))
+        if not as_output:
+            return logits
+        loss = None if labels is None else next_token_loss(logits, labels)
+        return CausalLMOutput(logits=logits, loss=loss, past_key_values=cache)
 
     def _attention_mask(self, key_mask: Tensor | None, L: int, offset: int) -> Tensor | None:
         """``B x 1 x L x S`` (or ``L x S``) bool, True = may attend, or ``None`` for the plain
@@ -272,12 +311,33 @@ class DecoderLM(nn.Module):
                 else causal_mask(L, S, device=device))
         return mask if key_mask is None else key_mask[:, None, None, :] & mask
 
-    def make_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
-        """An empty ``KVCache`` (``G`` heads per layer, ``max_len`` positions, model's dtype)."""
+    def make_cache(self, batch_size: int, max_len: int | None = None, *,
+                   grow: bool = False) -> KVCache:
+        """An empty ``KVCache`` (``G`` heads per layer, ``max_len`` positions, model's dtype);
+        ``grow=True``: ``max_len`` is the room allocated first, doubled when needed."""
         c, p = self.config, self.embed_tokens.weight
         return KVCache(c.num_layers, batch_size, c.kv_heads,
                        c.max_len if max_len is None else max_len, c.head_dim,
-                       dtype=p.dtype, device=p.device)
+                       dtype=p.dtype, device=p.device, grow=grow)
+
+    def generate(self, input_ids: Tensor, max_new_tokens: int | None = None,
+                 **kwargs: Any) -> Tensor:
+        """``attnlab.generation.generate(self, input_ids, max_new_tokens, **kwargs)``: the
+        prompts ``B x P`` followed by the new tokens, ``B x (P + n)`` (greedy by default;
+        ``do_sample``, ``attention_mask``, ``eos_token_id``, ... as documented there)."""
+        return generate(self, input_ids, max_new_tokens, **kwargs)
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """Write attnlab's own format (``config.json`` with ``"model_type":
+        "attnlab_decoder"``, ``model.safetensors`` under our names) for a model whose
+        ``config.family`` is ``None``; a model of a Hugging Face family is written in its
+        family's format by ``attnlab.models.io.save_pretrained(model, path)``."""
+        if self.config.family is not None:
+            raise ValueError(f"config.family: this model is a Hugging Face {self.config.family!r}"
+                             f" model, written in that format by attnlab.models.io."
+                             f"save_pretrained(model, path); DecoderLM.save_pretrained writes "
+                             f"attnlab's own format, for family None")
+        return super().save_pretrained(path)
 
     def summary(self, max_depth: int = 2) -> str:
         """Print and return the per-module parameter counts."""

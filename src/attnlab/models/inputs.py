@@ -1,10 +1,9 @@
 """The checks every model runs on its inputs before any compute, and the decoder's positions.
 
-``decoder_inputs`` is the shared head of ``DecoderLM.forward`` and
-``Qwen2ForCausalLM.forward``: it checks ``input_ids``, ``attention_mask``, ``cache``,
-``position_ids`` and ``logits_to_keep``, each error naming the argument, and gives the
-positions: with an ``attention_mask`` each real token's position is the number of real
-tokens before it (left padding starts at 0), else ``offset .. offset + L - 1``.
+``decoder_inputs`` is the head of ``DecoderLM.forward``: it checks ``input_ids``,
+``attention_mask``, ``cache``, ``position_ids`` and ``logits_to_keep``, each error naming the
+argument, and gives the positions: with an ``attention_mask`` each real token's position is
+the number of real tokens before it (left padding starts at 0), else ``offset .. offset + L - 1``.
 """
 
 from __future__ import annotations
@@ -14,14 +13,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from attnlab._checks import is_int
+from attnlab._checks import ID_DTYPES, check_tensor, check_token_ids, is_int
 from attnlab.attention.kv_cache import KVCache
 
-__all__ = ["DecoderInputs", "check_tensor", "check_token_ids", "decoder_inputs"]
-
-# nn.Embedding indexes with these; any other dtype (bool, float, uint8, ...) is refused.
-_ID_DTYPES = (torch.int64, torch.int32)
-
+__all__ = ["DecoderInputs", "decoder_inputs"]
 
 class DecoderInputs(NamedTuple):
     """``B``, ``L``, the cache ``offset``, the bool ``key_mask`` ``B x (offset + L)`` (or
@@ -75,43 +70,9 @@ def decoder_inputs(input_ids: object, attention_mask: object, cache: object,
     return DecoderInputs(B, L, offset, key_mask, positions)
 
 
-def check_token_ids(name: str, ids: object, vocab_size: int) -> tuple[int, int]:
-    """``(B, L)`` of ``ids`` when it is a ``B x L`` (``L >= 1``) int64/int32 tensor of ids in
-    ``[0, vocab_size)``; otherwise a ``TypeError`` (not a tensor) or ``ValueError`` naming
-    ``name``, what was received and what was expected.
-
-    The range check is one ``aminmax`` over ``ids`` (two numbers read back), cheap on the
-    ``B x 1`` decode step.
-    """
-    check_tensor(name, ids, "a tensor of integer token ids of shape B x L")
-    if ids.dtype not in _ID_DTYPES:
-        raise ValueError(f"{name}: expected integer token ids (torch.long or torch.int32) of "
-                         f"shape B x L, got dtype {ids.dtype}")
-    if ids.dim() != 2:
-        raise ValueError(f"{name}: expected integer token ids of shape B x L, got shape "
-                         f"{tuple(ids.shape)}")
-    if ids.numel() == 0:
-        raise ValueError(f"{name}: expected at least one token (B, L >= 1), got shape "
-                         f"{tuple(ids.shape)}")
-    low, high = torch.stack(torch.aminmax(ids)).tolist()  # one read back
-    if low < 0 or high >= vocab_size:
-        bad = ids[(ids < 0) | (ids >= vocab_size)]
-        raise ValueError(f"{name}: expected ids in [0, {vocab_size}), got min {low} and max "
-                         f"{high} ({bad[:5].tolist()}; the model's vocabulary has {vocab_size})")
-    return ids.shape[0], ids.shape[1]
-
-
-def check_tensor(name: str, value: object, what: str = "a tensor") -> Tensor:
-    """``value`` when it is a tensor; else a ``TypeError`` naming ``name``, ``what`` was
-    expected and the type received."""
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{name}: expected {what}, got {type(value).__name__}")
-    return value
-
-
 def _check_positions(position_ids: object, B: int, L: int, max_len: int) -> Tensor:
     check_tensor("position_ids", position_ids)
-    if (position_ids.dtype not in _ID_DTYPES
+    if (position_ids.dtype not in ID_DTYPES
             or tuple(position_ids.shape) not in ((B, L), (L,))):
         raise ValueError(f"position_ids: expected integer positions of shape B x L = "
                          f"({B}, {L}) or L, got shape {tuple(position_ids.shape)} and dtype "

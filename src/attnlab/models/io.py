@@ -1,9 +1,11 @@
-"""``from_pretrained`` / ``save_pretrained``: Hugging Face checkpoint folders <-> ``DecoderLM``.
+"""``from_pretrained`` / ``save_pretrained``: checkpoint folders <-> ``DecoderLM``/``Transformer``.
 
 A folder holds ``config.json`` and ``model.safetensors`` (or a sharded index). Its
-``model_type`` picks the family (``attnlab.models.families``), which maps the config and the
-tensor names; the tensors are memory-mapped and checked name by name and shape by shape
-against what the config implies (raw-weight parity: values as stored, only renamed, and
+``model_type`` ``"attnlab_decoder"`` or ``"attnlab_transformer"`` is attnlab's own format
+(``attnlab.models.pretrained``: our config fields, our tensor names); any other picks the
+Hugging Face family (``attnlab.models.families``), which maps the config and the tensor
+names; the tensors are memory-mapped and checked name by name and shape by shape against
+what the config implies (raw-weight parity: values as stored, only renamed, and
 transposed or split where the format needs it).
 """
 
@@ -26,13 +28,18 @@ from attnlab.models.hf_loading import (
     save_tensors,
     weight_files,
 )
+from attnlab.models.transformer import Transformer
 
 __all__ = ["from_pretrained", "read_config", "save_pretrained"]
 
+# attnlab's own formats: model_type -> the class that reads and writes it
+_OWN = {cls.MODEL_TYPE: cls for cls in (DecoderLM, Transformer)}
+
 
 def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
-                    device: torch.device | str | None = None) -> DecoderLM:
-    """Load the checkpoint folder ``path`` as a ``DecoderLM`` (eval mode, trainable weights).
+                    device: torch.device | str | None = None) -> DecoderLM | Transformer:
+    """Load the checkpoint folder ``path`` as a ``DecoderLM`` (eval mode, trainable weights),
+    or as a ``Transformer`` for attnlab's ``"attnlab_transformer"`` format.
 
     ``dtype`` (``"float32"``, ``"bfloat16"``, a ``torch.dtype``) defaults to the stored
     ``torch_dtype``/``dtype``; ``device`` to the CPU. An unsupported ``model_type`` is refused
@@ -41,6 +48,10 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
     folder = check_folder(path)
     dtype = parse_dtype(dtype)
     device = _device(device)
+    raw = read_json(folder / CONFIG_NAME)
+    own = _OWN.get(raw["model_type"]) if isinstance(raw.get("model_type"), str) else None
+    if own is not None:
+        return own.from_pretrained(folder, dtype=dtype, device=device)
     family, config, stored_dtype = read_config(folder)
     dtype = dtype or stored_dtype
     stored_names = weight_files(folder)
@@ -90,10 +101,14 @@ def read_config(path: str | Path) -> tuple[Family, DecoderLMConfig, torch.dtype]
     return family, config, dtype
 
 
-def save_pretrained(model: DecoderLM, path: str | Path) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` in the model's family format."""
-    if not isinstance(model, DecoderLM):
-        raise TypeError(f"model: expected a DecoderLM, got {type(model).__name__}")
+def save_pretrained(model: DecoderLM | Transformer, path: str | Path) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` in the model's family format, or in
+    attnlab's own for a ``Transformer`` or a ``DecoderLM`` whose ``config.family`` is ``None``."""
+    if not isinstance(model, (DecoderLM, Transformer)):
+        raise TypeError(f"model: expected a DecoderLM or a Transformer, got "
+                        f"{type(model).__name__}")
+    if isinstance(model, Transformer) or model.config.family is None:
+        return model.save_pretrained(path)
     c = model.config
     family = family_for(c.family)
     path = Path(path)

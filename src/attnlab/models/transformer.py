@@ -15,24 +15,34 @@ always adds the final norms (``final_norm=True`` here).
 
 Masks are key masks, True (or 1) = a real token: ``src_mask`` ``B x S``, ``tgt_mask``
 ``B x T``; when not given they are ``tokens != pad_id``. The decoder is always causal.
+
+The Hugging Face call surface, as ``DecoderLM``'s: ``model(src, tgt, labels=,
+past_key_values=, use_cache=)`` returns a ``Seq2SeqLMOutput`` (``attnlab.models.outputs``);
+``generate`` (greedy or beam search); ``save_pretrained``/``from_pretrained``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from torch import Tensor, nn
 
-from attnlab._checks import check_positive
+from attnlab._checks import check_positive, check_tensor, check_token_ids
 from attnlab.attention.kv_cache import KVCache, LayerKVCache
 from attnlab.attention.multihead import MultiHeadAttention
 from attnlab.attention.sdpa import BACKENDS
-from attnlab.functional import linear
+from attnlab.generation import generate_seq2seq
 from attnlab.layers import FeedForward, SinusoidalPositionalEncoding
 from attnlab.models.config import ConfigMixin
-from attnlab.models.inputs import check_tensor, check_token_ids
+from attnlab.models.outputs import (
+    Seq2SeqLMOutput,
+    check_hf_keywords,
+    check_labels,
+    next_token_loss,
+)
+from attnlab.models.pretrained import PreTrainedModel
 from attnlab.models.summary import summary
 
 __all__ = ["Decoder", "DecoderLayer", "Encoder", "EncoderLayer", "Transformer",
@@ -225,8 +235,11 @@ class Decoder(nn.Module):
         return x if self.norm is None else self.norm(x)
 
 
-class Transformer(nn.Module):
+class Transformer(PreTrainedModel):
     """Encoder-decoder Transformer: ``forward(src B x S, tgt B x T) -> logits B x T x V``."""
+
+    MODEL_TYPE = "attnlab_transformer"
+    CONFIG_CLASS = TransformerConfig
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
@@ -254,15 +267,48 @@ class Transformer(nn.Module):
                 nn.init.xavier_uniform_(p)
 
     def forward(self, src: Tensor, tgt: Tensor, src_mask: Tensor | None = None,
-                tgt_mask: Tensor | None = None) -> Tensor:
+                tgt_mask: Tensor | None = None, *, labels: Tensor | None = None,
+                past_key_values: KVCache | None = None, use_cache: bool | None = None,
+                return_dict: bool | None = None) -> Tensor | Seq2SeqLMOutput:
         """src ``B x S``, tgt ``B x T`` ids -> logits ``B x T x V``.
 
         ``src_mask`` ``B x S`` and ``tgt_mask`` ``B x T``: True (or 1) = real token; built
         from ``pad_id`` when not given. The decoder adds the causal mask itself.
+
+        Hugging Face keywords (any of them, or ``return_dict=True``, returns a
+        ``Seq2SeqLMOutput``): ``labels`` ``B x T`` (the target ids, ``-100`` where no loss is
+        wanted; shifted inside: the logits at ``t`` predict ``labels[:, t + 1]``) gives
+        ``.loss``; ``past_key_values``, a ``KVCache`` holding the earlier target positions
+        (``tgt`` is then the next tokens, ``tgt_mask`` covers all ``B x (offset + T)`` and is
+        not built from ``pad_id``, as in ``decode``); ``use_cache=True`` without one makes a
+        growing cache. The source is encoded at every call (``.encoder_last_hidden_state``);
+        step-by-step decoding that encodes once is ``generate``, or ``encode`` + ``decode``.
         """
+        as_output = check_hf_keywords(labels=labels, use_cache=use_cache,
+                                      past_key_values=past_key_values, cache=None,
+                                      return_dict=return_dict)
         memory = self.encode(src, src_mask)
-        return self.decode(tgt, memory, memory_mask=self._key_mask("src_mask", src, src_mask),
-                           tgt_mask=tgt_mask)
+        cache = past_key_values
+        if use_cache and cache is None:
+            cache = self.make_cache(*check_token_ids("tgt", tgt, self.config.tgt_vocab_size),
+                                    grow=True)
+        logits = self.decode(tgt, memory, memory_mask=self._key_mask("src_mask", src, src_mask),
+                             tgt_mask=tgt_mask, cache=cache)
+        if not as_output:
+            return logits
+        loss = None
+        if labels is not None:
+            loss = next_token_loss(logits, check_labels(labels, tuple(tgt.shape),
+                                                        self.config.tgt_vocab_size))
+        return Seq2SeqLMOutput(logits=logits, loss=loss, past_key_values=cache,
+                               encoder_last_hidden_state=memory)
+
+    def generate(self, src: Tensor, max_new_tokens: int, **kwargs: Any
+                 ) -> Tensor | tuple[Tensor, Tensor]:
+        """``attnlab.generation.generate_seq2seq(self, src, max_new_tokens, **kwargs)``:
+        greedy (``num_beams=1``) or beam search from ``bos_id`` until ``eos_id``; ids
+        ``B x (1 + n)`` (and the scores with ``return_scores=True``)."""
+        return generate_seq2seq(self, src, max_new_tokens, **kwargs)
 
     def encode(self, src: Tensor, src_mask: Tensor | None = None) -> Tensor:
         """src ids ``B x S`` -> memory ``B x S x E`` (``src_mask`` as in ``forward``)."""
@@ -276,13 +322,19 @@ class Transformer(nn.Module):
 
         ``memory_mask`` ``B x S``: True = real source token (no mask when ``None``).
         ``tgt_mask``: ``B x T`` (``B x (offset + T)`` with a cache, covering the cached
-        positions too); built from ``pad_id`` when not given and there is no cache (with a
-        cache, no padding mask is built: the cached tokens are not at hand).
+        positions too); built from ``pad_id`` when not given and the cache is empty or absent
+        (with cached positions, no padding mask is built: the cached tokens are not at hand).
         ``cache``: a ``KVCache`` from ``make_cache``; ``tgt`` then holds only the new tokens,
         at positions ``cache.length ..``, and the cache is extended by them.
         """
         c = self.config
         B, T = check_token_ids("tgt", tgt, c.tgt_vocab_size)
+        if cache is not None and not isinstance(cache, KVCache):
+            raise TypeError(f"cache: expected a KVCache (model.make_cache) or None, got "
+                            f"{type(cache).__name__}")
+        if cache is not None and (len(cache) != c.num_decoder_layers or cache.batch_size != B):
+            raise ValueError(f"cache: expected {c.num_decoder_layers} layers for batch size {B}, "
+                             f"got {cache!r}")
         offset = 0 if cache is None else cache.length
         if offset + T > c.max_len:
             raise ValueError(f"tgt: positions {offset} .. {offset + T - 1} exceed the model's "
@@ -294,25 +346,32 @@ class Transformer(nn.Module):
         if memory.dim() != 3 or memory.shape[0] != B or memory.shape[2] != c.d_model:
             raise ValueError(f"memory: expected shape B x S x E = ({B}, S, {c.d_model}), got "
                              f"{tuple(memory.shape)}")
-        if tgt_mask is None and cache is None:
+        if tgt_mask is None and offset == 0:
             tgt_mask = self._key_mask("tgt_mask", tgt, None)
         self_mask = _expand("tgt_mask", tgt_mask, B, offset + T)
         cross_mask = _expand("memory_mask", memory_mask, B, memory.shape[1])
         h = self.decoder(tgt, memory, self_mask, cross_mask, cache)
-        return linear(h, self.output_proj.weight)
+        return self.output_proj(h)
 
-    def make_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
-        """An empty ``KVCache`` for the decoder's self-attention (``max_len`` positions)."""
+    def make_cache(self, batch_size: int, max_len: int | None = None, *,
+                   grow: bool = False) -> KVCache:
+        """An empty ``KVCache`` for the decoder's self-attention (``max_len`` positions;
+        ``grow=True``: the room allocated first, doubled when needed)."""
         c, p = self.config, self.output_proj.weight
         return KVCache(c.num_decoder_layers, batch_size, c.num_heads,
                        c.max_len if max_len is None else max_len, c.d_model // c.num_heads,
-                       dtype=p.dtype, device=p.device)
+                       dtype=p.dtype, device=p.device, grow=grow)
 
     def summary(self, max_depth: int = 2) -> str:
         """Print and return the per-module parameter counts."""
         text = summary(self, max_depth=max_depth)
         print(text)
         return text
+
+    def source_mask(self, src: Tensor, src_mask: Tensor | None = None) -> Tensor | None:
+        """The source key mask ``B x S`` bool (True = real token): ``src_mask`` checked, or
+        ``src != pad_id``, or ``None`` (no padding) when the config has no ``pad_id``."""
+        return self._key_mask("src_mask", src, src_mask)
 
     def _key_mask(self, name: str, tokens: Tensor, mask: Tensor | None) -> Tensor | None:
         if mask is not None:

@@ -8,6 +8,11 @@ resume needs (``attnlab.training.trainer_state``); nothing is ever unpickled.
 A checkpoint is written in a hidden folder, fsync'd and swapped in (``training.durable``):
 a crash at any moment leaves the previous checkpoint or the new one, complete, and every
 loader here finds it.
+
+A ``DecoderLM`` checkpoint written by an attnlab older than the one decoder stack (tensor
+names ``embed``, ``blocks.{i}.attn.in_proj_weight`` ...) loads too: its names are mapped onto
+today's by ``training.old_layout``. Its trainer state does not resume (the optimizer's
+per-parameter state follows the old parameters); its weights start a new run.
 """
 
 from __future__ import annotations
@@ -18,19 +23,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_model as load_safetensors_into
 from safetensors.torch import save_model
-from torch import nn
+from torch import Tensor, nn
 
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
+from attnlab.models.pretrained import load_state, read_weights, shape_mismatch, stored_shapes
 from attnlab.models.transformer import Transformer, TransformerConfig
 from attnlab.training.durable import existing_folder, new_folder, swap_in
+from attnlab.training.old_layout import OLD_DECODER_LM, is_old_decoder_lm
 from attnlab.training.trainer_state import TrainerState, read_trainer_state, write_trainer_state
 
 __all__ = [
     "FORMAT",
     "checkpoint_folder",
+    "is_old_layout",
     "load_config",
     "load_model",
     "load_trainer_state",
@@ -105,19 +111,15 @@ def load_config(directory: str | Path) -> dict[str, Any]:
 
 
 def load_weights(directory: str | Path, model: nn.Module) -> None:
-    """Load ``model.safetensors`` into ``model``, strictly; errors name the file."""
+    """Load ``model.safetensors`` into ``model``, strictly (old tensor names mapped onto
+    today's); errors name the file."""
     path = _existing(directory) / WEIGHTS
-    if not path.is_file():
-        raise ValueError(f"checkpoint: {str(path)!r} is missing")
-    try:
-        missing, unexpected = load_safetensors_into(model, str(path), strict=False)
-    except (SafetensorError, OSError, RuntimeError) as error:
-        raise ValueError(_unreadable(path, model, error)) from None
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint: {str(path)!r} does not match the model: missing "
-            f"{sorted(missing)}, unexpected {sorted(unexpected)}"
-        )
+    load_state(model, _weights(path, model), path, "checkpoint")
+
+
+def is_old_layout(directory: str | Path) -> bool:
+    """Whether the checkpoint's weights carry the old ``DecoderLM`` names (module docstring)."""
+    return is_old_decoder_lm(stored_shapes(_existing(directory) / WEIGHTS))
 
 
 def load_trainer_state(directory: str | Path) -> TrainerState | None:
@@ -152,12 +154,14 @@ def load_model(directory: str | Path) -> tuple[nn.Module, dict[str, Any]]:
         raise ValueError(
             f"checkpoint: bad model config in {str(directory / CONFIG)!r} ({error})"
         ) from None
-    wrong = _shape_mismatch(directory / WEIGHTS, skeleton)
+    path = directory / WEIGHTS
+    state = _weights(path, skeleton)  # memory-mapped: nothing read yet
+    wrong = shape_mismatch({name: tuple(t.shape) for name, t in state.items()}, skeleton, path,
+                           "checkpoint")
     if wrong:
         raise ValueError(wrong)
     model = model_cls(model_config)  # the file holds every tensor: its size bounds this one
-
-    load_weights(directory, model)
+    load_state(model, state, path, "checkpoint")
     model.eval()
     return model, config
 
@@ -169,33 +173,14 @@ def _existing(directory: str | Path) -> Path:
     return found
 
 
-def _unreadable(path: Path, model: nn.Module, error: Exception) -> str:
-    """Why ``path`` did not load into ``model``: the tensors whose stored shape differs from
-    the one the config gives, or else a truncated or corrupt file."""
-    return (_shape_mismatch(path, model)
-            or f"checkpoint: cannot read {str(path)!r}: the file is truncated or corrupt "
-            f"({error})")
-
-
-def _shape_mismatch(path: Path, model: nn.Module) -> str | None:
-    """The tensors of ``path`` whose shape differs from ``model``'s; None if none differ or
-    the file cannot be read."""
+def _weights(path: Path, model: nn.Module) -> dict[str, Tensor]:
+    """The tensors of ``path`` under ``model``'s names (an old layout's mapped)."""
+    tensors = read_weights(path, "checkpoint")
+    if not is_old_decoder_lm(tensors):
+        return tensors
+    shapes = {name: t.shape for name, t in model.state_dict().items()}
     try:
-        with safe_open(str(path), framework="pt") as f:
-            stored = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
-    except (SafetensorError, OSError):
-        return None
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    wrong = [f"{name}: {shape} in the file, {expected[name]} from the config"
-             for name, shape in stored.items() if name in expected and shape != expected[name]]
-    # tied tensors (one tensor under two names) are stored once, under either name
-    stored_ids = {id(t) for name, t in model.state_dict(keep_vars=True).items()
-                  if name in stored}
-    wrong += [f"{name}: not in the file"
-              for name, t in model.state_dict(keep_vars=True).items()
-              if name not in stored and id(t) not in stored_ids]
-    if not wrong:
-        return None
-    more = f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else ""
-    return (f"checkpoint: the config does not match the weights in {str(path)!r}: "
-            + "; ".join(wrong[:4]) + more)
+        return OLD_DECODER_LM.to_ours(tensors, shapes)
+    except (KeyError, RuntimeError, ValueError) as error:  # a name or size the config lacks
+        raise ValueError(f"checkpoint: the config does not match the old-layout weights in "
+                         f"{str(path)!r} ({type(error).__name__}: {error})") from None

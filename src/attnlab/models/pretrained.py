@@ -1,0 +1,187 @@
+"""attnlab's own checkpoint format: ``save_pretrained`` / ``from_pretrained`` on every model.
+
+A folder holds ``config.json`` = ``{"model_type": <the class's MODEL_TYPE>, "torch_dtype":
+<the weights' dtype>, <every field of the model's config>}`` and ``model.safetensors``, the
+state dict under our own names (a tied tensor stored once). ``DecoderLM`` writes
+``"attnlab_decoder"``, ``Transformer`` ``"attnlab_transformer"``; Hugging Face family
+folders are ``attnlab.models.io``'s business.
+
+Loading checks before it allocates: the config is rebuilt (every field typed and checked,
+errors naming ``config.json`` and the field), the model is built on the ``meta`` device and
+every stored tensor's shape is compared with it, so a config from elsewhere that asks for a
+huge model fails on its shapes, not on memory. The parameters come back trainable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_model
+from torch import Tensor, nn
+
+from attnlab.models.config import ConfigMixin
+from attnlab.models.hf_loading import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    check_folder,
+    parse_dtype,
+    read_json,
+)
+
+__all__ = ["PreTrainedModel", "cast_weights", "load_state", "read_weights", "shape_mismatch",
+           "stored_shapes"]
+
+M = TypeVar("M", bound="PreTrainedModel")
+
+
+class PreTrainedModel(nn.Module):
+    """A model built as ``cls(config)`` with ``save_pretrained(folder)`` and
+    ``cls.from_pretrained(folder, dtype=, device=)`` in attnlab's own format (module
+    docstring). A subclass names its ``MODEL_TYPE`` (the ``config.json`` tag) and
+    ``CONFIG_CLASS``.
+    """
+
+    MODEL_TYPE: ClassVar[str]
+    CONFIG_CLASS: ClassVar[type[ConfigMixin]]
+    config: Any
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` to the folder ``path`` (made if
+        needed); returns it."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path: expected a folder path (str or Path), got "
+                            f"{type(path).__name__}")
+        path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise FileExistsError(f"path: {path} is a file; expected a folder (made if "
+                                  f"missing) to write {CONFIG_NAME} and {WEIGHTS_NAME} in")
+        path.mkdir(parents=True, exist_ok=True)
+        dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
+        config = {"model_type": self.MODEL_TYPE, "torch_dtype": dtype, **self.config.to_dict()}
+        (path / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        save_model(self, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+        return path
+
+    @classmethod
+    def from_pretrained(cls: type[M], path: str | Path, dtype: torch.dtype | str | None = None,
+                        device: torch.device | str | None = None) -> M:
+        """Load a folder written by ``save_pretrained`` (eval mode, trainable weights).
+
+        ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"`` or a ``torch.dtype``) defaults
+        to the stored ``torch_dtype``; ``device`` to the CPU.
+        """
+        folder = check_folder(path)
+        dtype = parse_dtype(dtype)
+        device = _parse_device(device)
+        file = folder / CONFIG_NAME
+        raw = read_json(file)
+        model_type = raw.pop("model_type", None)
+        if model_type != cls.MODEL_TYPE:
+            raise ValueError(f"{file}: model_type {model_type!r} is not {cls.__name__}'s "
+                             f"{cls.MODEL_TYPE!r}; attnlab.models.from_pretrained reads every "
+                             f"supported model_type")
+        stored = parse_dtype(raw.pop("torch_dtype", None) or "float32", f"{file}: torch_dtype")
+        config = cls.CONFIG_CLASS.from_dict(raw, source=file)
+        with torch.device("meta"):  # shapes without memory, checked against the file first
+            skeleton = cls(config)  # type: ignore[call-arg]
+        weights = folder / WEIGHTS_NAME
+        wrong = shape_mismatch(stored_shapes(weights), skeleton, weights)
+        if wrong:
+            raise ValueError(wrong)
+        model = cls(config)  # type: ignore[call-arg]
+        load_state(model, read_weights(weights), weights)
+        cast_weights(model, dtype or stored)
+        return model.to(device).eval()
+
+
+def _parse_device(device: object) -> torch.device:
+    """``device`` (``None`` = the CPU, a name such as ``"cuda:0"``, a ``torch.device``)."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        return torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda:0', got "
+                         f"{device!r} ({error})") from None
+
+
+def cast_weights(model: nn.Module, dtype: torch.dtype) -> None:
+    """Parameters and stored buffers to ``dtype``; computed buffers (sinusoids, rotary
+    frequencies: not in the state dict) stay in the float32 they were made in, as the modules
+    cast them to the input's dtype where they are used."""
+    stored = model.state_dict(keep_vars=True)
+    computed = [(name, b) for name, b in model.named_buffers() if name not in stored]
+    model.to(dtype)
+    for name, buffer in computed:
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner).register_buffer(leaf, buffer, persistent=False)
+
+
+def read_weights(path: Path, what: str | None = None) -> dict[str, Tensor]:
+    """Every tensor of the safetensors file ``path`` (memory-mapped); a missing, truncated or
+    corrupt file raises a ``ValueError`` naming it (after ``what: `` when given)."""
+    where = "" if what is None else f"{what}: "
+    if not path.is_file():
+        raise ValueError(f"{where}{str(path)!r} is missing")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{where}cannot read {str(path)!r}: the file is truncated or corrupt "
+                         f"({error})") from None
+
+
+def stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of the safetensors file ``path``, read from its header
+    alone (nothing allocated); empty when the file cannot be read (``read_weights`` says
+    why)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError):
+        return {}
+
+
+def shape_mismatch(stored: Mapping[str, tuple[int, ...]], model: nn.Module, source: Path,
+                   what: str | None = None) -> str | None:
+    """Why tensors of these ``stored`` shapes (from ``source``) do not fit ``model`` (a shape
+    differs, a tensor is absent), or ``None`` when they fit or nothing was read."""
+    if not stored:
+        return None
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    wrong = [f"{name}: {tuple(shape)} in the file, {expected[name]} from the config"
+             for name, shape in stored.items()
+             if name in expected and tuple(shape) != expected[name]]
+    # tied tensors (one tensor under two names) are stored once, under either name
+    tensors = model.state_dict(keep_vars=True)
+    stored_ids = {id(t) for name, t in tensors.items() if name in stored}
+    wrong += [f"{name}: not in the file" for name, t in tensors.items()
+              if name not in stored and id(t) not in stored_ids]
+    if not wrong:
+        return None
+    more = f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else ""
+    where = "" if what is None else f"{what}: "
+    return (f"{where}the config does not match the weights in {str(source)!r}: "
+            + "; ".join(wrong[:4]) + more)
+
+
+def load_state(model: nn.Module, state: Mapping[str, Tensor], source: Path,
+               what: str | None = None) -> None:
+    """Copy ``state`` (read from ``source``) into ``model``, strictly: every tensor of the
+    model is given (a tied one under either of its names) and nothing else; a mismatch raises
+    a ``ValueError`` naming ``source`` and the tensors."""
+    wrong = shape_mismatch({k: tuple(v.shape) for k, v in state.items()}, model, source, what)
+    if wrong:
+        raise ValueError(wrong)
+    tensors = model.state_dict(keep_vars=True)
+    unexpected = sorted(set(state) - set(tensors))
+    if unexpected:
+        where = "" if what is None else f"{what}: "
+        raise ValueError(f"{where}{str(source)!r} does not match the model: unexpected "
+                         f"{unexpected}")
+    model.load_state_dict(state, strict=False)  # the missing ones are tied (checked above)
