@@ -23,26 +23,28 @@ Hook points (``HookPoint`` modules, see ``attnlab.analysis.hooks``): ``layers.{i
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from attnlab._checks import check_positive, is_int
 from attnlab.attention.kv_cache import KVCache, LayerKVCache
-from attnlab.attention.sdpa import BACKENDS
 from attnlab.generation import generate
 from attnlab.hook_point import HookPoint
 from attnlab.layers import FeedForward, GatedMLP, LearnedPositionalEmbedding, RMSNorm
-from attnlab.layers.rope_scaling import RopeScaling
-from attnlab.layers.rotary import RotaryEmbedding
 from attnlab.layers.self_attention import SelfAttention
 from attnlab.masks import causal_mask, sliding_window_mask
-from attnlab.models.config import ConfigMixin
+from attnlab.models.decoder_config import GATED, DecoderLMConfig, make_rotary
+from attnlab.models.families.loading import load_family, save_family
+from attnlab.models.hf_loading import (
+    CONFIG_NAME,
+    check_folder,
+    parse_device,
+    parse_dtype,
+    read_json,
+)
 from attnlab.models.inputs import decoder_inputs
 from attnlab.models.outputs import (
     CausalLMOutput,
@@ -54,143 +56,6 @@ from attnlab.models.pretrained import PreTrainedModel
 from attnlab.models.summary import summary
 
 __all__ = ["DecoderBlock", "DecoderLM", "DecoderLMConfig", "make_norm", "make_rotary"]
-
-Backend = Literal[BACKENDS]  # type: ignore[valid-type]
-_GATED = {"swiglu": "silu", "geglu": "gelu_tanh"}
-
-
-@dataclass(frozen=True)
-class DecoderLMConfig(ConfigMixin):
-    """Sizes and style of a ``DecoderLM``; every field is plain data (JSON round trip).
-
-    Sizes: ``d_model`` ``E``, ``num_heads`` ``H``, ``num_kv_heads`` ``G`` (default ``H``),
-    ``head_dim`` ``D`` (default ``E / H``), ``d_ff`` (default ``4 E``; ``8E/3`` rounded up to
-    a multiple of 8 for gated MLPs, so the parameter count matches), ``max_len`` positions.
-
-    Style: ``position`` ``"learned"`` or ``"rope"`` (``rope_base``, ``rope_scaling``,
-    ``rotary_dim`` for partial rotary, ``rope_traditional`` for interleaved pairs); ``norm``
-    ``"layernorm"``, ``"rmsnorm"`` or ``"rmsnorm_unit_offset"`` (Gemma's ``1 + w``);
-    ``mlp`` ``"gelu"``, ``"gelu_tanh"``, ``"relu"``, ``"swiglu"`` or ``"geglu"``. ``bias`` is
-    the default of ``qkv_bias``, ``o_bias``, ``mlp_bias`` and ``norm_bias`` (LayerNorm's
-    shift). ``qk_norm``: RMSNorm on each query and key head (Qwen3). ``embedding_scale``
-    multiplies the token embeddings (Gemma: ``sqrt(E)``); ``attention_scale`` replaces
-    ``1/sqrt(D)``; ``sliding_window`` ``W``: each token sees itself and the ``W - 1`` before
-    it (Mistral). ``family`` is the Hugging Face ``model_type`` the model was loaded from (its
-    ``save_pretrained`` writes that format back), or ``None`` for attnlab's own format.
-    """
-
-    vocab_size: int
-    d_model: int = 256
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    d_ff: int | None = None
-    max_len: int = 1024
-    position: Literal["learned", "rope"] = "learned"
-    norm: Literal["layernorm", "rmsnorm", "rmsnorm_unit_offset"] = "layernorm"
-    mlp: Literal["gelu", "gelu_tanh", "relu", "swiglu", "geglu"] = "gelu"
-    bias: bool = True
-    qkv_bias: bool | None = None
-    o_bias: bool | None = None
-    mlp_bias: bool | None = None
-    norm_bias: bool | None = None
-    qk_norm: bool = False
-    tie_embeddings: bool = True
-    norm_eps: float = 1e-5
-    rope_base: float = 10000.0
-    rope_traditional: bool = False
-    rope_scaling: RopeScaling | None = None
-    rotary_dim: int | None = None
-    embedding_scale: float | None = None
-    attention_scale: float | None = None
-    sliding_window: int | None = None
-    dropout: float = 0.0
-    backend: Backend = "auto"
-    initializer_range: float = 0.02
-    bos_token_id: int | None = None
-    eos_token_id: tuple[int, ...] = field(default=())
-    family: str | None = None
-
-    @classmethod
-    def gpt(cls, vocab_size: int, **overrides: object) -> DecoderLMConfig:
-        """GPT-2 style: learned positions, LayerNorm, GELU, biases."""
-        fields = {"position": "learned", "norm": "layernorm", "mlp": "gelu", "bias": True}
-        return cls(vocab_size=vocab_size, **{**fields, **overrides})  # type: ignore[arg-type]
-
-    @classmethod
-    def llama(cls, vocab_size: int, **overrides: object) -> DecoderLMConfig:
-        """Llama style: RoPE (half-split), RMSNorm, SwiGLU, no biases, GQA (``G = H / 2``)."""
-        heads = check_positive("num_heads", overrides.get("num_heads", cls.num_heads))
-        fields = {"position": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False,
-                  "norm_eps": 1e-6, "num_kv_heads": max(1, heads // 2)}
-        return cls(vocab_size=vocab_size, **{**fields, **overrides})  # type: ignore[arg-type]
-
-    def __post_init__(self) -> None:
-        if isinstance(self.rope_scaling, Mapping):  # from JSON
-            object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
-        eos = self.eos_token_id  # Hugging Face allows one id or a list of them
-        if eos is None or is_int(eos):
-            object.__setattr__(self, "eos_token_id", () if eos is None else (eos,))
-        self._check_types()
-        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_len"):
-            check_positive(name, getattr(self, name))
-        for name in ("num_kv_heads", "head_dim", "d_ff", "rotary_dim", "sliding_window"):
-            if getattr(self, name) is not None:
-                check_positive(name, getattr(self, name))
-        if self.head_dim is None:
-            if self.d_model % self.num_heads:
-                raise ValueError(f"d_model: expected a multiple of num_heads={self.num_heads} "
-                                 f"(or an explicit head_dim), got {self.d_model}")
-            object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
-        if self.num_heads % self.kv_heads:
-            raise ValueError(f"num_kv_heads: expected a divisor of num_heads={self.num_heads}, "
-                             f"got {self.num_kv_heads}")
-        if self.position == "rope":
-            if self.rotary_dim is not None and self.rotary_dim > self.head_dim:
-                raise ValueError(f"rotary_dim: expected at most head_dim={self.head_dim}, "
-                                 f"got {self.rotary_dim}")
-            if self.rotary_size % 2:
-                raise ValueError(f"rotary_dim: RoPE needs an even number of rotated features, "
-                                 f"got {self.rotary_size}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout: expected a float in [0, 1), got {self.dropout}")
-        for name in ("norm_eps", "rope_base", "initializer_range"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: expected a positive number, got {getattr(self, name)}")
-        for name in ("embedding_scale", "attention_scale"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name}: expected a positive number or None, got {value}")
-        ids = {"bos_token_id": self.bos_token_id,
-               **{f"eos_token_id[{i}]": t for i, t in enumerate(self.eos_token_id)}}
-        for name, value in ids.items():
-            if value is not None and not 0 <= value < self.vocab_size:
-                raise ValueError(f"{name}: expected an id in [0, {self.vocab_size}), got {value}")
-
-    @property
-    def kv_heads(self) -> int:
-        """``G``: ``num_kv_heads``, or ``num_heads`` when not given."""
-        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
-
-    @property
-    def rotary_size(self) -> int:
-        """The number of features of each head that RoPE rotates (all by default)."""
-        return self.head_dim if self.rotary_dim is None else self.rotary_dim
-
-    @property
-    def ff_dim(self) -> int:
-        if self.d_ff is not None:
-            return self.d_ff
-        if self.mlp in _GATED:
-            return -(-8 * self.d_model // 3 // 8) * 8
-        return 4 * self.d_model
-
-    def resolved_bias(self, name: str) -> bool:
-        """``qkv_bias``, ``o_bias``, ``mlp_bias`` or ``norm_bias``, defaulting to ``bias``."""
-        value = getattr(self, name)
-        return self.bias if value is None else value
-
 
 class DecoderLM(PreTrainedModel):
     """Causal LM: ``forward(input_ids B x L, attention_mask, *, cache, ...) -> logits B x L x V``.
@@ -327,17 +192,25 @@ class DecoderLM(PreTrainedModel):
         ``do_sample``, ``attention_mask``, ``eos_token_id``, ... as documented there)."""
         return generate(self, input_ids, max_new_tokens, **kwargs)
 
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,
+                        device: torch.device | str | None = None) -> DecoderLM:
+        """Load a checkpoint folder: attnlab's own format (``"attnlab_decoder"``) or a Hugging
+        Face folder of any supported family (``attnlab.models.families``, picked by
+        ``model_type``), in eval mode with trainable weights. ``dtype`` defaults to the
+        stored one, ``device`` to the CPU."""
+        folder = check_folder(path)
+        if read_json(folder / CONFIG_NAME).get("model_type") == cls.MODEL_TYPE:
+            return super().from_pretrained(folder, dtype=dtype, device=device)
+        return load_family(cls, folder, parse_dtype(dtype), parse_device(device))
+
     def save_pretrained(self, path: str | Path) -> Path:
-        """Write attnlab's own format (``config.json`` with ``"model_type":
-        "attnlab_decoder"``, ``model.safetensors`` under our names) for a model whose
-        ``config.family`` is ``None``; a model of a Hugging Face family is written in its
-        family's format by ``attnlab.models.io.save_pretrained(model, path)``."""
-        if self.config.family is not None:
-            raise ValueError(f"config.family: this model is a Hugging Face {self.config.family!r}"
-                             f" model, written in that format by attnlab.models.io."
-                             f"save_pretrained(model, path); DecoderLM.save_pretrained writes "
-                             f"attnlab's own format, for family None")
-        return super().save_pretrained(path)
+        """Write ``config.json`` and ``model.safetensors``: in the format of the model's
+        Hugging Face family (``config.family``), or attnlab's own (``"model_type":
+        "attnlab_decoder"``, our tensor names) when it has none."""
+        if self.config.family is None:
+            return super().save_pretrained(path)
+        return save_family(self, path)
 
     def summary(self, max_depth: int = 2) -> str:
         """Print and return the per-module parameter counts."""
@@ -365,8 +238,8 @@ class DecoderBlock(nn.Module):
             dropout=c.dropout, backend=c.backend)
         self.post_attention_layernorm = make_norm(c, c.d_model)
         mlp_bias = c.resolved_bias("mlp_bias")
-        self.mlp = (GatedMLP(c.d_model, c.ff_dim, bias=mlp_bias, activation=_GATED[c.mlp])
-                    if c.mlp in _GATED
+        self.mlp = (GatedMLP(c.d_model, c.ff_dim, bias=mlp_bias, activation=GATED[c.mlp])
+                    if c.mlp in GATED
                     else FeedForward(c.d_model, c.ff_dim, activation=c.mlp, bias=mlp_bias))
         self.drop = nn.Dropout(c.dropout)
         for point in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"):
@@ -383,20 +256,6 @@ class DecoderBlock(nn.Module):
         x = self.resid_mid(x + self.drop(self.attn_out(h)))
         h = self.mlp_out(self.mlp(self.post_attention_layernorm(x)))
         return self.resid_post(x + self.drop(h))
-
-
-def make_rotary(c: DecoderLMConfig) -> RotaryEmbedding | None:
-    """The config's rotary embedding (no parameters; its frequencies are buffers), if any."""
-    if c.position != "rope":
-        return None
-    scaling = c.rope_scaling
-    # Dynamic NTK scales past the length trained on, kept as the scaling's
-    # original_max_position_embeddings; max_len is then the extended context.
-    start = (scaling.original_max_position_embeddings
-             if scaling is not None and scaling.rope_type == "dynamic" else None)
-    return RotaryEmbedding(c.rotary_size, base=c.rope_base, max_len=c.max_len,
-                           scaling=scaling, interleaved=c.rope_traditional,
-                           max_position_embeddings=start)
 
 
 def make_norm(c: DecoderLMConfig, dim: int) -> nn.Module:

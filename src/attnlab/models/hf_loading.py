@@ -191,6 +191,19 @@ def _open(path: Path) -> Iterator[Any]:
         yield f
 
 
+def parse_device(device: object) -> torch.device:
+    """``device`` as a ``torch.device`` (CPU for ``None``); else a ``ValueError`` naming it."""
+    if device is None:
+        return torch.device("cpu")
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device: expected a str or torch.device, got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"device: expected a device such as 'cpu' or 'cuda:0', got "
+                         f"{device!r} ({error})") from None
+
+
 def _describe_source(folder: Path) -> str:
     index = folder / INDEX_NAME
     return str(index if index.is_file() else folder / WEIGHTS_NAME)

@@ -30,6 +30,7 @@ from attnlab.models.hf_loading import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     check_folder,
+    parse_device,
     parse_dtype,
     read_json,
 )
@@ -78,7 +79,7 @@ class PreTrainedModel(nn.Module):
         """
         folder = check_folder(path)
         dtype = parse_dtype(dtype)
-        device = _parse_device(device)
+        device = parse_device(device)
         file = folder / CONFIG_NAME
         raw = read_json(file)
         model_type = raw.pop("model_type", None)
@@ -98,17 +99,6 @@ class PreTrainedModel(nn.Module):
         load_state(model, read_weights(weights), weights)
         cast_weights(model, dtype or stored)
         return model.to(device).eval()
-
-
-def _parse_device(device: object) -> torch.device:
-    """``device`` (``None`` = the CPU, a name such as ``"cuda:0"``, a ``torch.device``)."""
-    if device is None:
-        return torch.device("cpu")
-    try:
-        return torch.device(device)  # type: ignore[arg-type]
-    except (RuntimeError, TypeError) as error:
-        raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda:0', got "
-                         f"{device!r} ({error})") from None
 
 
 def cast_weights(model: nn.Module, dtype: torch.dtype) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnlab.models.decoder import DecoderLMConfig
+from attnlab.models.decoder_config import DecoderLMConfig
 
 __all__ = ["Family", "WeightMap", "check_round_trip", "config_from_keys"]
 

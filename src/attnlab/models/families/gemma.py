@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from attnlab.models.config import check_value
-from attnlab.models.decoder import DecoderLMConfig
+from attnlab.models.decoder_config import DecoderLMConfig
 from attnlab.models.families.base import Family, check_round_trip
 from attnlab.models.families.llama import llama_like_weights, read_llama_like, write_llama_like
 

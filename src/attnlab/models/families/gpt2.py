@@ -23,7 +23,7 @@ from typing import Any
 
 from attnlab._checks import check_positive
 from attnlab.models.config import check_value
-from attnlab.models.decoder import DecoderLMConfig
+from attnlab.models.decoder_config import DecoderLMConfig
 from attnlab.models.families.base import Family, WeightMap, check_round_trip, config_from_keys
 
 __all__ = ["FAMILY", "gpt2_weights", "read_gpt2", "tiny_config", "write_gpt2"]

@@ -22,7 +22,7 @@ from typing import Any
 
 from attnlab.layers.rope_scaling import RopeScaling
 from attnlab.models.config import check_value
-from attnlab.models.decoder import DecoderLMConfig
+from attnlab.models.decoder_config import DecoderLMConfig
 from attnlab.models.families.base import Family, WeightMap
 
 __all__ = ["FAMILY", "llama_like_weights", "read_llama_like", "rope_of",

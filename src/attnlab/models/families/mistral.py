@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from attnlab.models.config import check_value
-from attnlab.models.decoder import DecoderLMConfig
+from attnlab.models.decoder_config import DecoderLMConfig
 from attnlab.models.families.base import Family
 from attnlab.models.families.llama import (
     LLAMA_DEFAULTS,

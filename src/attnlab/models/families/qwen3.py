@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from attnlab.models.decoder import DecoderLMConfig
+from attnlab.models.decoder_config import DecoderLMConfig
 from attnlab.models.families.base import Family
 from attnlab.models.families.llama import llama_like_weights, read_llama_like, write_llama_like
 from attnlab.models.families.qwen2 import QWEN_DEFAULTS, refuse_sliding_window

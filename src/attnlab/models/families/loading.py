@@ -1,0 +1,101 @@
+"""Loading and writing a Hugging Face family's checkpoint folder as a ``DecoderLM``.
+
+The folder's ``model_type`` picks the family; its ``config.json`` becomes a
+``DecoderLMConfig`` and its tensors (memory-mapped, checked name by name and shape by shape
+against what the config implies) are renamed, and transposed or split where the format needs
+it, into the model's: raw-weight parity, values as stored. The model class is passed in
+(``DecoderLM.from_pretrained`` calls this), so this module needs only the config.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from attnlab.models.config import check_value
+from attnlab.models.decoder_config import DecoderLMConfig, make_rotary
+from attnlab.models.families import Family, family_for
+from attnlab.models.hf_loading import (
+    CONFIG_NAME,
+    check_folder,
+    load_tensors,
+    parse_dtype,
+    read_json,
+    save_tensors,
+    weight_files,
+)
+
+__all__ = ["load_family", "read_config", "save_family"]
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def load_family(cls: type[M], folder: Path, dtype: torch.dtype | None,
+                device: torch.device) -> M:
+    """``cls(config)`` (a ``DecoderLM``) with the weights of the family checkpoint ``folder``,
+    in eval mode on ``device``; ``dtype`` ``None`` keeps the stored one."""
+    family, config, stored_dtype = read_config(folder)
+    dtype = dtype or stored_dtype
+    stored_names = weight_files(folder)
+    if config.num_layers > len(stored_names):  # each layer stores tensors: refuse first
+        raise ValueError(f"{folder / CONFIG_NAME}: asks for {config.num_layers} layers, but "
+                         f"the weights hold only {len(stored_names)} tensors")
+    try:
+        with torch.device("meta"):
+            model = cls(config)  # type: ignore[call-arg]
+    except RuntimeError as error:  # a size whose element count overflows
+        raise ValueError(f"{folder / CONFIG_NAME}: sizes too large to build a model "
+                         f"({error})") from None
+    except (TypeError, ValueError) as error:  # a value only the layers check (RoPE's sizes)
+        raise type(error)(f"{folder / CONFIG_NAME}: {error}") from None
+    weights = family.weights(config).matching(stored_names)
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    expected = {k: tuple(t.shape) for k, t in weights.to_stored(model.state_dict()).items()}
+    ignore = [*weights.skipped(stored_names), *(("lm_head.weight",) if config.tie_embeddings
+                                                 else ())]
+    stored_tensors = load_tensors(folder, expected, dtype=dtype, ignore=ignore)
+    state = weights.to_ours(stored_tensors, shapes)
+    if config.tie_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_embeddings:  # `assign` made two Parameters of the one tensor: one again
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = make_rotary(config)  # its frequencies are buffers, made on "meta" above
+    return model.to(device).eval()
+
+
+def read_config(path: str | Path) -> tuple[Family, DecoderLMConfig, torch.dtype]:
+    """``(family, config, stored dtype)`` of the checkpoint folder ``path``'s ``config.json``.
+
+    The family is picked by ``model_type``; the stored dtype is ``dtype`` (transformers 5) or
+    ``torch_dtype`` (4), float32 when absent. Every error names the file and the key.
+    """
+    file = check_folder(path) / CONFIG_NAME
+    raw = read_json(file)
+    try:
+        family = family_for(raw.get("model_type"))
+        config = family.config_from_hf(raw)
+        dtype_key = "dtype" if raw.get("dtype") is not None else "torch_dtype"
+        stored = check_value(dtype_key, raw.get(dtype_key) or "float32", str)
+        dtype = parse_dtype(stored, dtype_key)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{file}: {error}") from None
+    return family, config, dtype
+
+
+def save_family(model: nn.Module, path: str | Path) -> Path:
+    """Write a ``DecoderLM`` of a Hugging Face family (``model.config.family``) in that
+    family's format: its ``config.json`` and ``model.safetensors``."""
+    c = model.config
+    family = family_for(c.family)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    hf = {**family.config_to_hf(c), "torch_dtype": dtype}
+    (path / CONFIG_NAME).write_text(json.dumps(hf, indent=2) + "\n")
+    save_tensors(path, family.weights(c).to_stored(model.state_dict()))
+    return path
