@@ -292,7 +292,7 @@ def test_bad_folders_are_refused_by_name(tmp_path) -> None:
 
 
 def test_a_family_model_is_written_by_its_family(tmp_path) -> None:
-    hf, ours = hf_pair(tmp_path / "hf", "qwen2")
+    _, ours = hf_pair(tmp_path / "hf", "qwen2")
     ours.save_pretrained(tmp_path / "mine")
     save_pretrained(ours, tmp_path / "again")
     for folder in ("mine", "again"):
