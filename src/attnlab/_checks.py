@@ -35,7 +35,10 @@ def is_number(value: object, *, finite: bool = False) -> bool:
     """Whether ``value`` is an int or a float (not a bool); with ``finite``, not NaN or inf."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
-    return not finite or math.isfinite(value)
+    try:
+        return not finite or math.isfinite(value)
+    except OverflowError:  # an int too large for a float: infinite as soon as it is used
+        return False
 
 
 def check_token_ids(name: str, ids: object, vocab_size: int) -> tuple[int, int]:

@@ -23,5 +23,7 @@ class HookPoint(nn.Module):
 
     @property
     def has_hooks(self) -> bool:
-        """Whether a forward or pre-forward hook is registered on this point."""
+        """Whether a forward or pre-forward hook is registered on this point. Global hooks
+        (``torch.nn.modules.module.register_module_forward_hook``) do not count: they see
+        every point, but ``scores`` and ``pattern`` are formed only for a hook on them."""
         return bool(self._forward_hooks or self._forward_pre_hooks)

@@ -63,7 +63,7 @@ def scaled_dot_product_attention(
       ``auto`` then runs ``math`` and another explicit backend raises.
     """
     scale = _check_inputs(query, key, value, mask, scale, dropout_p, backend)
-    chosen = _choose_backend(backend, return_weights or hook is not None, dropout_p, mask)
+    chosen = _choose_backend(backend, return_weights, dropout_p, mask, hook is not None)
     rank = max(query.dim(), key.dim(), value.dim())
     query, key, value = _broadcast(query, key, value, enable_gqa)
     _check_mask(mask, query, key, rank)
@@ -134,17 +134,22 @@ def _broadcast(
 
 
 def _choose_backend(
-    backend: str, return_weights: bool, dropout_p: float, mask: Tensor | None
+    backend: str, return_weights: bool, dropout_p: float, mask: Tensor | None, hooked: bool
 ) -> str:
-    """The backend that runs: ``return_weights`` also stands for a scores/pattern hook."""
+    """The backend that runs; weights and a scores/pattern hook (``hooked``) need ``math``."""
     if backend == "auto":
         # torch's fused kernel is the fastest exact path on every device we run on; only the
         # weights need the written-out formula.
-        return "math" if return_weights else "fused"
+        return "math" if return_weights or hooked else "fused"
+    if hooked and backend != "math":
+        raise ValueError(
+            f"hook: backend {backend!r} forms no scores or pattern for a hook to see; "
+            "use backend='math' or 'auto'"
+        )
     if return_weights and backend != "math":
         raise ValueError(
-            f"return_weights: backend {backend!r} cannot return attention weights (nor show "
-            "scores and pattern to a hook); use backend='math' or 'auto'"
+            f"return_weights: backend {backend!r} cannot return attention weights; "
+            "use backend='math' or 'auto'"
         )
     if backend == "flash":
         if dropout_p > 0:
