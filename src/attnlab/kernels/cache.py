@@ -66,7 +66,7 @@ def read_entries(path: Path, known: Iterable[str]) -> dict[str, dict[str, float]
         if path.stat().st_size > _MAX_BYTES:
             raise ValueError(f"larger than {_MAX_BYTES} bytes")
         data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return {}
     except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError included
         return _rewritten(path, {}, f"kernel cache {path}: ignored ({error}); it is rewritten")
