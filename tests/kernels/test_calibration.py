@@ -5,6 +5,7 @@ warning and rewritten; ``ATTNLAB_KERNELS`` forces one kernel."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -163,6 +164,25 @@ def test_a_wrong_kernel_is_left_out_with_a_warning(monkeypatch):
     with pytest.warns(UserWarning, match="kernel columns: left out, its result differs"):
         timings = calibration.measure_rows(torch.float32, *SHAPE, 3)
     assert "columns" not in timings and "formula" in timings
+
+
+def test_a_hopelessly_slow_kernel_is_timed_once(monkeypatch):
+    """Repeating a call that is already over the budget and 10x the fastest would take
+    seconds on a large matrix and only confirm that it loses."""
+    calls = []
+    kernel = KERNELS["rows_gemv"]
+
+    def slow(*args):
+        calls.append(1)
+        time.sleep(0.02)
+        return kernel.run(*args)
+
+    monkeypatch.setitem(KERNELS, "rows_gemv", type(kernel)(kernel.name, kernel.layout,
+                                                           kernel.prepare, slow,
+                                                           kernel.available))
+    timings = calibration.measure_rows(torch.float32, *SHAPE, 2, ["formula", "rows_gemv"])
+    assert len(calls) == 2  # the checked warm-up and one timing
+    assert timings["rows_gemv"] >= 20_000 > timings["formula"]
 
 
 def test_buckets_cover_every_row_count():

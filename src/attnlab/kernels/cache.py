@@ -68,7 +68,7 @@ def read_entries(path: Path, known: Iterable[str]) -> dict[str, dict[str, float]
         data = json.loads(path.read_text(encoding="utf-8"))
     except (FileNotFoundError, NotADirectoryError):
         return {}
-    except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError included
+    except (OSError, ValueError, RecursionError) as error:  # JSON or UTF-8 errors included
         return _rewritten(path, {}, f"kernel cache {path}: ignored ({error}); it is rewritten")
     if not isinstance(data, dict) or data.get("version") != _VERSION:
         return _rewritten(path, {}, f"kernel cache {path}: ignored (expected an object with "

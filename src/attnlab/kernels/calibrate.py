@@ -1,6 +1,7 @@
 """``python -m attnlab.kernels.calibrate``: time every available linear kernel on this machine
 for given shapes and row counts, and print the table (median microseconds per call, the
-winner marked). It measures afresh and does not touch the calibration cache.
+winner named). It measures afresh and does not touch the calibration cache. A kernel whose
+first timed call is more than 10 ms and 10x the fastest is timed only that once.
 
 Example: ``python -m attnlab.kernels.calibrate --dtype float32 bfloat16 --shape 896x896
 4864x896 --rows 1 8 512``

@@ -41,7 +41,8 @@ BUCKETS: dict[str, tuple[int, int]] = {"1": (1, 1), "2-8": (2, 8), "9-64": (9, 6
                                        "65+": (65, 128)}
 _ENV = "ATTNLAB_KERNELS"
 _MIN_REPEATS, _MAX_REPEATS = 3, 9
-_BUDGET_S = 0.01  # per candidate, once it has _MIN_REPEATS timings
+_BUDGET_US = 10_000  # per candidate, once it has _MIN_REPEATS timings
+_HOPELESS = 10  # times the fastest warm-up call: not worth repeating
 # Timings read from or written to the cache file in this process, by cache key.
 _TIMINGS: dict[str, dict[str, float]] = {}
 
@@ -144,7 +145,8 @@ def measure_rows(dtype: torch.dtype, out_features: int, in_features: int, rows: 
         for layout in dict.fromkeys(KERNELS[n].layout for n in names):
             group = [n for n in names if KERNELS[n].layout == layout]
             stored = KERNELS[group[0]].prepare(weight)
-            timings.update(_time_group(group, x, stored, bias, expected))
+            timings.update(_time_group(group, x, stored, bias, expected,
+                                       min(timings.values(), default=math.inf)))
             del stored
     return timings
 
@@ -169,13 +171,17 @@ def bucket_of(rows: int) -> str:
 
 
 def _time_group(names: list[str], x: Tensor, stored: Tensor, bias: Tensor,
-                expected: Tensor) -> dict[str, float]:
-    """Median microseconds per call of each kernel in ``names`` on one prepared weight."""
+                expected: Tensor, fastest_us: float) -> dict[str, float]:
+    """Median microseconds per call of each kernel in ``names`` on one prepared weight,
+    after a warm-up call that also checks the result. A kernel whose first timed call takes
+    longer than the budget and ``_HOPELESS`` times the fastest so far (``fastest_us`` from
+    other layouts) keeps that one timing: repeats would take seconds and only confirm that
+    it loses."""
     rtol, atol = (1e-4, 1e-4) if x.dtype == torch.float32 else (3e-2, 3e-2)
     working = []
     for name in names:
         try:
-            y = KERNELS[name].run(x, stored, bias)  # also the warm-up call
+            y = KERNELS[name].run(x, stored, bias)
         except RuntimeError as error:
             warnings.warn(f"kernel {name}: left out, it raised {error}", stacklevel=4)
             continue
@@ -185,19 +191,25 @@ def _time_group(names: list[str], x: Tensor, stored: Tensor, bias: Tensor,
                           stacklevel=4)
             continue
         working.append(name)
-    samples: dict[str, list[float]] = {name: [] for name in working}
-    spent = dict.fromkeys(working, 0.0)
-    for repeat in range(_MAX_REPEATS):
-        if repeat >= _MIN_REPEATS and all(s > _BUDGET_S for s in spent.values()):
+    first = {name: _timed(name, x, stored, bias) for name in working}
+    fastest_us = min(fastest_us, *first.values()) if first else fastest_us
+    hopeless = {name: us for name, us in first.items()
+                if us > _HOPELESS * fastest_us and us > _BUDGET_US}
+    samples = {name: [us] for name, us in first.items() if name not in hopeless}
+    for repeat in range(1, _MAX_REPEATS):
+        if repeat >= _MIN_REPEATS and all(sum(t) > _BUDGET_US for t in samples.values()):
             break
-        for name in working:
-            run = KERNELS[name].run
-            start = time.perf_counter()
-            run(x, stored, bias)
-            elapsed = time.perf_counter() - start
-            samples[name].append(elapsed)
-            spent[name] += elapsed
-    return {name: statistics.median(s) * 1e6 for name, s in samples.items()}
+        for name, taken in samples.items():
+            taken.append(_timed(name, x, stored, bias))
+    return hopeless | {name: statistics.median(taken) for name, taken in samples.items()}
+
+
+def _timed(name: str, x: Tensor, stored: Tensor, bias: Tensor) -> float:
+    """Microseconds of one call of kernel ``name``."""
+    run = KERNELS[name].run
+    start = time.perf_counter()
+    run(x, stored, bias)
+    return (time.perf_counter() - start) * 1e6
 
 
 def _check_names(argument: str, names: Iterable[str]) -> list[str]:
