@@ -244,3 +244,21 @@ def test_optimize_for_inference_swaps_a_shared_module_once_and_a_bare_linear():
     assert model[0] is model[2] and type(model[0]) is InferenceLinear
     bare = optimize_for_inference(nn.Linear(8, 8), kernel="formula")
     assert type(bare) is InferenceLinear
+
+
+@pytest.mark.parametrize("kernel", [None, "columns", "onednn_packed"])
+def test_a_module_made_under_inference_mode_runs_in_and_out_of_it(kernel):
+    """Its weight is an inference tensor: no version counter, no views outside inference
+    mode. It still gives nn.Linear's results (re-stored as an inference tensor)."""
+    if kernel is not None and not runnable(kernel):
+        pytest.skip(f"{kernel} cannot run here")
+    with torch.inference_mode():
+        expected_module = reference()
+    module = InferenceLinear.from_linear(expected_module, kernel=kernel)
+    x = torch.randn(3, 24)
+    expected = expected_module(x)
+    with torch.inference_mode():
+        torch.testing.assert_close(module(x), expected)
+    with torch.no_grad():
+        torch.testing.assert_close(module(x), expected)
+    torch.testing.assert_close(module(x), expected)

@@ -92,11 +92,15 @@ class InferenceLinear(nn.Linear):
         # _parameters directly: nn.Module's __getattr__ costs ~0.6 us per name, per call.
         weight, bias = self._parameters["weight"], self._parameters["bias"]
         if (x.dtype != weight.dtype or x.dim() == 0 or x.shape[-1] != self.in_features
-                or x.numel() == 0 or weight.device.type != "cpu"
+                or x.numel() == 0 or not (x.is_cpu and weight.is_cpu)
                 or (bias is not None and bias.dtype != weight.dtype)
                 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                  or (bias is not None and bias.requires_grad)))):
             return linear(x, weight, bias)  # the formula: gradients, and its error messages
+        if weight.is_inference() and not torch.is_inference_mode_enabled():
+            # A weight made under inference mode cannot even be viewed outside it (no
+            # version counter), which the kernels and our formula do; torch's linear can.
+            return torch.nn.functional.linear(x, weight, bias)
         kernels = self._kernels.get((weight.dtype, torch.get_num_threads()))
         if kernels is None:
             kernels = self._calibrate()
@@ -142,9 +146,12 @@ class InferenceLinear(nn.Linear):
 
     def _restore(self, layout: str) -> Tensor:
         """The weight Parameter re-stored in ``layout`` (same object and values); done outside
-        inference mode so that the module stays trainable."""
-        with torch.inference_mode(False), torch.no_grad():
-            self.weight.data = to_layout(self.weight.detach(), layout)
+        inference mode (unless the weight was made in it) so that the module stays
+        trainable."""
+        weight = self.weight
+        # An inference tensor (made under inference mode) can only be re-stored as one.
+        with torch.inference_mode(weight.is_inference()), torch.no_grad():
+            weight.data = to_layout(weight.detach(), layout)
         return self.weight
 
     def _packed_weight(self, weight: Tensor) -> Tensor:
@@ -164,5 +171,9 @@ _FORMULA = KERNELS["formula"]
 
 
 def _has_layout(weight: Tensor, layout: str) -> bool:
-    """Whether ``weight`` (``O x I``) is stored as ``layout`` (``rows`` or ``columns``)."""
-    return weight.is_contiguous() if layout == "rows" else weight.t().is_contiguous()
+    """Whether ``weight`` (``O x I``) is stored as ``layout`` (``rows`` or ``columns``). By
+    strides, not ``weight.t()``: an inference tensor cannot be viewed outside inference mode."""
+    if layout == "rows":
+        return weight.is_contiguous()
+    (O, I), (step_o, step_i) = weight.shape, weight.stride()
+    return (O <= 1 or step_o == 1) and (I <= 1 or step_i == O)
