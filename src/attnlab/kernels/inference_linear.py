@@ -175,5 +175,5 @@ def _has_layout(weight: Tensor, layout: str) -> bool:
     strides, not ``weight.t()``: an inference tensor cannot be viewed outside inference mode."""
     if layout == "rows":
         return weight.is_contiguous()
-    (O, I), (step_o, step_i) = weight.shape, weight.stride()
-    return (O <= 1 or step_o == 1) and (I <= 1 or step_i == O)
+    (outs, ins), (step_out, step_in) = weight.shape, weight.stride()
+    return (outs <= 1 or step_out == 1) and (ins <= 1 or step_in == outs)
