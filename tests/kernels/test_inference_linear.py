@@ -186,6 +186,8 @@ def test_bad_arguments_are_refused_by_name():
     model = nn.Sequential(nn.Linear(4, 4))
     with pytest.raises(ValueError, match="kernel: expected one of"):
         optimize_for_inference(model, kernel="turbo")
+    with pytest.raises(TypeError, match="extra_memory: expected a bool, got 1"):
+        optimize_for_inference(model, extra_memory=1)
     assert type(model[0]) is nn.Linear  # nothing swapped before the error
 
 

@@ -10,6 +10,7 @@ Writes are atomic (a temporary file, then ``os.replace``), so a reader never see
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -35,6 +36,7 @@ def cache_file() -> Path:
     return Path(folder) / "kernels.json"
 
 
+@functools.cache
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``'s ``model name`` on Linux), else what
     ``platform`` says; timings measured on one CPU are never reused on another."""

@@ -34,7 +34,10 @@ def optimize_for_inference(model: nn.Module, *, kernel: str | None = None,
     win (up to twice the weights' memory). Calibration runs here, once per shape."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    forced_kernel(kernel)  # a wrong name fails before any module is changed
+    # Wrong arguments fail before any module is changed.
+    forced_kernel(kernel)
+    if not isinstance(extra_memory, bool):
+        raise TypeError(f"extra_memory: expected a bool, got {extra_memory!r}")
     if type(model) is nn.Linear:
         return InferenceLinear.from_linear(model, kernel=kernel, extra_memory=extra_memory)
     uses: dict[int, int] = {}
