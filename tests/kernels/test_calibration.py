@@ -185,6 +185,12 @@ def test_a_hopelessly_slow_kernel_is_timed_once(monkeypatch):
     assert timings["rows_gemv"] >= 20_000 > timings["formula"]
 
 
+def test_a_dtype_only_the_formula_runs_is_planned_on_the_formula():
+    assert plan(torch.float64, *SHAPE) == ("rows", dict.fromkeys(BUCKETS, "formula"))
+    assert plan(torch.float64, *SHAPE, layouts=("columns",)) == (
+        "rows", dict.fromkeys(BUCKETS, "formula"))
+
+
 def test_buckets_cover_every_row_count():
     assert [bucket_of(m) for m in (1, 2, 8, 9, 64, 65, 10**6)] == [
         "1", "2-8", "2-8", "9-64", "9-64", "65+", "65+"]

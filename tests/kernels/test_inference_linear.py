@@ -162,9 +162,10 @@ def test_the_formula_runs_off_the_cpu_fast_paths():
     assert empty.shape == (0, 32)
     x = torch.randn(2, 24, requires_grad=True)
     torch.testing.assert_close(module(x), expected_module(x))
-    double = InferenceLinear.from_linear(reference().double(), kernel="rows_gemv")
-    with torch.no_grad():
-        torch.testing.assert_close(double(x.double()), expected_module.double()(x.double()))
+    for kernel in ("rows_gemv", None):
+        double = InferenceLinear.from_linear(reference().double(), kernel=kernel)
+        with torch.no_grad():
+            torch.testing.assert_close(double(x.double()), expected_module.double()(x.double()))
 
 
 @pytest.mark.parametrize("x", [torch.randn(2, 23), torch.tensor(1.0)])

@@ -70,7 +70,8 @@ def plan(dtype: torch.dtype, out_features: int, in_features: int, *,
     runs on that storage (with ``extra_memory``, oneDNN's packed copy beside it is allowed
     too). The layout chosen is the one that loses least against each bucket's fastest
     kernel, summed over the buckets (``sum_b t_layout(b) / t_best(b)``); on a tie the first
-    of ``layouts``. A forced ``kernel`` (or ``$ATTNLAB_KERNELS``) is used for every bucket.
+    of ``layouts``; the formula on rows when no kernel runs on any of them. A forced
+    ``kernel`` (or ``$ATTNLAB_KERNELS``) is used for every bucket.
     """
     for layout in layouts:
         if layout not in LAYOUTS[:2]:
@@ -87,10 +88,13 @@ def plan(dtype: torch.dtype, out_features: int, in_features: int, *,
     options = {}
     for layout in layouts:
         usable = {layout, "packed"} if extra_memory else {layout}
-        picks = {b: min((n for n in t if KERNELS[n].layout in usable), key=t.__getitem__)
-                 for b, t in timings.items()}
-        options[layout] = (sum(timings[b][n] / best[b] for b, n in picks.items()), picks)
-    layout = min(layouts, key=lambda name: options[name][0])
+        fits = {b: [n for n in t if KERNELS[n].layout in usable] for b, t in timings.items()}
+        if all(fits.values()):
+            picks = {b: min(names, key=timings[b].__getitem__) for b, names in fits.items()}
+            options[layout] = (sum(timings[b][n] / best[b] for b, n in picks.items()), picks)
+    if not options:  # e.g. only "columns" asked for a dtype that no columns kernel runs
+        return "rows", dict.fromkeys(BUCKETS, "formula")
+    layout = min(options, key=lambda name: options[name][0])
     return layout, options[layout][1]
 
 

@@ -109,8 +109,9 @@ class InferenceLinear(nn.Linear):
             kernels = self._calibrate()
         # Each bucket's kernel runs every row count of the bucket: the plan checked that.
         kernel = kernels[bucket_of(x.numel() // self.in_features)]
-        if kernel is _FORMULA and weight.is_contiguous():
-            # The same formula in one C++ call (addmm), without this file's reshapes.
+        if kernel is _FORMULA:
+            # The same formula in one C++ call (addmm), without this file's reshapes; it
+            # takes the weight in any layout, so no re-storing.
             return torch.nn.functional.linear(x, weight, bias)
         if kernel.layout == "packed":
             stored = self._packed_weight(weight)
