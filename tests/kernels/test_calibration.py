@@ -122,6 +122,7 @@ def test_the_environment_forces_one_kernel_without_measuring(own_cache, monkeypa
     assert plan(torch.float32, *SHAPE) == ("columns", dict.fromkeys(BUCKETS, "columns"))
     # A kernel that cannot run a dtype or row count gives the formula there.
     assert choose(torch.float64, *SHAPE, "1") == "formula"
+    assert plan(torch.float64, *SHAPE) == ("rows", dict.fromkeys(BUCKETS, "formula"))
     monkeypatch.setenv("ATTNLAB_KERNELS", "blocks_gemv")
     assert choose(torch.float32, *SHAPE, "2-8") == "formula"
 

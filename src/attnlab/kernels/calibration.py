@@ -79,7 +79,7 @@ def plan(dtype: torch.dtype, out_features: int, in_features: int, *,
     forced = forced_kernel(kernel)
     if forced is not None:
         picks = {b: choose(dtype, out_features, in_features, b, kernel=forced) for b in BUCKETS}
-        layout = KERNELS[forced].layout
+        layout = KERNELS[forced].layout if forced in picks.values() else "rows"
         return ("rows" if layout == "packed" else layout), picks
     allowed = {*layouts, "packed"} if extra_memory else set(layouts)
     candidates = [name for name, k in KERNELS.items() if k.layout in allowed]
