@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from kernel_helpers import planted
 
 from attnlab.kernels import BUCKETS, KERNELS, bucket_of, calibration, choose, measure, plan
 from attnlab.kernels.cache import cpu_model, entry_key
@@ -218,11 +219,24 @@ def test_plan_keeps_one_layout_for_every_bucket(monkeypatch):
     packed copy only with extra_memory."""
     fast = {"formula": 10.0, "onednn": 9.0, "blocks_gemv": 8.0, "columns": 5.0,
             "onednn_columns": 6.0, "rows_gemv": 7.0, "onednn_packed": 1.0}
-    monkeypatch.setattr(calibration, "measure",
-                        lambda d, o, i, b, kernels=None: {n: fast[n] for n in kernels})
+    monkeypatch.setattr(calibration, "measure", planted(fast))
     layout, picks = plan(torch.float32, *SHAPE)
     assert (layout, set(picks.values())) == ("columns", {"columns"})
     assert plan(torch.float32, *SHAPE, layouts=("rows",)) == ("rows", dict.fromkeys(
         BUCKETS, "blocks_gemv"))
     assert plan(torch.float32, *SHAPE, extra_memory=True)[1] == dict.fromkeys(
         BUCKETS, "onednn_packed")
+
+
+def test_plan_never_trades_one_bucket_for_another_below_the_formula(monkeypatch):
+    """Column-major kernels twice as fast for one row but 1.2x slower than the formula for
+    several: the weight stays row-major (batched decoding would lose)."""
+    def timings(d, o, i, bucket, kernels=None):
+        columns = 5.0 if bucket == "1" else 12.0
+        fast = dict.fromkeys(KERNELS, 30.0) | {"formula": 10.0, "columns": columns}
+        return {n: fast[n] for n in ("formula", *kernels)}
+
+    monkeypatch.setattr(calibration, "measure", timings)
+    assert plan(torch.float32, *SHAPE) == ("rows", dict.fromkeys(BUCKETS, "formula"))
+    assert plan(torch.float32, *SHAPE, layouts=("columns",)) == (
+        "rows", dict.fromkeys(BUCKETS, "formula"))

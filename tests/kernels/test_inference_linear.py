@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from kernel_helpers import thread_count
+from kernel_helpers import planted, thread_count
 from torch import nn
 
 from attnlab.kernels import KERNELS, InferenceLinear, calibration, optimize_for_inference
@@ -144,8 +144,7 @@ def test_the_packed_copy_is_kept_only_with_extra_memory_and_survives_copies():
 
 def test_without_extra_memory_a_calibrated_plan_never_keeps_a_second_copy(monkeypatch):
     fast = dict.fromkeys(KERNELS, 10.0) | {"onednn_packed": 1.0}
-    monkeypatch.setattr(calibration, "measure",
-                        lambda d, o, i, b, kernels=None: {n: fast[n] for n in kernels})
+    monkeypatch.setattr(calibration, "measure", planted(fast))
     module = InferenceLinear.from_linear(reference())
     with torch.no_grad():
         module(torch.randn(1, 24))
@@ -217,8 +216,7 @@ def test_optimize_for_inference_swaps_linears_and_keeps_tied_weights_tied(kernel
     """Calibrated with column-major kernels measured fastest: the untied weights take that
     layout; the tied one stays row-major. Forced: the forced kernel everywhere, still tied."""
     fast = dict.fromkeys(KERNELS, 10.0) | {"columns": 1.0}
-    monkeypatch.setattr(calibration, "measure",
-                        lambda d, o, i, b, kernels=None: {n: fast[n] for n in kernels})
+    monkeypatch.setattr(calibration, "measure", planted(fast))
     torch.manual_seed(0)
     expected_model = TiedLM()
     model = copy.deepcopy(expected_model)

@@ -43,6 +43,7 @@ _ENV = "ATTNLAB_KERNELS"
 _MIN_REPEATS, _MAX_REPEATS = 3, 9
 _BUDGET_US = 10_000  # per candidate, once it has _MIN_REPEATS timings
 _HOPELESS = 10  # times the fastest warm-up call: not worth repeating
+_NOISE = 1.05  # a plan's kernel may measure this much slower than the formula and still count
 # Timings read from or written to the cache file in this process, by cache key.
 _TIMINGS: dict[str, dict[str, float]] = {}
 
@@ -68,10 +69,12 @@ def plan(dtype: torch.dtype, out_features: int, in_features: int, *,
 
     A weight is stored once, in one of ``layouts``, so every bucket must use a kernel that
     runs on that storage (with ``extra_memory``, oneDNN's packed copy beside it is allowed
-    too). The layout chosen is the one that loses least against each bucket's fastest
-    kernel, summed over the buckets (``sum_b t_layout(b) / t_best(b)``); on a tie the first
-    of ``layouts``; the formula on rows when no kernel runs on any of them. A forced
-    ``kernel`` (or ``$ATTNLAB_KERNELS``) is used for every bucket.
+    too). A layout is a candidate only if its kernel is, in every bucket, no slower than the
+    formula (what ``nn.Linear`` runs; within ``_NOISE``): a faster one-row decode must not
+    cost a slower batched decode or prefill. Among the candidates, the one that loses least
+    against each bucket's fastest kernel, summed over the buckets
+    (``sum_b t_layout(b) / t_best(b)``), on a tie the first of ``layouts``; with none, the
+    formula. A forced ``kernel`` (or ``$ATTNLAB_KERNELS``) is used for every bucket.
     """
     for layout in layouts:
         if layout not in LAYOUTS[:2]:
@@ -89,10 +92,12 @@ def plan(dtype: torch.dtype, out_features: int, in_features: int, *,
     for layout in layouts:
         usable = {layout, "packed"} if extra_memory else {layout}
         fits = {b: [n for n in t if KERNELS[n].layout in usable] for b, t in timings.items()}
-        if all(fits.values()):
-            picks = {b: min(names, key=timings[b].__getitem__) for b, names in fits.items()}
+        if not all(fits.values()):
+            continue
+        picks = {b: min(names, key=timings[b].__getitem__) for b, names in fits.items()}
+        if all(timings[b][n] <= _NOISE * timings[b]["formula"] for b, n in picks.items()):
             options[layout] = (sum(timings[b][n] / best[b] for b, n in picks.items()), picks)
-    if not options:  # e.g. only "columns" asked for a dtype that no columns kernel runs
+    if not options:  # no layout keeps up with the formula everywhere: the formula itself
         return "rows", dict.fromkeys(BUCKETS, "formula")
     layout = min(options, key=lambda name: options[name][0])
     return layout, options[layout][1]
