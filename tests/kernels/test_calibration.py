@@ -240,3 +240,17 @@ def test_plan_never_trades_one_bucket_for_another_below_the_formula(monkeypatch)
     assert plan(torch.float32, *SHAPE) == ("rows", dict.fromkeys(BUCKETS, "formula"))
     assert plan(torch.float32, *SHAPE, layouts=("columns",)) == (
         "rows", dict.fromkeys(BUCKETS, "formula"))
+
+
+@pytest.mark.parametrize(("onednn", "columns", "expected"), [
+    (9.5, 30.0, ("rows", "formula")),   # 5% faster: within the noise, the formula stays
+    (8.0, 30.0, ("rows", "onednn")),    # 20% faster: worth it
+    (30.0, 9.5, ("rows", "formula")),   # re-storing every weight for 5%: not worth it
+    (30.0, 8.0, ("columns", "columns")),
+])
+def test_a_choice_must_beat_the_formula_clearly(monkeypatch, onednn, columns, expected):
+    fast = dict.fromkeys(KERNELS, 30.0) | {"formula": 10.0, "onednn": onednn,
+                                           "columns": columns}
+    monkeypatch.setattr(calibration, "measure", planted(fast))
+    layout, picks = plan(torch.float32, *SHAPE)
+    assert (layout, *set(picks.values())) == expected
