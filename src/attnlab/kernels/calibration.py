@@ -107,16 +107,6 @@ def plan(dtype: torch.dtype, out_features: int, in_features: int, *,
     return layout, options[layout][1]
 
 
-def _pick(names: list[str], timings: dict[str, float]) -> str:
-    """The fastest of ``names``, but the formula when it is among them and the fastest is
-    not clearly faster (by ``_MARGIN``): a tight timing loop flatters kernels a little, and
-    a gain within the noise is not worth leaving the formula for."""
-    fastest = min(names, key=timings.__getitem__)
-    if "formula" in names and _MARGIN * timings[fastest] > timings["formula"]:
-        return "formula"
-    return fastest
-
-
 def measure(dtype: torch.dtype, out_features: int, in_features: int, rows_bucket: str,
             kernels: Iterable[str] | None = None) -> dict[str, float]:
     """Median microseconds per call of each of ``kernels`` (default all) that can run, at the
@@ -191,6 +181,16 @@ def bucket_of(rows: int) -> str:
         if rows >= lowest:
             return name
     raise ValueError(f"rows: expected a positive int, got {rows!r}")
+
+
+def _pick(names: list[str], timings: dict[str, float]) -> str:
+    """The fastest of ``names``, but the formula when it is among them and the fastest is
+    not clearly faster (by ``_MARGIN``): a tight timing loop flatters kernels a little, and
+    a gain within the noise is not worth leaving the formula for."""
+    fastest = min(names, key=timings.__getitem__)
+    if "formula" in names and _MARGIN * timings[fastest] > timings["formula"]:
+        return "formula"
+    return fastest
 
 
 def _time_group(names: list[str], x: Tensor, stored: Tensor, bias: Tensor,
