@@ -92,6 +92,8 @@ class InferenceLinear(nn.Linear):
         return new
 
     def forward(self, x: Tensor) -> Tensor:
+        """x ``N.. x I`` -> ``N.. x O``: the calibrated kernel for ``N..``'s row count, or
+        the formula (see the class docstring)."""
         # _parameters directly: nn.Module's __getattr__ costs ~0.6 us per name, per call.
         weight, bias = self._parameters["weight"], self._parameters["bias"]
         if (x.dtype != weight.dtype or x.dim() == 0 or x.shape[-1] != self.in_features
