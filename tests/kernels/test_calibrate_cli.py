@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from kernel_helpers import own_cache_fixture  # noqa: F401 (an autouse fixture)
 
 from attnlab.kernels import KERNELS
 from attnlab.kernels.calibrate import main

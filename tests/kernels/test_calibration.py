@@ -9,7 +9,10 @@ import time
 
 import pytest
 import torch
-from kernel_helpers import planted
+from kernel_helpers import (
+    own_cache_fixture,  # noqa: F401 (an autouse fixture)
+    planted,
+)
 
 from attnlab.kernels import BUCKETS, KERNELS, bucket_of, calibration, choose, measure, plan
 from attnlab.kernels.cache import cpu_model, entry_key

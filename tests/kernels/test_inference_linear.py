@@ -8,7 +8,11 @@ import copy
 
 import pytest
 import torch
-from kernel_helpers import planted, thread_count
+from kernel_helpers import (
+    own_cache_fixture,  # noqa: F401 (an autouse fixture)
+    planted,
+    thread_count,
+)
 from torch import nn
 
 from attnlab.kernels import KERNELS, InferenceLinear, calibration, optimize_for_inference

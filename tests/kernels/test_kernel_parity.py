@@ -7,7 +7,10 @@ import pathlib
 
 import pytest
 import torch
-from kernel_helpers import thread_count
+from kernel_helpers import (
+    own_cache_fixture,  # noqa: F401 (an autouse fixture)
+    thread_count,
+)
 
 import attnlab
 from attnlab.functional import linear

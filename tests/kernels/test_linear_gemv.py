@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import column_major, thread_count
+from kernel_helpers import (
+    column_major,
+    own_cache_fixture,  # noqa: F401 (an autouse fixture)
+    thread_count,
+)
 
 from attnlab.functional import linear
 from attnlab.kernels import KERNELS
