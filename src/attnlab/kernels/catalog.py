@@ -1,0 +1,162 @@
+"""The CPU kernels for ``y = x W^T + b`` that calibration chooses among.
+
+Each kernel is a pure function ``run(x, stored, bias)``: x ``M x I`` (contiguous), ``stored``
+what its ``prepare(weight)`` made of a weight ``O x I``, bias ``O`` or None -> ``M x O``.
+They differ only in speed, which depends on the CPU, the shape and the row count, so none is
+chosen here: :mod:`attnlab.kernels.calibration` measures them. A kernel that cannot run a
+call (dtype, device, a private op missing from this torch build) says so through its
+``available`` predicate, which asks torch, never a CPU family.
+
+``layout`` says what ``prepare`` keeps: ``"rows"`` the weight as stored (row-major, no
+copy), ``"columns"`` the same values column-major (``W^T`` contiguous; it can replace the
+weight's storage, so no second copy), ``"packed"`` oneDNN's opaque blocked copy (a second
+copy beside the weight).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["KERNELS", "LAYOUTS", "Kernel", "to_layout"]
+
+LAYOUTS = ("rows", "columns", "packed")
+# The dtypes the fast paths are written and tested for; the formula takes every dtype.
+_FAST_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One way to compute ``x W^T + b``: ``prepare(weight O x I) -> stored``, ``run(x M x I,
+    stored, bias O | None) -> M x O``, ``available(dtype, rows M, out_features O) -> bool``."""
+
+    name: str
+    layout: str
+    prepare: Callable[[Tensor], Tensor]
+    run: Callable[[Tensor, Tensor, Tensor | None], Tensor]
+    available: Callable[[torch.dtype, int, int], bool]
+
+
+def to_layout(weight: Tensor, layout: str) -> Tensor:
+    """``weight`` (``O x I``) stored as ``layout``: ``"rows"`` row-major, ``"columns"``
+    column-major (same shape and values, ``W^T`` contiguous), ``"packed"`` oneDNN's blocked
+    copy. No copy when it is already so stored."""
+    if layout == "rows":
+        return weight.contiguous()
+    if layout == "columns":
+        return weight if weight.t().is_contiguous() else weight.t().contiguous().t()
+    if layout == "packed":
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+    raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+
+
+def _formula(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x W^T + b`` by BLAS: addmm folds the bias into the GEMM (one pass over the output)."""
+    return torch.addmm(bias, x, weight.t()) if bias is not None else x.matmul(weight.t())
+
+
+def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x W^T + b`` by oneDNN's inner-product primitive (a private op), on a plain weight
+    in either layout or on its packed copy."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _blocks_gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``y = x W^T`` for one row ``x`` (``1 x I``) as ``T`` products ``x W_t^T``, ``W_t`` the
+    ``t``-th block of ``O / T`` rows of ``W``: one per thread, so each thread streams its own
+    part of the matrix into an output that stays in its cache. -> ``1 x O``."""
+    T = torch.get_num_threads()
+    blocks = weight.view(T, -1, weight.shape[1]).transpose(1, 2)  # T x I x O/T
+    y = torch.bmm(x.expand(T, 1, -1), blocks).view(1, -1)
+    return y if bias is None else y + bias
+
+
+# (I, cuts) -> the index 0..I-1 and the bag offsets of one row, kept for decoding.
+_ONE_ROW_BAGS: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+
+
+def _rows_gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``y_m = x_m W^T = sum_i x_mi W^T[i, :]``: for each row ``m`` of ``x`` (``M x I``), a
+    weighted sum of the rows of ``W^T`` (``I x O``, contiguous: a column-major weight),
+    computed as an ``embedding_bag`` over all ``I`` rows with ``x_m`` as the weights. Its CPU
+    kernel streams the matrix close to memory bandwidth, where some BLAS GEMVs read it at half
+    that. With fewer rows than threads, each row is cut into one bag per thread so that the
+    threads share the work; the partial sums are added in float32. -> ``M x O``."""
+    rows = weight.t()
+    M, n = x.shape
+    cuts = max(1, min(torch.get_num_threads() // M, n // 64))
+    if (n, cuts) not in _ONE_ROW_BAGS:
+        # Made outside inference mode, so that the cached index also serves autograd-free
+        # calls made later in normal mode.
+        with torch.inference_mode(False):
+            _ONE_ROW_BAGS[n, cuts] = (torch.arange(n), torch.arange(0, n, -(-n // cuts)))
+    index, offsets = _ONE_ROW_BAGS[n, cuts]
+    if M > 1:
+        index = index.repeat(M)
+        offsets = (torch.arange(0, M * n, n)[:, None] + offsets).reshape(-1)
+    parts = torch.nn.functional.embedding_bag(
+        index, rows, offsets, mode="sum", per_sample_weights=x.reshape(-1)
+    )
+    if cuts > 1:
+        parts = parts.view(M, -1, parts.shape[-1]).sum(1, dtype=torch.float32).to(x.dtype)
+    return parts + bias if bias is not None else parts
+
+
+def _onednn_takes(dtype: torch.dtype, ops: tuple[str, ...]) -> bool:
+    """Whether this torch build has oneDNN's private ``ops`` and runs ``dtype`` through them
+    on this CPU (bfloat16 needs CPU support, which torch reports)."""
+    if not torch.backends.mkldnn.is_available() or dtype not in _FAST_DTYPES:
+        return False
+    if not all(hasattr(torch.ops.mkldnn, op) for op in ops):
+        return False
+    return dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _any_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
+    return dtype in _FAST_DTYPES
+
+
+def _one_row_over_threads(dtype: torch.dtype, rows: int, out_features: int) -> bool:
+    T = torch.get_num_threads()
+    return dtype in _FAST_DTYPES and rows == 1 and T > 1 and out_features % T == 0
+
+
+def _onednn_any_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
+    return _onednn_takes(dtype, ("_linear_pointwise",))
+
+
+def _onednn_packed_any_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
+    return _onednn_takes(dtype, ("_linear_pointwise", "_reorder_linear_weight"))
+
+
+def _every_dtype(dtype: torch.dtype, rows: int, out_features: int) -> bool:
+    return True
+
+
+def _rows(weight: Tensor) -> Tensor:
+    return to_layout(weight, "rows")
+
+
+def _columns(weight: Tensor) -> Tensor:
+    return to_layout(weight, "columns")
+
+
+def _packed(weight: Tensor) -> Tensor:
+    return to_layout(weight, "packed")
+
+
+KERNELS: dict[str, Kernel] = {
+    kernel.name: kernel
+    for kernel in (
+        Kernel("formula", "rows", _rows, _formula, _every_dtype),
+        Kernel("columns", "columns", _columns, _formula, _any_rows),
+        Kernel("onednn", "rows", _rows, _onednn, _onednn_any_rows),
+        Kernel("onednn_columns", "columns", _columns, _onednn, _onednn_any_rows),
+        Kernel("onednn_packed", "packed", _packed, _onednn, _onednn_packed_any_rows),
+        Kernel("rows_gemv", "columns", _columns, _rows_gemv, _any_rows),
+        Kernel("blocks_gemv", "rows", _rows, _blocks_gemv, _one_row_over_threads),
+    )
+}

@@ -1,0 +1,259 @@
+"""Calibration: the fastest kernel is measured, cached on disk as JSON keyed by machine and
+shape, read back instead of measuring again; a corrupt or hostile cache is ignored with a
+warning and rewritten; ``ATTNLAB_KERNELS`` forces one kernel."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from kernel_helpers import (
+    own_cache_fixture,  # noqa: F401 (an autouse fixture)
+    planted,
+)
+
+from attnlab.kernels import BUCKETS, KERNELS, bucket_of, calibration, choose, measure, plan
+from attnlab.kernels.cache import cpu_model, entry_key
+
+SHAPE = (24, 16)  # O x I: tiny, so that a whole calibration takes milliseconds
+
+
+def test_choose_returns_the_kernel_measured_fastest_and_caches_every_timing(own_cache):
+    timings = measure(torch.float32, *SHAPE, "2-8")
+    assert "formula" in timings and set(timings) <= set(KERNELS)
+    assert all(t > 0 for t in timings.values())
+    assert choose(torch.float32, *SHAPE, "2-8") == min(timings, key=timings.__getitem__)
+    stored = json.loads(own_cache.read_text())
+    key = entry_key(torch.float32, *SHAPE, "2-8")
+    assert stored["entries"][key] == timings
+    for part in (cpu_model(), torch.__version__, f"{torch.get_num_threads()} threads",
+                 "float32", "24x16", "rows 2-8"):
+        assert part in key
+
+
+def test_a_cached_timing_is_read_back_not_measured_again(own_cache, monkeypatch):
+    first = measure(torch.float32, *SHAPE, "1")
+    monkeypatch.setattr(calibration, "_TIMINGS", {})  # a new process: only the file is left
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again although the cache holds the timings")
+
+    monkeypatch.setattr(calibration, "measure_rows", no_measuring)
+    assert measure(torch.float32, *SHAPE, "1") == first
+
+
+def test_the_cache_key_separates_dtypes_shapes_buckets_and_threads(own_cache):
+    measure(torch.float32, *SHAPE, "1")
+    measure(torch.bfloat16, *SHAPE, "1")
+    measure(torch.float32, 16, 24, "1")
+    measure(torch.float32, *SHAPE, "65+")
+    keys = set(json.loads(own_cache.read_text())["entries"])
+    assert len(keys) == 4
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert entry_key(torch.float32, *SHAPE, "1") not in keys
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("content", [
+    b"\x00\xff not json at all",
+    b"[1, 2, 3]",
+    b'{"version": 99, "entries": {}}',
+    b'{"version": 1, "entries": "everything"}',
+])
+def test_a_corrupt_cache_file_is_ignored_with_a_warning_and_rewritten(own_cache, content):
+    own_cache.parent.mkdir(parents=True)
+    own_cache.write_bytes(content)
+    with pytest.warns(UserWarning, match=f"kernel cache {own_cache}"):
+        timings = measure(torch.float32, *SHAPE, "1")
+    data = json.loads(own_cache.read_text())
+    assert data["version"] == 1
+    assert data["entries"] == {entry_key(torch.float32, *SHAPE, "1"): timings}
+
+
+@pytest.mark.parametrize("entry", [
+    {"__import__('os').system('echo owned')": 1.0},  # a kernel name we do not know
+    {"formula": -1.0},
+    {"formula": float("nan")},
+    {"formula": True},
+    {"formula": "fast"},
+    {},
+    ["formula"],
+])
+def test_a_hostile_entry_is_never_trusted(own_cache, entry):
+    key = entry_key(torch.float32, *SHAPE, "1")
+    good = entry_key(torch.float32, *SHAPE, "65+")
+    own_cache.parent.mkdir(parents=True)
+    text = json.dumps({"version": 1, "entries": {key: entry, good: {"formula": 5.0}}})
+    own_cache.write_text(text)  # NaN written as JSON's NaN extension, as Python reads it
+    with pytest.warns(UserWarning, match="1 invalid entries ignored"):
+        timings = measure(torch.float32, *SHAPE, "1")
+    assert set(timings) <= set(KERNELS) and "formula" in timings
+    entries = json.loads(own_cache.read_text())["entries"]
+    assert entries[key] == timings and entries[good] == {"formula": 5.0}
+
+
+def test_a_cached_winner_decides_without_measuring(own_cache, monkeypatch):
+    """The cache is what choose reads: a planted (valid) timing table decides."""
+    own_cache.parent.mkdir(parents=True)
+    key = entry_key(torch.float32, *SHAPE, "9-64")
+    own_cache.write_text(json.dumps({"version": 1, "entries": {
+        key: dict.fromkeys(KERNELS, 100.0) | {"columns": 1.0, "rows_gemv": 50.0}}}))
+    monkeypatch.setattr(calibration, "measure_rows", lambda *a, **k: pytest.fail("measured"))
+    assert choose(torch.float32, *SHAPE, "9-64") == "columns"
+    assert choose(torch.float32, *SHAPE, "9-64", kernels=["formula", "rows_gemv"]) == "rows_gemv"
+
+
+def test_an_unwritable_cache_folder_warns_and_calibration_still_works(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("ATTNLAB_CACHE_DIR", str(blocker / "below"))  # below a plain file
+    with pytest.warns(UserWarning, match="not written"):
+        assert choose(torch.float32, *SHAPE, "1") in KERNELS
+
+
+def test_the_environment_forces_one_kernel_without_measuring(own_cache, monkeypatch):
+    monkeypatch.setenv("ATTNLAB_KERNELS", "formula")
+    monkeypatch.setattr(calibration, "measure_rows", lambda *a, **k: pytest.fail("measured"))
+    assert all(choose(torch.float32, *SHAPE, b) == "formula" for b in BUCKETS)
+    assert plan(torch.bfloat16, *SHAPE) == ("rows", dict.fromkeys(BUCKETS, "formula"))
+    assert not own_cache.exists()
+    monkeypatch.setenv("ATTNLAB_KERNELS", "columns")
+    assert plan(torch.float32, *SHAPE) == ("columns", dict.fromkeys(BUCKETS, "columns"))
+    # A kernel that cannot run a dtype or row count gives the formula there.
+    assert choose(torch.float64, *SHAPE, "1") == "formula"
+    assert plan(torch.float64, *SHAPE) == ("rows", dict.fromkeys(BUCKETS, "formula"))
+    monkeypatch.setenv("ATTNLAB_KERNELS", "blocks_gemv")
+    assert choose(torch.float32, *SHAPE, "2-8") == "formula"
+
+
+def test_an_argument_overrides_the_environment(monkeypatch):
+    monkeypatch.setenv("ATTNLAB_KERNELS", "formula")
+    assert choose(torch.float32, *SHAPE, "1", kernel="columns") == "columns"
+
+
+@pytest.mark.parametrize(("source", "value"), [("env", "fastest"), ("env", "formula,columns"),
+                                               ("argument", "FORMULA"), ("argument", 3)])
+def test_an_unknown_forced_kernel_is_refused_naming_where_it_came_from(monkeypatch, source,
+                                                                        value):
+    if source == "env":
+        monkeypatch.setenv("ATTNLAB_KERNELS", value)
+        match, call = "ATTNLAB_KERNELS: expected one of formula, ", {}
+    else:
+        match, call = "kernel: expected one of formula, ", {"kernel": value}
+    with pytest.raises(ValueError, match=match) as error:
+        choose(torch.float32, *SHAPE, "1", **call)
+    assert repr(value) in str(error.value)
+
+
+def test_measuring_runs_under_inference_mode(monkeypatch):
+    seen = []
+    kernel = KERNELS["columns"]
+    spy = type(kernel)(kernel.name, kernel.layout, kernel.prepare,
+                       lambda *a: seen.append(torch.is_inference_mode_enabled())
+                       or kernel.run(*a), kernel.available)
+    monkeypatch.setitem(KERNELS, "columns", spy)
+    calibration.measure_rows(torch.float32, *SHAPE, 3, ["columns"])
+    assert len(seen) >= 4 and all(seen)  # the check-and-warm-up call and >= 3 repeats
+
+
+def test_a_wrong_kernel_is_left_out_with_a_warning(monkeypatch):
+    kernel = KERNELS["columns"]
+    wrong = type(kernel)(kernel.name, kernel.layout, kernel.prepare,
+                         lambda *a: kernel.run(*a) + 1, kernel.available)
+    monkeypatch.setitem(KERNELS, "columns", wrong)
+    with pytest.warns(UserWarning, match="kernel columns: left out, its result differs"):
+        timings = calibration.measure_rows(torch.float32, *SHAPE, 3)
+    assert "columns" not in timings and "formula" in timings
+
+
+def test_a_hopelessly_slow_kernel_is_timed_once(monkeypatch):
+    """Repeating a call that is already over the budget and 10x the fastest would take
+    seconds on a large matrix and only confirm that it loses."""
+    calls = []
+    kernel = KERNELS["rows_gemv"]
+
+    def slow(*args):
+        calls.append(1)
+        time.sleep(0.02)
+        return kernel.run(*args)
+
+    monkeypatch.setitem(KERNELS, "rows_gemv", type(kernel)(kernel.name, kernel.layout,
+                                                           kernel.prepare, slow,
+                                                           kernel.available))
+    timings = calibration.measure_rows(torch.float32, *SHAPE, 2, ["formula", "rows_gemv"])
+    assert len(calls) == 2  # the checked warm-up and one timing
+    assert timings["rows_gemv"] >= 20_000 > timings["formula"]
+
+
+def test_a_dtype_only_the_formula_runs_is_planned_on_the_formula():
+    assert plan(torch.float64, *SHAPE) == ("rows", dict.fromkeys(BUCKETS, "formula"))
+    assert plan(torch.float64, *SHAPE, layouts=("columns",)) == (
+        "rows", dict.fromkeys(BUCKETS, "formula"))
+
+
+def test_buckets_cover_every_row_count():
+    assert [bucket_of(m) for m in (1, 2, 8, 9, 64, 65, 10**6)] == [
+        "1", "2-8", "2-8", "9-64", "9-64", "65+", "65+"]
+    with pytest.raises(ValueError, match="rows: expected a positive int, got 0"):
+        bucket_of(0)
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda: choose(torch.float32, *SHAPE, "2-9"), "rows_bucket: expected one of 1, 2-8"),
+    (lambda: measure(torch.float32, *SHAPE, "1", kernels=["magic"]),
+     "kernels: expected names among formula, .* got 'magic'"),
+    (lambda: measure(torch.float32, *SHAPE, "1", kernels="formula"), "kernels: expected a "),
+    (lambda: calibration.measure_rows(torch.float32, 0, 16, 1), "out_features: expected a "),
+    (lambda: calibration.measure_rows(torch.int64, 8, 16, 1), "dtype: expected a floating"),
+    (lambda: plan(torch.float32, *SHAPE, layouts=("packed",)), "layouts: expected 'rows'"),
+])
+def test_bad_arguments_are_refused_by_name(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
+
+
+def test_plan_keeps_one_layout_for_every_bucket(monkeypatch):
+    """A weight is stored once: a plan never mixes row- and column-major kernels, and the
+    packed copy only with extra_memory."""
+    fast = {"formula": 10.0, "onednn": 9.0, "blocks_gemv": 8.0, "columns": 5.0,
+            "onednn_columns": 6.0, "rows_gemv": 7.0, "onednn_packed": 1.0}
+    monkeypatch.setattr(calibration, "measure", planted(fast))
+    layout, picks = plan(torch.float32, *SHAPE)
+    assert (layout, set(picks.values())) == ("columns", {"columns"})
+    assert plan(torch.float32, *SHAPE, layouts=("rows",)) == ("rows", dict.fromkeys(
+        BUCKETS, "blocks_gemv"))
+    assert plan(torch.float32, *SHAPE, extra_memory=True)[1] == dict.fromkeys(
+        BUCKETS, "onednn_packed")
+
+
+def test_plan_never_trades_one_bucket_for_another_below_the_formula(monkeypatch):
+    """Column-major kernels twice as fast for one row but 1.2x slower than the formula for
+    several: the weight stays row-major (batched decoding would lose)."""
+    def timings(d, o, i, bucket, kernels=None):
+        columns = 5.0 if bucket == "1" else 12.0
+        fast = dict.fromkeys(KERNELS, 30.0) | {"formula": 10.0, "columns": columns}
+        return {n: fast[n] for n in ("formula", *kernels)}
+
+    monkeypatch.setattr(calibration, "measure", timings)
+    assert plan(torch.float32, *SHAPE) == ("rows", dict.fromkeys(BUCKETS, "formula"))
+    assert plan(torch.float32, *SHAPE, layouts=("columns",)) == (
+        "rows", dict.fromkeys(BUCKETS, "formula"))
+
+
+@pytest.mark.parametrize(("onednn", "columns", "expected"), [
+    (9.5, 30.0, ("rows", "formula")),   # 5% faster: within the noise, the formula stays
+    (8.0, 30.0, ("rows", "onednn")),    # 20% faster: worth it
+    (30.0, 9.5, ("rows", "formula")),   # re-storing every weight for 5%: not worth it
+    (30.0, 8.0, ("columns", "columns")),
+])
+def test_a_choice_must_beat_the_formula_clearly(monkeypatch, onednn, columns, expected):
+    fast = dict.fromkeys(KERNELS, 30.0) | {"formula": 10.0, "onednn": onednn,
+                                           "columns": columns}
+    monkeypatch.setattr(calibration, "measure", planted(fast))
+    layout, picks = plan(torch.float32, *SHAPE)
+    assert (layout, *set(picks.values())) == expected

@@ -1,0 +1,73 @@
+"""Every kernel, forced, equals the formula: float32 tight, bfloat16 within its tolerance;
+one row, a few rows, many rows; with and without bias; on one and two threads."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+from kernel_helpers import (
+    own_cache_fixture,  # noqa: F401 (an autouse fixture)
+    thread_count,
+)
+
+import attnlab
+from attnlab.functional import linear
+from attnlab.kernels import KERNELS
+from attnlab.kernels.catalog import to_layout
+
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 2e-2)}
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 70])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_equals_the_formula(name, dtype, rows, with_bias, threads) -> None:
+    kernel = KERNELS[name]
+    with thread_count(threads):
+        if not kernel.available(dtype, rows, 96):
+            pytest.skip(f"{name} cannot run {dtype} with {rows} rows on {threads} threads")
+        g = torch.Generator().manual_seed(rows)
+        w = torch.randn(96, 40, generator=g).to(dtype)
+        x = torch.randn(rows, 40, generator=g).to(dtype)
+        b = torch.randn(96, generator=g).to(dtype) if with_bias else None
+        with torch.inference_mode():
+            actual = kernel.run(x, kernel.prepare(w), b)
+        expected = x.double() @ w.double().t() + (b.double() if with_bias else 0)
+        assert actual.shape == (rows, 96) and actual.dtype == dtype
+        rtol, atol = TOLERANCE[dtype]
+        torch.testing.assert_close(actual.double(), expected, rtol=rtol, atol=atol)
+        torch.testing.assert_close(actual, linear(x, w, b), rtol=rtol, atol=atol)
+
+
+def test_the_formula_kernel_takes_every_dtype_the_fast_ones_only_theirs() -> None:
+    assert KERNELS["formula"].available(torch.float64, 3, 8)
+    for name, kernel in KERNELS.items():
+        if name != "formula":
+            assert not kernel.available(torch.float64, 1, 8), name
+            assert not kernel.available(torch.float16, 1, 8), name
+
+
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_to_layout_keeps_shape_and_values_and_copies_only_when_needed(layout) -> None:
+    w = torch.randn(6, 4)
+    stored = to_layout(w, layout)
+    assert stored.shape == (6, 4) and torch.equal(stored, w)
+    assert (stored.is_contiguous() if layout == "rows" else stored.t().is_contiguous())
+    assert to_layout(stored, layout) is stored
+    with pytest.raises(ValueError, match=r"layout: expected one of .* got 'diagonal'"):
+        to_layout(w, "diagonal")
+
+
+def test_no_cpu_family_branches_left_in_the_library() -> None:
+    """Speed never comes from a CPU-family constant: no code names an instruction set (the
+    benchmark harness may record the CPU's capability beside its figures, not branch on it)."""
+    source = pathlib.Path(attnlab.__file__).parent
+    for path in source.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        assert "AVX" not in text.upper().replace("AVX-512", ""), path
+        if path.name != "harness.py":
+            assert "get_cpu_capability" not in text, path
