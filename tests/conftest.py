@@ -1,9 +1,23 @@
-"""Shared test helpers: an oracle comparison with a per-dtype tolerance table."""
+"""Shared test helpers: an oracle comparison with a per-dtype tolerance table, and the
+inference kernels pinned to the formula (results independent of a calibration on a busy
+machine; the kernels' own tests unpin them and prove each equal to the formula)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _kernels_pinned_to_the_formula(tmp_path_factory: pytest.TempPathFactory):
+    """``ATTNLAB_KERNELS=formula`` and a calibration cache in a temporary folder for the
+    session (subprocesses inherit both), never the user's ``~/.cache``."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("ATTNLAB_KERNELS", "formula")
+    patch.setenv("ATTNLAB_CACHE_DIR", str(tmp_path_factory.mktemp("kernel-cache")))
+    yield
+    patch.undo()
+
 
 # DESIGN.md: float32 rtol 1e-5 / atol 1e-6; half precisions looser.
 TOLERANCES = {

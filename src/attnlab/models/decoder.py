@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from attnlab.attention.kv_cache import KVCache, LayerKVCache
 from attnlab.generation import generate
 from attnlab.hook_point import HookPoint
+from attnlab.kernels import optimize_for_inference
 from attnlab.layers import FeedForward, GatedMLP, LearnedPositionalEmbedding, RMSNorm
 from attnlab.layers.self_attention import SelfAttention
 from attnlab.masks import causal_mask, sliding_window_mask
@@ -194,15 +195,29 @@ class DecoderLM(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,
-                        device: torch.device | str | None = None) -> DecoderLM:
+                        device: torch.device | str | None = None, *,
+                        kernels: bool = True, extra_memory: bool = False) -> DecoderLM:
         """Load a checkpoint folder: attnlab's own format (``"attnlab_decoder"``) or a Hugging
         Face folder of any supported family (``attnlab.models.families``, picked by
         ``model_type``), in eval mode with trainable weights. ``dtype`` defaults to the
-        stored one, ``device`` to the CPU."""
+        stored one, ``device`` to the CPU.
+
+        ``kernels`` (on the CPU): swap every ``nn.Linear`` for an
+        ``attnlab.kernels.InferenceLinear``, which runs, without gradients, the kernel that a
+        calibration on this machine measured fastest for its shape (same Parameters, same
+        results within float rounding; ``ATTNLAB_KERNELS=formula`` forces the formula);
+        ``extra_memory`` also allows oneDNN's packed copies of the weights where they win.
+        """
         folder = check_folder(path)
+        if not isinstance(kernels, bool):
+            raise TypeError(f"kernels: expected a bool, got {kernels!r}")
         if read_json(folder / CONFIG_NAME).get("model_type") == cls.MODEL_TYPE:
-            return super().from_pretrained(folder, dtype=dtype, device=device)
-        return load_family(cls, folder, parse_dtype(dtype), parse_device(device))
+            model = super().from_pretrained(folder, dtype=dtype, device=device)
+        else:
+            model = load_family(cls, folder, parse_dtype(dtype), parse_device(device))
+        if kernels and model.embed_tokens.weight.device.type == "cpu":
+            optimize_for_inference(model, extra_memory=extra_memory)
+        return model
 
     def save_pretrained(self, path: str | Path) -> Path:
         """Write ``config.json`` and ``model.safetensors``: in the format of the model's

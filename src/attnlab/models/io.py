@@ -24,19 +24,21 @@ __all__ = ["from_pretrained", "read_config", "save_pretrained"]
 
 
 def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
-                    device: torch.device | str | None = None) -> DecoderLM | Transformer:
+                    device: torch.device | str | None = None,
+                    **kwargs: bool) -> DecoderLM | Transformer:
     """Load the checkpoint folder ``path``: a ``Transformer`` for attnlab's
     ``"attnlab_transformer"`` format, else ``DecoderLM.from_pretrained`` (attnlab's
     ``"attnlab_decoder"`` or any supported Hugging Face family), in eval mode with trainable
-    weights.
+    weights. ``kwargs`` (``kernels``, ``extra_memory``) go to ``DecoderLM.from_pretrained``.
 
     ``dtype`` (``"float32"``, ``"bfloat16"``, a ``torch.dtype``) defaults to the stored
     ``torch_dtype``/``dtype``; ``device`` to the CPU. An unsupported ``model_type`` is refused
     naming the supported ones; a missing, extra or misshapen tensor names the tensor.
     """
     raw = read_json(check_folder(path) / CONFIG_NAME)
-    cls = Transformer if raw.get("model_type") == Transformer.MODEL_TYPE else DecoderLM
-    return cls.from_pretrained(path, dtype=dtype, device=device)
+    if raw.get("model_type") == Transformer.MODEL_TYPE:
+        return Transformer.from_pretrained(path, dtype=dtype, device=device)
+    return DecoderLM.from_pretrained(path, dtype=dtype, device=device, **kwargs)
 
 
 def save_pretrained(model: DecoderLM | Transformer, path: str | Path) -> Path:

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_model
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from attnlab.models.config import ConfigMixin
@@ -35,8 +35,8 @@ from attnlab.models.hf_loading import (
     read_json,
 )
 
-__all__ = ["PreTrainedModel", "cast_weights", "load_state", "read_weights", "shape_mismatch",
-           "stored_shapes"]
+__all__ = ["PreTrainedModel", "cast_weights", "contiguous_state", "load_state", "read_weights",
+           "shape_mismatch", "stored_shapes"]
 
 M = TypeVar("M", bound="PreTrainedModel")
 
@@ -66,7 +66,7 @@ class PreTrainedModel(nn.Module):
         dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
         config = {"model_type": self.MODEL_TYPE, "torch_dtype": dtype, **self.config.to_dict()}
         (path / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        save_model(self, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_file(contiguous_state(self), str(path / WEIGHTS_NAME), metadata={"format": "pt"})
         return path
 
     @classmethod
@@ -99,6 +99,20 @@ class PreTrainedModel(nn.Module):
         load_state(model, read_weights(weights), weights)
         cast_weights(model, dtype or stored)
         return model.to(device).eval()
+
+
+def contiguous_state(model: nn.Module) -> dict[str, Tensor]:
+    """``model``'s state dict with each tied tensor once (under its first name) and every
+    tensor contiguous: inference kernels may keep a weight column-major, which safetensors
+    does not write."""
+    state: dict[str, Tensor] = {}
+    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+    for name, t in model.state_dict().items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        if key not in seen:
+            seen.add(key)
+            state[name] = t.contiguous()
+    return state
 
 
 def cast_weights(model: nn.Module, dtype: torch.dtype) -> None:

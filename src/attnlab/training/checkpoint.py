@@ -23,11 +23,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_model
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
-from attnlab.models.pretrained import load_state, read_weights, shape_mismatch, stored_shapes
+from attnlab.models.pretrained import (
+    contiguous_state,
+    load_state,
+    read_weights,
+    shape_mismatch,
+    stored_shapes,
+)
 from attnlab.models.transformer import Transformer, TransformerConfig
 from attnlab.training.durable import existing_folder, new_folder, swap_in
 from attnlab.training.old_layout import OLD_DECODER_LM, is_old_decoder_lm
@@ -61,7 +67,7 @@ def save_checkpoint(
     directory = Path(directory)
     tmp = new_folder(directory)
     try:
-        save_model(model, str(tmp / WEIGHTS))
+        save_file(contiguous_state(model), str(tmp / WEIGHTS))
         config = {
             "format": FORMAT,
             "model_type": model_type,
