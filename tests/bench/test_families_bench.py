@@ -49,3 +49,11 @@ def test_bench_families_bad_flags_are_refused_by_name(argv, message, capsys) -> 
         main(["bench", "families", *argv])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bench", ["families", "qwen2"])
+def test_an_out_that_is_a_file_fails_before_measuring(bench, tmp_path, capsys) -> None:
+    (tmp_path / "file").write_text("x")
+    assert main(["bench", bench, "--quick", "--out", str(tmp_path / "file")]) == 2
+    captured = capsys.readouterr()
+    assert "File exists" in captured.err and "bench " not in captured.out

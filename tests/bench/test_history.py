@@ -38,3 +38,11 @@ def test_an_old_table_without_date_or_title_is_kept(tmp_path) -> None:
 
 def test_machine_info_says_when() -> None:
     assert machine_info()["measured"].endswith(" UTC")
+
+
+def test_a_table_edited_into_bad_utf8_does_not_lose_the_new_run(tmp_path) -> None:
+    path = tmp_path / "t.md"
+    path.write_bytes(b"# Speed\n\nold \xff figure\n")
+    write_with_history(path, run_text("AMD EPYC", "2026-01-01 10:00 UTC", "1"))
+    current, history = path.read_text().split("\n## History\n")
+    assert "ours 1 tokens/s" in current and "old \ufffd figure" in history

@@ -1,5 +1,6 @@
-"""Every model family, ours vs transformers (sdpa): prefill and decode tokens/s, float32 and
-bfloat16, one prompt and a left-padded batch.
+"""Every model family: ours vs transformers (sdpa), prefill and decode tokens/s.
+
+Both float32 and bfloat16, each for one prompt and for a left-padded batch.
 
 For each family that ``attnlab.models.families.FAMILIES`` reads, a random checkpoint of
 realistic per-layer width (hidden 1024, 16 query / 4 key-value heads of 64, intermediate
@@ -86,6 +87,8 @@ def run(args: argparse.Namespace) -> Path:
                           repeats=args.repeats))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)  # before the measurement: a bad --out fails now
     bandwidth = read_bandwidth(2**20 if args.quick else 2**28, device=device)
     r = {"sizes": sizes, "workload": vars(work), "lengths": work.lengths(),
          "threads": torch.get_num_threads(), "device": str(device),
@@ -99,8 +102,6 @@ def run(args: argparse.Namespace) -> Path:
                 runs.append(measure_folder(tmp, dtype, device, work, bandwidth=bandwidth))
         r["families"].append({"model_type": model_type, "checkpoint": written_by,
                               "runs": runs})
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     info = machine_info(device)
     r["machine"] = info
     (out / "families.json").write_text(json.dumps(r, indent=2))

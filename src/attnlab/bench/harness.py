@@ -205,7 +205,8 @@ def write_with_history(path: Path, text: str) -> Path:
     readable.
     """
     path = Path(path)
-    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    # A byte that is not UTF-8 (an edit by hand) must not lose the run just measured.
+    old = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
     current, _, history = old.partition(f"\n{HISTORY}\n")
     entries = [history.strip()] if history.strip() else []
     if current.strip():
