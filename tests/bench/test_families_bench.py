@@ -57,3 +57,16 @@ def test_an_out_that_is_a_file_fails_before_measuring(bench, tmp_path, capsys) -
     assert main(["bench", bench, "--quick", "--out", str(tmp_path / "file")]) == 2
     captured = capsys.readouterr()
     assert "File exists" in captured.err and "bench " not in captured.out
+
+
+def test_without_transformers_ours_is_measured_from_our_own_checkpoint(tmp_path, monkeypatch,
+                                                                       one_thread) -> None:
+    monkeypatch.setattr(versus, "_transformers", lambda: None)
+    assert main(["bench", "families", "--quick", "--families", "qwen2", "--dtypes",
+                 "bfloat16", "--out", str(tmp_path)]) == 0
+    (family,) = json.loads((tmp_path / "families.json").read_text())["families"]
+    assert family["checkpoint"] == "attnlab.models.io.save_pretrained"
+    (run,) = family["runs"]
+    assert run["reference"] == "transformers is not installed: no reference measured"
+    assert all(c["ours"] > 0 and c["transformers"] is None for c in run["cells"].values())
+    assert "| qwen2 | bfloat16 |" in (tmp_path / "families.md").read_text()

@@ -148,8 +148,8 @@ def measure_folder(folder: str | Path, dtype: str, device: torch.device, work: W
 def compare(ours: nn.Module, reference: nn.Module | None, work: Workload,
             device: torch.device, *, seed: int = 0) -> dict[str, dict[str, Any]]:
     """Time each of ``MEASURES`` on both models: ``{measure: {"ours": tokens/s or None,
-    "transformers": ..., "ours_error": "OOM" or None, "transformers_error": ..., "rows": R,
-    "tokens": T}}``. Both models get the same ids (``1 x prefill``, ``1 x prompt``,
+    "transformers": ..., "ours_error": "OOM" or None, "transformers_error": ..., "rows": B,
+    "prompt_tokens": real prompt tokens}}``. Both models get the same ids (``1 x prefill``, ``1 x prompt``,
     ``batch x prompt`` left-padded)."""
     V = ours.config.vocab_size
     g = torch.Generator().manual_seed(seed)
@@ -164,7 +164,7 @@ def compare(ours: nn.Module, reference: nn.Module | None, work: Workload,
     with torch.inference_mode():
         for measure, (kind, batched) in MEASURES.items():
             x, m = (inputs if kind == "prefill" else decode_inputs)[batched]
-            real = int(m.sum()) if kind == "prefill" else x.shape[0]
+            rows, prompt_tokens = x.shape[0], int(m.sum())
             fns: dict[str, Callable[[], object]] = {}
             for name, (model, runner) in models.items():
                 if model is None:
@@ -176,17 +176,17 @@ def compare(ours: nn.Module, reference: nn.Module | None, work: Workload,
                     fns[f"{name} N"] = lambda gen=gen: gen(work.new_tokens)
                     fns[f"{name} 1"] = lambda gen=gen: gen(1)
             seconds = _timed(fns, work.repeats, device)
-            cell: dict[str, Any] = {"rows": x.shape[0], "tokens": real}
+            cell: dict[str, Any] = {"rows": rows, "prompt_tokens": prompt_tokens}
             for name in models:
                 if kind == "prefill":
                     s, error = seconds.get(name, (None, None))
-                    rate = None if s is None else real / s
+                    rate = None if s is None else prompt_tokens / s
                 else:
                     (full, e1), (one, e2) = (seconds.get(f"{name} {n}", (None, None))
                                              for n in ("N", "1"))
                     error = e1 or e2
                     rate = (None if full is None or one is None
-                            else real * (work.new_tokens - 1) / max(full - one, 1e-9))
+                            else rows * (work.new_tokens - 1) / max(full - one, 1e-9))
                 cell[name], cell[f"{name}_error"] = rate, error
             results[measure] = cell
     return results
