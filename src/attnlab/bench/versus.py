@@ -149,8 +149,8 @@ def compare(ours: nn.Module, reference: nn.Module | None, work: Workload,
             device: torch.device, *, seed: int = 0) -> dict[str, dict[str, Any]]:
     """Time each of ``MEASURES`` on both models: ``{measure: {"ours": tokens/s or None,
     "transformers": ..., "ours_error": "OOM" or None, "transformers_error": ..., "rows": B,
-    "prompt_tokens": real prompt tokens}}``. Both models get the same ids (``1 x prefill``, ``1 x prompt``,
-    ``batch x prompt`` left-padded)."""
+    "prompt_tokens": real prompt tokens}}``. Both models get the same ids (``1 x prefill``,
+    ``1 x prompt``, ``batch x prompt`` left-padded)."""
     V = ours.config.vocab_size
     g = torch.Generator().manual_seed(seed)
     long_ids = torch.randint(0, V, (1, work.prefill), generator=g).to(device)
