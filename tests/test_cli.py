@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from attnlab.bench import attention, mha, qwen2
+from attnlab.bench import attention, mha
 from attnlab.bench.harness import oom_as_error
 from attnlab.cli import main
 
@@ -76,6 +76,10 @@ def test_bench_quick_leaves_the_committed_tables_alone(tmp_path, monkeypatch, on
         (["generate", "--contexts", ""], "argument --contexts: expected positive ints, got ''"),
         (["qwen2", "--batch", "1.5"], "argument --batch: expected a positive int, got '1.5'"),
         (["qwen2", "--threads", "0"], "argument --threads: expected a positive int, got '0'"),
+        (["qwen2", "--dtypes", "float32,int8"],
+         "argument --dtypes: expected comma-separated dtypes among ('float32', 'bfloat16')"),
+        (["families", "--families", "bert"],
+         "argument --families: expected comma-separated model types among"),
         (["variants", "--min-len", "0"], "argument --min-len: expected a positive int, got '0'"),
         (["variants", "--repeats", "0", "--quick"],
          "argument --repeats: expected a positive int, got '0'"),
@@ -97,6 +101,7 @@ def test_bench_bad_values_name_the_flag(argv, message, capsys):
          "--min-len: expected at most --max-len=512, got 1024"),
         (["variants", "--variants", ","], "--variants: expected at least one of"),
         (["qwen2", "--new-tokens", "1"], "--new-tokens: expected >= 2"),
+        (["families", "--new-tokens", "1"], "--new-tokens: expected >= 2"),
     ],
 )
 def test_bench_inconsistent_values_are_clear_errors(argv, message, tmp_path, capsys):
@@ -138,17 +143,3 @@ def test_bench_mha_records_out_of_memory_as_a_result(tmp_path, monkeypatch, one_
     assert [(r["L"], r["error"]) for r in rows] == [(16, None)] * 2 + [(64, "OOM")] * 2
     table = (tmp_path / "mha.md").read_text()
     assert "| 1 | 64 | train | OOM | OOM | — |" in table
-
-
-def test_bench_qwen2_records_out_of_memory_as_a_result(tmp_path, monkeypatch):
-    def out_of_memory(*args, **kwargs):
-        raise torch.OutOfMemoryError("out of memory")
-
-    monkeypatch.setattr(qwen2, "time_median", out_of_memory)
-    monkeypatch.setattr(qwen2, "read_bandwidth", lambda numel: 1e10)
-    assert main(["bench", "qwen2", "--quick", "--no-reference", "--out", str(tmp_path)]) == 0
-    data = json.loads((tmp_path / "qwen2.json").read_text())
-    assert {r["error"] for r in data["rows"]} == {"OOM"} and data["batched"]["error"] == "OOM"
-    table = (tmp_path / "qwen2.md").read_text()
-    assert "| ours | float32 | 0 | OOM | — | OOM | — |" in table
-    assert "left-padded): OOM tokens/s" in table

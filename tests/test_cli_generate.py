@@ -1,4 +1,5 @@
-"""`attnlab generate` on a tiny checkpoint folder (our weights + a trained BPE tokenizer)."""
+"""`attnlab generate` on tiny checkpoint folders (a trained BPE tokenizer with weights of every
+family that attnlab reads, written by transformers or by our save_pretrained)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ import torch
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from attnlab.bench.versus import random_checkpoint
 from attnlab.cli import build_parser, main
 from attnlab.cli_generate import summary
 from attnlab.generation import generate
-from attnlab.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from attnlab.models.decoder import DecoderLM
+from attnlab.models.families import FAMILIES
+from attnlab.models.io import from_pretrained, save_pretrained
 from attnlab.tokenizer import Tokenizer
 
 TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
@@ -24,6 +28,18 @@ TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['c
 
 
 def make_folder(folder) -> None:
+    """A Qwen2 folder written by our ``save_pretrained``, with a tokenizer."""
+    vocab = make_tokenizer(folder)
+    config = FAMILIES["qwen2"].config_from_hf(
+        {"vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "max_position_embeddings": 256, "initializer_range": 0.2})
+    torch.manual_seed(0)
+    save_pretrained(DecoderLM(config), folder)
+
+
+def make_tokenizer(folder) -> int:
+    """A byte-level BPE tokenizer of 300 tokens with a chat template; returns its size."""
     tok = Backend(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -34,11 +50,7 @@ def make_folder(folder) -> None:
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(
         json.dumps({"eos_token": "<|im_end|>", "chat_template": TEMPLATE}))
-    config = Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, initializer_range=0.2)
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(folder)
+    return tok.get_vocab_size()
 
 
 def test_generate_streams_text_and_reports_speed(tmp_path, capsys) -> None:
@@ -47,7 +59,7 @@ def test_generate_streams_text_and_reports_speed(tmp_path, capsys) -> None:
                  "--max-new-tokens", "12"]) == 0
     captured = capsys.readouterr()
     tok = Tokenizer.from_pretrained(tmp_path)
-    model = Qwen2ForCausalLM.from_pretrained(tmp_path)
+    model = from_pretrained(tmp_path)
     prompt = tok.encode("once upon a")
     ids = generate(model, torch.tensor([prompt]), 12, eos_token_id=tok.eos_token_id)
     expected = tok.decode(ids[0, len(prompt):], skip_special_tokens=True)
@@ -72,8 +84,47 @@ def test_generate_chat_and_sampling(tmp_path, capsys) -> None:
 
 
 def test_generate_errors(tmp_path, capsys) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert main(["generate", "--model", str(tmp_path), "--prompt", "x"]) == 2
     assert "tokenizer.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model_type", sorted({f.model_types[0] for f in FAMILIES.values()}))
+def test_every_family_generates_as_transformers_does(tmp_path, capsys, model_type) -> None:
+    """A folder written by transformers for each family: the CLI prints what transformers'
+    greedy generate makes from the same folder, token for token."""
+    transformers = pytest.importorskip("transformers")
+    vocab = make_tokenizer(tmp_path)
+    random_checkpoint(tmp_path, model_type, {
+        "vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64, "head_dim": 8,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 64, "initializer_range": 0.2})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    tok = Tokenizer.from_pretrained(tmp_path)
+    prompt = torch.tensor([tok.encode("the fox")])
+    ends = [tok.eos_token_id, hf.config.eos_token_id]  # the CLI's: tokenizer's and config's
+    with torch.no_grad():
+        expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8,
+                               do_sample=False, eos_token_id=ends, pad_token_id=0)
+    code, out, err = run(tmp_path, capsys, "--max-new-tokens", "8", prompt="the fox")
+    assert code == 0, err
+    assert out == new_text(tmp_path, expected, prompt.shape[1]) + "\n"
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"model_type": "bert"}, r"config.json: model_type 'bert' is not supported; expected one "
+                             r"of \[.*'llama'.*'qwen2'.*\]"),
+    ({"architectures": ["X"]}, r"config.json: model_type None is not supported"),
+    ({"format": "attnlab-checkpoint", "model_type": "decoder_lm", "model": {}},
+     r"config.json is an attnlab training checkpoint .*attnlab sample --checkpoint"),
+])
+def test_unsupported_folders_are_refused_naming_what_is_read(tmp_path, capsys, config: dict,
+                                                             message: str) -> None:
+    make_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, out, err = run(tmp_path, capsys)
+    assert code == 2 and out == ""
+    assert re.search("--model: .*" + message, err), err
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +162,10 @@ def test_generation_config_defaults_match_transformers_generate(folder, capsys) 
     with torch.no_grad():
         free = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=9,
                            do_sample=False, repetition_penalty=1.3, pad_token_id=0)
-    end = int(free[0, P + 4])  # the fifth new token ends the text
-    assert end not in free[0, P:P + 4].tolist()
+    new = free[0, P:].tolist()
+    # The first new token from the third on that was not made before ends the text.
+    k = next(i for i in range(2, len(new)) if new[i] not in new[:i])
+    end = new[k]
     (folder / "generation_config.json").write_text(json.dumps(
         {"do_sample": False, "repetition_penalty": 1.3, "max_new_tokens": 9,
          "eos_token_id": [tok.eos_token_id, end], "pad_token_id": 0, "temperature": 0.6,
@@ -120,9 +173,9 @@ def test_generation_config_defaults_match_transformers_generate(folder, capsys) 
     hf = transformers.Qwen2ForCausalLM.from_pretrained(folder).eval()  # reads the file
     with torch.no_grad():
         expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt))
-    assert expected.shape[1] == P + 5 and int(expected[0, -1]) == end
+    assert expected.shape[1] == P + k + 1 and int(expected[0, -1]) == end
     code, out, err = run(folder, capsys)
-    assert code == 0 and "5 new tokens" in err, err
+    assert code == 0 and f"{k + 1} new tokens" in err, err
     assert out == new_text(folder, expected, P) + "\n"
     # Flags win over the file: no penalty, 3 tokens.
     code, out, _ = run(folder, capsys, "--repetition-penalty", "1.0", "--max-new-tokens", "3")
@@ -137,7 +190,7 @@ def test_sampling_defaults_from_the_file_and_flags_over_them(folder, capsys) -> 
         {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9,
          "max_length": 10}))
     tok = Tokenizer.from_pretrained(folder)
-    model = Qwen2ForCausalLM.from_pretrained(folder)
+    model = from_pretrained(folder)
     prompt = torch.tensor([tok.encode("once upon a")])
     P = prompt.shape[1]
     code, out, _ = run(folder, capsys, "--seed", "4")
@@ -161,7 +214,7 @@ def test_stop_strings_match_transformers(folder, capsys) -> None:
     hf = transformers.Qwen2ForCausalLM.from_pretrained(folder).eval()
     hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
     tok = Tokenizer.from_pretrained(folder)
-    model = Qwen2ForCausalLM.from_pretrained(folder)
+    model = from_pretrained(folder)
     prompt = torch.tensor([tok.encode("hello")])
     P = prompt.shape[1]
     free = generate(model, prompt, 20)[0, P:].tolist()
@@ -184,7 +237,8 @@ def test_stop_strings_match_transformers(folder, capsys) -> None:
     code, out, _ = run(folder, capsys, "--max-new-tokens", "20", "--stop", stop, "--stop", "@@",
                        prompt="hello")
     assert code == 0 and out == new_text(folder, ours, P) + "\n"
-    assert stop in out and stop not in out[:-1][:-len(stop)]  # nothing printed past the stop
+    # Nothing made past the stop: it is not in the text before the last token.
+    assert stop in out and stop not in new_text(folder, ours[:, :-1], P)
 
 
 @pytest.mark.parametrize(("flags", "message"), [

@@ -29,7 +29,8 @@ def walk(parser: argparse.ArgumentParser, prog: str = "attnlab"):
 def test_walk_reaches_every_command():
     progs = {prog for prog, _ in walk(build_parser())}
     for expected in ("attnlab demo", "attnlab translate", "attnlab sample",
-                     "attnlab train seq2seq", "attnlab bench qwen2", "attnlab bench variants"):
+                     "attnlab train seq2seq", "attnlab bench qwen2", "attnlab bench families",
+                     "attnlab bench variants"):
         assert expected in progs
 
 

@@ -25,6 +25,7 @@ from attnlab.cli_viz import add_commands as add_viz_commands
 # or file written).
 BENCHMARKS = {
     "attention": "attnlab.bench.attention",
+    "families": "attnlab.bench.families",
     "generate": "attnlab.bench.generate",
     "mha": "attnlab.bench.mha",
     "qwen2": "attnlab.bench.qwen2",

@@ -1,4 +1,6 @@
-"""``attnlab generate``: stream text from a Hugging Face-format Qwen2/Llama checkpoint folder.
+"""``attnlab generate``: stream text from a Hugging Face-format checkpoint folder of any family
+that ``attnlab.models.from_pretrained`` reads (``config.json`` ``model_type``: see
+``attnlab.models.families``), or one written by our ``save_pretrained``.
 
     attnlab generate --model DIR --prompt "Once upon a time" [--chat] [--max-new-tokens 64]
                      [--do-sample --temperature 0.7 --top-k 50 --top-p 0.9 --seed 0]
@@ -30,11 +32,14 @@ from attnlab.arg_types import (
 from attnlab.generation import generate
 from attnlab.generation.config import GenerationConfig, read_generation_config
 from attnlab.generation.inputs import token_id, token_id_set
-from attnlab.models.hf_loading import SUPPORTED_DTYPES
-from attnlab.models.qwen2 import Qwen2ForCausalLM
+from attnlab.models.families import family_for
+from attnlab.models.hf_loading import CONFIG_NAME, SUPPORTED_DTYPES, check_folder, read_json
+from attnlab.models.io import from_pretrained
 from attnlab.tokenizer import TextStreamer, Tokenizer
+from attnlab.training.checkpoint import FORMAT as TRAINING_CHECKPOINT
 
-__all__ = ["GenerateSettings", "add_commands", "resolve_settings", "run_generate"]
+__all__ = ["GenerateSettings", "add_commands", "check_model_type", "resolve_settings",
+           "run_generate"]
 
 DEFAULT_MAX_NEW_TOKENS = 128
 _FROM_FILE = "default: generation_config.json's, else"
@@ -47,11 +52,12 @@ _DESCRIPTION = ("Stream text from a checkpoint folder. Each generation flag defa
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``generate`` on the top-level sub-parsers."""
     # Defaults are written in the help texts: the flags default to None ("not given").
-    p = sub.add_parser("generate", help="stream text from a Qwen2/Llama checkpoint folder",
+    p = sub.add_parser("generate", help="stream text from a Hugging Face-format checkpoint "
+                       "folder (Llama, Qwen2 and the other families attnlab reads)",
                        description=_DESCRIPTION)
-    p.add_argument("--model", required=True, help="folder with config.json, model.safetensors "
-                   "(or a sharded index), tokenizer.json, tokenizer_config.json and, optionally, "
-                   "generation_config.json")
+    p.add_argument("--model", required=True, help="folder with config.json (its model_type one "
+                   "that attnlab reads), model.safetensors (or a sharded index), tokenizer.json, "
+                   "tokenizer_config.json and, optionally, generation_config.json")
     p.add_argument("--prompt", required=True, help="the prompt (the user message with --chat)")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the tokenizer's chat template")
@@ -143,9 +149,10 @@ def resolve_settings(args: argparse.Namespace, file: GenerationConfig, *, prompt
 
 def run_generate(args: argparse.Namespace) -> int:
     """Load, render the prompt, generate with a ``TextStreamer`` and print the summary."""
+    check_model_type(args.model)
     file = read_generation_config(args.model)
     tokenizer = Tokenizer.from_pretrained(args.model)
-    model = Qwen2ForCausalLM.from_pretrained(args.model, dtype=args.dtype)
+    model = from_pretrained(args.model, dtype=args.dtype)
     if args.chat:
         messages = [{"role": "user", "content": args.prompt}]
         if args.system is not None:
@@ -182,6 +189,23 @@ def run_generate(args: argparse.Namespace) -> int:
     print(summary(len(ids), streamer.count, start, streamer.first_time, end, note=note,
                   machine=f"{dtype}, {torch.get_num_threads()} threads"), file=sys.stderr)
     return 0
+
+
+def check_model_type(folder: str) -> None:
+    """Refuse, before anything is loaded, a ``--model`` folder whose ``config.json`` names a
+    ``model_type`` that no family reads (listing those that are read), or that holds an
+    attnlab training checkpoint (``attnlab sample`` continues those)."""
+    file = check_folder(folder) / CONFIG_NAME
+    config = read_json(file)
+    if config.get("format") == TRAINING_CHECKPOINT:
+        raise ValueError(f"--model: {file} is an attnlab training checkpoint (model_type "
+                         f"{config.get('model_type')!r}); expected a Hugging Face-format "
+                         "folder. `attnlab sample --checkpoint` continues text with a "
+                         "checkpoint of `attnlab train lm`")
+    try:
+        family_for(config.get("model_type"))
+    except ValueError as error:
+        raise ValueError(f"--model: {file}: {error}") from None
 
 
 def summary(prompt_tokens: int, new_tokens: int, start: float, first: float | None,

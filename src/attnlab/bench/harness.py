@@ -18,6 +18,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -35,7 +36,10 @@ __all__ = [
     "peak_memory",
     "time_median",
     "time_medians",
+    "write_with_history",
 ]
+
+HISTORY = "## History"
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,7 @@ def available_memory(device: torch.device | None = None) -> int:
 
 
 def machine_info(device: torch.device | None = None) -> dict[str, str]:
-    """What the figures were measured on, saved beside them."""
+    """What the figures were measured on (and when), saved beside them."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -182,12 +186,36 @@ def machine_info(device: torch.device | None = None) -> dict[str, str]:
     }
     if device is not None and device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
+    info["measured"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return info
 
 
 def machine_section(info: dict[str, str]) -> list[str]:
     """The markdown lines that record the machine beside a benchmark's table."""
     return ["", "## Machine", "", *[f"- {k}: {v}" for k, v in info.items()], ""]
+
+
+def write_with_history(path: Path, text: str) -> Path:
+    """Write the markdown ``text`` of a new run to ``path``, keeping the runs already there.
+
+    The new run goes on top; the run that was on top moves into the ``## History`` section
+    below it (newest first), headed by its machine (the ``- gpu:`` and ``- cpu:`` lines of
+    ``machine_section``) and its ``- measured:`` date, its own headings two levels down. So
+    one machine's figures are never presented as the project's, and the older ones stay
+    readable.
+    """
+    path = Path(path)
+    # A byte that is not UTF-8 (an edit by hand) must not lose the run just measured.
+    old = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
+    current, _, history = old.partition(f"\n{HISTORY}\n")
+    entries = [history.strip()] if history.strip() else []
+    if current.strip():
+        entries.insert(0, _as_history_entry(current))
+    sections = [text.rstrip("\n")]
+    if entries:
+        sections += [HISTORY, "\n\n".join(entries)]
+    path.write_text("\n\n".join(sections) + "\n", encoding="utf-8")
+    return path
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -241,6 +269,22 @@ def is_oom(error: BaseException) -> bool:
         return True
     text = str(error).lower()
     return "out of memory" in text or "can't allocate memory" in text
+
+
+def _as_history_entry(markdown: str) -> str:
+    """A run's markdown as one ``### <cpu>, <date>`` entry of the history section."""
+    lines = markdown.strip().splitlines()
+    if lines and lines[0].startswith("# "):
+        lines = lines[1:]
+    cpu = next((line.split(":", 1)[1].strip() for line in lines
+                if line.startswith("- cpu:")), "machine not recorded")
+    gpu = next((line.split(":", 1)[1].strip() for line in lines
+                if line.startswith("- gpu:")), None)
+    date = next((line.split(":", 1)[1].strip() for line in lines
+                 if line.startswith("- measured:")), None)
+    label = ", ".join(x for x in (gpu, cpu, date) if x)
+    body = [("##" + line) if line.startswith("#") else line for line in lines]
+    return "\n".join([f"### {label}", *body]).strip()
 
 
 def _sync(device: torch.device | None) -> None:

@@ -1,0 +1,171 @@
+"""Every model family: ours vs transformers (sdpa), prefill and decode tokens/s.
+
+Both float32 and bfloat16, each for one prompt and for a left-padded batch.
+
+For each family that ``attnlab.models.families.FAMILIES`` reads, a random checkpoint of
+realistic per-layer width (hidden 1024, 16 query / 4 key-value heads of 64, intermediate
+2816, or GPT-2's 4096) but only 4 layers and a vocabulary of 8192, so that the run stays
+short, is written into a temporary folder; both models are loaded from it for each dtype and
+timed as ``attnlab.bench.versus`` says (prefill: a 256-token prompt and 4 left-padded ones of
+32 tokens at most; decode: 32 new tokens after them). Every ratio is ours / transformers in
+tokens/s; decode also against the bandwidth bound (rows x read bandwidth / weight bytes).
+Out-of-memory is recorded as ``OOM``. Writes ``families.md`` (the new table on top, the runs
+already there kept below as history), ``families.json`` and ``families.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from attnlab.arg_types import positive_int
+from attnlab.bench.harness import device_arg, machine_info, machine_section, write_with_history
+from attnlab.bench.qwen2 import DTYPES, dtype_list
+from attnlab.bench.versus import (
+    MEASURES,
+    Workload,
+    measure_folder,
+    random_checkpoint,
+    read_bandwidth,
+)
+from attnlab.bench.versus_report import plot_ratios, rate, ratio, ratio_value, share
+from attnlab.models.families import FAMILIES
+
+__all__ = ["FULL", "QUICK", "add_arguments", "family_list", "run"]
+
+FULL = {"vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 2816,
+        "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 4,
+        "head_dim": 64, "max_position_embeddings": 2048}
+QUICK = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 16, "max_position_embeddings": 256}
+
+
+def family_list(text: str) -> tuple[str, ...]:
+    """``argparse`` type for comma-separated ``model_type`` names that ``FAMILIES`` reads."""
+    names = tuple(x.strip() for x in text.split(","))
+    wrong = [x for x in names if x not in FAMILIES]
+    if wrong or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated model types among "
+                                         f"{sorted(FAMILIES)}, each once, got {text!r}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``attnlab bench families``."""
+    parser.add_argument("--families", type=family_list, default=None,
+                        help=f"comma-separated model types (default: one of each family: "
+                        f"{', '.join(_one_per_family())})")
+    parser.add_argument("--dtypes", type=dtype_list, default=",".join(DTYPES),
+                        help="comma-separated dtypes to measure")
+    parser.add_argument("--prefill", type=positive_int, default=256,
+                        help="prefill prompt length")
+    parser.add_argument("--prompt", type=positive_int, default=32,
+                        help="decode prompt length (the longest of the batch)")
+    parser.add_argument("--new-tokens", type=positive_int, default=32,
+                        help="tokens decoded (at least 2: the rate is a difference)")
+    parser.add_argument("--batch", type=positive_int, default=4,
+                        help="left-padded prompts in the batched prefill and decode")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="timed runs per cell (median)")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="torch threads for every model (None: torch's default)")
+    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda")
+
+
+def run(args: argparse.Namespace) -> Path:
+    """Run the benchmark and write its files into ``args.out``; returns the markdown path."""
+    device = torch.device(args.device)
+    sizes = QUICK if args.quick else FULL
+    work = (Workload(prefill=16, prompt=6, new_tokens=4, batch=2, repeats=1) if args.quick
+            else Workload(prefill=args.prefill, prompt=args.prompt,
+                          new_tokens=args.new_tokens, batch=args.batch,
+                          repeats=args.repeats))
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)  # before the measurement: a bad --out fails now
+    bandwidth = read_bandwidth(2**20 if args.quick else 2**28, device=device)
+    r = {"sizes": sizes, "workload": vars(work), "lengths": work.lengths(),
+         "threads": torch.get_num_threads(), "device": str(device),
+         "bandwidth_gbs": bandwidth / 1e9, "families": []}
+    for model_type in args.families or _one_per_family():
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                _, written_by = random_checkpoint(tmp, model_type, sizes)
+            except (ValueError, TypeError) as error:  # without transformers: Llama's keys
+                written_by = f"none: {error}"
+                runs = [{"dtype": d, "error": "no checkpoint", "cells": {}} for d in args.dtypes]
+            else:
+                runs = []
+                for dtype in args.dtypes:
+                    print(f"bench families: {model_type} {dtype}", flush=True)
+                    runs.append(measure_folder(tmp, dtype, device, work, bandwidth=bandwidth))
+        r["families"].append({"model_type": model_type, "checkpoint": written_by,
+                              "runs": runs})
+    info = machine_info(device)
+    r["machine"] = info
+    (out / "families.json").write_text(json.dumps(r, indent=2))
+    md = write_with_history(out / "families.md", _markdown(r, info))
+    pairs = [(f["model_type"], run) for f in r["families"] for run in f["runs"]]
+    plot_ratios(out / "families.png",
+                f"Families, ours vs transformers, on {info.get('gpu', info['cpu'])}",
+                [f"{name} {run['dtype']}" for name, run in pairs],
+                {m: [ratio_value(run["cells"].get(m, {})) for _, run in pairs]
+                 for m in MEASURES})
+    print(md.read_text().split("\n## History\n")[0])
+    return md
+
+
+def _one_per_family() -> list[str]:
+    """The first ``model_type`` of each family in ``FAMILIES``."""
+    first: dict[str, str] = {}
+    for model_type, family in FAMILIES.items():
+        first.setdefault(family.name, model_type)
+    return list(first.values())
+
+
+def _markdown(r: dict, info: dict[str, str]) -> str:
+    s, w = r["sizes"], r["workload"]
+    where = info.get("gpu", info["cpu"]) if r["device"] != "cpu" else info["cpu"]
+    references = {run.get("reference") for f in r["families"] for run in f["runs"]}
+    head = " | ".join(f"{m} ours / transformers tokens/s | {m} ratio" for m in MEASURES)
+    lines = [
+        "# Model families, ours vs transformers",
+        "",
+        f"Measured on {where} ({r['device']}, {r['threads']} torch threads). One random "
+        f"checkpoint per family: {s['num_hidden_layers']} layers, hidden {s['hidden_size']}, "
+        f"{s['num_attention_heads']} query / {s['num_key_value_heads']} key-value heads of "
+        f"{s['head_dim']} (where the family has GQA), intermediate {s['intermediate_size']} "
+        f"(GPT-2: 4 x hidden), vocabulary {s['vocab_size']}; the family's own norms, MLP, "
+        f"positions and tying. Reference: {'; '.join(sorted(x for x in references if x))}, "
+        f"loaded from the same folder. Prefill: a {w['prefill']}-token prompt, and "
+        f"{w['batch']} left-padded prompts of lengths {r['lengths']}. Decode: greedy, "
+        f"{w['new_tokens']} new tokens after a {w['prompt']}-token prompt and after the "
+        f"{w['batch']} prompts (tokens/s over all rows). Medians of {w['repeats']} repeats, "
+        f"both models timed in turns. Ratio: ours / transformers tokens/s. Bound: rows x "
+        f"{r['bandwidth_gbs']:.1f} GB/s measured read bandwidth / weight bytes. Regenerate "
+        "with `attnlab bench families`.",
+        "",
+        f"| family | dtype | {head} | decode % of bound, ours / transformers |",
+        "|---|---|" + "---|---|" * len(MEASURES) + "---|",
+    ]
+    for family in r["families"]:
+        for run in family["runs"]:
+            if "error" in run:
+                dashes = " | ".join(["—"] * (2 * len(MEASURES)))  # the columns after it
+                lines.append(f"| {family['model_type']} | {run['dtype']} | {run['error']} "
+                             f"| {dashes} |")
+                continue
+            cells = [run["cells"][m] for m in MEASURES]
+            figures = " | ".join(f"{rate(c, 'ours')} / {rate(c, 'transformers')} | {ratio(c)}"
+                                 for c in cells)
+            decode = run["cells"]["decode"]
+            lines.append(f"| {family['model_type']} | {run['dtype']} | {figures} "
+                         f"| {share(decode, 'ours')} / {share(decode, 'transformers')} |")
+    lines += machine_section(info)
+    return "\n".join(lines)

@@ -1,0 +1,72 @@
+"""`attnlab bench families --quick`: one random checkpoint per family, ours vs transformers
+from the same folder, with a ratio column per measure; bad family or dtype names are refused
+by the flag."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from attnlab.bench import versus
+from attnlab.cli import main
+from attnlab.models.families import FAMILIES
+
+
+def test_bench_families_quick(tmp_path, one_thread, capsys) -> None:
+    pytest.importorskip("transformers")
+    assert main(["bench", "families", "--quick", "--dtypes", "float32", "--out",
+                 str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "families.json").read_text())
+    names = [f["model_type"] for f in data["families"]]
+    assert sorted(names) == sorted({f.model_types[0] for f in FAMILIES.values()})
+    table = (tmp_path / "families.md").read_text()
+    assert "| prefill ratio |" in table and "| decode batched ratio |" in table
+    for family in data["families"]:
+        assert family["checkpoint"].startswith("transformers")
+        (run,) = family["runs"]
+        cells = [run["cells"][m] for m in versus.MEASURES]
+        assert all(c["ours"] > 0 and c["transformers"] > 0 for c in cells)
+        figures = " | ".join(f"{c['ours']:.1f} / {c['transformers']:.1f} "
+                             f"| {c['ours'] / c['transformers']:.2f}x" for c in cells)
+        assert f"| {family['model_type']} | float32 | {figures} |" in table
+    assert "## History" not in table  # nothing was there before
+    assert (tmp_path / "families.png").stat().st_size > 1000
+    assert str(tmp_path) in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--families", "bert"], "argument --families: expected comma-separated model types "
+                             "among ['llama'"),
+    (["--families", "llama,llama"], "each once, got 'llama,llama'"),
+    (["--dtypes", "float16"], "argument --dtypes: expected comma-separated dtypes among "
+                              "('float32', 'bfloat16'), each once, got 'float16'"),
+    (["--dtypes", ""], "argument --dtypes: expected comma-separated dtypes"),
+    (["--device", "cuda:7"], "argument --device:"),
+])
+def test_bench_families_bad_flags_are_refused_by_name(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "families", *argv])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bench", ["families", "qwen2"])
+def test_an_out_that_is_a_file_fails_before_measuring(bench, tmp_path, capsys) -> None:
+    (tmp_path / "file").write_text("x")
+    assert main(["bench", bench, "--quick", "--out", str(tmp_path / "file")]) == 2
+    captured = capsys.readouterr()
+    assert "File exists" in captured.err and "bench " not in captured.out
+
+
+def test_without_transformers_ours_is_measured_from_our_own_checkpoint(tmp_path, monkeypatch,
+                                                                       one_thread) -> None:
+    monkeypatch.setattr(versus, "_transformers", lambda: None)
+    assert main(["bench", "families", "--quick", "--families", "qwen2", "--dtypes",
+                 "bfloat16", "--out", str(tmp_path)]) == 0
+    (family,) = json.loads((tmp_path / "families.json").read_text())["families"]
+    assert family["checkpoint"] == "attnlab.models.io.save_pretrained"
+    (run,) = family["runs"]
+    assert run["reference"] == "transformers is not installed: no reference measured"
+    assert all(c["ours"] > 0 and c["transformers"] is None for c in run["cells"].values())
+    assert "| qwen2 | bfloat16 |" in (tmp_path / "families.md").read_text()
