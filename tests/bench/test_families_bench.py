@@ -37,7 +37,7 @@ def test_bench_families_quick(tmp_path, one_thread, capsys) -> None:
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--families", "bert"], "argument --families: expected comma-separated model types "
-                             "among ['llama'"),
+                             f"among {sorted(FAMILIES)}"),
     (["--families", "llama,llama"], "each once, got 'llama,llama'"),
     (["--dtypes", "float16"], "argument --dtypes: expected comma-separated dtypes among "
                               "('float32', 'bfloat16'), each once, got 'float16'"),

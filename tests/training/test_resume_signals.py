@@ -175,8 +175,8 @@ def inject(mode, at):
                                                     lambda: os.kill(me, signal.SIGTERM)))
     if mode == "second-sigterm-during-save":
         wrap(Trainer, "_train_step", lambda *a: when(mode, lambda: os.kill(me, signal.SIGTERM)))
-        wrap(checkpoint, "save_model", lambda *a: when(mode, lambda: os.kill(me, signal.SIGTERM)))
-    wrap(checkpoint, "save_model", lambda model, path: "last" in path and when(
+        wrap(checkpoint, "save_file", lambda *a: when(mode, lambda: os.kill(me, signal.SIGTERM)))
+    wrap(checkpoint, "save_file", lambda tensors, path: "last" in path and when(
         "sigkill-mid-write", lambda: os.kill(me, signal.SIGKILL)))
     wrap(durable.os, "replace", lambda src, dst: str(dst).endswith(".last.old") and when(
         "sigkill-between-renames", lambda: os.kill(me, signal.SIGKILL)))
