@@ -44,6 +44,9 @@ _MIN_REPEATS, _MAX_REPEATS = 3, 9
 _BUDGET_US = 10_000  # per candidate, once it has _MIN_REPEATS timings
 _HOPELESS = 10  # times the fastest warm-up call: not worth repeating
 _MARGIN = 1.1  # how much faster than the formula (or row-major plan) a choice must measure
+# In a model each weight is read once per token from memory, not from a cache that the last
+# call warmed: timings cycle through copies of the weight that together exceed the caches.
+_COLD_BYTES, _MAX_COPIES = 128 * 2**20, 64
 # Timings read from or written to the cache file in this process, by cache key.
 _TIMINGS: dict[str, dict[str, float]] = {}
 
@@ -155,12 +158,14 @@ def measure_rows(dtype: torch.dtype, out_features: int, in_features: int, rows: 
         x = x.view(rows, in_features)
         expected = KERNELS["formula"].run(x, weight, bias)
         timings: dict[str, float] = {}
+        count = min(_MAX_COPIES, -(-_COLD_BYTES // (weight.numel() * weight.element_size())))
         for layout in dict.fromkeys(KERNELS[n].layout for n in names):
             group = [n for n in names if KERNELS[n].layout == layout]
-            stored = KERNELS[group[0]].prepare(weight)
-            timings.update(_time_group(group, x, stored, bias, expected,
+            copies = [KERNELS[group[0]].prepare(weight.clone() if i else weight)
+                      for i in range(count)]
+            timings.update(_time_group(group, x, copies, bias, expected,
                                        min(timings.values(), default=math.inf)))
-            del stored
+            del copies
     return timings
 
 
@@ -193,10 +198,11 @@ def _pick(names: list[str], timings: dict[str, float]) -> str:
     return fastest
 
 
-def _time_group(names: list[str], x: Tensor, stored: Tensor, bias: Tensor,
+def _time_group(names: list[str], x: Tensor, copies: list[Tensor], bias: Tensor,
                 expected: Tensor, fastest_us: float) -> dict[str, float]:
-    """Median microseconds per call of each kernel in ``names`` on one prepared weight,
-    after a warm-up call that also checks the result. A kernel whose first timed call takes
+    """Median microseconds per call of each kernel in ``names`` on a prepared weight (each
+    call on the next of its ``copies``, so that none is still in a cache), after a warm-up
+    call that also checks the result. A kernel whose first timed call takes
     longer than the budget and ``_HOPELESS`` times the fastest so far (``fastest_us`` from
     other layouts) keeps that one timing: repeats would take seconds and only confirm that
     it loses."""
@@ -204,7 +210,7 @@ def _time_group(names: list[str], x: Tensor, stored: Tensor, bias: Tensor,
     working = []
     for name in names:
         try:
-            y = KERNELS[name].run(x, stored, bias)
+            y = KERNELS[name].run(x, copies[0], bias)
         except RuntimeError as error:
             warnings.warn(f"kernel {name}: left out, it raised {error}", stacklevel=4)
             continue
@@ -214,7 +220,8 @@ def _time_group(names: list[str], x: Tensor, stored: Tensor, bias: Tensor,
                           stacklevel=4)
             continue
         working.append(name)
-    first = {name: _timed(name, x, stored, bias) for name in working}
+    turn = iter(range(10**9))
+    first = {name: _timed(name, x, copies[next(turn) % len(copies)], bias) for name in working}
     fastest_us = min(fastest_us, *first.values()) if first else fastest_us
     hopeless = {name: us for name, us in first.items()
                 if us > _HOPELESS * fastest_us and us > _BUDGET_US}
@@ -223,7 +230,7 @@ def _time_group(names: list[str], x: Tensor, stored: Tensor, bias: Tensor,
         if repeat >= _MIN_REPEATS and all(sum(t) > _BUDGET_US for t in samples.values()):
             break
         for name, taken in samples.items():
-            taken.append(_timed(name, x, stored, bias))
+            taken.append(_timed(name, x, copies[next(turn) % len(copies)], bias))
     return hopeless | {name: statistics.median(taken) for name, taken in samples.items()}
 
 

@@ -65,12 +65,13 @@ def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def _blocks_gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``y = x W^T`` for one row ``x`` (``1 x I``) as ``T`` products ``x W_t^T``, ``W_t`` the
+    """``y = x W^T`` for one row ``x`` (``1 x I``) as ``T`` products ``W_t x^T``, ``W_t`` the
     ``t``-th block of ``O / T`` rows of ``W``: one per thread, so each thread streams its own
-    part of the matrix into an output that stays in its cache. -> ``1 x O``."""
+    contiguous part of the matrix, row by row (a plain GEMV: about twice the read rate of
+    the transposed product ``x W_t^T`` on an AMD EPYC). -> ``1 x O``."""
     T = torch.get_num_threads()
-    blocks = weight.view(T, -1, weight.shape[1]).transpose(1, 2)  # T x I x O/T
-    y = torch.bmm(x.expand(T, 1, -1), blocks).view(1, -1)
+    blocks = weight.view(T, -1, weight.shape[1])  # T x O/T x I
+    y = torch.bmm(blocks, x.t().expand(T, -1, 1)).view(1, -1)
     return y if bias is None else y + bias
 
 

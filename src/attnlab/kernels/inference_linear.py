@@ -28,8 +28,9 @@ def optimize_for_inference(model: nn.Module, *, kernel: str | None = None,
     """``model`` with every ``nn.Linear`` (exactly that class, not a subclass whose forward
     it does not know) replaced by an :class:`InferenceLinear` that shares its Parameters and
     hooks; returned for chaining (``model`` itself is changed, or, when it is an
-    ``nn.Linear``, the new module is returned). A weight that another module also uses (a
-    tied ``lm_head``) keeps its row-major storage, which the other module reads too.
+    ``nn.Linear``, the new module is returned). A weight that another module also uses keeps
+    its row-major storage, which the other module reads too, except where that module is an
+    ``nn.Embedding`` (a tied ``lm_head``): a lookup reads its rows in any layout.
     ``kernel`` forces one kernel; ``extra_memory`` allows oneDNN's packed copies where they
     win (up to twice the weights' memory). Calibration runs here, once per shape."""
     if not isinstance(model, nn.Module):
@@ -42,6 +43,8 @@ def optimize_for_inference(model: nn.Module, *, kernel: str | None = None,
         return InferenceLinear.from_linear(model, kernel=kernel, extra_memory=extra_memory)
     uses: dict[int, int] = {}
     for module in model.modules():
+        if isinstance(module, nn.Embedding):  # a lookup reads rows in any layout: a tied
+            continue  # head may still be re-stored for its kernel
         for parameter in module._parameters.values():
             if parameter is not None:
                 uses[id(parameter)] = uses.get(id(parameter), 0) + 1
