@@ -26,6 +26,7 @@ bench: $(STAMP)
 	$(BIN)/attnlab bench generate
 	$(BIN)/attnlab bench variants --max-len 32768 --repeats 3
 	$(BIN)/attnlab bench qwen2
+	$(BIN)/attnlab bench families
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

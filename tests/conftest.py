@@ -65,3 +65,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def backend_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts of the attention backends' calls through ``scaled_dot_product_attention``
+    (one per attention layer call): ``{"math": n, "fused": n, "flash": n}``."""
+    from attnlab.attention import sdpa
+
+    calls = dict.fromkeys(("math", "fused", "flash"), 0)
+    for kind in calls:
+        real = getattr(sdpa, f"{kind}_attention")
+
+        def counted(*args, _real=real, _kind=kind, **kwargs):
+            calls[_kind] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(sdpa, f"{kind}_attention", counted)
+    return calls

@@ -4,7 +4,6 @@ import pytest
 import torch
 from torch import nn
 
-import attnlab.attention.sdpa as sdpa
 from attnlab import MultiHeadAttention, SimpleMultiHeadAttention
 from attnlab.functional import softmax
 from attnlab.masks import causal_mask
@@ -204,22 +203,8 @@ def test_bad_forward_input_names_the_argument():
         MultiHeadAttention.from_torch(nn.MultiheadAttention(12, 4, add_bias_kv=True))
 
 
-def _counting(monkeypatch):
-    """Count the backend calls of ``scaled_dot_product_attention`` (one per layer call)."""
-    calls = dict.fromkeys(("math", "fused", "flash"), 0)
-    for kind in calls:
-        real = getattr(sdpa, f"{kind}_attention")
-
-        def counted(*args, _real=real, _kind=kind, **kwargs):
-            calls[_kind] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(sdpa, f"{kind}_attention", counted)
-    return calls
-
-
 @pytest.mark.parametrize("backend", ["auto", "fused", "flash", "math"])
-def test_hook_points_see_every_tensor_on_the_modules_backend(backend, monkeypatch):
+def test_hook_points_see_every_tensor_on_the_modules_backend(backend, backend_calls):
     torch.manual_seed(0)
     mha = MultiHeadAttention(16, 4, num_kv_heads=2, backend=backend).eval()
     assert [n for n, _ in mha.named_children()] == ["out_proj", "q", "k", "v", "scores",
@@ -228,7 +213,7 @@ def test_hook_points_see_every_tensor_on_the_modules_backend(backend, monkeypatc
     seen = {}
     handles = [getattr(mha, p).register_forward_hook(
         lambda m, a, out, p=p: seen.__setitem__(p, out)) for p in ("q", "k", "v", "z")]
-    calls = _counting(monkeypatch)
+    calls = backend_calls
     with torch.no_grad():
         out = mha(x, mem)
     for h in handles:
@@ -244,14 +229,14 @@ def test_hook_points_see_every_tensor_on_the_modules_backend(backend, monkeypatc
     assert_close(seen["z"], softmax(seen["q"] @ k.transpose(-1, -2) / 2.0) @ v, atol=1e-6)
 
 
-def test_scores_and_pattern_hooks_run_math_or_raise_naming_the_backend(monkeypatch):
+def test_scores_and_pattern_hooks_run_math_or_raise_naming_the_backend(backend_calls):
     torch.manual_seed(0)
     mha = MultiHeadAttention(16, 4).eval()
     x = torch.randn(1, 5, 16)
     uniform = mha.scores.register_forward_hook(lambda m, a, s: torch.zeros_like(s))
     kept = {}
     mha.pattern.register_forward_hook(lambda m, a, w: kept.setdefault("w", w))
-    calls = _counting(monkeypatch)
+    calls = backend_calls
     with torch.no_grad():
         out, weights = mha(x, return_weights=True)
     assert calls["math"] == 1 and calls["fused"] == 0  # auto -> math while hooked

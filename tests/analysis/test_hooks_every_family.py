@@ -17,7 +17,6 @@ import torch
 from attention_reference import reference_pattern
 from tiny_families import tiny_hf_config
 
-import attnlab.attention.sdpa as sdpa
 from attnlab.analysis import hook_names, hooks, run_with_cache, run_with_hooks
 from attnlab.analysis.hooks import RESIDUAL_POINTS, attention_modules, hook_points
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
@@ -178,24 +177,11 @@ def test_the_residual_stream_chains_from_block_to_block(build):
             assert torch.equal(cache[f"{r}.resid_post"], cache[f"layers.{i + 1}.resid_pre"])
 
 
-def _spy(monkeypatch):
-    calls = {"math": 0, "fused": 0, "flash": 0}
-    for kind in calls:
-        real = getattr(sdpa, f"{kind}_attention")
-
-        def counted(*args, _real=real, _kind=kind, **kwargs):
-            calls[_kind] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(sdpa, f"{kind}_attention", counted)
-    return calls
-
-
 @builds
-def test_hooks_other_than_scores_and_pattern_keep_the_backend(build, monkeypatch):
+def test_hooks_other_than_scores_and_pattern_keep_the_backend(build, backend_calls):
     model = _model(build)
     n, inputs = model.config.num_layers, _inputs()
-    calls = _spy(monkeypatch)
+    calls = backend_calls
     with torch.no_grad():
         run_with_cache(model, inputs, ["*.q", "*.k", "*.v", "*.z", "*.resid_*", "*_out"])
     assert calls == {"math": 0, "fused": n, "flash": 0}  # auto runs the fused kernel
@@ -206,7 +192,7 @@ def test_hooks_other_than_scores_and_pattern_keep_the_backend(build, monkeypatch
 
 
 @builds
-def test_scores_and_pattern_hooks_on_flash_raise_clearly(build, monkeypatch):
+def test_scores_and_pattern_hooks_on_flash_raise_clearly(build, backend_calls):
     model = _model(build, backend="flash")
     inputs = _inputs()
     with pytest.raises(ValueError, match=r"hook point 'layers.1.self_attn.pattern': expected a "
@@ -221,7 +207,7 @@ def test_scores_and_pattern_hooks_on_flash_raise_clearly(build, monkeypatch):
             model(**inputs)
     finally:
         handle.remove()
-    calls = _spy(monkeypatch)
+    calls = backend_calls
     with torch.no_grad():  # the other points run on flash
         _, cache = run_with_cache(model, inputs, ["*.z", "*.q"])
     assert calls["flash"] == model.config.num_layers and calls["math"] == 0

@@ -22,15 +22,15 @@ from pathlib import Path
 
 import torch
 
-from attnlab.arg_types import positive_int
-from attnlab.bench.harness import device_arg, machine_info, machine_section, write_with_history
+from attnlab.bench.harness import machine_info, machine_section, write_with_history
 from attnlab.bench.qwen2 import DTYPES, dtype_list
 from attnlab.bench.versus import (
     MEASURES,
     Workload,
+    add_workload_arguments,
     measure_folder,
     random_checkpoint,
-    read_bandwidth,
+    start_run,
 )
 from attnlab.bench.versus_report import plot_ratios, rate, ratio, ratio_value, share
 from attnlab.models.families import FAMILIES
@@ -62,34 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{', '.join(_one_per_family())})")
     parser.add_argument("--dtypes", type=dtype_list, default=",".join(DTYPES),
                         help="comma-separated dtypes to measure")
-    parser.add_argument("--prefill", type=positive_int, default=256,
-                        help="prefill prompt length")
-    parser.add_argument("--prompt", type=positive_int, default=32,
-                        help="decode prompt length (the longest of the batch)")
-    parser.add_argument("--new-tokens", type=positive_int, default=32,
-                        help="tokens decoded (at least 2: the rate is a difference)")
-    parser.add_argument("--batch", type=positive_int, default=4,
-                        help="left-padded prompts in the batched prefill and decode")
-    parser.add_argument("--repeats", type=positive_int, default=3,
-                        help="timed runs per cell (median)")
-    parser.add_argument("--threads", type=positive_int, default=None,
-                        help="torch threads for every model (None: torch's default)")
-    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda")
+    add_workload_arguments(parser, prefill=256, new_tokens=32, batch=4)
 
 
 def run(args: argparse.Namespace) -> Path:
     """Run the benchmark and write its files into ``args.out``; returns the markdown path."""
-    device = torch.device(args.device)
     sizes = QUICK if args.quick else FULL
-    work = (Workload(prefill=16, prompt=6, new_tokens=4, batch=2, repeats=1) if args.quick
-            else Workload(prefill=args.prefill, prompt=args.prompt,
-                          new_tokens=args.new_tokens, batch=args.batch,
-                          repeats=args.repeats))
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)  # before the measurement: a bad --out fails now
-    bandwidth = read_bandwidth(2**20 if args.quick else 2**28, device=device)
+    quick = Workload(prefill=16, prompt=6, new_tokens=4, batch=2, repeats=1)
+    device, work, out, bandwidth = start_run(args, quick)
     r = {"sizes": sizes, "workload": vars(work), "lengths": work.lengths(),
          "threads": torch.get_num_threads(), "device": str(device),
          "bandwidth_gbs": bandwidth / 1e9, "families": []}

@@ -28,14 +28,14 @@ from pathlib import Path
 
 import torch
 
-from attnlab.arg_types import positive_int
-from attnlab.bench.harness import device_arg, machine_info, machine_section, write_with_history
+from attnlab.bench.harness import machine_info, machine_section, write_with_history
 from attnlab.bench.versus import (
     MEASURES,
     Workload,
+    add_workload_arguments,
     measure_folder,
     random_checkpoint,
-    read_bandwidth,
+    start_run,
 )
 from attnlab.bench.versus_report import plot_ratios, rate, ratio, ratio_value, share
 
@@ -64,36 +64,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``attnlab bench qwen2``."""
     parser.add_argument("--dtypes", type=dtype_list, default=",".join(DTYPES),
                         help="comma-separated dtypes to measure, each a full set of rows")
-    parser.add_argument("--prefill", type=positive_int, default=512,
-                        help="prefill prompt length")
-    parser.add_argument("--prompt", type=positive_int, default=32,
-                        help="decode prompt length (the longest of the batch)")
-    parser.add_argument("--new-tokens", type=positive_int, default=128,
-                        help="tokens decoded (at least 2: the rate is a difference)")
-    parser.add_argument("--batch", type=positive_int, default=8,
-                        help="left-padded prompts in the batched prefill and decode")
-    parser.add_argument("--repeats", type=positive_int, default=3,
-                        help="timed runs per cell (median)")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip transformers even when it is installed")
-    parser.add_argument("--threads", type=positive_int, default=None,
-                        help="torch threads for every model (None: torch's default)")
-    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda")
+    add_workload_arguments(parser, prefill=512, new_tokens=128, batch=8)
 
 
 def run(args: argparse.Namespace) -> Path:
     """Run the benchmark and write its files into ``args.out``; returns the markdown path."""
-    device = torch.device(args.device)
     sizes = QUICK if args.quick else FULL
-    work = (Workload(prefill=32, prompt=8, new_tokens=16, batch=4, repeats=3) if args.quick
-            else Workload(prefill=args.prefill, prompt=args.prompt,
-                          new_tokens=args.new_tokens, batch=args.batch,
-                          repeats=args.repeats))
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)  # before the measurement: a bad --out fails now
-    bandwidth = read_bandwidth(2**20 if args.quick else 2**28, device=device)
+    quick = Workload(prefill=32, prompt=8, new_tokens=16, batch=4, repeats=3)
+    device, work, out, bandwidth = start_run(args, quick)
     probe = torch.randint(0, sizes["vocab_size"], (1, 128),
                           generator=torch.Generator().manual_seed(1))
     r = {"sizes": sizes, "workload": vars(work), "lengths": work.lengths(),

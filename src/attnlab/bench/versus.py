@@ -18,6 +18,7 @@ Out-of-memory is a result (``"OOM"``), not a crash.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnlab.bench.harness import is_oom, oom_as_error, time_median, time_medians
+from attnlab.arg_types import positive_int
+from attnlab.bench.harness import device_arg, is_oom, oom_as_error, time_median, time_medians
 from attnlab.generation import generate
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.families import family_for
@@ -69,6 +71,40 @@ class Workload:
         """The batched prompts' real lengths: ``prompt`` down by equal steps."""
         step = max(1, self.prompt // (2 * self.batch))
         return [max(1, self.prompt - i * step) for i in range(self.batch)]
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, *, prefill: int,
+                           new_tokens: int, batch: int) -> None:
+    """The options every ours-vs-transformers benchmark takes (its defaults as given)."""
+    parser.add_argument("--prefill", type=positive_int, default=prefill,
+                        help="prefill prompt length")
+    parser.add_argument("--prompt", type=positive_int, default=32,
+                        help="decode prompt length (the longest of the batch)")
+    parser.add_argument("--new-tokens", type=positive_int, default=new_tokens,
+                        help="tokens decoded (at least 2: the rate is a difference)")
+    parser.add_argument("--batch", type=positive_int, default=batch,
+                        help="left-padded prompts in the batched prefill and decode")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="timed runs per cell (median)")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="torch threads for every model (None: torch's default)")
+    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda")
+
+
+def start_run(args: argparse.Namespace, quick: Workload
+              ) -> tuple[torch.device, Workload, Path, float]:
+    """``(device, workload, output folder, read bandwidth in bytes/s)`` for a run: ``quick``
+    or the options' workload, the threads set, the folder made first (a bad ``--out``
+    fails before the measurement)."""
+    device = torch.device(args.device)
+    work = quick if args.quick else Workload(
+        prefill=args.prefill, prompt=args.prompt, new_tokens=args.new_tokens,
+        batch=args.batch, repeats=args.repeats)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return device, work, out, read_bandwidth(2**20 if args.quick else 2**28, device=device)
 
 
 def random_checkpoint(folder: str | Path, model_type: str, sizes: Mapping[str, Any], *,
