@@ -81,3 +81,22 @@ def test_bench_qwen2_without_reference(tmp_path, one_thread) -> None:
     cells = json.loads((tmp_path / "qwen2.json").read_text())["runs"][0]["cells"]
     assert all(c["ours"] > 0 and c["transformers"] is None for c in cells.values())
     assert "skipped (--no-reference)" in (tmp_path / "qwen2.md").read_text()
+
+
+def test_bench_qwen2_extra_memory_loads_ours_with_packed_copies(tmp_path, one_thread,
+                                                                 monkeypatch) -> None:
+    pytest.importorskip("transformers")
+    seen = []
+    real = versus.from_pretrained
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("extra_memory"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(versus, "from_pretrained", spy)
+    argv = ["bench", "qwen2", "--quick", "--dtypes", "bfloat16", "--extra-memory",
+            "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert seen == [True]
+    table = (tmp_path / "qwen2.md").read_text()
+    assert "extra_memory=True" in table and "`attnlab bench qwen2 --extra-memory`" in table

@@ -29,6 +29,7 @@ from attnlab.bench.versus import (
     Workload,
     add_workload_arguments,
     measure_folder,
+    ours_label,
     random_checkpoint,
     start_run,
 )
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> Path:
     device, work, out, bandwidth = start_run(args, quick)
     r = {"sizes": sizes, "workload": vars(work), "lengths": work.lengths(),
          "threads": torch.get_num_threads(), "device": str(device),
+         "extra_memory": args.extra_memory,
          "bandwidth_gbs": bandwidth / 1e9, "families": []}
     for model_type in args.families or _one_per_family():
         with tempfile.TemporaryDirectory() as tmp:
@@ -84,7 +86,8 @@ def run(args: argparse.Namespace) -> Path:
                 runs = []
                 for dtype in args.dtypes:
                     print(f"bench families: {model_type} {dtype}", flush=True)
-                    runs.append(measure_folder(tmp, dtype, device, work, bandwidth=bandwidth))
+                    runs.append(measure_folder(tmp, dtype, device, work, bandwidth=bandwidth,
+                                            extra_memory=args.extra_memory))
         r["families"].append({"model_type": model_type, "checkpoint": written_by,
                               "runs": runs})
     info = machine_info(device)
@@ -128,8 +131,9 @@ def _markdown(r: dict, info: dict[str, str]) -> str:
         f"{w['new_tokens']} new tokens after a {w['prompt']}-token prompt and after the "
         f"{w['batch']} prompts (tokens/s over all rows). Medians of {w['repeats']} repeats, "
         f"both models timed in turns. Ratio: ours / transformers tokens/s. Bound: rows x "
-        f"{r['bandwidth_gbs']:.1f} GB/s measured read bandwidth / weight bytes. Regenerate "
-        "with `attnlab bench families`.",
+        f"{r['bandwidth_gbs']:.1f} GB/s measured read bandwidth / weight bytes. "
+        f"{ours_label(r.get('extra_memory', False))}. Regenerate with "
+        f"`attnlab bench families{' --extra-memory' if r.get('extra_memory') else ''}`.",
         "",
         f"| family | dtype | {head} | decode % of bound, ours / transformers |",
         "|---|---|" + "---|---|" * len(MEASURES) + "---|",

@@ -34,6 +34,7 @@ from attnlab.bench.versus import (
     Workload,
     add_workload_arguments,
     measure_folder,
+    ours_label,
     random_checkpoint,
     start_run,
 )
@@ -78,6 +79,7 @@ def run(args: argparse.Namespace) -> Path:
                           generator=torch.Generator().manual_seed(1))
     r = {"sizes": sizes, "workload": vars(work), "lengths": work.lengths(),
          "threads": torch.get_num_threads(), "device": str(device),
+         "extra_memory": args.extra_memory,
          "bandwidth_gbs": bandwidth / 1e9, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         _, r["checkpoint"] = random_checkpoint(tmp, "qwen2", sizes)
@@ -85,7 +87,8 @@ def run(args: argparse.Namespace) -> Path:
             print(f"bench qwen2: {dtype}", flush=True)
             r["runs"].append(measure_folder(tmp, dtype, device, work, probe=probe,
                                             reference=not args.no_reference,
-                                            bandwidth=bandwidth))
+                                            bandwidth=bandwidth,
+                                            extra_memory=args.extra_memory))
     tokens = {run["dtype"]: run.get("next_tokens") for run in r["runs"]}
     if tokens.get("float32") and tokens.get("bfloat16"):
         same = [a == b for a, b in zip(tokens["float32"], tokens["bfloat16"], strict=True)]
@@ -120,8 +123,9 @@ def _markdown(r: dict, info: dict[str, str]) -> str:
         f"tokens after a {w['prompt']}-token prompt, and after the {w['batch']} prompts "
         f"(tokens/s over all rows). Medians of {w['repeats']} repeats, both models timed in "
         f"turns. Measured read bandwidth {r['bandwidth_gbs']:.1f} GB/s; a decode step reads "
-        "every weight once, so its bound is rows x bandwidth / weight bytes. Regenerate with "
-        "`attnlab bench qwen2`.",
+        "every weight once, so its bound is rows x bandwidth / weight bytes. "
+        f"{ours_label(r.get('extra_memory', False))}. Regenerate with "
+        f"`attnlab bench qwen2{' --extra-memory' if r.get('extra_memory') else ''}`.",
         "",
         "| dtype | measure | ours tokens/s | transformers tokens/s | ours / transformers "
         "| bound tokens/s | ours % of bound | transformers % of bound |",

@@ -40,6 +40,7 @@ __all__ = [
     "compare",
     "load_reference",
     "measure_folder",
+    "ours_label",
     "random_checkpoint",
     "read_bandwidth",
     "weight_bytes",
@@ -89,6 +90,16 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, prefill: int,
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch threads for every model (None: torch's default)")
     parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda")
+    parser.add_argument("--extra-memory", action="store_true",
+                        help="load ours with extra_memory=True: oneDNN's packed copies beside "
+                        "the weights where they win (up to twice the weights' memory)")
+
+
+def ours_label(extra_memory: bool) -> str:
+    """How ours was loaded, for a table's text."""
+    return ("Ours: from_pretrained(..., extra_memory=True), oneDNN's packed copies beside the "
+            "weights where calibration finds them faster" if extra_memory else
+            "Ours: from_pretrained defaults (calibrated kernels, one copy of the weights)")
 
 
 def start_run(args: argparse.Namespace, quick: Workload
@@ -158,13 +169,15 @@ def load_reference(folder: str | Path, dtype: torch.dtype,
 
 def measure_folder(folder: str | Path, dtype: str, device: torch.device, work: Workload, *,
                    reference: bool = True, probe: Tensor | None = None,
-                   bandwidth: float) -> dict[str, Any]:
+                   bandwidth: float, extra_memory: bool = False) -> dict[str, Any]:
     """Load ours (and, if ``reference``, transformers) from ``folder`` in ``dtype`` on
     ``device`` and ``compare`` them; each decode cell gets its ``bound`` tokens/s
     (``rows x bandwidth / weight bytes``, ``bandwidth`` in bytes/s). ``probe`` (``1 x L``
     ids): our greedy next tokens on it are returned too (``"next_tokens"``), to compare
-    dtypes. The models are released before it returns."""
-    ours, error = oom_as_error(lambda: from_pretrained(folder, dtype=dtype, device=device))
+    dtypes. ``extra_memory`` goes to our ``from_pretrained``. The models are released before
+    it returns."""
+    ours, error = oom_as_error(lambda: from_pretrained(folder, dtype=dtype, device=device,
+                                                       extra_memory=extra_memory))
     if ours is None:
         return {"dtype": dtype, "error": f"ours: {error} while loading", "cells": {}}
     hf, note = (load_reference(folder, getattr(torch, dtype), device) if reference
