@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import attnlab.models.hf_loading as hf_loading
 from attnlab.attention.kv_cache import KVCache
 from attnlab.generation import generate, generate_seq2seq
 from attnlab.layers.rope_scaling import RopeScaling
@@ -327,3 +328,32 @@ def test_hostile_paths_devices_and_config_values(tmp_path) -> None:
     with pytest.raises(TypeError, match="model: expected a DecoderLM or a Transformer, got "
                                         "Linear"):
         save_pretrained(torch.nn.Linear(2, 2), tmp_path / "linear")
+
+
+@pytest.mark.parametrize("family", [None, "qwen2"])
+def test_a_save_killed_mid_write_leaves_the_earlier_checkpoint(tmp_path, monkeypatch,
+                                                                family) -> None:
+    """Each file is replaced in one step: a crash while writing the weights leaves the
+    folder as it was (the earlier model loads, other files such as a tokenizer stay)."""
+    if family is None:
+        model = tiny_decoder()
+    else:
+        _, model = hf_pair(tmp_path / "hf", family)
+    folder = tmp_path / "saved"
+    model.save_pretrained(folder)
+    (folder / "tokenizer.json").write_text("{}")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+
+    def crash(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"\x00" * 64)  # a partial file, then the process dies
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hf_loading, "save_file", crash)
+    with pytest.raises(KeyboardInterrupt):
+        model.save_pretrained(folder)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    DecoderLM.from_pretrained(folder, kernels=False)  # still loads

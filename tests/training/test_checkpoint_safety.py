@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from attnlab.cli import main
+from attnlab.durable import existing_folder, new_folder, swap_in, write_text_atomic
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 from attnlab.models.transformer import Transformer, TransformerConfig
 from attnlab.training.checkpoint import (
@@ -22,7 +23,6 @@ from attnlab.training.checkpoint import (
     load_trainer_state,
     save_checkpoint,
 )
-from attnlab.training.durable import existing_folder, new_folder, swap_in, write_text_atomic
 from attnlab.training.tasks.seq2seq import make_seq2seq_task
 from attnlab.training.tasks.text import CharLMTask
 from attnlab.training.trainer import TrainConfig, Trainer

@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import attnlab.durable as durable
 import attnlab.training.checkpoint as checkpoint
-import attnlab.training.durable as durable
 from attnlab.cli import main
 from attnlab.training.tasks.text import CharLMTask
 from attnlab.training.trainer import Trainer

@@ -25,6 +25,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from attnlab.durable import write_file_atomic
+
 __all__ = [
     "CONFIG_NAME",
     "GENERATION_CONFIG_NAME",
@@ -147,12 +149,13 @@ def check_folder(folder: str | Path, *, needs: str = f"{CONFIG_NAME} and {WEIGHT
 
 
 def save_tensors(folder: str | Path, tensors: Mapping[str, Tensor]) -> Path:
-    """Write ``tensors`` (name -> tensor, none sharing memory) to ``folder/model.safetensors``."""
+    """Write ``tensors`` (name -> tensor, none sharing memory) to ``folder/model.safetensors``,
+    replacing an earlier file in one step (a crash leaves the old file or the new one)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / WEIGHTS_NAME
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path),
-              metadata={"format": "pt"})
+    plain = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    write_file_atomic(path, lambda tmp: save_file(plain, str(tmp), metadata={"format": "pt"}))
     return path
 
 

@@ -22,9 +22,10 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
+from attnlab.durable import write_text_atomic
 from attnlab.models.config import ConfigMixin
 from attnlab.models.hf_loading import (
     CONFIG_NAME,
@@ -33,6 +34,7 @@ from attnlab.models.hf_loading import (
     parse_device,
     parse_dtype,
     read_json,
+    save_tensors,
 )
 
 __all__ = ["PreTrainedModel", "cast_weights", "contiguous_state", "load_state", "read_weights",
@@ -65,8 +67,8 @@ class PreTrainedModel(nn.Module):
         path.mkdir(parents=True, exist_ok=True)
         dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
         config = {"model_type": self.MODEL_TYPE, "torch_dtype": dtype, **self.config.to_dict()}
-        (path / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        save_file(contiguous_state(self), str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_tensors(path, contiguous_state(self))  # each file replaced in one step
+        write_text_atomic(path / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
         return path
 
     @classmethod

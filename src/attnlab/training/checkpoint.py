@@ -5,7 +5,7 @@ so that a folder can be recognised, the model rebuilt and the rest (vocabularies
 options) restored. ``trainer_state.safetensors`` + ``trainer_state.json`` hold what an exact
 resume needs (``attnlab.training.trainer_state``); nothing is ever unpickled.
 
-A checkpoint is written in a hidden folder, fsync'd and swapped in (``training.durable``):
+A checkpoint is written in a hidden folder, fsync'd and swapped in (``attnlab.durable``):
 a crash at any moment leaves the previous checkpoint or the new one, complete, and every
 loader here finds it.
 
@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from attnlab.durable import existing_folder, new_folder, swap_in
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 from attnlab.models.pretrained import (
     contiguous_state,
@@ -35,7 +36,6 @@ from attnlab.models.pretrained import (
     stored_shapes,
 )
 from attnlab.models.transformer import Transformer, TransformerConfig
-from attnlab.training.durable import existing_folder, new_folder, swap_in
 from attnlab.training.old_layout import OLD_DECODER_LM, is_old_decoder_lm
 from attnlab.training.trainer_state import TrainerState, read_trainer_state, write_trainer_state
 

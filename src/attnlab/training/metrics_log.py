@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from attnlab._checks import is_int
-from attnlab.training.durable import write_text_atomic
+from attnlab.durable import write_text_atomic
 
 __all__ = ["append_record", "drop_records_after"]
 

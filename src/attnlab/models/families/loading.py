@@ -16,6 +16,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from attnlab.durable import write_text_atomic
 from attnlab.models.config import check_value
 from attnlab.models.decoder_config import DecoderLMConfig, make_rotary
 from attnlab.models.families import Family, family_for
@@ -96,6 +97,6 @@ def save_family(model: nn.Module, path: str | Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
     hf = {**family.config_to_hf(c), "torch_dtype": dtype}
-    (path / CONFIG_NAME).write_text(json.dumps(hf, indent=2) + "\n")
-    save_tensors(path, family.weights(c).to_stored(model.state_dict()))
+    save_tensors(path, family.weights(c).to_stored(model.state_dict()))  # one step each
+    write_text_atomic(path / CONFIG_NAME, json.dumps(hf, indent=2) + "\n")
     return path

@@ -13,9 +13,11 @@ import glob
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["existing_folder", "fsync_path", "new_folder", "swap_in", "write_text_atomic"]
+__all__ = ["existing_folder", "fsync_path", "new_folder", "swap_in", "write_file_atomic",
+           "write_text_atomic"]
 
 
 def new_folder(target: Path) -> Path:
@@ -53,16 +55,21 @@ def existing_folder(target: Path) -> Path | None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Replace the file ``path`` by ``text`` in one step (temporary file, fsync, rename);
-    leftover temporary files of killed writers are removed first."""
+    """Replace the file ``path`` by ``text`` in one step (``write_file_atomic``)."""
+    write_file_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_file_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """Replace the file ``path`` in one step: ``write(tmp)`` writes a temporary file beside
+    it, which is fsync'd and renamed over ``path``; a crash at any moment leaves the old file
+    or the new one, never a part. Leftover temporary files of killed writers are removed
+    first."""
     for stale in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):
         stale.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        write(tmp)
+        fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
