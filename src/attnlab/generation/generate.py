@@ -119,6 +119,8 @@ def generate(
     eos_ids = None if eos is None else torch.tensor(eos, device=ids.device)
     cache = model.make_cache(B, P + max_new_tokens) if use_cache and max_new_tokens else None
     finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
+    # A model may say that its cached keys go stale at some length (longrope RoPE).
+    expires = getattr(model, "cache_expires", lambda length: False)
     if max_new_tokens:
         logits = model(ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]
     for step in range(max_new_tokens):
@@ -141,7 +143,10 @@ def generate(
             streamer.put(token)
         if bool(finished.all()) or step == max_new_tokens - 1:
             break
-        if cache is not None:
+        if cache is not None and expires(cache.length):  # computed again, all of it
+            cache.reset()
+            logits = model(ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]
+        elif cache is not None:
             logits = model(token[:, None], attention_mask=mask, cache=cache,
                            logits_to_keep=1)[:, -1]
         else:

@@ -186,6 +186,16 @@ class DecoderLM(PreTrainedModel):
                        c.max_len if max_len is None else max_len, c.head_dim,
                        dtype=p.dtype, device=p.device, grow=grow)
 
+    def cache_expires(self, length: int) -> bool:
+        """Whether keys cached for ``length`` positions must be computed again before the next
+        token: longrope RoPE turns to its long factors once the sequence passes
+        ``original_max_position_embeddings``, and the keys cached with the short ones are then
+        recomputed (as transformers' Phi-3 does); ``generate`` asks before each step."""
+        scaling = self.config.rope_scaling
+        if scaling is None or scaling.rope_type != "longrope":
+            return False
+        return length == (scaling.original_max_position_embeddings or self.config.max_len)
+
     def generate(self, input_ids: Tensor, max_new_tokens: int | None = None,
                  **kwargs: Any) -> Tensor:
         """``attnlab.generation.generate(self, input_ids, max_new_tokens, **kwargs)``: the

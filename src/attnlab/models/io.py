@@ -24,12 +24,13 @@ __all__ = ["from_pretrained", "read_config", "save_pretrained"]
 
 
 def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
-                    device: torch.device | str | None = None,
-                    **kwargs: bool) -> DecoderLM | Transformer:
+                    device: torch.device | str | None = None, *, kernels: bool = True,
+                    extra_memory: bool = False) -> DecoderLM | Transformer:
     """Load the checkpoint folder ``path``: a ``Transformer`` for attnlab's
     ``"attnlab_transformer"`` format, else ``DecoderLM.from_pretrained`` (attnlab's
     ``"attnlab_decoder"`` or any supported Hugging Face family), in eval mode with trainable
-    weights. ``kwargs`` (``kernels``, ``extra_memory``) go to ``DecoderLM.from_pretrained``.
+    weights. ``kernels`` and ``extra_memory`` are ``DecoderLM.from_pretrained``'s (the
+    ``Transformer`` has no inference kernels yet).
 
     ``dtype`` (``"float32"``, ``"bfloat16"``, a ``torch.dtype``) defaults to the stored
     ``torch_dtype``/``dtype``; ``device`` to the CPU. An unsupported ``model_type`` is refused
@@ -38,7 +39,8 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
     raw = read_json(check_folder(path) / CONFIG_NAME)
     if raw.get("model_type") == Transformer.MODEL_TYPE:
         return Transformer.from_pretrained(path, dtype=dtype, device=device)
-    return DecoderLM.from_pretrained(path, dtype=dtype, device=device, **kwargs)
+    return DecoderLM.from_pretrained(path, dtype=dtype, device=device, kernels=kernels,
+                                     extra_memory=extra_memory)
 
 
 def save_pretrained(model: DecoderLM | Transformer, path: str | Path) -> Path:

@@ -94,13 +94,15 @@ def test_phi3_longrope_matches_transformers(tmp_path, lengths) -> None:
     assert_greedy_match(hf, ours, lengths=lengths, new_tokens=8)
 
 
-def test_phi3_longrope_crossing_the_original_length_matches_without_a_cache(tmp_path
-                                                                             ) -> None:
-    # 13 + 16 tokens cross 20: transformers then recomputes its cache with the long factors,
-    # which generation without a cache does at every step.
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_phi3_longrope_crossing_the_original_length_matches(tmp_path, use_cache) -> None:
+    # 13 + 16 tokens cross 20: transformers then recomputes its cache with the long factors
+    # (our generate asks model.cache_expires), which generation without a cache does at
+    # every step.
     hf = tiny_checkpoint(tmp_path, transformers.Phi3ForCausalLM, _config(**_longrope(20)))
     ours = load(tmp_path)
-    assert_greedy_match(hf, ours, use_cache=False)
+    assert ours.cache_expires(20) and not ours.cache_expires(19)
+    assert_greedy_match(hf, ours, use_cache=use_cache)
 
 
 def test_phi3_save_pretrained_is_read_by_transformers(pair, tmp_path) -> None:

@@ -10,9 +10,8 @@
   longrope, as transformers reads them): short factors up to
   ``original_max_position_embeddings`` (the top-level key wins, default 4096, as in
   transformers) positions, long factors beyond. With a KV cache, the step that crosses that
-  length keeps the keys it cached with the short factors, whereas transformers' ``generate``
-  then recomputes the whole cache: greedy output can differ from that step on (without a
-  cache it does not);
+  length recomputes the whole cache with the long factors (``DecoderLM.cache_expires``, which
+  ``generate`` asks), as transformers' ``generate`` does;
 - ``sliding_window`` (Phi-3-mini: 2047): each token sees itself and the ``W - 1`` before it,
   as transformers' Phi-3 masks it.
 """
