@@ -15,7 +15,7 @@ from kernel_helpers import (
 import attnlab
 from attnlab.functional import linear
 from attnlab.kernels import KERNELS
-from attnlab.kernels.catalog import to_layout
+from attnlab.kernels.catalog import _block_count, to_layout
 
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 2e-2)}
 
@@ -41,6 +41,18 @@ def test_kernel_equals_the_formula(name, dtype, rows, with_bias, threads) -> Non
         rtol, atol = TOLERANCE[dtype]
         torch.testing.assert_close(actual.double(), expected, rtol=rtol, atol=atol)
         torch.testing.assert_close(actual, linear(x, w, b), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize(("out_features", "blocks"), [(16, 8), (12, 4), (6, 2)])
+def test_blocks_gemv_takes_as_many_blocks_as_divide_the_rows(out_features, blocks) -> None:
+    """4, 2 or 1 blocks per thread, as ``O`` allows; each count gives the formula's result."""
+    with thread_count(2):
+        assert _block_count(out_features, 2) == blocks
+        g = torch.Generator().manual_seed(out_features)
+        w, x = torch.randn(out_features, 40, generator=g), torch.randn(1, 40, generator=g)
+        with torch.inference_mode():
+            actual = KERNELS["blocks_gemv"].run(x, w, None)
+        torch.testing.assert_close(actual, linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_the_formula_kernel_takes_every_dtype_the_fast_ones_only_theirs() -> None:

@@ -65,14 +65,20 @@ def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def _blocks_gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``y = x W^T`` for one row ``x`` (``1 x I``) as ``T`` products ``W_t x^T``, ``W_t`` the
-    ``t``-th block of ``O / T`` rows of ``W``: one per thread, so each thread streams its own
-    contiguous part of the matrix, row by row (a plain GEMV: about twice the read rate of
-    the transposed product ``x W_t^T`` on an AMD EPYC). -> ``1 x O``."""
-    T = torch.get_num_threads()
-    blocks = weight.view(T, -1, weight.shape[1])  # T x O/T x I
-    y = torch.bmm(blocks, x.t().expand(T, -1, 1)).view(1, -1)
+    """``y = x W^T`` for one row ``x`` (``1 x I``) as ``n`` products ``W_b x^T``, ``W_b`` the
+    ``b``-th block of ``O / n`` contiguous rows of ``W``, ``n`` a multiple of the thread
+    count ``T`` (up to ``4 T``): each thread streams its own blocks row by row (a plain GEMV,
+    about twice the read rate of the transposed product ``x W_b^T`` on an AMD EPYC; several
+    blocks per thread read a cold matrix ~1.2-1.5x faster than one). -> ``1 x O``."""
+    n = _block_count(weight.shape[0], torch.get_num_threads())
+    blocks = weight.view(n, -1, weight.shape[1])  # n x O/n x I
+    y = torch.bmm(blocks, x.t().expand(n, -1, 1)).view(1, -1)
     return y if bias is None else y + bias
+
+
+def _block_count(out_features: int, threads: int) -> int:
+    """The most blocks, ``4 T``, ``2 T`` or ``T``, that divide ``out_features`` rows evenly."""
+    return next(k * threads for k in (4, 2, 1) if out_features % (k * threads) == 0)
 
 
 # (I, cuts) -> the index 0..I-1 and the bag offsets of one row, kept for decoding.
