@@ -15,12 +15,13 @@ import json
 import math
 import os
 import platform
-import tempfile
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
+
+from attnlab.durable import write_text_atomic
 
 __all__ = ["cache_file", "cpu_model", "entry_key", "read_entries", "write_entries"]
 
@@ -86,19 +87,12 @@ def read_entries(path: Path, known: Iterable[str]) -> dict[str, dict[str, float]
 
 
 def write_entries(path: Path, entries: Mapping[str, Mapping[str, float]]) -> bool:
-    """Write ``entries`` to ``path`` atomically; False (with a warning) when the folder is not
-    writable, so that calibration still works, only without a cache."""
+    """Write ``entries`` to ``path`` atomically (``attnlab.durable``); False (with a warning)
+    when the folder is not writable, so that calibration still works, only without a cache."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps({"version": _VERSION, "entries": entries}, indent=1, sort_keys=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".kernels-", suffix=".tmp")
-        try:
-            with os.fdopen(handle, "w", encoding="utf-8") as out:
-                out.write(text)
-            os.replace(temporary, path)
-        except BaseException:
-            os.unlink(temporary)
-            raise
+        write_text_atomic(path, text)
     except OSError as error:
         warnings.warn(f"kernel cache {path}: not written ({error})", stacklevel=3)
         return False
