@@ -12,6 +12,7 @@ the measuring and forces one kernel everywhere.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import statistics
@@ -155,7 +156,6 @@ def measure_rows(dtype: torch.dtype, out_features: int, in_features: int, rows: 
         weight = weight.to(dtype)
         x, bias = (torch.randn(n, generator=g).to(dtype) for n in ((rows, in_features),
                                                                   (out_features,)))
-        x = x.view(rows, in_features)
         expected = KERNELS["formula"].run(x, weight, bias)
         timings: dict[str, float] = {}
         count = min(_MAX_COPIES, -(-_COLD_BYTES // (weight.numel() * weight.element_size())))
@@ -220,7 +220,7 @@ def _time_group(names: list[str], x: Tensor, copies: list[Tensor], bias: Tensor,
                           stacklevel=4)
             continue
         working.append(name)
-    turn = iter(range(10**9))
+    turn = itertools.count()
     first = {name: _timed(name, x, copies[next(turn) % len(copies)], bias) for name in working}
     fastest_us = min(fastest_us, *first.values()) if first else fastest_us
     hopeless = {name: us for name, us in first.items()
