@@ -62,6 +62,11 @@ def test_cli_quantize_writes_a_folder_that_loads_and_generates(
     new = generate(model, torch.tensor([prompt]), 8, eos_token_id=tok.eos_token_id)
     assert text == tok.decode(new[0, len(prompt):], skip_special_tokens=True) + "\n"
 
+    html = tmp_path / "viz.html"
+    assert main(["viz", "--checkpoint", str(out), "--text", "once upon a time",
+                 "--html", str(html)]) == 0
+    assert html.is_file() and "once" in html.read_text()
+
 
 def test_a_quantized_folder_refuses_another_scheme(family_folder, tmp_path) -> None:
     out = tmp_path / "q"
