@@ -421,3 +421,16 @@ def test_only_length_chosen_scalings_read_the_positions_back(monkeypatch, case) 
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     by_length = rotary.scaling.rope_type in ("dynamic", "longrope")
     assert reads == (["tolist"] if by_length else []), reads
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_rotary_built_on_meta_holds_real_frequencies(case) -> None:
+    # A model is built on "meta" and then loaded (families.loading): the rotary module, which
+    # nothing loads, must come out of that block ready to run.
+    with torch.device("meta"):
+        built = rotary_pair(CASES[case], max_len=64)[0]
+    expected = rotary_pair(CASES[case], max_len=64)[0]
+    assert not list(built.buffers())
+    positions = torch.tensor([[0, 5, 40, 63]])
+    for got, want in zip(built(positions), expected(positions)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -18,7 +18,7 @@ from torch import nn
 
 from attnlab.durable import write_text_atomic
 from attnlab.models.config import check_value
-from attnlab.models.decoder_config import DecoderLMConfig, make_rotary
+from attnlab.models.decoder_config import DecoderLMConfig
 from attnlab.models.families import Family, family_for
 from attnlab.models.families.base import check_round_trip
 from attnlab.models.hf_loading import (
@@ -47,6 +47,8 @@ def load_family(cls: type[M], folder: Path, dtype: torch.dtype | None,
         raise ValueError(f"{folder / CONFIG_NAME}: asks for {config.num_layers} layers, but "
                          f"the weights hold only {len(stored_names)} tensors")
     try:
+        # Parameters on "meta", filled below; the rotary frequencies (plain tensors, not
+        # buffers) are made on the CPU even here, ready to use.
         with torch.device("meta"):
             model = cls(config)  # type: ignore[call-arg]
     except RuntimeError as error:  # a size whose element count overflows
@@ -66,7 +68,6 @@ def load_family(cls: type[M], folder: Path, dtype: torch.dtype | None,
     model.load_state_dict(state, strict=True, assign=True)
     if config.tie_embeddings:  # `assign` made two Parameters of the one tensor: one again
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = make_rotary(config)  # its frequencies are buffers, made on "meta" above
     return model.to(device).eval()
 
 
