@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from attnlab._checks import check_positive, is_int
+from attnlab._checks import check_positive, is_int, is_number
 
 __all__ = [
     "apply_repetition_penalty",
@@ -154,8 +154,7 @@ def check_sampling_args(temperature: float, top_k: int | None, top_p: float | No
     Greedy decoding (``do_sample=False``) does not use the temperature, so ``0`` (a common
     way to ask for greedy decoding) is accepted there, as Hugging Face does.
     """
-    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-            or not math.isfinite(temperature) or temperature < 0
+    if (not is_number(temperature, finite=True) or temperature < 0
             or (do_sample and temperature == 0)):
         expected = "> 0 for sampling" if do_sample else ">= 0"
         raise ValueError(f"temperature: expected a finite float {expected}, got {temperature!r}"
@@ -163,10 +162,8 @@ def check_sampling_args(temperature: float, top_k: int | None, top_p: float | No
                             if do_sample and temperature == 0 else ""))
     if top_k is not None and (not is_int(top_k) or top_k < 1):
         raise ValueError(f"top_k: expected None or a positive int, got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
-                              or not 0.0 < top_p <= 1.0):
+    if top_p is not None and (not is_number(top_p) or not 0.0 < top_p <= 1.0):
         raise ValueError(f"top_p: expected None or a float in (0, 1], got {top_p!r}")
-    if (isinstance(repetition_penalty, bool) or not isinstance(repetition_penalty, (int, float))
-            or not repetition_penalty > 0 or not math.isfinite(repetition_penalty)):
+    if not is_number(repetition_penalty, finite=True) or not repetition_penalty > 0:
         raise ValueError(f"repetition_penalty: expected a finite float > 0, got "
                          f"{repetition_penalty!r}")
