@@ -86,7 +86,7 @@ def top_p_filter(logits: Tensor, p: float, *, rank_by: Tensor | None = None) -> 
     ``q_1 + .. + q_(j-1) < p`` (so the most likely token is always kept). ``p = 1`` keeps all.
     ``rank_by`` breaks ties among equal probabilities, as in ``top_k_filter``.
     """
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+    if not is_number(p) or not 0.0 < p <= 1.0:
         raise ValueError(f"top_p: expected a float in (0, 1], got {p!r}")
     if p >= 1.0:
         return logits.clone()
