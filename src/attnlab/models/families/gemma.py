@@ -52,8 +52,8 @@ def read_gemma(d: dict[str, Any]) -> DecoderLMConfig:
 def write_gemma(c: DecoderLMConfig) -> dict[str, Any]:
     """A Gemma ``config.json`` object for ``c`` (read back by ``read_gemma`` and transformers;
     ``save_family`` refuses a ``c`` that Gemma cannot hold, a plain RMSNorm say)."""
-    d = write_llama_like(c, model_type="gemma", architecture="GemmaForCausalLM")
-    del d["mlp_bias"]  # Gemma has no MLP biases
+    d = write_llama_like(c, model_type="gemma", architecture="GemmaForCausalLM",
+                         bias_keys=("attention_bias",))  # Gemma has no MLP biases
     return {**d, "hidden_act": ACTIVATION}
 
 
