@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -291,6 +293,23 @@ def test_nan_or_inf_logits_are_refused_greedy_and_sampling(bad: float) -> None:
         with pytest.raises(ValueError, match=r"logits \(the model's output for new token 1\): "
                                              r"row 0 \(of 1\) holds (NaN|\+inf)"):
             generate(model, torch.tensor([[1, 2]]), 3, do_sample=do_sample)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_logits_are_checked_once_a_step(monkeypatch, do_sample: bool) -> None:
+    checked: list[str] = []
+    # The package's `generate` is the function: the module is taken by its name.
+    for name in ("attnlab.generation.generate", "attnlab.generation.sampling"):
+        module = importlib.import_module(name)
+        real = module.check_logits
+        monkeypatch.setattr(module, "check_logits",
+                            lambda logits, name="logits", _real=real: (checked.append(name),
+                                                                       _real(logits, name))[1])
+    model = make()
+    out = generate(model, torch.tensor([[1, 2]]), 4, do_sample=do_sample, seed=0,
+                   repetition_penalty=1.3)
+    assert out.shape == (1, 6)
+    assert checked == [f"logits (the model's output for new token {i})" for i in (1, 2, 3, 4)]
 
 
 def test_seed_outside_torch_range_is_refused() -> None:

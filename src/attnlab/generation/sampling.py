@@ -28,28 +28,32 @@ __all__ = [
 
 def sample_logits(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
                   top_p: float | None = None,
-                  generator: torch.Generator | None = None) -> Tensor:
+                  generator: torch.Generator | None = None, *, check: bool = True) -> Tensor:
     """Draw one token per row from ``sampling_probs(logits, temperature, top_k, top_p)``.
 
     logits ``N.. x V`` -> token ids ``N..`` (long). ``generator`` makes the draw reproducible.
-    A row that holds NaN or +inf, or only -inf, gives a ``ValueError`` (``check_logits``).
+    A row that holds NaN or +inf, or only -inf, gives a ``ValueError`` (``check_logits``);
+    ``check=False`` skips the checks for a caller that made them (``generate``, once a step).
     """
-    probs = sampling_probs(logits, temperature, top_k, top_p)
+    probs = sampling_probs(logits, temperature, top_k, top_p, check=check)
     flat = probs.reshape(-1, probs.shape[-1])
     ids = torch.multinomial(flat, 1, generator=generator)
     return ids.view(probs.shape[:-1])
 
 
 def sampling_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
-                   top_p: float | None = None) -> Tensor:
+                   top_p: float | None = None, *, check: bool = True) -> Tensor:
     """``softmax(filter(logits / temperature))``: the distribution ``sample_logits`` draws from.
 
     logits ``N.. x V`` -> probabilities ``N.. x V`` (float32 or wider). Each row is shifted
     by its maximum before the division, so that a tiny temperature cannot overflow to
     ``inf / inf = NaN``: the largest logits become 0, the others ``-inf`` or very negative.
+    The arguments and ``check_logits`` are checked first unless ``check`` is false (for a
+    caller that has checked them already).
     """
-    check_sampling_args(temperature, top_k, top_p)
-    check_logits(logits)
+    if check:
+        check_sampling_args(temperature, top_k, top_p)
+        check_logits(logits)
     wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
     scaled = (wide - wide.amax(dim=-1, keepdim=True)) / temperature
     # The filters rank by the logits themselves: a huge temperature can round distinct
