@@ -19,6 +19,7 @@ from attnlab import __version__
 from attnlab.cli_generate import add_commands as add_generate_commands
 from attnlab.cli_infer import add_commands as add_infer_commands
 from attnlab.cli_quantize import add_commands as add_quantize_commands
+from attnlab.cli_serve import add_commands as add_serve_commands
 from attnlab.cli_train import add_commands
 from attnlab.cli_viz import add_commands as add_viz_commands
 
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_viz_commands(sub)
     add_generate_commands(sub)
     add_quantize_commands(sub)
+    add_serve_commands(sub)
 
     bench = sub.add_parser("bench", help="run a benchmark and save its table and plot")
     bench_sub = bench.add_subparsers(dest="benchmark", metavar="NAME", required=True)

@@ -1,0 +1,77 @@
+"""``attnlab serve``: an OpenAI-compatible HTTP server for a checkpoint folder.
+
+    attnlab serve --model DIR [--host 127.0.0.1] [--port 8000] [--max-batch 8]
+                  [--max-tokens-per-step 512] [--kv-pages N] [--page-size 16]
+                  [--quantize int8|int4]
+
+The app is ``attnlab.serving.server.create_app``, run by uvicorn; the URL is printed once the
+socket listens (``--port 0`` takes a free port and prints it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+
+import uvicorn
+
+from attnlab.arg_types import non_negative_int, positive_int
+from attnlab.quantization import METHODS
+from attnlab.serving.server import create_app
+
+__all__ = ["ReadyServer", "add_commands", "run_serve"]
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Register ``serve`` on the top-level sub-parsers."""
+    p = sub.add_parser("serve", help="serve a checkpoint folder over an OpenAI-compatible "
+                       "HTTP API (continuous batching, paged KV cache)",
+                       description=__doc__.strip().splitlines()[0])
+    p.add_argument("--model", required=True, help="checkpoint folder (as `attnlab generate "
+                   "--model`), with its tokenizer")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every "
+                   "interface; the server has no authentication)")
+    p.add_argument("--port", type=non_negative_int, default=8000, help="port (0: a free one)")
+    p.add_argument("--max-batch", type=positive_int, default=8, metavar="N",
+                   help="requests decoded together at most")
+    p.add_argument("--max-tokens-per-step", type=positive_int, default=512, metavar="N",
+                   help="tokens (prefill chunks + decodes) per engine step at most")
+    p.add_argument("--kv-pages", type=positive_int, default=None, metavar="N",
+                   help="KV cache pages (default: the engine's)")
+    p.add_argument("--page-size", type=positive_int, default=16, metavar="N",
+                   help="tokens per KV cache page")
+    p.add_argument("--max-queue", type=positive_int, default=64, metavar="N",
+                   help="requests waiting at most; more are answered 429")
+    p.add_argument("--quantize", choices=sorted(METHODS), default=None,
+                   help="quantize the weights on loading (default: as stored)")
+    p.set_defaults(handler=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the folder, then serve until interrupted (Ctrl-C)."""
+    if args.port > 65535:
+        raise ValueError(f"--port: expected a port in [0, 65535], got {args.port}")
+    app = create_app(args.model, quantize=args.quantize, max_batch=args.max_batch,
+                     max_tokens_per_step=args.max_tokens_per_step, kv_pages=args.kv_pages,
+                     page_size=args.page_size, max_queue=args.max_queue)
+    server = ReadyServer(uvicorn.Config(app, host=args.host, port=args.port,
+                                        log_level="warning"))
+    server.run()
+    return 0 if server.url is not None else 1
+
+
+class ReadyServer(uvicorn.Server):
+    """A uvicorn server that prints its URL once it listens, and keeps it in ``url``."""
+
+    url: str | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.servers:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            self.url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+            print(f"attnlab serve: {self.url}/v1 (serving {self.config.app.state.serving.name}"
+                  "; Ctrl-C stops)", flush=True)
+        else:
+            print("attnlab serve: the server did not start", file=sys.stderr, flush=True)

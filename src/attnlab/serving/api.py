@@ -1,0 +1,222 @@
+"""The OpenAI API's request bodies, response objects and error JSON, as the server speaks them.
+
+Requests are pydantic models in strict mode: a string where a number is expected, or a float
+where an integer is, is refused rather than converted, and each range is checked, so that a
+bad request gets a 400 naming its field instead of a surprise. Fields the OpenAI API defines
+but this server does not implement (``logprobs``, penalties, ``logit_bias``, ...) are refused
+when given a value that would change the output; other unknown fields are ignored, as
+OpenAI's own server does.
+
+Responses are plain dicts built by the functions below (``completion``, ``chat_completion``,
+``chunk``, ...), each in the shape of the OpenAI reference: ``choices`` with ``index`` and
+``finish_reason`` (``"stop"`` or ``"length"``), ``usage`` with ``prompt_tokens``,
+``completion_tokens`` and ``total_tokens``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["ApiError", "ChatMessage", "ChatRequest", "CompletionRequest", "StreamOptions",
+           "chat_chunk", "chat_completion", "completion", "completion_chunk", "error_body",
+           "new_id", "usage"]
+
+# torch.Generator seeds are unsigned 64-bit integers.
+MAX_SEED = 2**64 - 1
+MAX_N = 16
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+
+
+class ApiError(Exception):
+    """A request the server refuses: HTTP ``status`` and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = (
+            status, message, param, code, type)
+
+    def body(self) -> dict:
+        return error_body(self.message, param=self.param, code=self.code, type=self.type)
+
+
+def error_body(message: str, *, param: str | None = None, code: str | None = None,
+               type: str = "invalid_request_error") -> dict:
+    """OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+StopText = Annotated[str, Field(min_length=1)]
+
+
+class _Sampling(BaseModel):
+    """The fields that completions and chat share."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    # Not in OpenAI's API (vLLM's extension; the openai client sends it via extra_body).
+    top_k: Annotated[int, Field(ge=0)] = 0
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Refused when they would change the output (see _refuse_unsupported).
+    logprobs: bool | int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+    best_of: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    top_logprobs: int | None = None
+    tools: list | None = None
+    response_format: dict | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> _Sampling:
+        for name, harmless in (("logprobs", (None, False, 0)), ("presence_penalty", (None, 0)),
+                               ("frequency_penalty", (None, 0)), ("logit_bias", (None, {})),
+                               ("best_of", (None, 1)), ("echo", (None, False)),
+                               ("suffix", (None, "")), ("top_logprobs", (None, 0)),
+                               ("tools", (None, [])),
+                               ("response_format", (None, {"type": "text"}))):
+            value = getattr(self, name)
+            if value not in harmless:
+                raise ValueError(f"{name}: not supported by this server, got {value!r}; "
+                                 f"expected it left out (or {harmless[1]!r})")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream: true, got stream: "
+                             "false")
+        return self
+
+    @property
+    def stop_texts(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: ``prompt`` is a text, a list of token ids, or a list of
+    either (several prompts, each giving ``n`` choices)."""
+
+    prompt: (Annotated[str, Field(min_length=1)] | TokenIds
+             | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+             | Annotated[list[TokenIds], Field(min_length=1)])
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per entry (a single text or id list is one prompt)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Sampling):
+    """``POST /v1/chat/completions``: ``messages`` rendered by the folder's chat template."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    @property
+    def new_tokens(self) -> tuple[int | None, str]:
+        """The asked limit on new tokens (``None``: as many as fit) and the field that set it
+        (``max_completion_tokens`` replaces the deprecated ``max_tokens``)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion(id: str, model: str, texts: list[str], finishes: list[str], use: dict) -> dict:
+    """A ``text_completion`` object, one choice per text."""
+    return {"id": id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
+                        for i, (t, f) in enumerate(zip(texts, finishes, strict=True))],
+            "usage": use}
+
+
+def chat_completion(id: str, model: str, texts: list[str], finishes: list[str],
+                    use: dict) -> dict:
+    """A ``chat.completion`` object, one assistant message per text."""
+    return {"id": id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": t},
+                         "logprobs": None, "finish_reason": f}
+                        for i, (t, f) in enumerate(zip(texts, finishes, strict=True))],
+            "usage": use}
+
+
+def completion_chunk(id: str, model: str, index: int | None, text: str,
+                     finish: str | None, use: dict | None, *, with_usage: bool) -> dict:
+    """One streamed ``text_completion`` chunk; ``index=None`` makes the usage-only chunk."""
+    choices = [] if index is None else [{"index": index, "text": text, "logprobs": None,
+                                         "finish_reason": finish}]
+    return _chunk(id, "text_completion", model, choices, use, with_usage)
+
+
+def chat_chunk(id: str, model: str, index: int | None, delta: dict, finish: str | None,
+               use: dict | None, *, with_usage: bool) -> dict:
+    """One ``chat.completion.chunk``; ``index=None`` makes the usage-only chunk."""
+    choices = [] if index is None else [{"index": index, "delta": delta, "logprobs": None,
+                                         "finish_reason": finish}]
+    return _chunk(id, "chat.completion.chunk", model, choices, use, with_usage)
+
+
+def _chunk(id: str, object: str, model: str, choices: list, use: dict | None,
+           with_usage: bool) -> dict:
+    body = {"id": id, "object": object, "created": int(time.time()), "model": model,
+            "choices": choices}
+    if with_usage:  # OpenAI: null on every chunk but the last one when usage is asked for
+        body["usage"] = use
+    return body

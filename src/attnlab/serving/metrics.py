@@ -1,0 +1,66 @@
+"""``GET /metrics``: the server's counters and the engine's gauges in Prometheus' text format
+(version 0.0.4: ``# HELP``, ``# TYPE``, then ``name{label="value"} number`` lines).
+
+Counters only grow (requests by endpoint and status, prompt and generated tokens); gauges are
+the engine's state when the page is asked for (requests running = the batch size, requests
+waiting = the queue length, KV cache pages in use and in all).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# (engine stats key, metric name, type, help)
+_ENGINE = (
+    ("running", "attnlab_batch_size", "gauge", "Requests in the running batch."),
+    ("waiting", "attnlab_queue_length", "gauge", "Requests waiting to be admitted."),
+    ("pages_used", "attnlab_kv_pages_used", "gauge", "KV cache pages in use."),
+    ("pages_total", "attnlab_kv_pages_total", "gauge", "KV cache pages in all."),
+    ("prefix_hits", "attnlab_prefix_cache_hits_total", "counter",
+     "Prompt pages found in the prefix cache."),
+)
+
+
+class Metrics:
+    """Counters that the request handlers update (from the event loop) and ``render`` reads;
+    a lock keeps a page consistent."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: Counter[tuple[str, int]] = Counter()  # (endpoint, HTTP status) -> n
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+
+    def request(self, endpoint: str, status: int) -> None:
+        with self._lock:
+            self.requests[(endpoint, status)] += 1
+
+    def tokens(self, prompt: int, generated: int) -> None:
+        with self._lock:
+            self.prompt_tokens += prompt
+            self.generated_tokens += generated
+
+    def render(self, engine_stats: dict[str, int]) -> str:
+        """The page: the counters, then each engine stat that ``engine_stats`` holds."""
+        with self._lock:
+            lines = ["# HELP attnlab_requests_total Requests answered, by endpoint and HTTP "
+                     "status.", "# TYPE attnlab_requests_total counter"]
+            lines += [f'attnlab_requests_total{{endpoint="{e}",status="{s}"}} {n}'
+                      for (e, s), n in sorted(self.requests.items())]
+            lines += _metric("attnlab_prompt_tokens_total", "counter",
+                             "Prompt tokens of the requests accepted.", self.prompt_tokens)
+            lines += _metric("attnlab_generation_tokens_total", "counter",
+                             "Tokens generated and sent.", self.generated_tokens)
+        for key, name, kind, text in _ENGINE:
+            if key in engine_stats:
+                lines += _metric(name, kind, text, engine_stats[key])
+        return "\n".join(lines) + "\n"
+
+
+def _metric(name: str, kind: str, text: str, value: int) -> list[str]:
+    return [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {value}"]

@@ -1,0 +1,457 @@
+"""``attnlab serve``'s HTTP layer: an OpenAI-compatible FastAPI app over an ``Engine``.
+
+    app = create_app("runs/qwen2-folder", max_batch=8)      # or create_app((model, tokenizer))
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (the
+messages rendered by the tokenizer's chat template), ``GET /health``, ``GET /metrics``. Each
+choice of a request (``n`` per prompt) is one engine request; ``stream: true`` answers with
+server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``.
+
+Refusals use OpenAI's error JSON (``api.error_body``): 400 for a body that is not JSON, a
+field of the wrong type or out of range, a prompt that does not fit the context (naming
+the field); 404 for another model's name; 429 when the engine's queue is full; 500 when the
+engine or a handler failed (the server goes on). A client that goes away mid-request has its
+engine requests aborted, which frees their KV cache pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from attnlab.generation.config import read_generation_config
+from attnlab.generation.inputs import token_id_set
+from attnlab.models.decoder import DecoderLM
+from attnlab.models.io import from_pretrained
+from attnlab.serving import Engine, QueueFull, SamplingParams
+from attnlab.serving.api import (
+    MAX_SEED,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    chat_chunk,
+    chat_completion,
+    completion,
+    completion_chunk,
+    error_body,
+    new_id,
+    usage,
+)
+from attnlab.serving.choice_text import ChoiceText
+from attnlab.serving.engine_thread import EngineError, EngineThread
+from attnlab.serving.metrics import CONTENT_TYPE, Metrics
+from attnlab.tokenizer import Tokenizer
+
+__all__ = ["ServerState", "create_app"]
+
+# How often a non-streaming request checks that its client is still there.
+DISCONNECT_POLL_S = 0.25
+ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+
+
+def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
+               served_name: str | None = None, quantize: str | None = None,
+               max_batch: int = 8, max_tokens_per_step: int = 512, kv_pages: int | None = None,
+               page_size: int = 16, max_queue: int = 64, prefix_caching: bool = True,
+               max_body_bytes: int = 8 * 2**20) -> FastAPI:
+    """The FastAPI app serving ``model``: a checkpoint folder (read by ``from_pretrained``,
+    weights quantized when ``quantize`` is ``"int8"``/``"int4"``; its tokenizer, and its
+    ``generation_config.json`` end ids) or a ``(model, tokenizer)`` pair. ``served_name`` is
+    the model id of ``/v1/models`` (default: the folder's name, ``"attnlab"`` for a pair); the
+    engine options are ``Engine``'s. The engine thread starts with the app's lifespan (a server
+    starting the app) and stops with it; ``app.state.serving`` is the ``ServerState``.
+    ``max_body_bytes``: larger request bodies are refused (413)."""
+    state = ServerState.load(model, served_name=served_name, quantize=quantize)
+    engine = Engine(state.model, max_batch=max_batch, max_tokens_per_step=max_tokens_per_step,
+                    kv_pages=kv_pages, page_size=page_size, max_queue=max_queue,
+                    prefix_caching=prefix_caching)
+    state.engine = EngineThread(engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.engine.start()
+        try:
+            yield
+        finally:
+            state.engine.stop()
+
+    app = FastAPI(title="attnlab serve", lifespan=lifespan, openapi_url=None, docs_url=None,
+                  redoc_url=None)
+    app.state.serving = state
+    _add_error_handlers(app)
+    _add_routes(app, state)
+    app.add_middleware(_Gate, metrics=state.metrics, max_body_bytes=max_body_bytes)
+    return app
+
+
+@dataclass
+class ServerState:
+    """What the handlers share: the model, its tokenizer, the end ids, the engine thread."""
+
+    model: DecoderLM
+    tokenizer: Tokenizer
+    name: str
+    stop_token_ids: tuple[int, ...]
+    metrics: Metrics
+    engine: EngineThread | None = None
+
+    @classmethod
+    def load(cls, model: str | Path | tuple[DecoderLM, Tokenizer], *,
+             served_name: str | None, quantize: str | None) -> ServerState:
+        if isinstance(model, tuple):
+            if len(model) != 2 or not isinstance(model[0], DecoderLM) \
+                    or not isinstance(model[1], Tokenizer):
+                raise TypeError(f"model: expected a folder or a (DecoderLM, Tokenizer) pair, "
+                                f"got {tuple(type(m).__name__ for m in model)}")
+            if quantize is not None:
+                raise ValueError(f"quantize: only for a folder (quantize the DecoderLM "
+                                 f"yourself with model.quantize), got {quantize!r}")
+            net, tokenizer = model
+            file_eos, name = None, served_name or "attnlab"
+        elif isinstance(model, (str, Path)):
+            net = from_pretrained(model, quantize=quantize)
+            if not isinstance(net, DecoderLM):
+                raise ValueError(f"model: {model} holds a {type(net).__name__}; expected a "
+                                 "decoder-only language model folder")
+            tokenizer = Tokenizer.from_pretrained(model)
+            file = read_generation_config(model)
+            file_eos, name = file.eos_token_id, served_name or Path(model).resolve().name
+            if file_eos is not None:
+                file_eos = token_id_set(f"eos_token_id in {file.path}", file_eos,
+                                        net.config.vocab_size)
+        else:
+            raise TypeError(f"model: expected a folder (str or Path) or a (DecoderLM, "
+                            f"Tokenizer) pair, got {type(model).__name__}")
+        # As `attnlab generate`: the file's end ids, else the tokenizer's and config.json's.
+        fallback = [tokenizer.eos_token_id, *net.config.eos_token_id]
+        eos = file_eos or tuple(dict.fromkeys(i for i in fallback if i is not None))
+        return cls(net.eval(), tokenizer, name, eos, Metrics())
+
+    @property
+    def context(self) -> int:
+        return self.model.config.max_len
+
+    def check_model(self, name: str) -> None:
+        if name != self.name:
+            raise ApiError(404, f"The model {name!r} does not exist; this server serves "
+                           f"{self.name!r}", param="model", code="model_not_found")
+
+    def encode(self, prompt: str | list[int], field: str) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise ApiError(400, f"{field}: encodes to no tokens, got {prompt!r}",
+                               param=field)
+            return ids
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in prompt if t >= vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"{field}: token id {bad} is out of range; expected ids in "
+                           f"[0, {vocab})", param=field)
+        return list(prompt)
+
+    def params(self, body: CompletionRequest | ChatRequest, prompt_length: int,
+               asked: int | None, field: str, choice: int) -> SamplingParams:
+        """The engine's parameters for one choice, after checking that it fits the context."""
+        room, prompt_field = self.context - prompt_length, (
+            "messages" if isinstance(body, ChatRequest) else "prompt")
+        if room <= 0:
+            raise ApiError(400, f"This model's maximum context length is {self.context} "
+                           f"tokens. However, your {prompt_field} has {prompt_length} tokens, "
+                           "leaving no room for a completion.", param=prompt_field,
+                           code="context_length_exceeded")
+        if asked is not None and asked > room:
+            raise ApiError(400, f"This model's maximum context length is {self.context} "
+                           f"tokens. However, you requested {prompt_length + asked} tokens "
+                           f"({prompt_length} in the {prompt_field}, {asked} for the "
+                           f"completion: {field}). Please reduce the length of the "
+                           f"{prompt_field} or {field}.", param=field,
+                           code="context_length_exceeded")
+        # n choices with one seed must differ, as OpenAI's do; each is still reproducible.
+        seed = None if body.seed is None else (body.seed + choice) % (MAX_SEED + 1)
+        return SamplingParams(max_tokens=room if asked is None else asked,
+                              temperature=body.temperature, top_p=body.top_p,
+                              top_k=body.top_k, seed=seed, stop_token_ids=self.stop_token_ids)
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = state.engine.alive
+        return JSONResponse({"status": "ok" if ok else "engine stopped"},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(state.metrics.render(state.engine.stats),
+                                 media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": state.name, "object": "model",
+                                            "created": 0, "owned_by": "attnlab"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        state.check_model(body.model)
+        prompts = [state.encode(p, "prompt") for p in body.prompts]
+        job = _Job(state, body, prompts, body.max_tokens, "max_tokens", chat=False)
+        return await job.respond(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        state.check_model(body.model)
+        messages = [{"role": m.role, "content": m.text} for m in body.messages]
+        try:
+            ids = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tokenize=True)
+        except ValueError as error:
+            raise ApiError(400, f"messages: {error}", param="messages") from None
+        if not ids:
+            raise ApiError(400, "messages: the chat template renders them as no tokens",
+                           param="messages")
+        asked, field = body.new_tokens
+        job = _Job(state, body, [ids], asked, field, chat=True)
+        return await job.respond(request)
+
+
+class _Job:
+    """One HTTP request: ``n`` engine requests per prompt, whose events share one queue."""
+
+    def __init__(self, state: ServerState, body: CompletionRequest | ChatRequest,
+                 prompts: list[list[int]], asked: int | None, field: str, *, chat: bool) -> None:
+        self.state, self.body, self.chat = state, body, chat
+        self.prompt_tokens = sum(map(len, prompts)) * body.n
+        # Every choice is checked before any is started: a refusal leaves nothing running.
+        self.work = [(ids, state.params(body, len(ids), asked, field, j))
+                     for ids in prompts for j in range(body.n)]
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.choices: dict[str, tuple[int, ChoiceText]] = {}  # engine id -> (index, text)
+        self.finishes: dict[int, str] = {}
+
+    async def respond(self, request: Request) -> JSONResponse | StreamingResponse:
+        try:
+            await self._start()
+        except BaseException:
+            self.abort()
+            raise
+        if self.body.stream:
+            return _EventStream(self._stream(), media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache"})
+        return await self._collect(request)
+
+    async def _start(self) -> None:
+        for index, (ids, params) in enumerate(self.work):
+            try:
+                request_id = await self.state.engine.add(ids, params, self.events)
+            except QueueFull as error:
+                raise ApiError(429, f"The server is busy ({error}); retry later",
+                               code="queue_full", type="rate_limit_exceeded") from None
+            except ValueError as error:  # the engine's own limit (its KV cache pages)
+                raise ApiError(400, f"max_tokens: {error}", param="max_tokens") from None
+            stops = self.body.stop_texts
+            self.choices[request_id] = (index, ChoiceText(self.state.tokenizer, stops))
+        self.state.metrics.tokens(self.prompt_tokens, 0)
+
+    def abort(self) -> None:
+        """Abort every choice still running (its pages are freed)."""
+        for request_id, (index, _) in self.choices.items():
+            if index not in self.finishes:
+                self.state.engine.abort(request_id)
+
+    async def _updates(self) -> AsyncIterator[tuple[int, str, str | None]]:
+        """``(index, new text, finish reason or None)`` as tokens arrive, until every choice
+        has finished; an abort of a choice on a stop string is done here."""
+        while len(self.finishes) < len(self.choices):
+            event = await self.events.get()
+            if isinstance(event, EngineError):
+                raise event
+            index, text = self.choices[event.request_id]
+            finish = event.finish_reason
+            if event.token_id is not None:
+                self.state.metrics.tokens(0, 1)
+                if text.push(event.token_id) and finish is None:
+                    self.state.engine.abort(event.request_id)
+                    finish = "stop"
+            if finish is not None:
+                text.finish()
+                self.finishes[index] = "stop" if text.stopped else finish
+            yield index, text.take(final=finish is not None), self.finishes.get(index)
+
+    def _usage(self) -> dict:
+        made = sum(text.tokens for _, text in self.choices.values())
+        return usage(self.prompt_tokens, made)
+
+    def _texts(self) -> list[ChoiceText]:
+        return [text for _, text in sorted(self.choices.values(), key=lambda c: c[0])]
+
+    async def _collect(self, request: Request) -> JSONResponse:
+        """The whole answer; polls the client meanwhile and aborts if it went away."""
+        async def drain() -> None:
+            async for _ in self._updates():
+                pass
+
+        task = asyncio.ensure_future(drain())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    break
+            await task
+        except asyncio.CancelledError:
+            self.abort()
+            raise
+        except EngineError as error:
+            self.abort()
+            raise ApiError(500, str(error), type="server_error", code="engine_failure") \
+                from None
+        texts, finishes = [t.text for t in self._texts()], [
+            self.finishes[i] for i in range(len(self.work))]
+        make = chat_completion if self.chat else completion
+        return JSONResponse(make(self.id, self.state.name, texts, finishes, self._usage()))
+
+    async def _stream(self) -> AsyncIterator[str]:
+        """Server-sent events: for chat, a first delta with the role per choice; text
+        deltas; each choice's last chunk with its finish reason; the usage chunk when asked;
+        ``[DONE]``. Leaving early (client gone) aborts the choices still running."""
+        name, with_usage = self.state.name, self.body.include_usage
+        try:
+            if self.chat:
+                for index in range(len(self.work)):
+                    yield _sse(chat_chunk(self.id, name, index,
+                                          {"role": "assistant", "content": ""}, None, None,
+                                          with_usage=with_usage))
+            async for index, piece, finish in self._updates():
+                if not piece and finish is None:
+                    continue
+                if self.chat:
+                    delta = {"content": piece} if piece else {}
+                    yield _sse(chat_chunk(self.id, name, index, delta, finish, None,
+                                          with_usage=with_usage))
+                else:
+                    yield _sse(completion_chunk(self.id, name, index, piece, finish, None,
+                                                with_usage=with_usage))
+            if with_usage:
+                make = chat_chunk if self.chat else completion_chunk
+                empty = {} if self.chat else ""
+                yield _sse(make(self.id, name, None, empty, None, self._usage(),
+                                with_usage=True))
+        except EngineError as error:
+            yield _sse(error_body(str(error), type="server_error", code="engine_failure"))
+        finally:
+            self.abort()
+        yield "data: [DONE]\n\n"
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """A ``StreamingResponse`` that closes its generator however the response ends (Starlette
+    leaves it open when a send fails), so that the generator's cleanup always runs."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        # FastAPI answers 422 with its own JSON; OpenAI's clients expect 400 and this shape.
+        first = error.errors()[0]
+        where = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(where) or None
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message, param = f"The body is not valid JSON: {message}", None
+        elif "input" in first and first.get("type") != "missing":
+            message += f", got {_shown(first['input'])}"
+        return JSONResponse(error_body(f"{param or 'body'}: {message}", param=param),
+                            status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(error.detail), code=str(error.status_code)),
+                            status_code=error.status_code, headers=error.headers)
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, error: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {type(error).__name__}",
+                                       type="server_error"), status_code=500)
+
+
+def _shown(value: object) -> str:
+    text = json.dumps(value, default=repr) if not isinstance(value, float) or math.isfinite(
+        value) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class _Gate:
+    """Pure ASGI middleware: refuses bodies over ``max_body_bytes`` (413) before they are
+    read, and counts each answer by route and status for ``/metrics``."""
+
+    def __init__(self, app, *, metrics: Metrics, max_body_bytes: int) -> None:
+        self.app, self.metrics, self.max_body_bytes = app, metrics, max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+        status = 500
+
+        async def counted_send(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        received = 0
+
+        async def bounded_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise ApiError(413, f"body: larger than {self.max_body_bytes} bytes",
+                                   param=None, code="body_too_large")
+            return message
+
+        try:
+            length = dict(scope["headers"]).get(b"content-length", b"0")
+            if not length.isdigit() or int(length) > self.max_body_bytes:
+                raise ApiError(413, f"body: expected at most {self.max_body_bytes} bytes, got "
+                               f"content-length {length.decode('latin-1')[:40]}",
+                               code="body_too_large")
+            await self.app(scope, bounded_receive, counted_send)
+        except ApiError as error:
+            status = error.status
+            body = json.dumps(error.body()).encode()
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+        finally:
+            self.metrics.request(route, status)
