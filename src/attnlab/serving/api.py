@@ -19,7 +19,7 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 __all__ = ["ApiError", "ChatMessage", "ChatRequest", "CompletionRequest", "StreamOptions",
            "chat_chunk", "chat_completion", "completion", "completion_chunk", "error_body",
@@ -55,6 +55,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI fields this server does not implement -> the values that change nothing.
+_UNSUPPORTED = {"logprobs": (None, False, 0), "presence_penalty": (None, 0),
+                "frequency_penalty": (None, 0), "logit_bias": (None, {}), "best_of": (None, 1),
+                "echo": (None, False), "suffix": (None, ""), "top_logprobs": (None, 0),
+                "tools": (None, []), "response_format": (None, {"type": "text"})}
+
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 StopText = Annotated[str, Field(min_length=1)]
@@ -71,12 +77,12 @@ class _Sampling(BaseModel):
     # Not in OpenAI's API (vLLM's extension; the openai client sends it via extra_body).
     top_k: Annotated[int, Field(ge=0)] = 0
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
-    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
+    stop: Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Refused when they would change the output (see _refuse_unsupported).
+    # Refused when they would change the output (see _UNSUPPORTED).
     logprobs: bool | int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -88,51 +94,55 @@ class _Sampling(BaseModel):
     tools: list | None = None
     response_format: dict | None = None
 
-    @model_validator(mode="after")
-    def _refuse_unsupported(self) -> _Sampling:
-        for name, harmless in (("logprobs", (None, False, 0)), ("presence_penalty", (None, 0)),
-                               ("frequency_penalty", (None, 0)), ("logit_bias", (None, {})),
-                               ("best_of", (None, 1)), ("echo", (None, False)),
-                               ("suffix", (None, "")), ("top_logprobs", (None, 0)),
-                               ("tools", (None, [])),
-                               ("response_format", (None, {"type": "text"}))):
-            value = getattr(self, name)
-            if value not in harmless:
-                raise ValueError(f"{name}: not supported by this server, got {value!r}; "
-                                 f"expected it left out (or {harmless[1]!r})")
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options: only allowed with stream: true, got stream: "
-                             "false")
-        return self
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_is_a_list(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator(*_UNSUPPORTED, mode="after")
+    @classmethod
+    def _refuse_unsupported(cls, value: object, info: ValidationInfo) -> object:
+        harmless = _UNSUPPORTED[info.field_name]
+        if value not in harmless:
+            raise ValueError(f"not supported by this server; expected it left out (or "
+                             f"{harmless[1]!r})")
+        return value
 
     @property
     def stop_texts(self) -> tuple[str, ...]:
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return tuple(self.stop or ())
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-
-
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` is a text, a list of token ids, or a list of
     either (several prompts, each giving ``n`` choices)."""
 
-    prompt: (Annotated[str, Field(min_length=1)] | TokenIds
-             | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
-             | Annotated[list[TokenIds], Field(min_length=1)])
+    prompt: list[str | list[int]]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
 
-    @property
-    def prompts(self) -> list[str | list[int]]:
-        """The prompts, one per entry (a single text or id list is one prompt)."""
-        p = self.prompt
-        if isinstance(p, str) or (p and isinstance(p[0], int)):
-            return [p]
-        return list(p)
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompts(cls, value: object) -> list[str | list[int]]:
+        """One message for every wrong shape (a union's errors name its members instead)."""
+        one = isinstance(value, str) or (isinstance(value, list) and value != []
+                                         and all(_is_id(v) for v in value))
+        prompts = [value] if one else value
+        if not isinstance(prompts, list) or not prompts or not all(
+                (isinstance(p, str) and p) or (isinstance(p, list) and p
+                                               and all(_is_id(v) for v in p))
+                for p in prompts):
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            raise ValueError(f"expected a non-empty text, a non-empty list of token ids "
+                             f"(ints >= 0), or a non-empty list of either, got {shown}")
+        return prompts
+
+
+def _is_id(value: object) -> bool:
+    return type(value) is int and value >= 0
 
 
 class TextPart(BaseModel):

@@ -56,7 +56,7 @@ from attnlab.tokenizer import Tokenizer
 __all__ = ["ServerState", "create_app"]
 
 # How often a non-streaming request checks that its client is still there.
-DISCONNECT_POLL_S = 0.25
+DISCONNECT_POLL_S = 0.1
 ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
 
 
@@ -166,17 +166,16 @@ class ServerState:
         """The engine's parameters for one choice, after checking that it fits the context."""
         room, prompt_field = self.context - prompt_length, (
             "messages" if isinstance(body, ChatRequest) else "prompt")
+        limit = f"This model's maximum context length is {self.context} tokens"
         if room <= 0:
-            raise ApiError(400, f"This model's maximum context length is {self.context} "
-                           f"tokens. However, your {prompt_field} has {prompt_length} tokens, "
-                           "leaving no room for a completion.", param=prompt_field,
-                           code="context_length_exceeded")
+            raise ApiError(400, f"{prompt_field}: {limit}. However, your {prompt_field} has "
+                           f"{prompt_length} tokens, leaving no room for a completion.",
+                           param=prompt_field, code="context_length_exceeded")
         if asked is not None and asked > room:
-            raise ApiError(400, f"This model's maximum context length is {self.context} "
-                           f"tokens. However, you requested {prompt_length + asked} tokens "
-                           f"({prompt_length} in the {prompt_field}, {asked} for the "
-                           f"completion: {field}). Please reduce the length of the "
-                           f"{prompt_field} or {field}.", param=field,
+            raise ApiError(400, f"{field}: {limit}. However, you requested "
+                           f"{prompt_length + asked} tokens ({prompt_length} in the "
+                           f"{prompt_field}, {asked} for the completion). Please reduce the "
+                           f"length of the {prompt_field} or {field}.", param=field,
                            code="context_length_exceeded")
         # n choices with one seed must differ, as OpenAI's do; each is still reproducible.
         seed = None if body.seed is None else (body.seed + choice) % (MAX_SEED + 1)
@@ -205,7 +204,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         state.check_model(body.model)
-        prompts = [state.encode(p, "prompt") for p in body.prompts]
+        prompts = [state.encode(p, "prompt") for p in body.prompt]
         job = _Job(state, body, prompts, body.max_tokens, "max_tokens", chat=False)
         return await job.respond(request)
 
@@ -232,6 +231,9 @@ class _Job:
     def __init__(self, state: ServerState, body: CompletionRequest | ChatRequest,
                  prompts: list[list[int]], asked: int | None, field: str, *, chat: bool) -> None:
         self.state, self.body, self.chat = state, body, chat
+        if body.stream_options is not None and not body.stream:
+            raise ApiError(400, "stream_options: only with stream: true, got stream: "
+                           "false", param="stream_options")
         self.prompt_tokens = sum(map(len, prompts)) * body.n
         # Every choice is checked before any is started: a refusal leaves nothing running.
         self.work = [(ids, state.params(body, len(ids), asked, field, j))
@@ -309,9 +311,11 @@ class _Job:
                 await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
                 if not task.done() and await request.is_disconnected():
                     task.cancel()
-                    break
+                    self.abort()
+                    # Nobody reads this answer; nginx's code for a client that went away.
+                    return JSONResponse(error_body("client disconnected"), status_code=499)
             await task
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the server is stopping
             self.abort()
             raise
         except EngineError as error:
@@ -379,13 +383,15 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         # FastAPI answers 422 with its own JSON; OpenAI's clients expect 400 and this shape.
-        first = error.errors()[0]
-        where = [str(p) for p in first.get("loc", ()) if p != "body"]
+        # Of a union's errors (one per member), the deepest is the member that was meant.
+        first = max(error.errors(), key=lambda e: len(e.get("loc", ())))
+        where = [str(p) for p in first.get("loc", ())
+                 if p != "body" and (isinstance(p, int) or str(p).isidentifier())]
         param = ".".join(where) or None
-        message = first.get("msg", "invalid request")
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
         if first.get("type") == "json_invalid":
             message, param = f"The body is not valid JSON: {message}", None
-        elif "input" in first and first.get("type") != "missing":
+        elif "input" in first and first.get("type") not in ("missing", "value_error"):
             message += f", got {_shown(first['input'])}"
         return JSONResponse(error_body(f"{param or 'body'}: {message}", param=param),
                             status_code=400)

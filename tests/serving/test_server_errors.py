@@ -1,0 +1,303 @@
+"""``attnlab serve`` under bad input and overload, on a live server: OpenAI's error JSON with
+400 naming the field (context overflow, malformed JSON, wrong types, out-of-range values),
+404 for another model, 413 for a huge body, 429 when the queue is full, 500 when the engine or
+a handler fails (the server goes on), and a client leaving mid-stream aborts its request and
+frees its KV cache pages."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import openai
+import pytest
+from server_live import client, live, raw, wait_for
+
+from attnlab.serving.server import create_app
+from test_cli_generate import make_folder
+
+PROMPT = "once upon a time"
+CONTEXT = 256  # make_folder's max_position_embeddings
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2-serve-errors")
+    make_folder(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    app = create_app(folder, max_batch=2, page_size=4, kv_pages=256)
+    with live(app) as url:
+        yield app, url
+
+
+def post(server, path: str, body) -> tuple[int, dict]:
+    status, _, text = raw(server[1], "POST", path, body)
+    return status, json.loads(text)
+
+
+def idle(app) -> bool:
+    stats = app.state.serving.engine.stats
+    return stats["running"] == 0 and stats["waiting"] == 0 and stats["pages_used"] == 0
+
+
+def completion(folder, **fields) -> dict:
+    return {"model": folder.name, "prompt": PROMPT, "max_tokens": 4, **fields}
+
+
+def chat(folder, **fields) -> dict:
+    return {"model": folder.name, "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+BAD_COMPLETIONS = [
+    ({"max_tokens": CONTEXT}, "max_tokens", "maximum context length is 256"),
+    ({"prompt": "fox " * 300}, "prompt", "leaving no room"),
+    ({"max_tokens": "5"}, "max_tokens", "valid integer"),
+    ({"max_tokens": 2.5}, "max_tokens", "valid integer"),
+    ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"temperature": 2.5}, "temperature", "less than or equal to 2"),
+    ({"temperature": -1}, "temperature", "greater than or equal to 0"),
+    ({"temperature": "hot"}, "temperature", "valid number"),
+    ({"top_p": 0}, "top_p", "greater than 0"),
+    ({"top_p": 1.5}, "top_p", "less than or equal to 1"),
+    ({"top_k": -1}, "top_k", "greater than or equal to 0"),
+    ({"n": 0}, "n", "greater than or equal to 1"),
+    ({"n": 1000}, "n", "less than or equal to 16"),
+    ({"seed": -1}, "seed", "greater than or equal to 0"),
+    ({"seed": 2**70}, "seed", "less than or equal to"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ({"stop": ""}, "stop", "at least 1 character"),
+    ({"stop": 3}, "stop", "valid list"),
+    ({"stop": ["a", 3]}, "stop", "valid string"),
+    ({"stream": "yes"}, "stream", "valid boolean"),
+    ({"prompt": ""}, "prompt", "expected a non-empty text"),
+    ({"prompt": []}, "prompt", "expected a non-empty text"),
+    ({"prompt": [[1], []]}, "prompt", "expected a non-empty text"),
+    ({"prompt": [1, "a"]}, "prompt", "expected a non-empty text"),
+    ({"prompt": [True]}, "prompt", "expected a non-empty text"),
+    ({"prompt": [1, 10**6]}, "prompt", "out of range"),
+    ({"prompt": [-1]}, "prompt", ""),
+    ({"prompt": None}, "prompt", ""),
+    ({"model": 3}, "model", "valid string"),
+    ({"logprobs": 2}, "logprobs", "not supported"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "only with stream: true"),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options",
+     "valid boolean"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param", "message"), BAD_COMPLETIONS,
+                         ids=[str(f)[:40] for f, _, _ in BAD_COMPLETIONS])
+def test_bad_completion_is_400_naming_the_field(server, folder, fields, param, message) -> None:
+    status, body = post(server, "/v1/completions", completion(folder, **fields))
+    assert status == 400, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] is not None and error["param"].split(".")[0] == param
+    assert error["message"].startswith(param)
+    assert message in error["message"]
+
+
+BAD_CHATS = [
+    ({"messages": []}, "messages", "at least 1 item"),
+    ({"messages": "hi"}, "messages", "valid list"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", "'system'"),
+    ({"messages": [{"content": "hi"}]}, "messages.0.role", "Field required"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages.0.content.0.type", "'text'"),
+    ({"max_tokens": CONTEXT}, "max_tokens", "maximum context length"),
+    ({"max_completion_tokens": CONTEXT}, "max_completion_tokens", "maximum context length"),
+    ({"messages": [{"role": "user", "content": "fox " * 300}]}, "messages", "no room"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param", "message"), BAD_CHATS,
+                         ids=[str(f)[:40] for f, _, _ in BAD_CHATS])
+def test_bad_chat_is_400_naming_the_field(server, folder, fields, param, message) -> None:
+    status, body = post(server, "/v1/chat/completions", chat(folder, **fields))
+    assert status == 400, body
+    assert body["error"]["param"] == param and body["error"]["message"].startswith(param)
+    assert message in body["error"]["message"]
+
+
+def test_the_openai_client_sees_the_400(server, folder) -> None:
+    api = client(server[1])
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.completions.create(model=folder.name, prompt=PROMPT, max_tokens=10_000)
+    assert caught.value.status_code == 400
+    assert caught.value.body["param"] == "max_tokens"
+    assert caught.value.body["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize(("body", "headers"), [
+    (b"{not json", {}),
+    (b'{"model": "m", "prompt": "x",', {}),
+    (b"[1, 2]", {}),
+    (b"\xff\xfe", {}),
+    (b"", {}),
+    (b'{"model": "m", "prompt": "x"}', {"Content-Type": "text/plain"}),
+])
+def test_malformed_body_is_400(server, body, headers) -> None:
+    status, _, text = raw(server[1], "POST", "/v1/completions", body, headers)
+    assert status == 400, text
+    assert json.loads(text)["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_model_route_and_method(server, folder) -> None:
+    status, body = post(server, "/v1/completions", completion(folder, model="gpt-4"))
+    assert status == 404 and body["error"]["param"] == "model"
+    assert body["error"]["code"] == "model_not_found"
+    status, _, text = raw(server[1], "GET", "/v1/nothing")
+    assert status == 404 and "error" in json.loads(text)
+    status, _, text = raw(server[1], "GET", "/v1/completions")
+    assert status == 405 and "error" in json.loads(text)
+
+
+def test_huge_body_is_refused_before_it_is_read(folder) -> None:
+    app = create_app(folder, max_body_bytes=1000)
+    with live(app) as url:
+        status, _, text = raw(url, "POST", "/v1/completions",
+                              completion(folder, prompt="fox " * 1000))
+        assert status == 413 and json.loads(text)["error"]["code"] == "body_too_large"
+        status, _, text = raw(url, "POST", "/v1/completions", completion(folder))
+        assert status == 200, text
+
+
+def test_full_queue_is_429_and_the_server_goes_on(folder) -> None:
+    """One request decoding, one waiting (max_queue=1): of 6 at once, some are refused with
+    429 and the others complete."""
+    app = create_app(folder, max_batch=1, max_queue=1, page_size=4, kv_pages=256)
+    results: list[object] = []
+    with live(app) as url:
+        api = client(url)
+
+        def ask() -> None:
+            try:
+                results.append(api.completions.create(model=folder.name, prompt=PROMPT,
+                                                      max_tokens=40, temperature=0))
+            except openai.RateLimitError as error:
+                results.append(error)
+
+        threads = [threading.Thread(target=ask) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        refused = [r for r in results if isinstance(r, openai.RateLimitError)]
+        served = [r for r in results if not isinstance(r, openai.RateLimitError)]
+        assert len(results) == 6 and refused and served
+        assert all(e.status_code == 429 and e.body["code"] == "queue_full" for e in refused)
+        assert len({r.choices[0].text for r in served}) == 1
+        wait_for(lambda: idle(app), what="an idle engine")
+        again = api.completions.create(model=folder.name, prompt=PROMPT, max_tokens=40,
+                                       temperature=0)
+        assert again.choices[0].text == served[0].choices[0].text
+
+
+def slow_steps(engine, monkeypatch) -> None:
+    """Each step takes 10 ms more, so that a request lasts longer than a disconnect takes to
+    be seen (the tiny model makes a token in about a millisecond)."""
+    real_step = engine.step
+
+    def slow():
+        time.sleep(0.01)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", slow)
+
+
+def test_client_leaving_mid_stream_aborts_and_frees_pages(server, folder, monkeypatch) -> None:
+    engine = server[0].state.serving.engine.engine
+    slow_steps(engine, monkeypatch)
+    aborted: list[str] = []
+    real_abort = engine.abort
+
+    def spy(request_id: str) -> None:
+        aborted.append(request_id)
+        real_abort(request_id)
+
+    monkeypatch.setattr(engine, "abort", spy)
+    wait_for(lambda: idle(server[0]), what="an idle engine")
+    before = server[0].state.serving.engine.stats["tokens_generated"]
+    host, port = server[1].removeprefix("http://").split(":")
+    body = json.dumps(completion(folder, max_tokens=200, stream=True, temperature=1.0,
+                                 seed=1)).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                     + b"\r\n\r\n" + body)
+        received = b""
+        deadline = time.monotonic() + 30
+        while received.count(b"data: ") < 2 and time.monotonic() < deadline:
+            received += sock.recv(4096)
+        assert received.startswith(b"HTTP/1.1 200")
+        assert server[0].state.serving.engine.stats["running"] == 1
+    wait_for(lambda: idle(server[0]) and aborted, what="the request's pages to be freed")
+    assert len(aborted) == 1  # aborted while running, not finished on its own
+    assert server[0].state.serving.engine.stats["tokens_generated"] - before < 200
+
+
+def test_client_leaving_a_non_streaming_request_aborts_it(server, folder, monkeypatch) -> None:
+    engine = server[0].state.serving.engine.engine
+    slow_steps(engine, monkeypatch)
+    aborted: list[str] = []
+    real_abort = engine.abort
+    monkeypatch.setattr(engine, "abort", lambda rid: (aborted.append(rid), real_abort(rid)))
+    wait_for(lambda: idle(server[0]), what="an idle engine")
+    host, port = server[1].removeprefix("http://").split(":")
+    body = json.dumps(completion(folder, max_tokens=200, n=2)).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                     + b"\r\n\r\n" + body)
+        wait_for(lambda: server[0].state.serving.engine.stats["running"] == 2,
+                 what="the request to run")
+    wait_for(lambda: idle(server[0]) and len(aborted) == 2, what="both choices aborted")
+
+
+def test_engine_failure_fails_the_request_and_the_engine_goes_on(server, folder,
+                                                                 monkeypatch) -> None:
+    engine = server[0].state.serving.engine.engine
+    real_step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    status, body = post(server, "/v1/completions", completion(folder, max_tokens=20))
+    assert status == 500 and body["error"]["code"] == "engine_failure"
+    assert "RuntimeError: boom" in body["error"]["message"]
+    # Streaming: the error arrives as an event, then [DONE].
+    calls.clear()
+    status, _, text = raw(server[1], "POST", "/v1/completions",
+                          completion(folder, max_tokens=20, stream=True))
+    events = [e for e in text.split("\n\n") if e]
+    assert status == 200 and events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "engine_failure"
+    status, body = post(server, "/v1/completions", completion(folder, max_tokens=5))
+    assert status == 200 and body["usage"]["completion_tokens"] >= 1
+    assert raw(server[1], "GET", "/health")[0] == 200
+
+
+def test_handler_failure_is_500_json(server, folder, monkeypatch) -> None:
+    tokenizer = server[0].state.serving.tokenizer
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("tokenizer down")
+
+    monkeypatch.setattr(tokenizer, "encode", broken)
+    status, _, text = raw(server[1], "POST", "/v1/completions", completion(folder))
+    assert status == 500 and json.loads(text)["error"]["type"] == "server_error"
+    monkeypatch.undo()
+    status, _, _ = raw(server[1], "POST", "/v1/completions", completion(folder))
+    assert status == 200
