@@ -15,6 +15,7 @@ import openai
 import pytest
 from server_live import client, live, raw, wait_for
 
+from attnlab.serving import engine as engine_module
 from attnlab.serving.server import create_app
 from test_cli_generate import make_folder
 
@@ -287,6 +288,26 @@ def test_engine_failure_fails_the_request_and_the_engine_goes_on(server, folder,
     status, body = post(server, "/v1/completions", completion(folder, max_tokens=5))
     assert status == 200 and body["usage"]["completion_tokens"] >= 1
     assert raw(server[1], "GET", "/health")[0] == 200
+
+
+def test_model_failure_in_the_engine_fails_its_requests_only(server, folder,
+                                                             monkeypatch) -> None:
+    """The engine ends the requests of a step whose forward raised (an "abort" event with
+    the error): the client gets a 500 naming it; the next request is served."""
+    real, calls = engine_module.paged_forward, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("model down")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "paged_forward", failing)
+    status, body = post(server, "/v1/completions", completion(folder, max_tokens=5))
+    assert status == 500 and "RuntimeError: model down" in body["error"]["message"]
+    wait_for(lambda: idle(server[0]), what="the failed request's pages to be freed")
+    status, body = post(server, "/v1/completions", completion(folder, max_tokens=5))
+    assert status == 200 and body["usage"]["completion_tokens"] >= 1
 
 
 def test_handler_failure_is_500_json(server, folder, monkeypatch) -> None:

@@ -21,8 +21,12 @@ _ENGINE = (
     ("waiting", "attnlab_queue_length", "gauge", "Requests waiting to be admitted."),
     ("pages_used", "attnlab_kv_pages_used", "gauge", "KV cache pages in use."),
     ("pages_total", "attnlab_kv_pages_total", "gauge", "KV cache pages in all."),
+    ("pages_cached", "attnlab_kv_pages_cached", "gauge",
+     "KV cache pages held by the prefix cache (in use or idle)."),
     ("prefix_hits", "attnlab_prefix_cache_hits_total", "counter",
      "Prompt pages found in the prefix cache."),
+    ("preemptions", "attnlab_preemptions_total", "counter",
+     "Requests paused for lack of KV cache pages."),
 )
 
 

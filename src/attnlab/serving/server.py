@@ -230,7 +230,8 @@ class _Job:
 
     def __init__(self, state: ServerState, body: CompletionRequest | ChatRequest,
                  prompts: list[list[int]], asked: int | None, field: str, *, chat: bool) -> None:
-        self.state, self.body, self.chat = state, body, chat
+        self.state, self.body, self.chat, self.field = state, body, chat, field
+        self.prompt_field = "messages" if chat else "prompt"
         if body.stream_options is not None and not body.stream:
             raise ApiError(400, "stream_options: only with stream: true, got stream: "
                            "false", param="stream_options")
@@ -262,7 +263,10 @@ class _Job:
                 raise ApiError(429, f"The server is busy ({error}); retry later",
                                code="queue_full", type="rate_limit_exceeded") from None
             except ValueError as error:  # the engine's own limit (its KV cache pages)
-                raise ApiError(400, f"max_tokens: {error}", param="max_tokens") from None
+                param = self.prompt_field if str(error).startswith("prompt_ids") \
+                    else self.field
+                raise ApiError(400, f"{param}: {error}", param=param,
+                               code="context_length_exceeded") from None
             stops = self.body.stop_texts
             self.choices[request_id] = (index, ChoiceText(self.state.tokenizer, stops))
         self.state.metrics.tokens(self.prompt_tokens, 0)
@@ -281,7 +285,12 @@ class _Job:
             if isinstance(event, EngineError):
                 raise event
             index, text = self.choices[event.request_id]
+            if index in self.finishes:  # sent before the engine saw our abort (a stop string)
+                continue
             finish = event.finish_reason
+            if finish == "abort":  # not ours: ours stop the events before the engine reports
+                raise EngineError(f"the engine ended the request: "
+                                  f"{event.error or 'aborted'}")
             if event.token_id is not None:
                 self.state.metrics.tokens(0, 1)
                 if text.push(event.token_id) and finish is None:
