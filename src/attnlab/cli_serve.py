@@ -16,7 +16,7 @@ import sys
 
 import uvicorn
 
-from attnlab.arg_types import non_negative_int, positive_int
+from attnlab.arg_types import number, positive_int
 from attnlab.quantization import METHODS
 from attnlab.serving.server import create_app
 
@@ -32,7 +32,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "--model`), with its tokenizer")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every "
                    "interface; the server has no authentication)")
-    p.add_argument("--port", type=non_negative_int, default=8000, help="port (0: a free one)")
+    p.add_argument("--port", type=_port, default=8000, help="port (0: a free one)")
     p.add_argument("--max-batch", type=positive_int, default=8, metavar="N",
                    help="requests decoded together at most")
     p.add_argument("--max-tokens-per-step", type=positive_int, default=512, metavar="N",
@@ -50,15 +50,22 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the folder, then serve until interrupted (Ctrl-C)."""
-    if args.port > 65535:
-        raise ValueError(f"--port: expected a port in [0, 65535], got {args.port}")
     app = create_app(args.model, quantize=args.quantize, max_batch=args.max_batch,
                      max_tokens_per_step=args.max_tokens_per_step, kv_pages=args.kv_pages,
                      page_size=args.page_size, max_queue=args.max_queue)
     server = ReadyServer(uvicorn.Config(app, host=args.host, port=args.port,
                                         log_level="warning"))
-    server.run()
-    return 0 if server.url is not None else 1
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down: the usual end
+        pass
+    if server.url is None:
+        return 1
+    print("attnlab serve: stopped", file=sys.stderr)
+    return 0
+
+
+_port = number(int, lambda v: 0 <= v <= 65535, "a port in [0, 65535] (0: a free one)")
 
 
 class ReadyServer(uvicorn.Server):
