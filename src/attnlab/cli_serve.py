@@ -11,6 +11,7 @@ socket listens (``--port 0`` takes a free port and prints it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import socket
 import sys
 
@@ -55,10 +56,9 @@ def run_serve(args: argparse.Namespace) -> int:
                      page_size=args.page_size, max_queue=args.max_queue)
     server = ReadyServer(uvicorn.Config(app, host=args.host, port=args.port,
                                         log_level="warning"))
-    try:
+    # uvicorn re-raises Ctrl-C once it has shut down: the usual way to stop.
+    with contextlib.suppress(KeyboardInterrupt):
         server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down: the usual end
-        pass
     if server.url is None:
         return 1
     print("attnlab serve: stopped", file=sys.stderr)
