@@ -85,6 +85,8 @@ BAD_COMPLETIONS = [
     ({"prompt": [-1]}, "prompt", ""),
     ({"prompt": None}, "prompt", ""),
     ({"model": 3}, "model", "valid string"),
+    ({"prompt": "\ud800"}, "prompt", "valid Unicode"),
+    ({"prompt": ["ok", "a\udfff"]}, "prompt", "valid Unicode"),
     ({"logprobs": 2}, "logprobs", "not supported"),
     ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "only with stream: true"),
@@ -113,6 +115,10 @@ BAD_CHATS = [
     ({"messages": [{"content": "hi"}]}, "messages.0.role", "Field required"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages.0.content.0.type", "'text'"),
+    ({"messages": [{"role": "user", "content": "\udc00"}]}, "messages.0.content",
+     "valid Unicode"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+     "messages.0.content.0.text", "valid Unicode"),
     ({"max_tokens": CONTEXT}, "max_tokens", "maximum context length"),
     ({"max_completion_tokens": CONTEXT}, "max_completion_tokens", "maximum context length"),
     ({"messages": [{"role": "user", "content": "fox " * 300}]}, "messages", "no room"),
@@ -126,6 +132,21 @@ def test_bad_chat_is_400_naming_the_field(server, folder, fields, param, message
     assert status == 400, body
     assert body["error"]["param"] == param and body["error"]["message"].startswith(param)
     assert message in body["error"]["message"]
+
+
+@pytest.mark.parametrize("fields", [{"temperature": 1e-300}, {"top_p": 1e-300},
+                                    {"top_k": 10**9}, {"seed": 2**64 - 1, "n": 2}])
+def test_extreme_sampling_values_are_served(server, folder, fields) -> None:
+    """A temperature under 1e-5 is greedy; a top_p under float32's range keeps the top
+    token (greedy too); a top_k over the vocabulary keeps all; the largest seed wraps for
+    the second choice."""
+    status, body = post(server, "/v1/completions", completion(folder, temperature=1.0,
+                                                              max_tokens=6) | fields)
+    assert status == 200, body
+    if "seed" not in fields and "top_k" not in fields:
+        _, greedy = post(server, "/v1/completions", completion(folder, temperature=0,
+                                                               max_tokens=6))
+        assert body["choices"][0]["text"] == greedy["choices"][0]["text"]
 
 
 def test_the_openai_client_sees_the_400(server, folder) -> None:

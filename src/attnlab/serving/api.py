@@ -19,7 +19,7 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 __all__ = ["ApiError", "ChatMessage", "ChatRequest", "CompletionRequest", "StreamOptions",
            "chat_chunk", "chat_completion", "completion", "completion_chunk", "error_body",
@@ -132,11 +132,12 @@ class CompletionRequest(_Sampling):
                                          and all(_is_id(v) for v in value))
         prompts = [value] if one else value
         if not isinstance(prompts, list) or not prompts or not all(
-                (isinstance(p, str) and p) or (isinstance(p, list) and p
-                                               and all(_is_id(v) for v in p))
+                (isinstance(p, str) and p and _is_unicode(p))
+                or (isinstance(p, list) and p and all(_is_id(v) for v in p))
                 for p in prompts):
             shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-            raise ValueError(f"expected a non-empty text, a non-empty list of token ids "
+            raise ValueError(f"expected a non-empty text (valid Unicode), a non-empty list of "
+                             f"token ids "
                              f"(ints >= 0), or a non-empty list of either, got {shown}")
         return prompts
 
@@ -145,16 +146,35 @@ def _is_id(value: object) -> bool:
     return type(value) is int and value >= 0
 
 
+def _is_unicode(text: str) -> bool:
+    """False for a text with a lone surrogate (JSON's "\\ud800"), which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _unicode(text: str) -> str:
+    if not _is_unicode(text):
+        shown = repr(text) if len(repr(text)) <= 80 else repr(text)[:77] + "..."
+        raise ValueError(f"expected valid Unicode text, got {shown} (a lone surrogate)")
+    return text
+
+
+UnicodeText = Annotated[str, AfterValidator(_unicode)]
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["text"]
-    text: str
+    text: UnicodeText
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: UnicodeText | list[TextPart] | None = None
     name: str | None = None
 
     @property

@@ -57,6 +57,7 @@ __all__ = ["ServerState", "create_app"]
 
 # How often a non-streaming request checks that its client is still there.
 DISCONNECT_POLL_S = 0.1
+SAMPLING_EPS, MIN_TOP_P = 1e-5, 1e-8
 ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
 
 
@@ -179,8 +180,12 @@ class ServerState:
                            code="context_length_exceeded")
         # n choices with one seed must differ, as OpenAI's do; each is still reproducible.
         seed = None if body.seed is None else (body.seed + choice) % (MAX_SEED + 1)
+        # A temperature this small divides the logits into inf (NaN probabilities): it means
+        # greedy, as in vLLM. A top_p under float32's range compares as 0 and would drop every
+        # token; any p <= 1/V keeps the most likely token only, which MIN_TOP_P does.
+        temperature = 0.0 if body.temperature < SAMPLING_EPS else body.temperature
         return SamplingParams(max_tokens=room if asked is None else asked,
-                              temperature=body.temperature, top_p=body.top_p,
+                              temperature=temperature, top_p=max(body.top_p, MIN_TOP_P),
                               top_k=body.top_k, seed=seed, stop_token_ids=self.stop_token_ids)
 
 
