@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
+import openai
 import pytest
 import torch
 from server_live import client, live, raw, wait_for
@@ -63,6 +65,29 @@ def engine_idle(app) -> bool:
 def test_models_list(api, folder) -> None:
     models = api.models.list().data
     assert [m.id for m in models] == [folder.name]
+    assert api.models.retrieve(folder.name).id == folder.name
+    with pytest.raises(openai.NotFoundError):
+        api.models.retrieve("gpt-4")
+
+
+def test_concurrent_requests_equal_one_at_a_time(api, folder) -> None:
+    """Requests that arrive together are batched by the engine; each gets the text it gets
+    alone."""
+    prompts = ["once upon a time", "the fox said", "hello", "the world was"]
+    alone = [api.completions.create(model=folder.name, prompt=p, max_tokens=10,
+                                    temperature=0).choices[0].text for p in prompts]
+    together: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        together[i] = api.completions.create(model=folder.name, prompt=prompts[i],
+                                             max_tokens=10, temperature=0).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [together.get(i) for i in range(len(prompts))] == alone
 
 
 @pytest.mark.parametrize("new", [1, 24])
@@ -243,3 +268,20 @@ def test_metrics_count_requests_and_tokens(api, server, folder) -> None:
     assert metric(after, "attnlab_kv_pages_total") == stats["pages_total"]
     for name in ("attnlab_requests_total", "attnlab_batch_size", "attnlab_kv_pages_used"):
         assert f"# TYPE {name} " in after
+
+
+def test_end_ids_of_generation_config(tmp_path, tok) -> None:
+    """generation_config.json's eos_token_id list ends the text (finish_reason "stop"), as
+    in `attnlab generate` and transformers."""
+    make_folder(tmp_path)
+    ids = tok.encode(PROMPT)
+    free = hf_greedy(tmp_path, ids, 12, tok.eos_token_id)
+    k = next(i for i in range(2, len(free)) if free[i] not in free[:i])
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [tok.eos_token_id, free[k]]}))
+    with live(create_app(tmp_path, kv_pages=64)) as url:
+        out = client(url).completions.create(model=tmp_path.name, prompt=PROMPT,
+                                             max_tokens=12, temperature=0)
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == k + 1
+    assert out.choices[0].text == tok.decode(free[:k + 1], skip_special_tokens=True)

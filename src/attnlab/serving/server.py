@@ -143,6 +143,10 @@ class ServerState:
     def context(self) -> int:
         return self.model.config.max_len
 
+    def model_card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": 0, "owned_by": "attnlab",
+                "max_model_len": self.context}
+
     def check_model(self, name: str) -> None:
         if name != self.name:
             raise ApiError(404, f"The model {name!r} does not exist; this server serves "
@@ -203,8 +207,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": state.name, "object": "model",
-                                            "created": 0, "owned_by": "attnlab"}]}
+        return {"object": "list", "data": [state.model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict:
+        state.check_model(name)
+        return state.model_card()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
