@@ -7,6 +7,7 @@ frees its KV cache pages."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -15,8 +16,10 @@ import openai
 import pytest
 from server_live import client, live, raw, wait_for
 
+from attnlab.models.io import from_pretrained
 from attnlab.serving import engine as engine_module
 from attnlab.serving.server import create_app
+from attnlab.tokenizer import Tokenizer
 from test_cli_generate import make_folder
 
 PROMPT = "once upon a time"
@@ -343,3 +346,21 @@ def test_handler_failure_is_500_json(server, folder, monkeypatch) -> None:
     monkeypatch.undo()
     status, _, _ = raw(server[1], "POST", "/v1/completions", completion(folder))
     assert status == 200
+
+
+def test_create_app_refuses_bad_arguments_by_name(folder) -> None:
+    model, tok = from_pretrained(folder), Tokenizer.from_pretrained(folder)
+    for kwargs, error, message in [
+        ({"model": 3}, TypeError, "model: expected a folder"),
+        ({"model": (tok, model)}, TypeError, "model: expected a folder or a (DecoderLM"),
+        ({"model": (model, tok), "quantize": "int8"}, ValueError, "quantize: only for a folder"),
+        ({"model": folder, "max_body_bytes": 0}, ValueError, "max_body_bytes: expected a "
+         "positive int, got 0"),
+        ({"model": folder, "served_name": ""}, TypeError, "served_name"),
+        ({"model": folder, "max_batch": 0}, ValueError, "max_batch"),
+        ({"model": folder / "missing"}, FileNotFoundError, "missing"),
+    ]:
+        with pytest.raises(error, match=re.escape(message)):
+            create_app(**kwargs)
+    app = create_app((model, tok), served_name="tiny")
+    assert app.state.serving.name == "tiny"

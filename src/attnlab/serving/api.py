@@ -10,20 +10,39 @@ OpenAI's own server does.
 Responses are plain dicts built by the functions below (``completion``, ``chat_completion``,
 ``chunk``, ...), each in the shape of the OpenAI reference: ``choices`` with ``index`` and
 ``finish_reason`` (``"stop"`` or ``"length"``), ``usage`` with ``prompt_tokens``,
-``completion_tokens`` and ``total_tokens``.
+``completion_tokens`` and ``total_tokens``. ``add_error_handlers`` makes every refusal an
+OpenAI error JSON (``{"error": {"message", "type", "param", "code"}}``), FastAPI's 422 a 400.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import time
 import uuid
 from typing import Annotated, Literal
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from starlette.exceptions import HTTPException
 
-__all__ = ["ApiError", "ChatMessage", "ChatRequest", "CompletionRequest", "StreamOptions",
-           "chat_chunk", "chat_completion", "completion", "completion_chunk", "error_body",
-           "new_id", "usage"]
+__all__ = [
+    "ApiError",
+    "ChatMessage",
+    "ChatRequest",
+    "CompletionRequest",
+    "StreamOptions",
+    "add_error_handlers",
+    "chat_chunk",
+    "chat_completion",
+    "completion",
+    "completion_chunk",
+    "error_body",
+    "new_id",
+    "usage",
+]
 
 # torch.Generator seeds are unsigned 64-bit integers.
 MAX_SEED = 2**64 - 1
@@ -250,3 +269,44 @@ def _chunk(id: str, object: str, model: str, choices: list, use: dict | None,
     if with_usage:  # OpenAI: null on every chunk but the last one when usage is asked for
         body["usage"] = use
     return body
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Answer every refusal and failure of ``app`` with OpenAI's error JSON: ``ApiError`` with
+    its status; FastAPI's validation errors (422) as 400 naming the field; Starlette's HTTP
+    errors (404, 405, a body that is not JSON) with their status; anything else as 500."""
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        # FastAPI answers 422 with its own JSON; OpenAI's clients expect 400 and this shape.
+        # Of a union's errors (one per member), the deepest is the member that was meant.
+        first = max(error.errors(), key=lambda e: len(e.get("loc", ())))
+        where = [str(p) for p in first.get("loc", ())
+                 if p != "body" and (isinstance(p, int) or str(p).isidentifier())]
+        param = ".".join(where) or None
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        if first.get("type") == "json_invalid":
+            message, param = f"The body is not valid JSON: {message}", None
+        elif "input" in first and first.get("type") not in ("missing", "value_error"):
+            message += f", got {_shown(first['input'])}"
+        return JSONResponse(error_body(f"{param or 'body'}: {message}", param=param),
+                            status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(error.detail), code=str(error.status_code)),
+                            status_code=error.status_code, headers=error.headers)
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, error: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {type(error).__name__}",
+                                       type="server_error"), status_code=500)
+
+
+def _shown(value: object) -> str:
+    text = json.dumps(value, default=repr) if not isinstance(value, float) or math.isfinite(
+        value) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from starlette.exceptions import HTTPException
 
+from attnlab._checks import check_positive
 from attnlab.generation.config import read_generation_config
 from attnlab.generation.inputs import token_id_set
 from attnlab.models.decoder import DecoderLM
@@ -40,6 +38,7 @@ from attnlab.serving.api import (
     ApiError,
     ChatRequest,
     CompletionRequest,
+    add_error_handlers,
     chat_chunk,
     chat_completion,
     completion,
@@ -73,6 +72,9 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
     engine options are ``Engine``'s. The engine thread starts with the app's lifespan (a server
     starting the app) and stops with it; ``app.state.serving`` is the ``ServerState``.
     ``max_body_bytes``: larger request bodies are refused (413)."""
+    check_positive("max_body_bytes", max_body_bytes)
+    if served_name is not None and (not isinstance(served_name, str) or not served_name):
+        raise TypeError(f"served_name: expected a non-empty str or None, got {served_name!r}")
     state = ServerState.load(model, served_name=served_name, quantize=quantize)
     engine = Engine(state.model, max_batch=max_batch, max_tokens_per_step=max_tokens_per_step,
                     kv_pages=kv_pages, page_size=page_size, max_queue=max_queue,
@@ -90,7 +92,7 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
     app = FastAPI(title="attnlab serve", lifespan=lifespan, openapi_url=None, docs_url=None,
                   redoc_url=None)
     app.state.serving = state
-    _add_error_handlers(app)
+    add_error_handlers(app)
     _add_routes(app, state)
     app.add_middleware(_Gate, metrics=state.metrics, max_body_bytes=max_body_bytes)
     return app
@@ -395,44 +397,6 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, error: ApiError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-        # FastAPI answers 422 with its own JSON; OpenAI's clients expect 400 and this shape.
-        # Of a union's errors (one per member), the deepest is the member that was meant.
-        first = max(error.errors(), key=lambda e: len(e.get("loc", ())))
-        where = [str(p) for p in first.get("loc", ())
-                 if p != "body" and (isinstance(p, int) or str(p).isidentifier())]
-        param = ".".join(where) or None
-        message = first.get("msg", "invalid request").removeprefix("Value error, ")
-        if first.get("type") == "json_invalid":
-            message, param = f"The body is not valid JSON: {message}", None
-        elif "input" in first and first.get("type") not in ("missing", "value_error"):
-            message += f", got {_shown(first['input'])}"
-        return JSONResponse(error_body(f"{param or 'body'}: {message}", param=param),
-                            status_code=400)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(error.detail), code=str(error.status_code)),
-                            status_code=error.status_code, headers=error.headers)
-
-    @app.exception_handler(Exception)
-    async def crashed(request: Request, error: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"internal error: {type(error).__name__}",
-                                       type="server_error"), status_code=500)
-
-
-def _shown(value: object) -> str:
-    text = json.dumps(value, default=repr) if not isinstance(value, float) or math.isfinite(
-        value) else repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class _Gate:
