@@ -1,0 +1,387 @@
+"""Accuracy of quantized weights: float32, bfloat16, int8 and int4 on the same held-out data.
+
+A character-level ``DecoderLM`` (Llama style: RoPE, RMSNorm, SwiGLU; hidden 128 and
+feed-forward 384, which every int4 group size of 32, 64 and 128 divides) is trained here for
+``--train-seconds`` on real English text: ``--text``, by default the GNU GPL version 3 that
+every Debian system ships (``/usr/share/common-licenses/GPL-3``). Its last 10 % is held
+out. For each copy of the trained weights (float32, bfloat16, int8 per output channel, int4
+in groups of each ``--group-sizes`` along the input; int8/int4 activations in float32) the
+benchmark reports, on every held-out character after the first:
+
+    perplexity = exp(mean over positions of -log softmax(logits)[next character])
+    agreement  = share of positions whose argmax equals float32's argmax
+
+with the ratio of each to float32's, and the weight bytes (``weight_bytes``) against float32.
+The date translator of ``attnlab demo`` is trained for ``--date-seconds`` and its greedy
+exact match on held-out dates is reported for the same copies. Writes
+``quantization-accuracy.md`` (the new table on top, earlier runs kept below as history)
+and prints PASS/FAIL for the issue's targets: int8 perplexity within 1 % of float32's, int4
+with groups of 64 within 5 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnlab._checks import check_positive, is_number
+from attnlab.arg_types import positive_float, positive_int
+from attnlab.bench.harness import int_list, machine_info
+from attnlab.bench.quantization_report import targets, write_report
+from attnlab.demo import demo_model_config, demo_train_config
+from attnlab.models.decoder import DecoderLM, DecoderLMConfig
+from attnlab.models.pretrained import cast_weights
+from attnlab.models.transformer import Transformer
+from attnlab.training.tasks.seq2seq import Seq2SeqTask, make_seq2seq_task
+from attnlab.training.tasks.text import CharLMTask, read_text
+from attnlab.training.trainer import TrainConfig, Trainer
+
+try:
+    from attnlab.quantization import quantize_model, weight_bytes
+except ImportError:  # until the quantized modules of issue 15 are on this branch
+    quantize_model = weight_bytes = None
+
+__all__ = ["DEFAULT_TEXT", "AccuracyResult", "AccuracySettings", "DateScore", "LMScore",
+           "Variant", "add_arguments", "lm_scores", "measure_accuracy", "run"]
+
+DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
+HELD_OUT = 0.1
+# ``--quick``: a smoke run of seconds (the size options are ignored).
+QUICK = {"train_seconds": 2.0, "steps": 30, "layers": 1, "heads": 2, "block_size": 32,
+         "batch_size": 8, "date_seconds": 2.0, "date_steps": 30, "date_examples": 50}
+
+
+@dataclass(frozen=True)
+class AccuracySettings:
+    """What ``measure_accuracy`` trains and measures.
+
+    The LM: ``d_model`` ``E`` (every group size must divide it), ``layers``, ``heads``,
+    feed-forward ``3 E``, windows of ``block_size`` characters, ``batch_size`` windows a
+    step, for ``train_seconds`` (the step count is that over the measured seconds a step
+    takes, at most ``steps`` when given). The date model: ``attnlab demo``'s, trained for
+    ``date_seconds`` (at most ``date_steps``), scored on ``date_examples`` held-out dates.
+    """
+
+    text: Path = DEFAULT_TEXT
+    train_seconds: float = 150.0
+    steps: int | None = None
+    d_model: int = 128
+    layers: int = 4
+    heads: int = 4
+    block_size: int = 128
+    batch_size: int = 32
+    group_sizes: tuple[int, ...] = (32, 64, 128)
+    date_seconds: float = 90.0
+    date_steps: int | None = None
+    date_examples: int = 1000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "text", Path(self.text))
+        for name in ("train_seconds", "date_seconds"):
+            value = getattr(self, name)
+            if not is_number(value, finite=True) or value <= 0:
+                raise ValueError(f"{name}: expected a finite number of seconds > 0, "
+                                 f"got {value!r}")
+        for name in ("d_model", "layers", "heads", "block_size", "batch_size", "date_examples"):
+            check_positive(name, getattr(self, name))
+        for name in ("steps", "date_steps"):
+            if getattr(self, name) is not None:
+                check_positive(name, getattr(self, name))
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model: expected a multiple of heads={self.heads}, "
+                             f"got {self.d_model}")
+        check_group_sizes(self.group_sizes, self.d_model)
+
+    @property
+    def d_ff(self) -> int:
+        return 3 * self.d_model
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One copy of the weights: ``weights`` ``"float32"``, ``"bfloat16"``, ``"int8"`` or
+    ``"int4"`` (with ``group_size``); int8 and int4 compute in float32."""
+
+    weights: str
+    group_size: int | None = None
+
+    @property
+    def label(self) -> str:
+        return self.weights if self.group_size is None else f"{self.weights} g{self.group_size}"
+
+    @property
+    def activations(self) -> str:
+        return "bfloat16" if self.weights == "bfloat16" else "float32"
+
+
+@dataclass(frozen=True)
+class LMScore:
+    """The LM with one variant's weights on the held-out text."""
+
+    variant: Variant
+    weight_bytes: int | None
+    perplexity: float
+    agreement: float
+
+
+@dataclass(frozen=True)
+class DateScore:
+    """The date model with one variant's weights: greedy exact match, and the share of its
+    outputs equal to float32's."""
+
+    variant: Variant
+    exact_match: float
+    same_as_float32: float
+
+
+@dataclass(frozen=True)
+class AccuracyResult:
+    """Everything ``measure_accuracy`` measured; ``lm`` is the trained float32 model and
+    ``held_out`` the ids (``N``) it was scored on, so that a reader can check the figures."""
+
+    settings: AccuracySettings
+    text_chars: int
+    text_sha256: str
+    lm: DecoderLM
+    held_out: Tensor
+    lm_steps: int
+    lm_seconds: float
+    lm_scores: tuple[LMScore, ...]
+    date_steps: int
+    date_seconds: float
+    date_scores: tuple[DateScore, ...]
+    quantized: bool
+    machine: dict[str, str] = field(default_factory=dict)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``attnlab bench quantization``."""
+    d = AccuracySettings()
+    parser.add_argument("--text", type=Path, default=d.text,
+                        help="UTF-8 English text to learn; its last 10%% is held out")
+    parser.add_argument("--train-seconds", type=positive_float, default=d.train_seconds,
+                        help="training time of the character LM")
+    parser.add_argument("--steps", type=positive_int, default=None,
+                        help="most training steps of the LM (None: as many as "
+                        "--train-seconds allows)")
+    parser.add_argument("--d-model", type=positive_int, default=d.d_model,
+                        help="hidden size E of the LM (every group size must divide it)")
+    parser.add_argument("--layers", type=positive_int, default=d.layers, help="LM layers")
+    parser.add_argument("--heads", type=positive_int, default=d.heads, help="LM heads")
+    parser.add_argument("--block-size", type=positive_int, default=d.block_size,
+                        help="characters per window, in training and scoring")
+    parser.add_argument("--batch-size", type=positive_int, default=d.batch_size,
+                        help="windows per training step")
+    parser.add_argument("--group-sizes", type=int_list,
+                        default=",".join(map(str, d.group_sizes)),
+                        help="comma-separated int4 group sizes")
+    parser.add_argument("--date-seconds", type=positive_float, default=d.date_seconds,
+                        help="training time of the date translator")
+    parser.add_argument("--date-steps", type=positive_int, default=None,
+                        help="most training steps of the date translator (None: as many as "
+                        "--date-seconds allows)")
+    parser.add_argument("--date-examples", type=positive_int, default=d.date_examples,
+                        help="held-out dates scored")
+    parser.add_argument("--seed", type=int, default=d.seed, help="seed of data and weights")
+
+
+def run(args: argparse.Namespace) -> Path:
+    """Run the benchmark, write ``quantization-accuracy.md`` into ``args.out``, print the
+    table and PASS/FAIL per target; returns the markdown path."""
+    settings = settings_from_args(args)
+    args.out.mkdir(parents=True, exist_ok=True)  # before minutes of training, not after
+    result = measure_accuracy(settings, progress=True)
+    path = write_report(result, args.out / "quantization-accuracy.md")
+    print(path.read_text().split("\n## History\n")[0])
+    for target in targets(result):
+        print(f"{'PASS' if target.passed else 'FAIL'}: {target.describe()}")
+    return path
+
+
+def settings_from_args(args: argparse.Namespace) -> AccuracySettings:
+    """The settings of the command line, refused by flag name where they do not fit."""
+    if not args.text.is_file():
+        if args.text == DEFAULT_TEXT:
+            raise ValueError(f"--text: the default {str(DEFAULT_TEXT)!r} is not on this "
+                             "machine (Debian's base-files ships it); pass --text FILE, a "
+                             "UTF-8 English text of some 30,000 characters or more")
+        raise ValueError(f"--text: no such file {str(args.text)!r}; expected a UTF-8 text file")
+    check_group_sizes(args.group_sizes, args.d_model, name="--group-sizes",
+                      width_name="--d-model")
+    if args.d_model % args.heads:
+        raise ValueError(f"--d-model: expected a multiple of --heads={args.heads}, "
+                         f"got {args.d_model}")
+    sizes = QUICK if args.quick else {}
+    names = ("train_seconds", "steps", "d_model", "layers", "heads", "block_size",
+             "batch_size", "group_sizes", "date_seconds", "date_steps", "date_examples", "seed")
+    return AccuracySettings(text=args.text, **{n: sizes.get(n, getattr(args, n)) for n in names})
+
+
+def check_group_sizes(group_sizes: object, d_model: int, *, name: str = "group_sizes",
+                      width_name: str = "d_model") -> None:
+    """Every int4 group size must divide every quantized layer's input: ``E`` and the
+    feed-forward ``3 E`` (so dividing ``E`` is enough)."""
+    if (not isinstance(group_sizes, tuple) or not group_sizes
+            or not all(isinstance(g, int) and not isinstance(g, bool) and g > 0
+                       for g in group_sizes)):
+        raise ValueError(f"{name}: expected a non-empty tuple of positive ints, "
+                         f"got {group_sizes!r}")
+    wrong = [g for g in group_sizes if d_model % g]
+    if wrong:
+        raise ValueError(f"{name}: int4 groups run along each layer's input, so every size "
+                         f"must divide the hidden size {width_name}={d_model}; got "
+                         f"{','.join(map(str, group_sizes))}, of which "
+                         f"{','.join(map(str, wrong))} do not")
+
+
+def measure_accuracy(settings: AccuracySettings, *, progress: bool = False) -> AccuracyResult:
+    """Train the character LM and the date model as ``settings`` say, and score every
+    variant of their weights on the same held-out data (module docstring)."""
+    if not isinstance(settings, AccuracySettings):
+        raise TypeError(f"settings: expected AccuracySettings, got {type(settings).__name__}")
+    s = settings
+    text = read_text(s.text)
+    task = CharLMTask(text, block_size=s.block_size, seed=s.seed, valid_fraction=HELD_OUT)
+    torch.manual_seed(s.seed)
+    lm = DecoderLM(DecoderLMConfig.llama(
+        len(task.vocab), d_model=s.d_model, num_layers=s.layers, num_heads=s.heads,
+        d_ff=s.d_ff, dropout=0.1, max_len=s.block_size))
+    config = TrainConfig(batch_size=s.batch_size, lr=2e-3, seed=s.seed)
+    _say(progress, f"training the character LM on {s.text} for ~{s.train_seconds:g} s")
+    lm_steps, lm_seconds = _train(lm, task, config, s.train_seconds, s.steps)
+    lm_rows = _score_lm(lm, task.valid_ids, s.block_size, s.group_sizes, progress)
+
+    dates = make_seq2seq_task("dates", seed=s.seed, n_valid=100, n_test=s.date_examples)
+    torch.manual_seed(s.seed)
+    translator = Transformer(demo_model_config(dates))
+    _say(progress, f"training the date translator for ~{s.date_seconds:g} s")
+    date_steps, date_seconds = _train(translator, dates, demo_train_config(batch_size=64),
+                                      s.date_seconds, s.date_steps)
+    date_rows = _score_dates(translator, dates, s.group_sizes, progress)
+    return AccuracyResult(
+        settings=s, text_chars=len(text),
+        text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        lm=lm.eval(), held_out=task.valid_ids, lm_steps=lm_steps, lm_seconds=lm_seconds,
+        lm_scores=lm_rows, date_steps=date_steps, date_seconds=date_seconds,
+        date_scores=date_rows, quantized=quantize_model is not None, machine=machine_info())
+
+
+def lm_scores(model: nn.Module, ids: Tensor, window: int) -> tuple[float, Tensor]:
+    """Perplexity of ``model`` on ``ids`` (``N``) and its argmax predictions (``N - 1``).
+
+    ``ids`` is read in consecutive windows of ``window`` inputs, each predicting the next
+    ``window`` ids, so that every id after the first is predicted once, from at most
+    ``window`` ids before it: ``exp(mean -log softmax(logits)[target])`` over the ``N - 1``
+    targets. Logits are scored in float32 whatever the model's dtype.
+    """
+    if ids.dim() != 1 or len(ids) < 2:
+        raise ValueError(f"ids: expected a 1-D tensor of at least 2 ids, got shape "
+                         f"{tuple(ids.shape)}")
+    check_positive("window", window)
+    model.eval()
+    total, predictions = 0.0, []
+    full = (len(ids) - 1) // window
+    pieces = [(ids[: full * window].view(full, window),
+               ids[1 : full * window + 1].view(full, window))]
+    if (len(ids) - 1) % window:
+        pieces.append((ids[full * window : -1][None], ids[full * window + 1 :][None]))
+    with torch.no_grad():
+        for inputs, targets in pieces:
+            for start in range(0, len(inputs), 64):  # 64 windows a forward bound the memory
+                x, y = inputs[start : start + 64], targets[start : start + 64]
+                logits = model(x).float()
+                total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum",
+                                         ).double().item()
+                predictions.append(logits.argmax(-1).flatten())
+    return math.exp(total / (len(ids) - 1)), torch.cat(predictions)
+
+
+def variants(group_sizes: tuple[int, ...]) -> tuple[Variant, ...]:
+    """float32 first (the reference), bfloat16, then int8 and int4 per group size when the
+    quantized modules are there."""
+    plain = (Variant("float32"), Variant("bfloat16"))
+    if quantize_model is None:
+        return plain
+    return (*plain, Variant("int8"), *(Variant("int4", g) for g in group_sizes))
+
+
+def weights_as(model: nn.Module, variant: Variant) -> nn.Module:
+    """A copy of ``model`` (float32) with ``variant``'s weights; ``model`` is untouched."""
+    other = copy.deepcopy(model).eval()
+    if variant.weights == "bfloat16":
+        cast_weights(other, torch.bfloat16)
+    elif variant.weights == "int8":
+        quantize_model(other, "int8")
+    elif variant.weights == "int4":
+        quantize_model(other, "int4", variant.group_size)
+    return other
+
+
+def _score_lm(lm: DecoderLM, held_out: Tensor, window: int, group_sizes: tuple[int, ...],
+              progress: bool) -> tuple[LMScore, ...]:
+    rows, reference = [], None
+    for variant, model in _copies(lm, group_sizes, progress, "LM"):
+        perplexity, predicted = lm_scores(model, held_out, window)
+        reference = predicted if reference is None else reference
+        rows.append(LMScore(variant, _bytes(model), perplexity,
+                            (predicted == reference).double().mean().item()))
+    return tuple(rows)
+
+
+def _score_dates(model: Transformer, task: Seq2SeqTask, group_sizes: tuple[int, ...],
+                 progress: bool) -> tuple[DateScore, ...]:
+    sources = [s for s, _ in task.test]
+    answers = [t for _, t in task.test]
+    rows, reference = [], None
+    for variant, copy_ in _copies(model, group_sizes, progress, "date model"):
+        outputs = task.translate(copy_, sources)
+        reference = outputs if reference is None else reference
+        rows.append(DateScore(variant, _share(outputs, answers), _share(outputs, reference)))
+    return tuple(rows)
+
+
+def _copies(model: nn.Module, group_sizes: tuple[int, ...], progress: bool,
+            what: str) -> Iterator[tuple[Variant, nn.Module]]:
+    # One copy at a time: the quantized copies need not all be held together.
+    model.eval()
+    for variant in variants(group_sizes):
+        _say(progress, f"scoring the {what} with {variant.label} weights")
+        yield variant, weights_as(model, variant)
+
+
+def _train(model: nn.Module, task: object, config: TrainConfig, seconds: float,
+           most: int | None) -> tuple[int, float]:
+    """Train for about ``seconds`` (the steps that fit at the measured seconds per step, at
+    most ``most``), evaluating only at the end; returns (steps, seconds taken)."""
+    step_seconds = Trainer(model, task, config, progress=False).estimate_step_seconds()
+    steps = max(1, int(seconds / max(step_seconds, 1e-9)))
+    steps = steps if most is None else min(steps, most)
+    config = replace(config, steps=steps, warmup=min(config.warmup, steps // 10),
+                     eval_every=steps, checkpoint_every=steps, log_every=steps)
+    start = time.perf_counter()
+    Trainer(model, task, config, progress=False).fit()
+    return steps, time.perf_counter() - start
+
+
+def _bytes(model: nn.Module) -> int | None:
+    return None if weight_bytes is None else weight_bytes(model)
+
+
+def _share(outputs: list[str], expected: list[str]) -> float:
+    return sum(o == e for o, e in zip(outputs, expected)) / len(expected)
+
+
+def _say(progress: bool, text: str) -> None:
+    if progress:
+        print(f"bench quantization: {text}", flush=True)
