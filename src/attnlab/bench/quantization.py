@@ -35,13 +35,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnlab._checks import check_positive, is_number
-from attnlab.arg_types import positive_float, positive_int
+from attnlab.arg_types import number, positive_float, positive_int
 from attnlab.bench.harness import int_list, machine_info
 from attnlab.bench.quantization_report import targets, write_report
-from attnlab.demo import demo_model_config, demo_train_config
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 from attnlab.models.pretrained import cast_weights
-from attnlab.models.transformer import Transformer
+from attnlab.models.transformer import Transformer, TransformerConfig
 from attnlab.training.tasks.seq2seq import Seq2SeqTask, make_seq2seq_task
 from attnlab.training.tasks.text import CharLMTask, read_text
 from attnlab.training.trainer import TrainConfig, Trainer
@@ -52,10 +51,16 @@ except ImportError:  # until the quantized modules of issue 15 are on this branc
     quantize_model = weight_bytes = None
 
 __all__ = ["DEFAULT_TEXT", "AccuracyResult", "AccuracySettings", "DateScore", "LMScore",
-           "Variant", "add_arguments", "lm_scores", "measure_accuracy", "run"]
+           "Variant", "add_arguments", "check_group_sizes", "date_model_config", "lm_scores",
+           "measure_accuracy", "run", "settings_from_args", "variants", "weights_as"]
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 HELD_OUT = 0.1
+# Held-out dates at most: the other ~63,000 days of 1900-2099 stay for training.
+MAX_DATE_EXAMPLES = 10_000
+# The date translator's training, as ``attnlab demo`` trains it (``attnlab.demo`` is a layer
+# above the benchmarks), on half its batch: twice the steps in the same time.
+DATE_TRAINING = TrainConfig(batch_size=64, lr=2e-3, warmup=100)
 # ``--quick``: a smoke run of seconds (the size options are ignored).
 QUICK = {"train_seconds": 2.0, "steps": 30, "layers": 1, "heads": 2, "block_size": 32,
          "batch_size": 8, "date_seconds": 2.0, "date_steps": 30, "date_examples": 50}
@@ -95,6 +100,10 @@ class AccuracySettings:
                                  f"got {value!r}")
         for name in ("d_model", "layers", "heads", "block_size", "batch_size", "date_examples"):
             check_positive(name, getattr(self, name))
+        if self.date_examples > MAX_DATE_EXAMPLES:
+            raise ValueError(f"date_examples: expected at most {MAX_DATE_EXAMPLES:,} (the "
+                             f"other dates of 1900-2099 train the model), got "
+                             f"{self.date_examples:,}")
         for name in ("steps", "date_steps"):
             if getattr(self, name) is not None:
                 check_positive(name, getattr(self, name))
@@ -147,8 +156,9 @@ class DateScore:
 
 @dataclass(frozen=True)
 class AccuracyResult:
-    """Everything ``measure_accuracy`` measured; ``lm`` is the trained float32 model and
-    ``held_out`` the ids (``N``) it was scored on, so that a reader can check the figures."""
+    """Everything ``measure_accuracy`` measured. ``lm`` is the trained float32 LM and
+    ``held_out`` the ids (``N``) it was scored on; ``translator`` the trained float32 date
+    model: so that a reader can check the figures."""
 
     settings: AccuracySettings
     text_chars: int
@@ -158,6 +168,7 @@ class AccuracyResult:
     lm_steps: int
     lm_seconds: float
     lm_scores: tuple[LMScore, ...]
+    translator: Transformer
     date_steps: int
     date_seconds: float
     date_scores: tuple[DateScore, ...]
@@ -168,7 +179,7 @@ class AccuracyResult:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``attnlab bench quantization``."""
     d = AccuracySettings()
-    parser.add_argument("--text", type=Path, default=d.text,
+    parser.add_argument("--text", type=Path, default=DEFAULT_TEXT,
                         help="UTF-8 English text to learn; its last 10%% is held out")
     parser.add_argument("--train-seconds", type=positive_float, default=d.train_seconds,
                         help="training time of the character LM")
@@ -191,7 +202,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--date-steps", type=positive_int, default=None,
                         help="most training steps of the date translator (None: as many as "
                         "--date-seconds allows)")
-    parser.add_argument("--date-examples", type=positive_int, default=d.date_examples,
+    parser.add_argument("--date-examples", default=d.date_examples,
+                        type=number(int, lambda v: 1 <= v <= MAX_DATE_EXAMPLES,
+                                    f"an int in [1, {MAX_DATE_EXAMPLES}]"),
                         help="held-out dates scored")
     parser.add_argument("--seed", type=int, default=d.seed, help="seed of data and weights")
 
@@ -216,7 +229,8 @@ def settings_from_args(args: argparse.Namespace) -> AccuracySettings:
             raise ValueError(f"--text: the default {str(DEFAULT_TEXT)!r} is not on this "
                              "machine (Debian's base-files ships it); pass --text FILE, a "
                              "UTF-8 English text of some 30,000 characters or more")
-        raise ValueError(f"--text: no such file {str(args.text)!r}; expected a UTF-8 text file")
+        what = "is not a file" if args.text.exists() else "does not exist"
+        raise ValueError(f"--text: {str(args.text)!r} {what}; expected a UTF-8 text file")
     check_group_sizes(args.group_sizes, args.d_model, name="--group-sizes",
                       width_name="--d-model")
     if args.d_model % args.heads:
@@ -264,16 +278,17 @@ def measure_accuracy(settings: AccuracySettings, *, progress: bool = False) -> A
 
     dates = make_seq2seq_task("dates", seed=s.seed, n_valid=100, n_test=s.date_examples)
     torch.manual_seed(s.seed)
-    translator = Transformer(demo_model_config(dates))
+    translator = Transformer(date_model_config(dates))
     _say(progress, f"training the date translator for ~{s.date_seconds:g} s")
-    date_steps, date_seconds = _train(translator, dates, demo_train_config(batch_size=64),
+    date_steps, date_seconds = _train(translator, dates, replace(DATE_TRAINING, seed=s.seed),
                                       s.date_seconds, s.date_steps)
     date_rows = _score_dates(translator, dates, s.group_sizes, progress)
     return AccuracyResult(
         settings=s, text_chars=len(text),
         text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
         lm=lm.eval(), held_out=task.valid_ids, lm_steps=lm_steps, lm_seconds=lm_seconds,
-        lm_scores=lm_rows, date_steps=date_steps, date_seconds=date_seconds,
+        lm_scores=lm_rows, translator=translator.eval(), date_steps=date_steps,
+        date_seconds=date_seconds,
         date_scores=date_rows, quantized=quantize_model is not None, machine=machine_info())
 
 
@@ -326,6 +341,14 @@ def weights_as(model: nn.Module, variant: Variant) -> nn.Module:
     elif variant.weights == "int4":
         quantize_model(other, "int4", variant.group_size)
     return other
+
+
+def date_model_config(task: Seq2SeqTask) -> TransformerConfig:
+    """``attnlab demo``'s date translator: 2 + 2 Pre-LN layers, d=128, 8 heads, no dropout."""
+    return TransformerConfig(
+        src_vocab_size=len(task.src_vocab), tgt_vocab_size=len(task.tgt_vocab), d_model=128,
+        num_heads=8, num_encoder_layers=2, num_decoder_layers=2, d_ff=512, dropout=0.0,
+        norm_first=True, max_len=64)
 
 
 def _score_lm(lm: DecoderLM, held_out: Tensor, window: int, group_sizes: tuple[int, ...],
