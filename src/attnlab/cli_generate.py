@@ -183,7 +183,7 @@ def run_generate(args: argparse.Namespace) -> int:
              tokenizer=tokenizer if args.stop else None, seed=args.seed, streamer=streamer)
     end = time.perf_counter()
     print(file=sys.stdout, flush=True)
-    dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    dtype = str(model.dtype).removeprefix("torch.")
     note = (f"new tokens capped at {s.max_new_tokens} by the model's limit of {config.max_len} "
             "positions" if s.capped else None)
     print(summary(len(ids), streamer.count, start, streamer.first_time, end, note=note,

@@ -53,7 +53,7 @@ from attnlab.models.outputs import (
     check_labels,
     next_token_loss,
 )
-from attnlab.models.pretrained import PreTrainedModel
+from attnlab.models.pretrained import PreTrainedModel, quantize_loaded
 from attnlab.models.summary import summary
 
 __all__ = ["DecoderBlock", "DecoderLM", "DecoderLMConfig", "make_norm", "make_rotary"]
@@ -169,7 +169,7 @@ class DecoderLM(PreTrainedModel):
         """``B x 1 x L x S`` (or ``L x S``) bool, True = may attend, or ``None`` for the plain
         causal case: real keys only, bottom-right causal, within the sliding window."""
         S, window = offset + L, self.config.sliding_window
-        device = self.embed_tokens.weight.device
+        device = self.device
         windowed = window is not None and window < S
         if key_mask is None and not windowed:
             return None
@@ -181,10 +181,10 @@ class DecoderLM(PreTrainedModel):
                    grow: bool = False) -> KVCache:
         """An empty ``KVCache`` (``G`` heads per layer, ``max_len`` positions, model's dtype);
         ``grow=True``: ``max_len`` is the room allocated first, doubled when needed."""
-        c, p = self.config, self.embed_tokens.weight
+        c = self.config
         return KVCache(c.num_layers, batch_size, c.kv_heads,
                        c.max_len if max_len is None else max_len, c.head_dim,
-                       dtype=p.dtype, device=p.device, grow=grow)
+                       dtype=self.dtype, device=self.device, grow=grow)
 
     def cache_expires(self, length: int) -> bool:
         """Whether keys cached for ``length`` positions must be computed again before the next
@@ -206,7 +206,9 @@ class DecoderLM(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,
                         device: torch.device | str | None = None, *,
-                        kernels: bool = True, extra_memory: bool = False) -> DecoderLM:
+                        kernels: bool = True, extra_memory: bool = False,
+                        quantize: str | None = None, group_size: int | None = None,
+                        skip: tuple[str, ...] | list[str] = ()) -> DecoderLM:
         """Load a checkpoint folder: attnlab's own format (``"attnlab_decoder"``) or a Hugging
         Face folder of any supported family (``attnlab.models.families``, picked by
         ``model_type``), in eval mode with trainable weights. ``dtype`` defaults to the
@@ -217,6 +219,11 @@ class DecoderLM(PreTrainedModel):
         calibration on this machine measured fastest for its shape (same Parameters, same
         results within float rounding; ``ATTNLAB_KERNELS=formula`` forces the formula);
         ``extra_memory`` also allows oneDNN's packed copies of the weights where they win.
+
+        ``quantize`` (``"int8"`` or ``"int4"``, with ``group_size`` and ``skip`` as in
+        ``quantize``) quantizes the loaded weights; a folder that ``save_pretrained`` wrote
+        quantized loads as it was stored, without ``quantize`` or with the same scheme (another
+        one is refused: re-quantizing quantized weights would compound their error).
         """
         folder = check_folder(path)
         if not isinstance(kernels, bool):
@@ -225,15 +232,18 @@ class DecoderLM(PreTrainedModel):
             model = super().from_pretrained(folder, dtype=dtype, device=device)
         else:
             model = load_family(cls, folder, parse_dtype(dtype), parse_device(device))
-        if kernels and model.embed_tokens.weight.device.type == "cpu":
+        if quantize is not None:
+            quantize_loaded(model, folder, quantize, group_size, skip)
+        if kernels and model.device.type == "cpu":
             optimize_for_inference(model, extra_memory=extra_memory)
         return model
 
     def save_pretrained(self, path: str | Path) -> Path:
         """Write ``config.json`` and ``model.safetensors``: in the format of the model's
         Hugging Face family (``config.family``), or attnlab's own (``"model_type":
-        "attnlab_decoder"``, our tensor names) when it has none."""
-        if self.config.family is None:
+        "attnlab_decoder"``, our tensor names) when it has none or the model is quantized
+        (no Hugging Face format holds our int8/int4 layouts; ``config.family`` is kept)."""
+        if self.config.family is None or self.quantization is not None:
             return super().save_pretrained(path)
         return save_family(self, path)
 

@@ -18,6 +18,7 @@ import torch
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.families.loading import read_config
 from attnlab.models.hf_loading import CONFIG_NAME, check_folder, read_json
+from attnlab.models.pretrained import quantize_loaded
 from attnlab.models.transformer import Transformer
 
 __all__ = ["from_pretrained", "read_config", "save_pretrained"]
@@ -25,7 +26,9 @@ __all__ = ["from_pretrained", "read_config", "save_pretrained"]
 
 def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
                     device: torch.device | str | None = None, *, kernels: bool = True,
-                    extra_memory: bool = False) -> DecoderLM | Transformer:
+                    extra_memory: bool = False, quantize: str | None = None,
+                    group_size: int | None = None,
+                    skip: tuple[str, ...] | list[str] = ()) -> DecoderLM | Transformer:
     """Load the checkpoint folder ``path``: a ``Transformer`` for attnlab's
     ``"attnlab_transformer"`` format, else ``DecoderLM.from_pretrained`` (attnlab's
     ``"attnlab_decoder"`` or any supported Hugging Face family), in eval mode with trainable
@@ -38,9 +41,13 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
     """
     raw = read_json(check_folder(path) / CONFIG_NAME)
     if raw.get("model_type") == Transformer.MODEL_TYPE:
-        return Transformer.from_pretrained(path, dtype=dtype, device=device)
+        model = Transformer.from_pretrained(path, dtype=dtype, device=device)
+        if quantize is not None:
+            quantize_loaded(model, Path(path), quantize, group_size, skip)
+        return model
     return DecoderLM.from_pretrained(path, dtype=dtype, device=device, kernels=kernels,
-                                     extra_memory=extra_memory)
+                                     extra_memory=extra_memory, quantize=quantize,
+                                     group_size=group_size, skip=skip)
 
 
 def save_pretrained(model: DecoderLM | Transformer, path: str | Path) -> Path:

@@ -36,9 +36,18 @@ from attnlab.models.hf_loading import (
     read_json,
     save_tensors,
 )
+from attnlab.quantization import QuantizationConfig, quantize_model, quantized_skeleton
 
-__all__ = ["PreTrainedModel", "cast_weights", "contiguous_state", "load_state", "read_weights",
-           "shape_mismatch", "stored_shapes"]
+__all__ = [
+    "PreTrainedModel",
+    "cast_weights",
+    "contiguous_state",
+    "load_state",
+    "quantize_loaded",
+    "read_weights",
+    "shape_mismatch",
+    "stored_shapes",
+]
 
 M = TypeVar("M", bound="PreTrainedModel")
 
@@ -53,6 +62,27 @@ class PreTrainedModel(nn.Module):
     MODEL_TYPE: ClassVar[str]
     CONFIG_CLASS: ClassVar[type[ConfigMixin]]
     config: Any
+    quantization: QuantizationConfig | None = None  # set by ``quantize``
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype: that of the first floating-point parameter (quantized
+        weights are buffers; norms and biases stay in it)."""
+        return next(p for p in self.parameters() if p.is_floating_point()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model lives: its first parameter's device."""
+        return next(self.parameters()).device
+
+    def quantize(self: M, method: str = "int8", group_size: int | None = None, *,
+                 skip: tuple[str, ...] | list[str] = (), kernel: str | None = None) -> M:
+        """Quantize this model's weights in place and return it:
+        ``attnlab.quantization.quantize_model(self, method, group_size, skip=, kernel=)``
+        (``"int8"`` per output row, ``"int4"`` in groups of ``group_size``, default 64;
+        ``skip``: module-name patterns kept in float). ``save_pretrained`` then writes the
+        quantized weights and records the scheme in ``config.json``."""
+        return quantize_model(self, method, group_size, skip=skip, kernel=kernel)
 
     def save_pretrained(self, path: str | Path) -> Path:
         """Write ``config.json`` and ``model.safetensors`` to the folder ``path`` (made if
@@ -65,8 +95,10 @@ class PreTrainedModel(nn.Module):
             raise FileExistsError(f"path: {path} is a file; expected a folder (made if "
                                   f"missing) to write {CONFIG_NAME} and {WEIGHTS_NAME} in")
         path.mkdir(parents=True, exist_ok=True)
-        dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
+        dtype = str(self.dtype).removeprefix("torch.")
         config = {"model_type": self.MODEL_TYPE, "torch_dtype": dtype, **self.config.to_dict()}
+        if self.quantization is not None:
+            config["quantization"] = self.quantization.to_dict()
         save_tensors(path, contiguous_state(self))  # each file replaced in one step
         write_text_atomic(path / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
         return path
@@ -90,17 +122,58 @@ class PreTrainedModel(nn.Module):
                              f"{cls.MODEL_TYPE!r}; attnlab.models.from_pretrained reads every "
                              f"supported model_type")
         stored = parse_dtype(raw.pop("torch_dtype", None) or "float32", f"{file}: torch_dtype")
+        quantization = raw.pop("quantization", None)
         config = cls.CONFIG_CLASS.from_dict(raw, source=file)
+        if quantization is not None:
+            try:
+                quantization = QuantizationConfig.from_dict(quantization)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"{file}: {error}") from None
         with torch.device("meta"):  # shapes without memory, checked against the file first
             skeleton = cls(config)  # type: ignore[call-arg]
+            if quantization is not None:
+                _quantized_skeleton(skeleton, quantization, file)
         weights = folder / WEIGHTS_NAME
         wrong = shape_mismatch(stored_shapes(weights), skeleton, weights)
         if wrong:
             raise ValueError(wrong)
         model = cls(config)  # type: ignore[call-arg]
+        if quantization is not None:
+            _quantized_skeleton(model, quantization, file)
         load_state(model, read_weights(weights), weights)
         cast_weights(model, dtype or stored)
         return model.to(device).eval()
+
+
+def quantize_loaded(model: PreTrainedModel, folder: Path, method: str, group_size: int | None,
+                    skip: tuple[str, ...] | list[str]) -> None:
+    """``model.quantize(method, group_size, skip=skip)`` for a model just loaded from
+    ``folder``; when the folder was already quantized, only a check that the scheme asked for
+    is the stored one (a mismatch names both)."""
+    if model.quantization is None:
+        model.quantize(method, group_size, skip=skip)
+        return
+    asked = QuantizationConfig(method, 64 if method == "int4" and group_size is None
+                               else group_size, tuple(skip))
+    stored = model.quantization
+    if (asked.method, asked.group_size) != (stored.method, stored.group_size):
+        raise ValueError(f"quantize: {folder} holds {_scheme(stored)} weights, but "
+                         f"{_scheme(asked)} was asked; load it without quantize=, or quantize "
+                         "the float checkpoint it was made from")
+
+
+def _scheme(config: QuantizationConfig) -> str:
+    return config.method + ("" if config.group_size is None else
+                            f" (group_size {config.group_size})")
+
+
+def _quantized_skeleton(model: nn.Module, quantization: QuantizationConfig, file: Path) -> None:
+    """``quantized_skeleton``, its errors (a group size that does not fit a layer) naming
+    ``file``."""
+    try:
+        quantized_skeleton(model, quantization)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{file}: quantization: {error}") from None
 
 
 def contiguous_state(model: nn.Module) -> dict[str, Tensor]:

@@ -340,8 +340,8 @@ class Transformer(PreTrainedModel):
             raise ValueError(f"tgt: positions {offset} .. {offset + T - 1} exceed the model's "
                              f"max_len={c.max_len}")
         check_tensor("memory", memory, "the encoder's output tensor B x S x E")
-        if memory.dtype != self.output_proj.weight.dtype:
-            raise ValueError(f"memory: expected dtype {self.output_proj.weight.dtype} (the "
+        if memory.dtype != self.dtype:
+            raise ValueError(f"memory: expected dtype {self.dtype} (the "
                              f"model's), got {memory.dtype}")
         if memory.dim() != 3 or memory.shape[0] != B or memory.shape[2] != c.d_model:
             raise ValueError(f"memory: expected shape B x S x E = ({B}, S, {c.d_model}), got "

@@ -1,0 +1,184 @@
+"""Quantizing a model: which modules, in what format, recorded how.
+
+``quantize_model(model, "int8" | "int4", group_size=64)`` replaces, in place, every
+``nn.Linear`` (or ``InferenceLinear``) and every ``nn.Embedding`` whose qualified name matches
+none of the ``skip`` patterns (``fnmatch``, e.g. ``"lm_head"``, ``"*.mlp.*"``) with its
+quantized module. An ``nn.Linear`` whose weight is an ``nn.Embedding``'s (a tied LM head)
+becomes one quantized table that both read. What is left (norms, biases, skipped modules)
+keeps its dtype. The scheme is kept on the model as ``model.quantization``, a
+``QuantizationConfig`` that ``save_pretrained`` records in ``config.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnlab._checks import is_int
+from attnlab.kernels import InferenceLinear
+from attnlab.quantization.formats import GROUP_SIZES
+from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
+
+__all__ = ["METHODS", "QuantizationConfig", "quantize_model", "quantized_skeleton",
+           "weight_bytes"]
+
+METHODS = ("int8", "int4")
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """How a model's weights are quantized: ``method`` ``"int8"`` (per output row) or
+    ``"int4"`` (groups of ``group_size`` inputs; None for int8), and the ``skip`` patterns
+    of module names left unquantized. JSON: ``to_dict``/``from_dict`` (``config.json``'s
+    ``"quantization"``)."""
+
+    method: str
+    group_size: int | None = None
+    skip: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"quantize: expected one of {', '.join(METHODS)}, got "
+                             f"{self.method!r}")
+        if self.method == "int8":
+            if self.group_size is not None:
+                raise ValueError(f"group_size: int8 scales whole rows, so it takes no group "
+                                 f"size; got {self.group_size!r}")
+        elif not is_int(self.group_size) or self.group_size not in GROUP_SIZES:
+            raise ValueError(f"group_size: expected one of {', '.join(map(str, GROUP_SIZES))} "
+                             f"for int4, got {self.group_size!r}")
+        if isinstance(self.skip, str) or not isinstance(self.skip, (tuple, list)) or not all(
+                isinstance(p, str) and p for p in self.skip):
+            raise TypeError(f"skip: expected a list of module-name patterns (non-empty "
+                            f"strings), got {self.skip!r}")
+        object.__setattr__(self, "skip", tuple(self.skip))
+
+    @property
+    def bits(self) -> int:
+        """8 or 4."""
+        return 8 if self.method == "int8" else 4
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"method", "group_size", "skip"}``, JSON-ready."""
+        return {**dataclasses.asdict(self), "skip": list(self.skip)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> QuantizationConfig:
+        """The config ``to_dict`` wrote; unknown or missing keys are refused by name."""
+        if not isinstance(data, Mapping):
+            raise TypeError(f"quantization: expected an object, got {data!r}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        if unknown or "method" not in data:
+            raise ValueError(f"quantization: expected the keys {sorted(fields)} ('method' "
+                             f"required), got {sorted(data)}")
+        return cls(**data)
+
+
+def quantize_model(model: nn.Module, method: str = "int8", group_size: int | None = None, *,
+                   skip: Iterable[str] = (), kernel: str | None = None) -> nn.Module:
+    """``model`` with its linear layers and embeddings quantized in place (module docstring);
+    returned for chaining. ``method`` ``"int8"`` or ``"int4"``; ``group_size`` (int4 only,
+    default 64) must divide every quantized layer's input size (an embedding's dim); a layer
+    that it does not divide is refused by name before anything changes. ``kernel`` forces one
+    of ``attnlab.quantization.kernels.QUANTIZED_KERNELS``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if method == "int4" and group_size is None:
+        group_size = 64
+    config = QuantizationConfig(method, group_size, tuple(skip) if not isinstance(skip, str)
+                                else skip)
+    if getattr(model, "quantization", None) is not None:
+        raise ValueError(f"model: already quantized ({model.quantization.method}); load the "
+                         "float weights to quantize them another way")
+    _replace(model, config, kernel=kernel, empty=False)
+    return model
+
+
+def quantized_skeleton(model: nn.Module, config: QuantizationConfig) -> nn.Module:
+    """``model`` with the modules that ``config`` quantizes replaced by quantized ones whose
+    codes and scales are left unset (uninitialised memory on the modules' device), to be
+    filled by ``load_state_dict`` from a quantized checkpoint: nothing is computed."""
+    if not isinstance(config, QuantizationConfig):
+        raise TypeError(f"config: expected a QuantizationConfig, got {type(config).__name__}")
+    _replace(model, config, kernel=None, empty=True)
+    return model
+
+
+def _replace(model: nn.Module, config: QuantizationConfig, *, kernel: str | None,
+             empty: bool) -> None:
+    """Swap the chosen modules for quantized ones (computed from their weights, or
+    ``empty``) and record ``config`` on the model."""
+    chosen = _chosen_modules(model, config)
+    heads = {id(m.weight): name for name, m in chosen.items() if isinstance(m, nn.Linear)}
+    bits, group_size = config.bits, config.group_size or 64
+    made: dict[str, nn.Module] = {}
+    for name, m in chosen.items():  # linear layers first: a tied table is the head's
+        if not isinstance(m, nn.Linear):
+            continue
+        made[name] = (QuantizedLinear(m.in_features, m.out_features, m.bias is not None,
+                                      bits=bits, group_size=group_size,
+                                      scale_dtype=m.weight.dtype, device=m.weight.device)
+                      if empty else QuantizedLinear.from_linear(m, bits=bits,
+                                                                group_size=group_size,
+                                                                kernel=kernel))
+    for name, m in chosen.items():
+        if not isinstance(m, nn.Embedding):
+            continue
+        head = heads.get(id(m.weight))
+        if head is not None:
+            made[name] = QuantizedEmbedding.tied_to(made[head])
+        elif empty:
+            made[name] = QuantizedEmbedding(m.num_embeddings, m.embedding_dim, bits=bits,
+                                            group_size=group_size, scale_dtype=m.weight.dtype,
+                                            device=m.weight.device)
+        else:
+            made[name] = QuantizedEmbedding.from_embedding(m, bits=bits, group_size=group_size)
+    for name, new in made.items():
+        parent, _, child = name.rpartition(".")
+        model.get_submodule(parent)._modules[child] = new
+    model.quantization = config
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and persistent buffers, each tensor counted once
+    (a tied table once): what one forward reads of its weights."""
+    seen: dict[tuple, int] = {}
+    for tensor in [*model.parameters(), *model.state_dict(keep_vars=True).values()]:
+        if isinstance(tensor, torch.Tensor) and tensor.numel():
+            key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+                   tensor.shape, tensor.dtype)
+            seen[key] = tensor.numel() * tensor.element_size()
+    return sum(seen.values())
+
+
+def _chosen_modules(model: nn.Module, config: QuantizationConfig) -> dict[str, nn.Module]:
+    """``{qualified name: module}`` of the modules to quantize, checked: every size fits the
+    group size, every weight is finite, no embedding renormalises its rows."""
+    chosen: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if type(module) not in (nn.Linear, InferenceLinear, nn.Embedding) or not name:
+            continue
+        if any(fnmatch.fnmatchcase(name, p) for p in config.skip):
+            continue
+        embedding = isinstance(module, nn.Embedding)
+        inputs = module.embedding_dim if embedding else module.in_features
+        if config.method == "int4" and inputs % config.group_size:
+            raise ValueError(f"group_size: {config.group_size} does not divide {name}'s "
+                             f"{'embedding_dim' if embedding else 'in_features'} {inputs}; "
+                             f"pick another or skip the layer (skip=[{name!r}])")
+        if embedding and module.max_norm is not None:
+            raise ValueError(f"{name}: an embedding with max_norm rewrites its rows at lookup "
+                             "and cannot be quantized; skip it")
+        if not module.weight.is_floating_point() or (module.weight.device.type != "meta"
+                                                     and not torch.isfinite(module.weight).all()):
+            raise ValueError(f"{name}: its weight is not all finite floating-point numbers; "
+                             "refusing to quantize it")
+        chosen[name] = module
+    return chosen

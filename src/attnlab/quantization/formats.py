@@ -1,0 +1,199 @@
+"""The two weight formats, as formulas: int8 per output channel and int4 in groups.
+
+**int8** (symmetric, one scale per output row): ``s_o = max_i |W_oi| / 127``,
+``q_oi = clamp(round(W_oi / s_o), -127, 127)`` stored as ``int8``, ``W'_oi = q_oi s_o``.
+The error of each weight is at most ``s_o / 2``.
+
+**int4** (asymmetric, groups of ``g`` consecutive inputs): for the group ``W_o,[kg:(k+1)g]``
+with minimum ``lo`` and maximum ``hi``, ``s = (hi - lo) / 15`` and the zero point ``z = lo +
+8 s``, the value that the middle code 8 stands for; ``q = clamp(round((W - z) / s) + 8, 0,
+15)`` and ``W' = (q - 8) s + z``. The error is at most ``s / 2`` (plus the rounding of ``s``
+and ``z`` to the dtype they are stored in). Two codes share a byte: code ``2j`` in the low
+nibble of byte ``j``, code ``2j + 1`` in the high nibble (the "plain" layout, the one written
+to disk). ``z`` as a value (not an integer code) is what PyTorch's int4 CPU kernel takes, so
+that kernel computes exactly this formula.
+
+The **blocked** layout is the byte order PyTorch's int4 CPU kernel reads (rows in blocks of
+64; for each block and input ``i``, 32 bytes holding row ``r`` of the block in the low nibble
+and row ``r + 32`` in the high one). It holds the same codes as the plain layout, only
+permuted, so a weight is kept in one layout, never both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "BITS",
+    "GROUP_SIZES",
+    "LAYOUTS",
+    "QuantizedWeight",
+    "blocked_int4",
+    "dequantize_int4",
+    "dequantize_int8",
+    "pack_int4",
+    "quantize",
+    "quantize_int4",
+    "quantize_int8",
+    "unblocked_int4",
+    "unpack_int4",
+]
+
+BITS = (8, 4)
+GROUP_SIZES = (32, 64, 128, 256)
+LAYOUTS = ("plain", "blocked")
+BLOCK_ROWS = 64  # rows per block of the blocked int4 layout
+
+
+def quantize_int8(weight: Tensor, scale_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """``weight`` (``O x I``) -> ``(q, scales)``: ``q`` ``O x I`` int8, ``scales`` ``O`` in
+    ``scale_dtype`` (default the weight's), ``W ~ q * scales[:, None]`` (module docstring). A row
+    of zeros gets scale 1."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1) / 127
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    scales = scales.to(scale_dtype or weight.dtype)
+    q = torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8(q: Tensor, scales: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """``q`` (``O x I`` int8), ``scales`` (``O``) -> ``q * scales[:, None]`` (``O x I``) in
+    ``dtype`` (default the scales'), computed in float32."""
+    return (q.float() * scales.float()[:, None]).to(dtype or scales.dtype)
+
+
+def quantize_int4(weight: Tensor, group_size: int,
+                  scale_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``weight`` (``O x I``, ``I`` a multiple of ``group_size``) -> ``(packed, scales,
+    zeros)``: ``packed`` ``O x I/2`` uint8 (plain layout), ``scales`` and ``zeros`` ``O x
+    I/g`` in ``scale_dtype`` (default the weight's); see the module docstring. The codes are
+    computed from the stored (rounded) scales and zeros, so the round trip error is that of
+    what is kept."""
+    rows, cols = weight.shape
+    w = weight.detach().float().view(rows, cols // group_size, group_size)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scales = (hi - lo) / 15
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    scales = scales.to(scale_dtype or weight.dtype)
+    zeros = (lo + 8 * scales.float()).to(scales.dtype)
+    codes = torch.round((w - zeros.float()[..., None]) / scales.float()[..., None]) + 8
+    return pack_int4(codes.clamp_(0, 15).to(torch.uint8).view(rows, cols)), scales, zeros
+
+
+def dequantize_int4(codes: Tensor, scales: Tensor, zeros: Tensor,
+                    dtype: torch.dtype | None = None) -> Tensor:
+    """``codes`` (``O x I`` values 0..15, unpacked), ``scales``/``zeros`` (``O x I/g``) ->
+    ``(codes - 8) * scales + zeros`` per group (``O x I``) in ``dtype`` (default the
+    scales'), computed in float32."""
+    rows, cols = codes.shape
+    groups = scales.shape[-1]
+    w = (codes.view(rows, groups, cols // groups).float() - 8) * scales.float()[..., None]
+    return (w + zeros.float()[..., None]).view(rows, cols).to(dtype or scales.dtype)
+
+
+def pack_int4(codes: Tensor) -> Tensor:
+    """``codes`` (``O x I`` integers 0..15, ``I`` even) -> ``O x I/2`` uint8, code ``2j`` in
+    the low nibble of byte ``j`` and ``2j + 1`` in the high one."""
+    c = codes.to(torch.uint8)
+    return c[:, 0::2] | (c[:, 1::2] << 4)
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """``pack_int4``'s inverse: ``O x I/2`` uint8 -> ``O x I`` uint8 codes 0..15."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).view(packed.shape[0], -1)
+
+
+def blocked_int4(codes: Tensor) -> Tensor:
+    """``codes`` (``O x I`` 0..15, ``O`` a multiple of 64) -> ``O x I/2`` uint8 in the
+    blocked layout (module docstring): byte ``(b, i, r)`` holds row ``64 b + r`` in its low
+    nibble and row ``64 b + 32 + r`` in its high one, at input ``i``."""
+    rows, cols = codes.shape
+    halves = codes.to(torch.uint8).view(rows // BLOCK_ROWS, 2, BLOCK_ROWS // 2, cols)
+    halves = halves.permute(0, 3, 1, 2)  # block, input, half, row
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
+
+
+def unblocked_int4(blocked: Tensor) -> Tensor:
+    """``blocked_int4``'s inverse: ``O x I/2`` uint8 (blocked) -> ``O x I`` uint8 codes."""
+    rows, half = blocked.shape
+    b = blocked.view(rows // BLOCK_ROWS, 2 * half, BLOCK_ROWS // 2)  # block, input, row
+    halves = torch.stack((b & 15, b >> 4), dim=2)  # block, input, half, row
+    return halves.permute(0, 2, 3, 1).reshape(rows, 2 * half)
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A quantized ``O x I`` weight as stored: ``data`` (int8 ``O x I``, or uint8 ``O x I/2``
+    int4 codes in ``layout``), ``scales`` (``O`` for int8, ``O x I/g`` for int4) and
+    ``zeros`` (int4 only, else None)."""
+
+    bits: int
+    data: Tensor
+    scales: Tensor
+    zeros: Tensor | None
+    layout: str = "plain"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(O, I)`` of the weight this stands for."""
+        rows, n = self.data.shape
+        return rows, n * 8 // self.bits
+
+    @property
+    def group_size(self) -> int:
+        """Inputs per scale: ``I`` for int8 (one per row), ``g`` for int4."""
+        return self.shape[1] if self.bits == 8 else self.shape[1] // self.scales.shape[-1]
+
+    def codes(self) -> Tensor:
+        """The int4 codes ``O x I`` (uint8 0..15) whatever the layout; int8's ``q``."""
+        if self.bits == 8:
+            return self.data
+        return unpack_int4(self.data) if self.layout == "plain" else unblocked_int4(self.data)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        """``W'`` (``O x I``) in ``dtype`` (default the scales')."""
+        if self.bits == 8:
+            return dequantize_int8(self.data, self.scales, dtype)
+        return dequantize_int4(self.codes(), self.scales, self.zeros, dtype)
+
+    def rows(self, index: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """``W'[index]`` (``index`` ``N..`` of row numbers -> ``N.. x I``), dequantizing only
+        those rows: an embedding lookup."""
+        flat = index.reshape(-1)
+        scales = self.scales[flat]
+        if self.bits == 8:
+            w = dequantize_int8(self.data[flat], scales, dtype)
+        else:
+            w = dequantize_int4(self._int4_rows(flat), scales, self.zeros[flat], dtype)
+        return w.view(*index.shape, w.shape[-1])
+
+    def with_layout(self, layout: str) -> QuantizedWeight:
+        """The same weight with its int4 codes in ``layout`` (itself when already so)."""
+        if layout == self.layout or self.bits == 8:
+            return self
+        data = blocked_int4(self.codes()) if layout == "blocked" else pack_int4(self.codes())
+        return QuantizedWeight(self.bits, data, self.scales, self.zeros, layout)
+
+    def _int4_rows(self, flat: Tensor) -> Tensor:
+        if self.layout == "plain":
+            return unpack_int4(self.data[flat])
+        rows, half = self.data.shape
+        b = self.data.view(rows // BLOCK_ROWS, 2 * half, BLOCK_ROWS // 2)
+        lanes = b[flat // BLOCK_ROWS, :, flat % (BLOCK_ROWS // 2)]  # N x I
+        shift = ((flat % BLOCK_ROWS) // (BLOCK_ROWS // 2) * 4).to(torch.uint8)[:, None]
+        return (lanes >> shift) & 15
+
+
+def quantize(weight: Tensor, bits: int, group_size: int,
+             scale_dtype: torch.dtype | None = None) -> QuantizedWeight:
+    """``weight`` (``O x I``) in the plain layout of ``bits`` (8: per row; 4: groups of
+    ``group_size`` along ``I``), scales in ``scale_dtype`` (default the weight's)."""
+    if bits == 8:
+        q, scales = quantize_int8(weight, scale_dtype)
+        return QuantizedWeight(8, q, scales, None)
+    packed, scales, zeros = quantize_int4(weight, group_size, scale_dtype)
+    return QuantizedWeight(4, packed, scales, zeros)

@@ -1,0 +1,236 @@
+"""The kernels for ``y = x W'^T + b`` with a quantized ``W'``, and the measuring that picks one.
+
+``dequantize`` is the formula (``W'`` made in ``x``'s dtype, then ``linear``): it runs every
+case and is the reference the others are tested against. ``int8_mm`` is PyTorch's
+``_weight_int8pack_mm`` (int8 codes and per-row scales read directly), ``int4_mm`` its
+``_weight_int4pack_mm_for_cpu`` on the blocked layout (``attnlab.quantization.formats``).
+Reading 1-2 bytes less per weight matters when a weight is read once per token (decoding);
+with many rows (prefill) the formula's one dequantization and a BLAS GEMM usually win, so the
+choice is made per rows bucket, by timing the candidates on this machine as
+:mod:`attnlab.kernels.calibration` does for float weights (cached on disk beside its file,
+``kernels-quantized.json``). ``$ATTNLAB_QUANTIZED_KERNELS`` (or a ``kernel`` argument) forces
+one kernel, ``dequantize`` falling in where the forced one cannot run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnlab.kernels import BUCKETS
+from attnlab.kernels import cache as kernel_cache
+from attnlab.quantization.formats import BLOCK_ROWS, QuantizedWeight, blocked_int4, quantize
+
+__all__ = ["QUANTIZED_KERNELS", "QuantizedKernel", "forced_quantized_kernel", "measure",
+           "plan"]
+
+_ENV = "ATTNLAB_QUANTIZED_KERNELS"
+_MARGIN = 1.1  # how much faster than the formula a kernel must measure to be chosen
+_COLD_BYTES, _MAX_COPIES = 128 * 2**20, 64
+_MIN_REPEATS, _MAX_REPEATS, _BUDGET_US = 3, 9, 10_000
+_TIMINGS: dict[str, dict[str, float]] = {}
+
+
+@dataclass(frozen=True)
+class QuantizedKernel:
+    """One way to compute ``x W'^T + b``: ``prepare(weight, dtype) -> state`` (what it reads,
+    made once per activation dtype), ``run(x M x I, state, bias O | None) -> M x O``,
+    ``available(weight, dtype) -> bool``; ``layout`` the int4 layout it needs (None: any)."""
+
+    name: str
+    layout: str | None
+    prepare: Callable[[QuantizedWeight, torch.dtype], tuple]
+    run: Callable[[Tensor, tuple, Tensor | None], Tensor]
+    available: Callable[[QuantizedWeight, torch.dtype], bool]
+
+
+def forced_quantized_kernel(kernel: str | None = None) -> str | None:
+    """The kernel forced everywhere: ``kernel`` when given, else
+    ``$ATTNLAB_QUANTIZED_KERNELS`` when set and not empty, else None (measure)."""
+    source, name = ("kernel", kernel) if kernel is not None else (_ENV, os.environ.get(_ENV))
+    if name is None or (source == _ENV and not name.strip()):
+        return None
+    if not isinstance(name, str) or name.strip() not in QUANTIZED_KERNELS:
+        raise ValueError(f"{source}: expected one of {', '.join(QUANTIZED_KERNELS)}, got "
+                         f"{name!r}")
+    return name.strip()
+
+
+def plan(weight: QuantizedWeight, dtype: torch.dtype, *, kernel: str | None = None
+         ) -> dict[str, str]:
+    """``{rows bucket: kernel name}`` for ``weight`` with activations in ``dtype``: the
+    forced kernel where it can run, else the fastest measured (the formula unless another is
+    faster by ``_MARGIN``)."""
+    forced = forced_quantized_kernel(kernel)
+    names = [n for n, k in QUANTIZED_KERNELS.items() if k.available(weight, dtype)]
+    if forced is not None:
+        return dict.fromkeys(BUCKETS, forced if forced in names else "dequantize")
+    picks = {}
+    for bucket in BUCKETS:
+        timings = measure(weight, dtype, bucket, names)
+        fastest = min(timings, key=timings.__getitem__)
+        picks[bucket] = fastest if _MARGIN * timings[fastest] <= timings["dequantize"] \
+            else "dequantize"
+    return picks
+
+
+def measure(weight: QuantizedWeight, dtype: torch.dtype, bucket: str,
+            names: list[str]) -> dict[str, float]:
+    """Median microseconds per call of each kernel in ``names`` for a weight of ``weight``'s
+    format and shape, at the bucket's representative row count: read from the cache file,
+    else timed now on random weights (each checked against the formula) and added to it."""
+    rows, cols = weight.shape
+    scheme = f"int{weight.bits}" + (f" g{weight.group_size}" if weight.bits == 4 else "")
+    key = f"{scheme} | {kernel_cache.entry_key(dtype, rows, cols, bucket)}"
+    path = kernel_cache.cache_file().with_name("kernels-quantized.json")
+    if key not in _TIMINGS:
+        _TIMINGS[key] = dict(kernel_cache.read_entries(path, QUANTIZED_KERNELS).get(key) or {})
+    missing = [n for n in names if n not in _TIMINGS[key]]
+    if missing:
+        timed = _time_kernels(weight, dtype, BUCKETS[bucket][1], missing)
+        _TIMINGS[key].update({n: timed.get(n, math.inf) for n in missing})
+        entries = kernel_cache.read_entries(path, QUANTIZED_KERNELS)
+        entries[key] = {n: t for n, t in _TIMINGS[key].items() if math.isfinite(t)}
+        kernel_cache.write_entries(path, entries)
+    return {n: _TIMINGS[key][n] for n in names if math.isfinite(_TIMINGS[key][n])}
+
+
+def _time_kernels(like: QuantizedWeight, dtype: torch.dtype, rows: int,
+                  names: list[str]) -> dict[str, float]:
+    """Median microseconds per call of each kernel, timed in interleaved rounds on copies of
+    a random weight that together exceed the caches (a decoder reads each weight from
+    memory once per token). A kernel that raises or differs from the formula is left out."""
+    n_out, n_in = like.shape
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        dense = torch.randn(n_out, n_in, generator=g) / n_in**0.5
+        base = quantize(dense, like.bits, like.group_size, like.scales.dtype)
+        x = torch.randn(rows, n_in, generator=g).to(dtype)
+        bias = torch.randn(n_out, generator=g).to(dtype)
+        expected = QUANTIZED_KERNELS["dequantize"].run(x, _prepare("dequantize", base, dtype),
+                                                       bias)
+        bytes_each = base.data.numel() * base.data.element_size()
+        count = min(_MAX_COPIES, -(-_COLD_BYTES // bytes_each))
+        states: dict[str, list[tuple]] = {}
+        for name in names:
+            weight = base.with_layout(QUANTIZED_KERNELS[name].layout or base.layout)
+            try:
+                first = _prepare(name, weight, dtype)
+                y = QUANTIZED_KERNELS[name].run(x, first, bias)
+            except RuntimeError as error:
+                warnings.warn(f"quantized kernel {name}: left out, it raised {error}",
+                              stacklevel=4)
+                continue
+            if not torch.allclose(y.float(), expected.float(), rtol=3e-2, atol=3e-2):
+                warnings.warn(f"quantized kernel {name}: left out, its result differs from "
+                              "the formula's", stacklevel=4)
+                continue
+            states[name] = [first, *(_prepare(name, _copy(weight), dtype)
+                                     for _ in range(count - 1))]
+        samples: dict[str, list[float]] = {n: [] for n in states}
+        turn = itertools.count()
+        for repeat in range(_MAX_REPEATS):
+            if repeat >= _MIN_REPEATS and all(sum(t) > _BUDGET_US for t in samples.values()):
+                break
+            for name, taken in samples.items():
+                state = states[name][next(turn) % len(states[name])]
+                start = time.perf_counter()
+                QUANTIZED_KERNELS[name].run(x, state, bias)
+                taken.append((time.perf_counter() - start) * 1e6)
+    return {name: statistics.median(taken) for name, taken in samples.items()}
+
+
+def _prepare(name: str, weight: QuantizedWeight, dtype: torch.dtype) -> tuple:
+    return QUANTIZED_KERNELS[name].prepare(weight, dtype)
+
+
+def _copy(weight: QuantizedWeight) -> QuantizedWeight:
+    return QuantizedWeight(weight.bits, weight.data.clone(), weight.scales.clone(),
+                           None if weight.zeros is None else weight.zeros.clone(), weight.layout)
+
+
+def _dequantize_prepare(weight: QuantizedWeight, dtype: torch.dtype) -> tuple:
+    return (weight, dtype)
+
+
+def _dequantize_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
+    """The formula: ``x W'^T + b`` with ``W'`` dequantized in ``x``'s dtype."""
+    weight, dtype = state
+    return torch.nn.functional.linear(x, weight.dequantize(dtype), bias)
+
+
+def _int8_prepare(weight: QuantizedWeight, dtype: torch.dtype) -> tuple:
+    return (weight.data.contiguous(), weight.scales.to(dtype))
+
+
+def _int8_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
+    """``(x q^T) * s`` in one pass over the int8 codes."""
+    y = torch.ops.aten._weight_int8pack_mm(x, *state)
+    return y if bias is None else y + bias
+
+
+def _int4_prepare(weight: QuantizedWeight, dtype: torch.dtype) -> tuple:
+    # The kernel takes (scale, zero) pairs as groups x O x 2, in the activations' dtype.
+    pairs = torch.stack((weight.scales, weight.zeros), dim=-1).transpose(0, 1)
+    return (weight.data.contiguous(), weight.group_size, pairs.to(dtype).contiguous())
+
+
+def _int4_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
+    """``x ((q - 8) s + z)^T`` per group, reading the 4-bit codes directly."""
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, *state)
+    return y if bias is None else y + bias
+
+
+def _any(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
+    return True
+
+
+def _int8_takes(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
+    return (weight.bits == 8 and weight.data.is_cpu and dtype in _KERNEL_DTYPES
+            and hasattr(torch.ops.aten, "_weight_int8pack_mm"))
+
+
+def _int4_takes(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
+    return (weight.bits == 4 and weight.data.is_cpu and dtype in _KERNEL_DTYPES
+            and weight.shape[0] % BLOCK_ROWS == 0 and weight.shape[1] % 2 == 0
+            and weight.group_size in (32, 64, 128, 256) and _blocked_layout_is_torchs())
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_BLOCKED_CHECKED: list[bool] = []
+
+
+def _blocked_layout_is_torchs() -> bool:
+    """Whether this torch build's int4 CPU packing is our blocked layout (checked once on a
+    random 128 x 64 weight): the kernel is used only on codes laid out as it reads them."""
+    if not _BLOCKED_CHECKED:
+        ops = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")
+        same = all(hasattr(torch.ops.aten, op) for op in ops)
+        if same:
+            codes = torch.randint(0, 16, (2 * BLOCK_ROWS, 64), dtype=torch.int32,
+                                  generator=torch.Generator().manual_seed(0))
+            try:
+                theirs = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+                same = torch.equal(theirs, blocked_int4(codes))
+            except RuntimeError:
+                same = False
+        _BLOCKED_CHECKED.append(same)
+    return _BLOCKED_CHECKED[0]
+
+
+QUANTIZED_KERNELS: dict[str, QuantizedKernel] = {
+    k.name: k for k in (
+        QuantizedKernel("dequantize", None, _dequantize_prepare, _dequantize_run, _any),
+        QuantizedKernel("int8_mm", None, _int8_prepare, _int8_run, _int8_takes),
+        QuantizedKernel("int4_mm", "blocked", _int4_prepare, _int4_run, _int4_takes),
+    )
+}

@@ -1,0 +1,191 @@
+"""``QuantizedLinear`` and ``QuantizedEmbedding``: ``nn.Linear`` / ``nn.Embedding`` with an
+int8 or int4 weight (``attnlab.quantization.formats``), swapped in for the float modules.
+
+The codes and scales are buffers (``qweight``, ``scales``, int4 ``zeros``): they move with
+``.to()``, are saved in ``state_dict`` in the plain layout whatever the module keeps, and
+receive no gradient (a bias stays a trainable Parameter; the input gets its gradient through
+the formula). A tied LM head and its embedding share one quantized table: the embedding reads
+the head's buffers, and a lookup dequantizes only the rows it reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.kernels import bucket_of
+from attnlab.quantization.formats import QuantizedWeight, pack_int4, quantize, unblocked_int4
+from attnlab.quantization.kernels import QUANTIZED_KERNELS, QuantizedKernel, plan
+
+__all__ = ["QuantizedEmbedding", "QuantizedLinear"]
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x W'^T + b`` (x ``N.. x I`` -> ``N.. x O``) with ``W'`` an int8 (per output row)
+    or int4 (groups of ``group_size`` inputs) weight. Without gradients, on the CPU, each call
+    runs the kernel measured fastest here for its activation dtype and row count
+    (:mod:`attnlab.quantization.kernels`); otherwise, and as the reference, the formula
+    ``linear(x, dequantize(W'), b)``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, bits: int = 8,
+                 group_size: int = 64, scale_dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None, kernel: str | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size = bits, (in_features if bits == 8 else group_size)
+        self.layout, self._kernel = "plain", kernel
+        rows, cols = out_features, in_features
+        if bits == 8:
+            data, scales = torch.empty(rows, cols, dtype=torch.int8, device=device), (rows,)
+        else:
+            data = torch.empty(rows, cols // 2, dtype=torch.uint8, device=device)
+            scales = (rows, cols // group_size)
+        self.register_buffer("qweight", data)
+        self.register_buffer("scales", torch.empty(scales, dtype=scale_dtype, device=device))
+        self.register_buffer("zeros", None if bits == 8 else torch.empty_like(self.scales))
+        empty = torch.empty(rows, dtype=scale_dtype, device=device)
+        self.bias = nn.Parameter(empty) if bias else None
+        self._plans: dict[torch.dtype, dict[str, QuantizedKernel]] = {}
+        self._states: dict[tuple, tuple] = {}
+
+    @classmethod
+    def from_linear(cls, module: nn.Linear, *, bits: int, group_size: int = 64,
+                    kernel: str | None = None) -> QuantizedLinear:
+        """``module`` quantized (scales in its weight's dtype, its bias kept), calibrated now
+        for that dtype when it lives on the CPU; ``kernel`` forces one kernel."""
+        w = module.weight
+        new = cls(module.in_features, module.out_features, module.bias is not None, bits=bits,
+                  group_size=group_size, scale_dtype=w.dtype, device="meta", kernel=kernel)
+        new.set_weight(quantize(w, bits, group_size, w.dtype))
+        if module.bias is not None:
+            new.bias = nn.Parameter(module.bias.detach().clone(),
+                                    requires_grad=module.bias.requires_grad)
+        if w.device.type == "cpu":
+            new.calibrate(w.dtype)
+        return new
+
+    @property
+    def weight_format(self) -> QuantizedWeight:
+        """The quantized weight as stored (codes in ``self.layout``)."""
+        return QuantizedWeight(self.bits, self.qweight, self.scales, self.zeros, self.layout)
+
+    def set_weight(self, weight: QuantizedWeight) -> None:
+        """Keep ``weight`` (same format and shape) as this module's buffers, in its layout."""
+        self.qweight, self.scales, self.zeros = weight.data, weight.scales, weight.zeros
+        self.layout = weight.layout
+        self._plans.clear()
+        self._states.clear()
+
+    def calibrate(self, dtype: torch.dtype) -> dict[str, QuantizedKernel]:
+        """The kernel per rows bucket for activations in ``dtype`` (measured or read from the
+        cache); the first calibration may re-store int4 codes in the blocked layout when a
+        kernel that reads it is chosen."""
+        if self.layout == "plain" and not self._plans:
+            picks = plan(self.weight_format, dtype, kernel=self._kernel)
+            layouts = {QUANTIZED_KERNELS[n].layout for n in picks.values()} - {None}
+            if layouts:
+                self.set_weight(self.weight_format.with_layout(layouts.pop()))
+        else:
+            picks = plan(self.weight_format, dtype, kernel=self._kernel)
+            picks = {b: n if QUANTIZED_KERNELS[n].layout in (None, self.layout) else "dequantize"
+                     for b, n in picks.items()}
+        kernels = {b: QUANTIZED_KERNELS[n] for b, n in picks.items()}
+        self._plans[dtype] = kernels
+        return kernels
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        """``W'`` (``O x I``) in ``dtype`` (default the scales')."""
+        return self.weight_format.dequantize(dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x ``N.. x I`` -> ``N.. x O`` in x's dtype (see the class docstring)."""
+        if (x.dim() == 0 or x.shape[-1] != self.in_features or not x.is_floating_point()):
+            raise ValueError(f"x: expected a floating-point tensor whose last dim is "
+                             f"{self.in_features} (in_features), got {x.dtype} of shape "
+                             f"{tuple(x.shape)}")
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if (x.numel() == 0 or not (x.is_cpu and self.qweight.is_cpu) or (torch.is_grad_enabled()
+                and (x.requires_grad or (bias is not None and bias.requires_grad)))):
+            return torch.nn.functional.linear(x, self.dequantize(x.dtype), bias)
+        kernels = self._plans.get(x.dtype) or self.calibrate(x.dtype)
+        flat = x.reshape(-1, self.in_features).contiguous()
+        kernel = kernels[bucket_of(flat.shape[0])]
+        key = (kernel.name, x.dtype, self.qweight.data_ptr(), self.scales.data_ptr())
+        state = self._states.get(key)
+        if state is None:
+            self._states = {k: v for k, v in self._states.items() if k[0] != kernel.name}
+            state = self._states[key] = kernel.prepare(self.weight_format, x.dtype)
+        return kernel.run(flat, state, bias).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        scheme = "int8" if self.bits == 8 else f"int4, group_size={self.group_size}"
+        plans = "; ".join(f"{str(d).removeprefix('torch.')}: "
+                          + " ".join(f"{b}={k.name}" for b, k in p.items())
+                          for d, p in self._plans.items())
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, {scheme}, layout={self.layout}"
+                + (f", kernels=({plans})" if plans else ""))
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.layout == "blocked":  # written in the plain layout, whatever is kept
+            destination[prefix + "qweight"] = pack_int4(unblocked_int4(self.qweight))
+
+    def _load_from_state_dict(self, state_dict: Mapping, prefix: str, *args) -> None:
+        key = prefix + "qweight"
+        if self.layout == "blocked" and key in state_dict:
+            loaded = QuantizedWeight(4, state_dict[key], self.scales, self.zeros)
+            state_dict = {**state_dict, key: loaded.with_layout("blocked").data}
+        self._states.clear()
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+class QuantizedEmbedding(nn.Module):
+    """``E'[ids]`` (ids ``N..`` -> ``N.. x D``) from an int8/int4 table ``E'`` (``V x D``),
+    dequantizing only the rows looked up, in the scales' dtype. Either its own table or, for
+    a tied LM head, the head's (``tied_to``), read through the head so both stay one."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, bits: int = 8,
+                 group_size: int = 64, scale_dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.table = QuantizedLinear(embedding_dim, num_embeddings, bias=False, bits=bits,
+                                     group_size=group_size, scale_dtype=scale_dtype,
+                                     device=device)
+
+    @classmethod
+    def from_embedding(cls, module: nn.Embedding, *, bits: int,
+                       group_size: int = 64) -> QuantizedEmbedding:
+        """``module`` quantized, its rows in groups of ``group_size`` along ``D`` for int4."""
+        w = module.weight
+        new = cls(module.num_embeddings, module.embedding_dim, bits=bits, group_size=group_size,
+                  scale_dtype=w.dtype, device="meta")
+        new.table.set_weight(quantize(w, bits, group_size, w.dtype))
+        return new
+
+    @classmethod
+    def tied_to(cls, head: QuantizedLinear) -> QuantizedEmbedding:
+        """An embedding that reads ``head``'s table (``V x D``): a tied input embedding."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.num_embeddings, new.embedding_dim = head.out_features, head.in_features
+        object.__setattr__(new, "_head", head)  # not a submodule: saved once, under the head
+        return new
+
+    @property
+    def source(self) -> QuantizedLinear:
+        """The module holding the table: this embedding's own, or the tied head."""
+        return self.__dict__.get("_head") or self._modules["table"]
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """ids ``N..`` (int64 in ``[0, V)``) -> ``N.. x D``."""
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"ids: expected an int64 tensor of token ids, got {ids.dtype}")
+        return self.source.weight_format.rows(ids.long())
+
+    def extra_repr(self) -> str:
+        tied = ", tied to the LM head" if "_head" in self.__dict__ else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}{tied}"
