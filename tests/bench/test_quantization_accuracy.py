@@ -6,13 +6,22 @@ from __future__ import annotations
 
 import copy
 import math
+from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from attnlab.bench import quantization as bench
 from attnlab.bench.harness import machine_info
-from attnlab.bench.quantization import AccuracySettings, lm_scores, measure_accuracy
+from attnlab.bench.quantization import (
+    AccuracySettings,
+    lm_scores,
+    measure_accuracy,
+    measure_dates,
+    measure_lm,
+)
+from attnlab.bench.quantization_report import Target, targets, write_report
 from attnlab.cli import main
 from attnlab.training.tasks.seq2seq import exact_match, make_seq2seq_task
 
@@ -34,17 +43,33 @@ def text_file(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_result(tmp_path_factory):
-    """One tiny run through the Python function, shared by the checks of its figures."""
+def tiny_settings(tmp_path_factory):
     path = tmp_path_factory.mktemp("text") / "text.txt"
     path.write_text(TEXT, encoding="utf-8")
+    return AccuracySettings(text=path, train_seconds=0.2, steps=3, d_model=64, layers=1,
+                            heads=2, block_size=16, batch_size=4, group_sizes=(32, 64),
+                            date_seconds=0.2, date_steps=2, date_examples=8)
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tiny_settings):
+    """One tiny run of the LM part, shared by the checks of its figures."""
+    with _one_thread():
+        return measure_lm(tiny_settings)
+
+
+@pytest.fixture(scope="module")
+def tiny_dates(tiny_settings):
+    with _one_thread():
+        return measure_dates(tiny_settings)
+
+
+@contextmanager
+def _one_thread():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return measure_accuracy(AccuracySettings(
-            text=path, train_seconds=0.2, steps=3, d_model=64, layers=1, heads=2,
-            block_size=16, batch_size=4, group_sizes=(32, 64), date_seconds=0.2, date_steps=2,
-            date_examples=8))
+        yield
     finally:
         torch.set_num_threads(threads)
 
@@ -59,10 +84,7 @@ def test_cli_run_writes_the_table_names_the_cpu_and_prints_the_targets(
     assert f"results written to {out / 'quantization-accuracy.md'}" in printed
     assert f"Measured on {machine_info()['cpu']}" in table
     assert f"- cpu: {machine_info()['cpu']}" in table
-    labels = ["float32", "bfloat16"]
-    if bench.quantize_model is not None:
-        labels += ["int8", "int4 g32", "int4 g64"]
-    for label in labels:
+    for label in ("float32", "bfloat16", "int8", "int4 g32", "int4 g64"):
         assert f"\n| {label} | " in table.split("The date translator")[0]
         assert f"\n| {label} | " in table.split("The date translator")[1]
     assert "| float32 | float32 | " in table and "| 100.00% |" in table
@@ -77,10 +99,23 @@ def test_cli_run_writes_the_table_names_the_cpu_and_prints_the_targets(
     assert history.lstrip().startswith(f"### {machine_info()['cpu']}")
 
 
-def test_perplexity_is_exp_of_the_mean_cross_entropy_computed_here(tiny_result) -> None:
-    r = tiny_result
-    rows = {row.variant.label: row for row in r.lm_scores}
-    window = r.settings.block_size
+def test_python_function_writes_the_table(tiny_settings, tmp_path, one_thread) -> None:
+    result = measure_accuracy(tiny_settings)
+    path = write_report(result, tmp_path / "quantization-accuracy.md")
+    table = path.read_text()
+    for row in result.lm.scores:
+        assert f"| {row.variant.label} | {row.variant.activations} | " in table
+        assert f"| {row.perplexity:.4f} |" in table
+    for row in result.dates.scores:
+        assert f"| {row.exact_match:.2%} |" in table
+    assert f"- cpu: {result.machine['cpu']}" in table
+
+
+def test_perplexity_is_exp_of_the_mean_cross_entropy_computed_here(tiny_lm,
+                                                                    tiny_settings) -> None:
+    r = tiny_lm
+    rows = {row.variant.label: row for row in r.scores}
+    window = tiny_settings.block_size
     ids = r.held_out
     assert len(ids) >= 2 * window  # the last window is partial or not: both are covered
 
@@ -96,31 +131,30 @@ def test_perplexity_is_exp_of_the_mean_cross_entropy_computed_here(tiny_result) 
                 argmax.append(logits.argmax(-1))
         return math.exp(total / (len(ids) - 1)), torch.cat(argmax)
 
-    ppl32, argmax32 = reference(r.lm)
+    ppl32, argmax32 = reference(r.model)
     assert rows["float32"].perplexity == pytest.approx(ppl32, rel=1e-5)
     assert rows["float32"].agreement == 1.0
-    half = copy.deepcopy(r.lm).to(torch.bfloat16)
+    half = copy.deepcopy(r.model).to(torch.bfloat16)
     ppl16, argmax16 = reference(half)
     assert rows["bfloat16"].perplexity == pytest.approx(ppl16, rel=1e-5)
     assert rows["bfloat16"].agreement == pytest.approx(
         (argmax16 == argmax32).double().mean().item())
-    assert r.lm_scores[0].variant.label == "float32"  # the reference comes first
-    if bench.quantize_model is not None:
-        for label in ("int8", "int4 g32", "int4 g64"):
-            quantized = bench.weights_as(r.lm, rows[label].variant)
-            ppl, argmax = reference(quantized)
-            assert rows[label].perplexity == pytest.approx(ppl, rel=1e-5)
-            assert rows[label].agreement == pytest.approx(
-                (argmax == argmax32).double().mean().item())
-            assert rows[label].weight_bytes == bench.weight_bytes(quantized)
-            assert rows[label].weight_bytes < rows["float32"].weight_bytes
+    assert r.scores[0].variant.label == "float32"  # the reference comes first
+    for label in ("int8", "int4 g32", "int4 g64"):
+        quantized = bench.weights_as(r.model, rows[label].variant)
+        ppl, argmax = reference(quantized)
+        assert rows[label].perplexity == pytest.approx(ppl, rel=1e-5)
+        assert rows[label].agreement == pytest.approx(
+            (argmax == argmax32).double().mean().item())
+        assert rows[label].weight_bytes == bench.weight_bytes(quantized)
+        assert rows[label].weight_bytes < rows["float32"].weight_bytes
 
 
-def test_lm_scores_matches_the_formula_on_any_length(tiny_result) -> None:
+def test_lm_scores_matches_the_formula_on_any_length(tiny_lm) -> None:
     # Lengths with and without a partial last window, and shorter than one window.
-    model = tiny_result.lm
+    model = tiny_lm.model
     for n in (2, 16, 17, 33, 40):
-        ids = tiny_result.held_out[:n]
+        ids = tiny_lm.held_out[:n]
         perplexity, predicted = lm_scores(model, ids, 16)
         assert predicted.shape == (n - 1,)
         total = 0.0
@@ -132,25 +166,30 @@ def test_lm_scores_matches_the_formula_on_any_length(tiny_result) -> None:
         assert perplexity == pytest.approx(math.exp(total / (n - 1)), rel=1e-5)
 
 
-def test_date_exact_match_is_the_projects_greedy_exact_match(tiny_result) -> None:
-    r = tiny_result
-    task = make_seq2seq_task("dates", seed=r.settings.seed, n_valid=100,
-                             n_test=r.settings.date_examples)
-    rows = {row.variant.label: row for row in r.date_scores}
-    assert rows["float32"].exact_match == exact_match(task, r.translator, task.test)
+def test_date_exact_match_is_the_projects_greedy_exact_match(tiny_dates, tiny_settings,
+                                                            tiny_lm) -> None:
+    r = tiny_dates
+    task = make_seq2seq_task("dates", seed=tiny_settings.seed, n_valid=100,
+                             n_test=tiny_settings.date_examples)
+    assert r.examples == len(task.test) == 8
+    rows = {row.variant.label: row for row in r.scores}
+    assert [row.variant for row in r.scores] == [row.variant for row in tiny_lm.scores]
+    assert rows["float32"].exact_match == exact_match(task, r.model, task.test)
     assert rows["float32"].same_as_float32 == 1.0
-    half = copy.deepcopy(r.translator).to(torch.bfloat16)
-    assert rows["bfloat16"].exact_match == exact_match(task, half, task.test)
-    assert [row.variant for row in r.date_scores] == [row.variant for row in r.lm_scores]
+    float32_outputs = task.translate(r.model, [s for s, _ in task.test])
+    for label in ("bfloat16", "int8", "int4 g32", "int4 g64"):
+        other = bench.weights_as(r.model, rows[label].variant)
+        assert rows[label].exact_match == exact_match(task, other, task.test)
+        outputs = task.translate(other, [s for s, _ in task.test])
+        assert rows[label].same_as_float32 == sum(
+            a == b for a, b in zip(outputs, float32_outputs)) / len(outputs)
 
 
-def test_targets_pass_and_fail_by_the_ratio(tiny_result) -> None:
-    from attnlab.bench.quantization_report import Target, targets
-
+def test_targets_pass_and_fail_by_the_ratio(tiny_lm) -> None:
     assert Target("int8", 1.0099, 1.01).passed and not Target("int8", 1.0101, 1.01).passed
     assert not Target("int8", None, 1.01).passed  # not measured is no pass
-    found = {t.label: t for t in targets(tiny_result)}
-    rows = {row.variant.label: row for row in tiny_result.lm_scores}
+    found = {t.label: t for t in targets(SimpleNamespace(lm=tiny_lm))}
+    rows = {row.variant.label: row for row in tiny_lm.scores}
     base = rows["float32"].perplexity
     for label in ("int8", "int4 g64"):
         expected = rows[label].perplexity / base if label in rows else None

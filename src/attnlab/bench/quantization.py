@@ -41,18 +41,15 @@ from attnlab.bench.quantization_report import targets, write_report
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 from attnlab.models.pretrained import cast_weights
 from attnlab.models.transformer import Transformer, TransformerConfig
+from attnlab.quantization import quantize_model, weight_bytes
 from attnlab.training.tasks.seq2seq import Seq2SeqTask, make_seq2seq_task
 from attnlab.training.tasks.text import CharLMTask, read_text
 from attnlab.training.trainer import TrainConfig, Trainer
 
-try:
-    from attnlab.quantization import quantize_model, weight_bytes
-except ImportError:  # until the quantized modules of issue 15 are on this branch
-    quantize_model = weight_bytes = None
-
-__all__ = ["DEFAULT_TEXT", "AccuracyResult", "AccuracySettings", "DateScore", "LMScore",
-           "Variant", "add_arguments", "check_group_sizes", "date_model_config", "lm_scores",
-           "measure_accuracy", "run", "settings_from_args", "variants", "weights_as"]
+__all__ = ["DEFAULT_TEXT", "AccuracyResult", "AccuracySettings", "DateResult", "DateScore",
+           "LMResult", "LMScore", "Variant", "add_arguments", "check_group_sizes",
+           "date_model_config", "lm_scores", "measure_accuracy", "measure_dates", "measure_lm",
+           "run", "settings_from_args", "variants", "weights_as"]
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 HELD_OUT = 0.1
@@ -139,7 +136,7 @@ class LMScore:
     """The LM with one variant's weights on the held-out text."""
 
     variant: Variant
-    weight_bytes: int | None
+    weight_bytes: int
     perplexity: float
     agreement: float
 
@@ -155,24 +152,38 @@ class DateScore:
 
 
 @dataclass(frozen=True)
-class AccuracyResult:
-    """Everything ``measure_accuracy`` measured. ``lm`` is the trained float32 LM and
-    ``held_out`` the ids (``N``) it was scored on; ``translator`` the trained float32 date
-    model: so that a reader can check the figures."""
+class LMResult:
+    """The character LM's part: ``model`` is the trained float32 LM and ``held_out`` the ids
+    (``N``) it was scored on, so that a reader can check the figures."""
 
-    settings: AccuracySettings
     text_chars: int
     text_sha256: str
-    lm: DecoderLM
+    model: DecoderLM
     held_out: Tensor
-    lm_steps: int
-    lm_seconds: float
-    lm_scores: tuple[LMScore, ...]
-    translator: Transformer
-    date_steps: int
-    date_seconds: float
-    date_scores: tuple[DateScore, ...]
-    quantized: bool
+    steps: int
+    seconds: float
+    scores: tuple[LMScore, ...]
+
+
+@dataclass(frozen=True)
+class DateResult:
+    """The date translator's part: ``model`` is the trained float32 translator, scored on
+    ``examples`` held-out dates."""
+
+    model: Transformer
+    examples: int
+    steps: int
+    seconds: float
+    scores: tuple[DateScore, ...]
+
+
+@dataclass(frozen=True)
+class AccuracyResult:
+    """Everything ``measure_accuracy`` measured, and the machine it ran on."""
+
+    settings: AccuracySettings
+    lm: LMResult
+    dates: DateResult
     machine: dict[str, str] = field(default_factory=dict)
 
 
@@ -262,8 +273,15 @@ def check_group_sizes(group_sizes: object, d_model: int, *, name: str = "group_s
 def measure_accuracy(settings: AccuracySettings, *, progress: bool = False) -> AccuracyResult:
     """Train the character LM and the date model as ``settings`` say, and score every
     variant of their weights on the same held-out data (module docstring)."""
-    if not isinstance(settings, AccuracySettings):
-        raise TypeError(f"settings: expected AccuracySettings, got {type(settings).__name__}")
+    _check_settings(settings)
+    return AccuracyResult(settings, measure_lm(settings, progress=progress),
+                          measure_dates(settings, progress=progress), machine_info())
+
+
+def measure_lm(settings: AccuracySettings, *, progress: bool = False) -> LMResult:
+    """Train the character LM on ``settings.text`` and score every variant of its weights on
+    the held-out text (``lm_scores``)."""
+    _check_settings(settings)
     s = settings
     text = read_text(s.text)
     task = CharLMTask(text, block_size=s.block_size, seed=s.seed, valid_fraction=HELD_OUT)
@@ -273,23 +291,25 @@ def measure_accuracy(settings: AccuracySettings, *, progress: bool = False) -> A
         d_ff=s.d_ff, dropout=0.1, max_len=s.block_size))
     config = TrainConfig(batch_size=s.batch_size, lr=2e-3, seed=s.seed)
     _say(progress, f"training the character LM on {s.text} for ~{s.train_seconds:g} s")
-    lm_steps, lm_seconds = _train(lm, task, config, s.train_seconds, s.steps)
-    lm_rows = _score_lm(lm, task.valid_ids, s.block_size, s.group_sizes, progress)
+    steps, seconds = _train(lm, task, config, s.train_seconds, s.steps)
+    scores = _score_lm(lm, task.valid_ids, s.block_size, s.group_sizes, progress)
+    return LMResult(len(text), hashlib.sha256(text.encode("utf-8")).hexdigest(), lm.eval(),
+                    task.valid_ids, steps, seconds, scores)
 
+
+def measure_dates(settings: AccuracySettings, *, progress: bool = False) -> DateResult:
+    """Train the date translator and score every variant of its weights by greedy exact
+    match on ``settings.date_examples`` held-out dates."""
+    _check_settings(settings)
+    s = settings
     dates = make_seq2seq_task("dates", seed=s.seed, n_valid=100, n_test=s.date_examples)
     torch.manual_seed(s.seed)
     translator = Transformer(date_model_config(dates))
     _say(progress, f"training the date translator for ~{s.date_seconds:g} s")
-    date_steps, date_seconds = _train(translator, dates, replace(DATE_TRAINING, seed=s.seed),
-                                      s.date_seconds, s.date_steps)
-    date_rows = _score_dates(translator, dates, s.group_sizes, progress)
-    return AccuracyResult(
-        settings=s, text_chars=len(text),
-        text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
-        lm=lm.eval(), held_out=task.valid_ids, lm_steps=lm_steps, lm_seconds=lm_seconds,
-        lm_scores=lm_rows, translator=translator.eval(), date_steps=date_steps,
-        date_seconds=date_seconds,
-        date_scores=date_rows, quantized=quantize_model is not None, machine=machine_info())
+    steps, seconds = _train(translator, dates, replace(DATE_TRAINING, seed=s.seed),
+                            s.date_seconds, s.date_steps)
+    scores = _score_dates(translator, dates, s.group_sizes, progress)
+    return DateResult(translator.eval(), len(dates.test), steps, seconds, scores)
 
 
 def lm_scores(model: nn.Module, ids: Tensor, window: int) -> tuple[float, Tensor]:
@@ -323,12 +343,9 @@ def lm_scores(model: nn.Module, ids: Tensor, window: int) -> tuple[float, Tensor
 
 
 def variants(group_sizes: tuple[int, ...]) -> tuple[Variant, ...]:
-    """float32 first (the reference), bfloat16, then int8 and int4 per group size when the
-    quantized modules are there."""
-    plain = (Variant("float32"), Variant("bfloat16"))
-    if quantize_model is None:
-        return plain
-    return (*plain, Variant("int8"), *(Variant("int4", g) for g in group_sizes))
+    """float32 first (the reference), bfloat16, int8, then int4 per group size."""
+    return (Variant("float32"), Variant("bfloat16"), Variant("int8"),
+            *(Variant("int4", g) for g in group_sizes))
 
 
 def weights_as(model: nn.Module, variant: Variant) -> nn.Module:
@@ -351,13 +368,18 @@ def date_model_config(task: Seq2SeqTask) -> TransformerConfig:
         norm_first=True, max_len=64)
 
 
+def _check_settings(settings: object) -> None:
+    if not isinstance(settings, AccuracySettings):
+        raise TypeError(f"settings: expected AccuracySettings, got {type(settings).__name__}")
+
+
 def _score_lm(lm: DecoderLM, held_out: Tensor, window: int, group_sizes: tuple[int, ...],
               progress: bool) -> tuple[LMScore, ...]:
     rows, reference = [], None
     for variant, model in _copies(lm, group_sizes, progress, "LM"):
         perplexity, predicted = lm_scores(model, held_out, window)
         reference = predicted if reference is None else reference
-        rows.append(LMScore(variant, _bytes(model), perplexity,
+        rows.append(LMScore(variant, weight_bytes(model), perplexity,
                             (predicted == reference).double().mean().item()))
     return tuple(rows)
 
@@ -395,10 +417,6 @@ def _train(model: nn.Module, task: object, config: TrainConfig, seconds: float,
     start = time.perf_counter()
     Trainer(model, task, config, progress=False).fit()
     return steps, time.perf_counter() - start
-
-
-def _bytes(model: nn.Module) -> int | None:
-    return None if weight_bytes is None else weight_bytes(model)
 
 
 def _share(outputs: list[str], expected: list[str]) -> float:

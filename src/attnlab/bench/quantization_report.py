@@ -39,9 +39,9 @@ class Target:
 
 def targets(result: Any) -> list[Target]:
     """Each target of ``TARGETS`` with the ratio that ``result`` measured."""
-    base = _float32(result.lm_scores).perplexity
+    base = _float32(result.lm.scores).perplexity
     found = {(r.variant.weights, r.variant.group_size): r.perplexity / base
-             for r in result.lm_scores}
+             for r in result.lm.scores}
     return [Target(f"{w} g{g}" if g else w, found.get((w, g)), limit)
             for w, g, limit in TARGETS]
 
@@ -54,24 +54,22 @@ def write_report(result: Any, path: Path) -> Path:
 def markdown(result: Any) -> str:
     """The run as markdown: how it was made, the LM table, the date table, the targets and
     the machine."""
-    s, r = result.settings, result
-    base = _float32(r.lm_scores)
-    date_base = _float32(r.date_scores)
-    ff = s.d_ff
+    s, lm, dates = result.settings, result.lm, result.dates
+    base, date_base = _float32(lm.scores), _float32(dates.scores)
     lines = [
         "# Quantized weights: accuracy",
         "",
-        f"Measured on {r.machine.get('cpu', 'an unrecorded CPU')} "
-        f"({r.machine.get('torch threads', '?')} torch threads). Regenerate with "
+        f"Measured on {result.machine.get('cpu', 'an unrecorded CPU')} "
+        f"({result.machine.get('torch threads', '?')} torch threads). Regenerate with "
         f"`attnlab bench quantization`.",
         "",
         f"A character-level `DecoderLM` (Llama style: RoPE, RMSNorm, SwiGLU; {s.layers} "
-        f"layers, hidden {s.d_model}, {s.heads} heads, feed-forward {ff}, tied embedding) "
-        f"trained here for {r.lm_steps} steps ({r.lm_seconds:.0f} s, {s.batch_size} windows "
-        f"of {s.block_size} characters a step) on `{s.text}` ({r.text_chars:,} characters, "
-        f"sha256 {r.text_sha256[:12]}...). Held out: its last {len(r.held_out):,} "
+        f"layers, hidden {s.d_model}, {s.heads} heads, feed-forward {s.d_ff}, tied embedding) "
+        f"trained here for {lm.steps} steps ({lm.seconds:.0f} s, {s.batch_size} windows "
+        f"of {s.block_size} characters a step) on `{s.text}` ({lm.text_chars:,} characters, "
+        f"sha256 {lm.text_sha256[:12]}...). Held out: its last {len(lm.held_out):,} "
         f"characters; every one after the first is predicted once, from at most "
-        f"{s.block_size} characters before it ({len(r.held_out) - 1:,} positions, the same "
+        f"{s.block_size} characters before it ({len(lm.held_out) - 1:,} positions, the same "
         f"for every row). Perplexity: exp(mean cross-entropy). Agreement: share of "
         f"positions whose argmax equals float32's. int8: one scale per output channel; "
         f"int4: a scale and zero point per group of g inputs; both on every linear layer and "
@@ -81,30 +79,28 @@ def markdown(result: Any) -> str:
         "| next-token agreement with float32 |",
         "|---|---|---|---|---|---|---|",
     ]
-    for row in r.lm_scores:
+    for row in lm.scores:
         lines.append(
             f"| {row.variant.label} | {row.variant.activations} | {_bytes(row.weight_bytes)} "
-            f"| {_ratio(row.weight_bytes, base.weight_bytes)} | {row.perplexity:.4f} "
+            f"| {row.weight_bytes / base.weight_bytes:.3f}x | {row.perplexity:.4f} "
             f"| {row.perplexity / base.perplexity:.4f}x | {row.agreement:.2%} |")
     lines += [
         "",
         f"The date translator of `attnlab demo` (2 + 2 layers, hidden 128) trained here for "
-        f"{r.date_steps} steps ({r.date_seconds:.0f} s); greedy decoding of "
-        f"{s.date_examples:,} held-out dates (none of them seen in training).",
+        f"{dates.steps} steps ({dates.seconds:.0f} s); greedy decoding of "
+        f"{dates.examples:,} held-out dates (none of them seen in training).",
         "",
         "| weights | activations | exact match | vs float32 | output equal to float32's |",
         "|---|---|---|---|---|",
     ]
-    for row in r.date_scores:
+    for row in dates.scores:
         lines.append(
             f"| {row.variant.label} | {row.variant.activations} | {row.exact_match:.2%} "
             f"| {(row.exact_match - date_base.exact_match) * 100:+.2f} points "
             f"| {row.same_as_float32:.2%} |")
-    if not r.quantized:
-        lines += ["", "No int8/int4 rows: `attnlab.quantization` is not in this build."]
     lines += ["", "Targets (issue 15):", ""]
-    lines += [f"- {'PASS' if t.passed else 'FAIL'}: {t.describe()}" for t in targets(r)]
-    lines += machine_section(r.machine)
+    lines += [f"- {'PASS' if t.passed else 'FAIL'}: {t.describe()}" for t in targets(result)]
+    lines += machine_section(result.machine)
     return "\n".join(lines)
 
 
@@ -113,9 +109,5 @@ def _float32(rows: tuple) -> Any:
     return base
 
 
-def _bytes(n: int | None) -> str:
-    return "n/a" if n is None else f"{n / 2**20:.2f} MiB"
-
-
-def _ratio(n: int | None, base: int | None) -> str:
-    return "n/a" if n is None or not base else f"{n / base:.3f}x"
+def _bytes(n: int) -> str:
+    return f"{n / 2**20:.3f} MiB"
