@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from contextlib import contextmanager
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -185,6 +187,26 @@ def test_date_exact_match_is_the_projects_greedy_exact_match(tiny_dates, tiny_se
             a == b for a, b in zip(outputs, float32_outputs)) / len(outputs)
 
 
+def test_training_stops_at_the_deadline_and_says_how_far_it_got(tiny_settings,
+                                                                 one_thread) -> None:
+    settings = replace(tiny_settings, train_seconds=0.3, steps=None)
+    calls = []
+    real = bench.Trainer._train_step
+
+    def slower(self):  # the machine slows down once the run is planned
+        calls.append(1)
+        time.sleep(0.05 if len(calls) > bench._PROBE_STEPS + 1 else 0.0)
+        return real(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench.Trainer, "_train_step", slower)
+        training = measure_lm(settings).training
+    assert 1 <= training.steps < training.planned
+    assert training.seconds < 0.3 + 0.5  # one slowed step past the deadline, and the probe
+    planned = measure_lm(replace(tiny_settings, train_seconds=60, steps=4)).training
+    assert planned.steps == planned.planned == 4
+
+
 def test_targets_pass_and_fail_by_the_ratio(tiny_lm) -> None:
     assert Target("int8", 1.0099, 1.01).passed and not Target("int8", 1.0101, 1.01).passed
     assert not Target("int8", None, 1.01).passed  # not measured is no pass
@@ -254,7 +276,7 @@ def test_a_missing_text_is_named(tmp_path, monkeypatch, capsys) -> None:
 @pytest.mark.parametrize(("content", "message"), [
     (b"\xff\xfe not utf-8", "is not UTF-8"),
     (b"   \n", "is empty"),
-    (b"too short", "characters are too few for block_size=128"),
+    (b"too short", "characters are too few for block_size=64"),
 ])
 def test_a_text_that_cannot_train_is_refused_by_name(content, message, tmp_path,
                                                       capsys) -> None:

@@ -22,9 +22,12 @@ with groups of 64 within 5 %.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import hashlib
+import itertools
 import math
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -47,12 +50,13 @@ from attnlab.training.tasks.text import CharLMTask, read_text
 from attnlab.training.trainer import TrainConfig, Trainer
 
 __all__ = ["DEFAULT_TEXT", "AccuracyResult", "AccuracySettings", "DateResult", "DateScore",
-           "LMResult", "LMScore", "Variant", "add_arguments", "check_group_sizes",
+           "LMResult", "LMScore", "Training", "Variant", "add_arguments", "check_group_sizes",
            "date_model_config", "lm_scores", "measure_accuracy", "measure_dates", "measure_lm",
            "run", "settings_from_args", "variants", "weights_as"]
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 HELD_OUT = 0.1
+_PROBE_STEPS = 5
 # Held-out dates at most: the other ~63,000 days of 1900-2099 stay for training.
 MAX_DATE_EXAMPLES = 10_000
 # The date translator's training, as ``attnlab demo`` trains it (``attnlab.demo`` is a layer
@@ -72,15 +76,16 @@ class AccuracySettings:
     step, for ``train_seconds`` (the step count is that over the measured seconds a step
     takes, at most ``steps`` when given). The date model: ``attnlab demo``'s, trained for
     ``date_seconds`` (at most ``date_steps``), scored on ``date_examples`` held-out dates.
+    Each run stops at its deadline even when the machine slows down during it.
     """
 
     text: Path = DEFAULT_TEXT
     train_seconds: float = 150.0
     steps: int | None = None
     d_model: int = 128
-    layers: int = 4
+    layers: int = 2
     heads: int = 4
-    block_size: int = 128
+    block_size: int = 64
     batch_size: int = 32
     group_sizes: tuple[int, ...] = (32, 64, 128)
     date_seconds: float = 90.0
@@ -152,6 +157,15 @@ class DateScore:
 
 
 @dataclass(frozen=True)
+class Training:
+    """How a model was trained: ``steps`` done of the ``planned`` ones, in ``seconds``."""
+
+    steps: int
+    planned: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class LMResult:
     """The character LM's part: ``model`` is the trained float32 LM and ``held_out`` the ids
     (``N``) it was scored on, so that a reader can check the figures."""
@@ -160,8 +174,7 @@ class LMResult:
     text_sha256: str
     model: DecoderLM
     held_out: Tensor
-    steps: int
-    seconds: float
+    training: Training
     scores: tuple[LMScore, ...]
 
 
@@ -172,8 +185,7 @@ class DateResult:
 
     model: Transformer
     examples: int
-    steps: int
-    seconds: float
+    training: Training
     scores: tuple[DateScore, ...]
 
 
@@ -289,12 +301,12 @@ def measure_lm(settings: AccuracySettings, *, progress: bool = False) -> LMResul
     lm = DecoderLM(DecoderLMConfig.llama(
         len(task.vocab), d_model=s.d_model, num_layers=s.layers, num_heads=s.heads,
         d_ff=s.d_ff, dropout=0.1, max_len=s.block_size))
-    config = TrainConfig(batch_size=s.batch_size, lr=2e-3, seed=s.seed)
+    config = TrainConfig(batch_size=s.batch_size, lr=3e-3, seed=s.seed)
     _say(progress, f"training the character LM on {s.text} for ~{s.train_seconds:g} s")
-    steps, seconds = _train(lm, task, config, s.train_seconds, s.steps)
+    training = _train(lm, task, config, s.train_seconds, s.steps)
     scores = _score_lm(lm, task.valid_ids, s.block_size, s.group_sizes, progress)
     return LMResult(len(text), hashlib.sha256(text.encode("utf-8")).hexdigest(), lm.eval(),
-                    task.valid_ids, steps, seconds, scores)
+                    task.valid_ids, training, scores)
 
 
 def measure_dates(settings: AccuracySettings, *, progress: bool = False) -> DateResult:
@@ -306,10 +318,10 @@ def measure_dates(settings: AccuracySettings, *, progress: bool = False) -> Date
     torch.manual_seed(s.seed)
     translator = Transformer(date_model_config(dates))
     _say(progress, f"training the date translator for ~{s.date_seconds:g} s")
-    steps, seconds = _train(translator, dates, replace(DATE_TRAINING, seed=s.seed),
-                            s.date_seconds, s.date_steps)
+    training = _train(translator, dates, replace(DATE_TRAINING, seed=s.seed), s.date_seconds,
+                      s.date_steps)
     scores = _score_dates(translator, dates, s.group_sizes, progress)
-    return DateResult(translator.eval(), len(dates.test), steps, seconds, scores)
+    return DateResult(translator.eval(), len(dates.test), training, scores)
 
 
 def lm_scores(model: nn.Module, ids: Tensor, window: int) -> tuple[float, Tensor]:
@@ -406,17 +418,52 @@ def _copies(model: nn.Module, group_sizes: tuple[int, ...], progress: bool,
 
 
 def _train(model: nn.Module, task: object, config: TrainConfig, seconds: float,
-           most: int | None) -> tuple[int, float]:
-    """Train for about ``seconds`` (the steps that fit at the measured seconds per step, at
-    most ``most``), evaluating only at the end; returns (steps, seconds taken)."""
-    step_seconds = Trainer(model, task, config, progress=False).estimate_step_seconds()
-    steps = max(1, int(seconds / max(step_seconds, 1e-9)))
+           most: int | None) -> Training:
+    """Train ``model`` for about ``seconds``.
+
+    The run is planned as the steps that fit at the seconds per step of a few real steps on
+    a copy (at most ``most``), so that its schedule ends where the time does; on a shared
+    machine that slows down meanwhile, it stops at the deadline anyway, after the step that
+    crosses it. Evaluates only at the end; saves nothing.
+    """
+    start = time.perf_counter()
+    deadline = start + seconds
+    per_step = _seconds_per_step(model, task, config, deadline)
+    steps = max(1, int((deadline - time.perf_counter()) / per_step))
     steps = steps if most is None else min(steps, most)
     config = replace(config, steps=steps, warmup=min(config.warmup, steps // 10),
                      eval_every=steps, checkpoint_every=steps, log_every=steps)
-    start = time.perf_counter()
-    Trainer(model, task, config, progress=False).fit()
-    return steps, time.perf_counter() - start
+
+    def stop_at_deadline(step: int, loss: float) -> None:
+        if time.perf_counter() > deadline and step < steps:
+            raise _StopTrainingError
+
+    trainer = Trainer(model, task, config, progress=False, on_step=stop_at_deadline)
+    with contextlib.suppress(_StopTrainingError):
+        trainer.fit()
+    return Training(trainer.step, steps, time.perf_counter() - start)
+
+
+class _StopTrainingError(Exception):
+    """Raised by a training callback to end ``Trainer.fit`` after the current step."""
+
+
+def _seconds_per_step(model: nn.Module, task: object, config: TrainConfig,
+                      deadline: float) -> float:
+    """Median seconds of the real steps 2 to 5 (the first warms up) trained on a copy of
+    ``model`` with ``config``, fewer if ``deadline`` comes first."""
+    times: list[float] = []
+
+    def record(step: int, loss: float) -> None:
+        times.append(time.perf_counter())
+        if step >= _PROBE_STEPS or (len(times) >= 2 and time.perf_counter() > deadline):
+            raise _StopTrainingError
+
+    probe = replace(config, steps=_PROBE_STEPS + 1, warmup=0)
+    with contextlib.suppress(_StopTrainingError):
+        Trainer(copy.deepcopy(model), task, probe, progress=False, on_step=record).fit()
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    return max(statistics.median(gaps), 1e-6) if gaps else math.inf
 
 
 def _share(outputs: list[str], expected: list[str]) -> float:

@@ -65,8 +65,8 @@ def markdown(result: Any) -> str:
         "",
         f"A character-level `DecoderLM` (Llama style: RoPE, RMSNorm, SwiGLU; {s.layers} "
         f"layers, hidden {s.d_model}, {s.heads} heads, feed-forward {s.d_ff}, tied embedding) "
-        f"trained here for {lm.steps} steps ({lm.seconds:.0f} s, {s.batch_size} windows "
-        f"of {s.block_size} characters a step) on `{s.text}` ({lm.text_chars:,} characters, "
+        f"trained here for {_training(lm.training)}, {s.batch_size} windows "
+        f"of {s.block_size} characters a step, on `{s.text}` ({lm.text_chars:,} characters, "
         f"sha256 {lm.text_sha256[:12]}...). Held out: its last {len(lm.held_out):,} "
         f"characters; every one after the first is predicted once, from at most "
         f"{s.block_size} characters before it ({len(lm.held_out) - 1:,} positions, the same "
@@ -87,7 +87,7 @@ def markdown(result: Any) -> str:
     lines += [
         "",
         f"The date translator of `attnlab demo` (2 + 2 layers, hidden 128) trained here for "
-        f"{dates.steps} steps ({dates.seconds:.0f} s); greedy decoding of "
+        f"{_training(dates.training)}; greedy decoding of "
         f"{dates.examples:,} held-out dates (none of them seen in training).",
         "",
         "| weights | activations | exact match | vs float32 | output equal to float32's |",
@@ -107,6 +107,12 @@ def markdown(result: Any) -> str:
 def _float32(rows: tuple) -> Any:
     (base,) = [row for row in rows if row.variant.weights == "float32"]
     return base
+
+
+def _training(t: Any) -> str:
+    """``"412 steps (158 s)"``, saying so when the deadline cut the planned run short."""
+    cut = "" if t.steps == t.planned else f" of the {t.planned} planned: stopped by the time limit"
+    return f"{t.steps} steps{cut} ({t.seconds:.0f} s)"
 
 
 def _bytes(n: int) -> str:
