@@ -18,6 +18,7 @@ from pathlib import Path
 from attnlab import __version__
 from attnlab.cli_generate import add_commands as add_generate_commands
 from attnlab.cli_infer import add_commands as add_infer_commands
+from attnlab.cli_quantize import add_commands as add_quantize_commands
 from attnlab.cli_train import add_commands
 from attnlab.cli_viz import add_commands as add_viz_commands
 
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_infer_commands(sub)
     add_viz_commands(sub)
     add_generate_commands(sub)
+    add_quantize_commands(sub)
 
     bench = sub.add_parser("bench", help="run a benchmark and save its table and plot")
     bench_sub = bench.add_subparsers(dest="benchmark", metavar="NAME", required=True)

@@ -32,6 +32,7 @@ from attnlab.arg_types import (
 from attnlab.generation import generate
 from attnlab.generation.config import GenerationConfig, read_generation_config
 from attnlab.generation.inputs import token_id, token_id_set
+from attnlab.models.decoder import DecoderLM
 from attnlab.models.families import family_for
 from attnlab.models.hf_loading import CONFIG_NAME, SUPPORTED_DTYPES, check_folder, read_json
 from attnlab.models.io import from_pretrained
@@ -194,7 +195,8 @@ def run_generate(args: argparse.Namespace) -> int:
 def check_model_type(folder: str) -> None:
     """Refuse, before anything is loaded, a ``--model`` folder whose ``config.json`` names a
     ``model_type`` that no family reads (listing those that are read), or that holds an
-    attnlab training checkpoint (``attnlab sample`` continues those)."""
+    attnlab training checkpoint (``attnlab sample`` continues those). attnlab's own decoder
+    format (``save_pretrained`` of a ``DecoderLM``, e.g. ``attnlab quantize``'s output) is read."""
     file = check_folder(folder) / CONFIG_NAME
     config = read_json(file)
     if config.get("format") == TRAINING_CHECKPOINT:
@@ -202,6 +204,8 @@ def check_model_type(folder: str) -> None:
                          f"{config.get('model_type')!r}); expected a Hugging Face-format "
                          "folder. `attnlab sample --checkpoint` continues text with a "
                          "checkpoint of `attnlab train lm`")
+    if config.get("model_type") == DecoderLM.MODEL_TYPE:
+        return
     try:
         family_for(config.get("model_type"))
     except ValueError as error:

@@ -33,6 +33,7 @@ from attnlab.analysis import (
 )
 from attnlab.analysis.capture import AttentionCapture, kind_label
 from attnlab.analysis.dates import check_date_checkpoint, date_alignment_report
+from attnlab.models.decoder import DecoderLM
 from attnlab.models.families import FAMILIES
 from attnlab.models.hf_loading import read_json
 from attnlab.models.io import from_pretrained
@@ -197,10 +198,11 @@ def _seq2seq_task(extra: dict) -> Any:
 
 def _load_hf(folder: Path, text: str, raw: dict) -> tuple[nn.Module, Any, dict, str]:
     model_type = raw.get("model_type")
-    if not isinstance(model_type, str) or model_type not in FAMILIES:
+    if not isinstance(model_type, str) or model_type not in {*FAMILIES, DecoderLM.MODEL_TYPE}:
         raise ValueError(f"checkpoint: {str(folder)!r} is neither an attnlab checkpoint nor a "
                          f"folder of a supported family (model_type {model_type!r}; expected "
-                         f"one of {sorted(FAMILIES)})")
+                         f"one of {sorted(FAMILIES)}, or {DecoderLM.MODEL_TYPE!r} as "
+                         "save_pretrained and attnlab quantize write it)")
     if not (folder / "tokenizer.json").is_file():
         raise ValueError(f"checkpoint: {str(folder)!r} has no tokenizer.json")
     tokenizer = Tokenizer.from_pretrained(folder)

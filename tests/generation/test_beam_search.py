@@ -176,6 +176,12 @@ def test_bad_input() -> None:
     (torch.tensor([[3, 4]]), {"eos_id": 9}, ValueError, r"eos_id: expected an id in \[0, 9\)"),
     (torch.tensor([[3, 4]]), {"pad_id": -1}, ValueError, r"pad_id: expected an id in \[0, 9\)"),
     (torch.tensor([[3, 4]]), {"bos_id": True}, ValueError, "bos_id: expected an id"),
+    (torch.tensor([[3, 4]]), {"length_penalty": float("nan")}, ValueError,
+     "length_penalty: expected a finite float, got nan"),
+    (torch.tensor([[3, 4]]), {"length_penalty": 10**400}, ValueError,
+     "length_penalty: expected a finite float"),
+    (torch.tensor([[3, 4]]), {"length_penalty": "1"}, ValueError,
+     "length_penalty: expected a finite float, got '1'"),
 ])
 def test_bad_ids_are_refused_before_any_compute(num_beams: int, src: torch.Tensor,
                                                 kwargs: dict, error: type,

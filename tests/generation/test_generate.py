@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -232,6 +234,23 @@ def test_stop_string_ends_generation_and_the_streamer_stops_with_it() -> None:
     assert streamer.tokens == [*free[:keep], -1]
 
 
+def test_a_stop_string_over_several_tokens_late_in_the_text() -> None:
+    # Five letters over three tokens, completed at new token 12: past the decoded tail of
+    # 5 + 1 tokens that each step reads. Sampled (greedy repeats one token here); the same
+    # seed draws the same tokens until a row stops.
+    model, tok = make(), TwoChars()
+    prompt = torch.tensor([[1, 2], [3, 4]])
+    free = generate(model, prompt, 16, do_sample=True, seed=0)[:, 2:].tolist()
+    stop = tok.decode(free[0][9:12])[1:6]
+    out = generate(model, prompt, 16, do_sample=True, seed=0, stop_strings=stop, tokenizer=tok,
+                   pad_token_id=0)
+    keeps = [reference_stop(row, set(), tok.decode, [stop]) for row in free]
+    assert keeps[0] == 12 and len(stop) == 5
+    for row, keep in enumerate(keeps):
+        assert out[row, 2:2 + keep].tolist() == free[row][:keep]
+        assert (out[row, 2 + keep:] == 0).all()
+
+
 def test_stop_strings_need_a_tokenizer_and_a_pad_for_batches() -> None:
     model = make()
     with pytest.raises(ValueError, match="tokenizer: stop_strings need a tokenizer"):
@@ -291,6 +310,23 @@ def test_nan_or_inf_logits_are_refused_greedy_and_sampling(bad: float) -> None:
         with pytest.raises(ValueError, match=r"logits \(the model's output for new token 1\): "
                                              r"row 0 \(of 1\) holds (NaN|\+inf)"):
             generate(model, torch.tensor([[1, 2]]), 3, do_sample=do_sample)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_logits_are_checked_once_a_step(monkeypatch, do_sample: bool) -> None:
+    checked: list[str] = []
+    # The package's `generate` is the function: the module is taken by its name.
+    for name in ("attnlab.generation.generate", "attnlab.generation.sampling"):
+        module = importlib.import_module(name)
+        real = module.check_logits
+        monkeypatch.setattr(module, "check_logits",
+                            lambda logits, name="logits", _real=real: (checked.append(name),
+                                                                       _real(logits, name))[1])
+    model = make()
+    out = generate(model, torch.tensor([[1, 2]]), 4, do_sample=do_sample, seed=0,
+                   repetition_penalty=1.3)
+    assert out.shape == (1, 6)
+    assert checked == [f"logits (the model's output for new token {i})" for i in (1, 2, 3, 4)]
 
 
 def test_seed_outside_torch_range_is_refused() -> None:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from attnlab.generation import (
     apply_repetition_penalty,
     check_logits,
+    check_sampling_args,
     sample_logits,
     sampling_probs,
     top_k_filter,
@@ -94,10 +95,20 @@ def test_repetition_penalty_formula() -> None:
     ({"top_k": 0}, "top_k"),
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
+    ({"temperature": 10**400}, "temperature: expected a finite float > 0"),  # no OverflowError
+    ({"top_p": 10**400}, r"top_p: expected None or a float in \(0, 1\]"),
+    ({"top_p": True}, "top_p"),
 ])
 def test_sampling_bad_arguments(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
         sample_logits(torch.zeros(1, 4), **kwargs)
+
+
+@pytest.mark.parametrize("penalty", [10**400, float("inf"), float("nan"), 0, True, "1.2"],
+                         ids=["10**400", "inf", "nan", "0", "True", "str"])
+def test_repetition_penalty_must_be_a_finite_positive_number(penalty) -> None:
+    with pytest.raises(ValueError, match="repetition_penalty: expected a finite float > 0"):
+        check_sampling_args(1.0, None, None, penalty)
 
 
 def test_filter_bad_arguments() -> None:

@@ -347,6 +347,8 @@ def test_bad_rope_scaling_is_refused_naming_the_key(params, error, words) -> Non
 
 def test_bad_arguments_are_refused_naming_them() -> None:
     rotary = RotaryEmbedding(8, max_len=10)
+    dynamic = RotaryEmbedding(8, max_len=10, scaling=RopeScaling("dynamic", 2.0),
+                              max_position_embeddings=5)
     cases = [
         (lambda: RotaryEmbedding(7, max_len=10), ValueError, ["rotary_dim", "7", "even"]),
         (lambda: RotaryEmbedding(0, max_len=10), ValueError, ["rotary_dim", "0"]),
@@ -368,9 +370,9 @@ def test_bad_arguments_are_refused_naming_them() -> None:
         (lambda: rotary([0, 1]), TypeError, ["positions", "list"]),
         (lambda: rotary(torch.zeros(1, 2, 3, dtype=torch.long)), ValueError,
          ["positions", "(1, 2, 3)"]),
-        (lambda: rotary(torch.tensor([8, 9, 10])), ValueError, ["positions", "max_len=10",
-                                                                "10"]),
-        (lambda: rotary(torch.tensor([-1, 0])), ValueError, ["positions", "-1"]),
+        (lambda: dynamic(torch.tensor([8, 9, 10])), ValueError, ["positions", "max_len=10",
+                                                                 "10"]),
+        (lambda: dynamic(torch.tensor([-1, 0])), ValueError, ["positions", "-1"]),
         (lambda: apply_rotary(torch.zeros(2, 3, 8), *rotary(torch.arange(3))), ValueError,
          ["x", "(2, 3, 8)"]),
         (lambda: apply_rotary(torch.zeros(2, 4, 1, 8), *rotary(torch.arange(3))), ValueError,
@@ -398,3 +400,37 @@ def test_bad_arguments_are_refused_naming_them() -> None:
 
 def test_every_supported_type_is_tested() -> None:
     assert {p.get("rope_type", p.get("type")) for p in CASES.values()} == set(ROPE_TYPES)
+
+
+# Every way a tensor's value reaches the host (each waits for the device).
+_READ_BACKS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_only_length_chosen_scalings_read_the_positions_back(monkeypatch, case) -> None:
+    rotary = rotary_pair(CASES[case], max_len=64)[0]
+    positions = torch.arange(20).expand(2, 20)
+    expected = rotary(positions)
+    reads: list[str] = []
+    for name in _READ_BACKS:
+        method = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _n=name, _m=method, **k: (
+            reads.append(_n), _m(t, *a, **k))[1])
+    got = rotary(positions)
+    monkeypatch.undo()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    by_length = rotary.scaling.rope_type in ("dynamic", "longrope")
+    assert reads == (["tolist"] if by_length else []), reads
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_rotary_built_on_meta_holds_real_frequencies(case) -> None:
+    # A model is built on "meta" and then loaded (families.loading): the rotary module, which
+    # nothing loads, must come out of that block ready to run.
+    with torch.device("meta"):
+        built = rotary_pair(CASES[case], max_len=64)[0]
+    expected = rotary_pair(CASES[case], max_len=64)[0]
+    assert not list(built.buffers())
+    positions = torch.tensor([[0, 5, 40, 63]])
+    for got, want in zip(built(positions), expected(positions)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from attnlab.models import DecoderLM, DecoderLMConfig, Transformer, TransformerConfig
 from attnlab.models.families import family_for
-from attnlab.models.inputs import check_token_ids
+from attnlab.models.inputs import check_token_ids, decoder_inputs
 
 V = 13
 torch.manual_seed(0)
@@ -126,3 +126,20 @@ def test_seq2seq_masks_and_memory_are_named() -> None:
         SEQ2SEQ.decode(GOOD, memory.tolist())
     with pytest.raises(ValueError, match=r"^memory: expected dtype torch.float32"):
         SEQ2SEQ.decode(GOOD, memory.double())
+
+
+def test_a_mask_without_padding_is_dropped_and_positions_are_the_offset(monkeypatch) -> None:
+    cache = LM.make_cache(2)
+    LM(torch.tensor([[1, 2], [3, 4]]), cache=cache)  # offset 2
+    cumsums: list[object] = []
+    monkeypatch.setattr(torch.Tensor, "cumsum", lambda t, *a, **k: cumsums.append(a))
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    got = decoder_inputs(ids, torch.ones(2, 5, dtype=torch.long), cache, None, 0, vocab_size=V,
+                         max_len=16, max_len_name="max_len", num_layers=1)
+    assert got == (2, 3, 2, None, 2) and not cumsums  # no positions computed to throw away
+    monkeypatch.undo()
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    padded = decoder_inputs(ids, mask, cache, None, 0, vocab_size=V, max_len=16,
+                            max_len_name="max_len", num_layers=1)
+    assert torch.equal(padded.key_mask, mask.bool())
+    assert torch.equal(padded.positions, torch.tensor([[1, 2, 3], [2, 3, 4]]))

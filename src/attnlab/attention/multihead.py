@@ -162,7 +162,7 @@ class MultiHeadAttention(nn.Module):
         self._check_input("query", query, self.embed_dim)
         self._check_input("key", key, self.kdim)
         self._check_input("value", value, self.vdim)
-        check_input_dtypes(self.out_proj.weight, query=query, key=key, value=value)
+        check_input_dtypes(_dtype_reference(self.out_proj), query=query, key=key, value=value)
         B, L, _ = query.shape
         S = key.shape[1]
         if key.shape[0] != B or value.shape[:2] != key.shape[:2]:
@@ -332,6 +332,13 @@ class SimpleMultiHeadAttention:
                    for x, w in ((query, self.wq), (key, self.wk), (value, self.wv)))
         out = scaled_dot_product_attention(q, k, v, mask)  # N.. broadcast as torch.matmul
         return linear(out.transpose(-3, -2).flatten(-2), self.wo)
+
+
+def _dtype_reference(module: nn.Module) -> Tensor:
+    """The tensor whose dtype and device ``module`` computes in: its ``weight``, or for a
+    quantized linear layer (integer codes, no float weight) its ``scales``."""
+    weight = module._parameters.get("weight")
+    return weight if weight is not None else module.scales
 
 
 def check_input_dtypes(weight: Tensor, **inputs: Tensor) -> None:

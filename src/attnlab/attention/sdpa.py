@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from attnlab._checks import is_number
 from attnlab.attention.flash import flash_attention
 from attnlab.attention.fused import fused_attention
 from attnlab.attention.math import math_attention
@@ -215,15 +216,15 @@ def _check_inputs(
             )
         if mask.device != query.device:
             raise ValueError(f"mask: expected query's device {query.device}, got {mask.device}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+    if not is_number(dropout_p):
         raise TypeError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p}")
     if scale is None:
         return 1.0 / math.sqrt(query.shape[-1])
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+    if not is_number(scale):
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
-    if not math.isfinite(scale):
+    if not is_number(scale, finite=True):
         raise ValueError(f"scale: expected a finite float, got {scale}")
     return float(scale)
 

@@ -11,7 +11,10 @@ into a temporary folder, and both models are loaded from it for each dtype
 - decode: 128 new tokens after a 32-token prompt, and after the 8 left-padded prompts;
 - bound: decoding reads every weight once per step, so tokens/s <= rows x read bandwidth /
   weight bytes; the read bandwidth is measured here (``sum`` over a 1 GiB buffer);
-- our bfloat16 model's next-token agreement with our float32 model on the same 128 tokens.
+- our bfloat16 model's next-token agreement with our float32 model on the same 128 tokens;
+- with ``--quantize int8,int4``: our model with quantized weights (activations in bfloat16)
+  against our bfloat16 model, the same measures, each decode against the bound of its own
+  bytes, and the bytes held against float32's.
 
 Every ratio is ours / transformers in tokens/s. Out-of-memory is recorded as ``OOM``. With
 ``--device cuda`` both run on the GPU (the transformers side is skipped, saying why, if it
@@ -34,13 +37,16 @@ from attnlab.bench.versus import (
     Workload,
     add_workload_arguments,
     measure_folder,
+    measure_quantized,
     ours_label,
     random_checkpoint,
     start_run,
 )
 from attnlab.bench.versus_report import plot_ratios, rate, ratio, ratio_value, share
+from attnlab.quantization import METHODS
+from attnlab.quantization.formats import GROUP_SIZES
 
-__all__ = ["FULL", "QUICK", "add_arguments", "dtype_list", "run"]
+__all__ = ["FULL", "QUICK", "add_arguments", "dtype_list", "method_list", "run"]
 
 FULL = {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
         "num_hidden_layers": 4, "num_attention_heads": 14, "num_key_value_heads": 2,
@@ -61,12 +67,26 @@ def dtype_list(text: str) -> tuple[str, ...]:
     return names
 
 
+def method_list(text: str) -> tuple[str, ...]:
+    """``argparse`` type for comma-separated quantization methods among ``METHODS``."""
+    names = tuple(x.strip() for x in text.split(","))
+    if not names or len(set(names)) != len(names) or any(x not in METHODS for x in names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated methods among {METHODS}, "
+                                         f"each once, got {text!r}")
+    return names
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``attnlab bench qwen2``."""
     parser.add_argument("--dtypes", type=dtype_list, default=",".join(DTYPES),
                         help="comma-separated dtypes to measure, each a full set of rows")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip transformers even when it is installed")
+    parser.add_argument("--quantize", type=method_list, default=(),
+                        help="also measure our model with these weights (e.g. int8,int4) "
+                        "against our bfloat16 model")
+    parser.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=64,
+                        help="inputs per int4 scale and zero point")
     add_workload_arguments(parser, prefill=512, new_tokens=128, batch=8)
 
 
@@ -89,6 +109,11 @@ def run(args: argparse.Namespace) -> Path:
                                             reference=not args.no_reference,
                                             bandwidth=bandwidth,
                                             extra_memory=args.extra_memory))
+        for method in args.quantize:
+            print(f"bench qwen2: {method}", flush=True)
+            r["quantized"] = [*r.get("quantized", []), measure_quantized(
+                tmp, method, args.group_size if method == "int4" else None, device, work,
+                bandwidth=bandwidth)]
     tokens = {run["dtype"]: run.get("next_tokens") for run in r["runs"]}
     if tokens.get("float32") and tokens.get("bfloat16"):
         same = [a == b for a, b in zip(tokens["float32"], tokens["bfloat16"], strict=True)]
@@ -146,5 +171,37 @@ def _markdown(r: dict, info: dict[str, str]) -> str:
     if "agreement" in r:
         lines.append(f"Next-token agreement of our bfloat16 and float32 models on the same "
                      f"128 tokens: {100 * r['agreement']:.1f}%.")
+    lines += _quantized_markdown(r.get("quantized", []))
     lines += machine_section(info)
     return "\n".join(lines)
+
+
+def _quantized_markdown(runs: list[dict]) -> list[str]:
+    """The quantized rows: each against our bfloat16 model, decode against its own bound."""
+    if not runs:
+        return []
+    lines = ["", "## Quantized weights vs our bfloat16 model", "",
+             "Our model loaded with `quantize=` (activations, norms and scales in bfloat16) "
+             "and our bfloat16 model, both from the folder above, timed in turns. Regenerate "
+             "with `attnlab bench qwen2 --quantize int8,int4`.", "",
+             "| weights | measure | quantized tokens/s | bfloat16 tokens/s | quantized / "
+             "bfloat16 | bound tokens/s | quantized % of bound |",
+             "|---|---|---|---|---|---|---|"]
+    for run in runs:
+        name = run["dtype"] + (f" g{run['group_size']}" if run.get("group_size") else "")
+        if "error" in run:
+            lines.append(f"| {name} | all | {run['error']} | — | — | — | — |")
+            continue
+        for measure, cell in run["cells"].items():
+            bound = f"{cell['bound']:.1f}" if "bound" in cell else "—"
+            lines.append(f"| {name} | {measure} | {rate(cell, 'ours')} "
+                         f"| {rate(cell, 'transformers')} | {ratio(cell)} | {bound} "
+                         f"| {share(cell, 'ours')} |")
+    lines.append("")
+    for run in runs:
+        if "held" in run:
+            float32 = 2 * run["held_bfloat16"]  # every bfloat16 weight at 4 bytes
+            lines.append(f"- {run['dtype']}: weights held {run['held'] / 2**20:.0f} MiB = "
+                         f"{run['held'] / float32:.3f}x float32 ({float32 / 2**20:.0f} MiB); "
+                         f"read per decode step {run['weight_bytes'] / 2**20:.0f} MiB.")
+    return lines

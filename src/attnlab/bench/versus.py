@@ -33,6 +33,7 @@ from attnlab.generation import generate
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.families import family_for
 from attnlab.models.io import from_pretrained, save_pretrained
+from attnlab.quantization import weight_bytes as held_bytes
 
 __all__ = [
     "MEASURES",
@@ -40,6 +41,7 @@ __all__ = [
     "compare",
     "load_reference",
     "measure_folder",
+    "measure_quantized",
     "ours_label",
     "random_checkpoint",
     "read_bandwidth",
@@ -194,12 +196,37 @@ def measure_folder(folder: str | Path, dtype: str, device: torch.device, work: W
     return result
 
 
+def measure_quantized(folder: str | Path, method: str, group_size: int | None,
+                      device: torch.device, work: Workload, *, bandwidth: float
+                      ) -> dict[str, Any]:
+    """Our model from ``folder`` quantized (``method``, ``group_size``; activations, norms and
+    scales in bfloat16) against our bfloat16 model from the same folder, with ``compare``
+    (its ``"transformers"`` slot holds the bfloat16 model here). Each decode cell gets the
+    ``bound`` of the quantized model's own bytes. Also returned: the bytes each model holds
+    (``held``, ``held_bfloat16``) and reads per decode step (``weight_bytes``)."""
+    ours, error = oom_as_error(lambda: from_pretrained(folder, dtype="bfloat16", device=device,
+                                                       quantize=method, group_size=group_size))
+    if ours is None:
+        return {"dtype": method, "error": f"ours: {error} while loading", "cells": {}}
+    plain = from_pretrained(folder, dtype="bfloat16", device=device)
+    cells = compare(ours, plain, work, device, reference_is_ours=True)
+    nbytes = weight_bytes(ours)
+    for measure, cell in cells.items():
+        if MEASURES[measure][0] == "decode":
+            cell["bound"] = cell["rows"] * bandwidth / nbytes
+    return {"dtype": method, "group_size": group_size, "reference": "our bfloat16 model",
+            "weight_bytes": nbytes, "held": held_bytes(ours), "held_bfloat16": held_bytes(plain),
+            "cells": cells}
+
+
 def compare(ours: nn.Module, reference: nn.Module | None, work: Workload,
-            device: torch.device, *, seed: int = 0) -> dict[str, dict[str, Any]]:
+            device: torch.device, *, seed: int = 0,
+            reference_is_ours: bool = False) -> dict[str, dict[str, Any]]:
     """Time each of ``MEASURES`` on both models: ``{measure: {"ours": tokens/s or None,
     "transformers": ..., "ours_error": "OOM" or None, "transformers_error": ..., "rows": B,
     "prompt_tokens": real prompt tokens}}``. Both models get the same ids (``1 x prefill``,
-    ``1 x prompt``, ``batch x prompt`` left-padded)."""
+    ``1 x prompt``, ``batch x prompt`` left-padded). ``reference_is_ours``: the reference is
+    one of our models too (driven as ours are)."""
     V = ours.config.vocab_size
     g = torch.Generator().manual_seed(seed)
     long_ids = torch.randint(0, V, (1, work.prefill), generator=g).to(device)
@@ -208,7 +235,9 @@ def compare(ours: nn.Module, reference: nn.Module | None, work: Workload,
     mask = torch.tensor([[0] * (work.prompt - n) + [1] * n for n in lengths], device=device)
     inputs = {False: (long_ids, torch.ones_like(long_ids)), True: (ids, mask)}
     decode_inputs = {False: (ids[:1], torch.ones_like(ids[:1])), True: (ids, mask)}
-    models = {"ours": (ours, _ours_runner), "transformers": (reference, _reference_runner)}
+    models = {"ours": (ours, _ours_runner),
+              "transformers": (reference, _ours_runner if reference_is_ours
+                               else _reference_runner)}
     results: dict[str, dict[str, Any]] = {}
     with torch.inference_mode():
         for measure, (kind, batched) in MEASURES.items():
@@ -242,15 +271,20 @@ def compare(ours: nn.Module, reference: nn.Module | None, work: Workload,
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of weights a decode step reads: every parameter once (a tied head counted once),
-    except embedding tables, of which a step reads one row (the output head reads a tied
-    table in full, and counts it)."""
+    """Bytes of weights a decode step reads: every parameter and stored buffer once (a tied
+    head counted once; a quantized layer's codes and scales), except embedding tables, of
+    which a step reads one row (the output head reads a tied table in full, and counts it)."""
     read: dict[int, int] = {}
-    for module in model.modules():
-        if isinstance(module, nn.Embedding) or type(module).__name__.endswith("Embedding"):
+    tables = [name for name, m in model.named_modules()
+              if isinstance(m, nn.Embedding) or type(m).__name__.endswith("Embedding")]
+    for name, module in model.named_modules():
+        if any(name == t or name.startswith(t + ".") for t in tables):
             continue
-        for p in module.parameters(recurse=False):
-            read[p.data_ptr()] = p.numel() * p.element_size()
+        stored = module.state_dict(keep_vars=True)
+        tensors = [*module.parameters(recurse=False),
+                   *(b for n, b in module.named_buffers(recurse=False) if n in stored)]
+        for t in tensors:
+            read[t.data_ptr()] = t.numel() * t.element_size()
     return sum(read.values())
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnlab._checks import check_positive, check_token_ids, is_int
+from attnlab._checks import check_positive, check_token_ids, is_int, is_number
 from attnlab.generation.protocols import Seq2SeqLM, Seq2SeqLMConfig
 from attnlab.generation.sampling import check_logits
 
@@ -188,8 +188,8 @@ def _prepare(model: Seq2SeqLM, src: Tensor, max_new_tokens: int, bos_id: int, eo
         raise ValueError(f"max_new_tokens: bos + {max_new_tokens} new tokens exceed the model's "
                          f"max_len={c.max_len}")
     check_positive("num_beams", num_beams)
-    if not isinstance(length_penalty, (int, float)) or isinstance(length_penalty, bool):
-        raise ValueError(f"length_penalty: expected a float, got {length_penalty!r}")
+    if not is_number(length_penalty, finite=True):  # NaN or inf would make every score equal
+        raise ValueError(f"length_penalty: expected a finite float, got {length_penalty!r}")
     pad = c.pad_id if pad_id is None else pad_id
     pad = eos_id if pad is None else pad
     for name, value in (("bos_id", bos_id), ("eos_id", eos_id), ("pad_id", pad)):

@@ -124,11 +124,12 @@ def generate(
     if max_new_tokens:
         logits = model(ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]
     for step in range(max_new_tokens):
-        check_logits(logits, f"logits (the model's output for new token {step + 1})")
         if repetition_penalty != 1.0:
             logits = apply_repetition_penalty(logits, ids, repetition_penalty, mask)
+        # Once a step, for greedy and sampling alike; after the penalty, which may overflow.
+        check_logits(logits, f"logits (the model's output for new token {step + 1})")
         if do_sample:
-            token = sample_logits(logits, temperature, top_k, top_p, generator)
+            token = sample_logits(logits, temperature, top_k, top_p, generator, check=False)
         else:
             token = logits.argmax(dim=-1)
         if pad_token_id is not None:

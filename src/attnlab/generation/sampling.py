@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from attnlab._checks import check_positive, is_int
+from attnlab._checks import check_positive, is_int, is_number
 
 __all__ = [
     "apply_repetition_penalty",
@@ -28,28 +28,32 @@ __all__ = [
 
 def sample_logits(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
                   top_p: float | None = None,
-                  generator: torch.Generator | None = None) -> Tensor:
+                  generator: torch.Generator | None = None, *, check: bool = True) -> Tensor:
     """Draw one token per row from ``sampling_probs(logits, temperature, top_k, top_p)``.
 
     logits ``N.. x V`` -> token ids ``N..`` (long). ``generator`` makes the draw reproducible.
-    A row that holds NaN or +inf, or only -inf, gives a ``ValueError`` (``check_logits``).
+    A row that holds NaN or +inf, or only -inf, gives a ``ValueError`` (``check_logits``);
+    ``check=False`` skips the checks for a caller that made them (``generate``, once a step).
     """
-    probs = sampling_probs(logits, temperature, top_k, top_p)
+    probs = sampling_probs(logits, temperature, top_k, top_p, check=check)
     flat = probs.reshape(-1, probs.shape[-1])
     ids = torch.multinomial(flat, 1, generator=generator)
     return ids.view(probs.shape[:-1])
 
 
 def sampling_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
-                   top_p: float | None = None) -> Tensor:
+                   top_p: float | None = None, *, check: bool = True) -> Tensor:
     """``softmax(filter(logits / temperature))``: the distribution ``sample_logits`` draws from.
 
     logits ``N.. x V`` -> probabilities ``N.. x V`` (float32 or wider). Each row is shifted
     by its maximum before the division, so that a tiny temperature cannot overflow to
     ``inf / inf = NaN``: the largest logits become 0, the others ``-inf`` or very negative.
+    The arguments and ``check_logits`` are checked first unless ``check`` is false (for a
+    caller that has checked them already).
     """
-    check_sampling_args(temperature, top_k, top_p)
-    check_logits(logits)
+    if check:
+        check_sampling_args(temperature, top_k, top_p)
+        check_logits(logits)
     wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
     scaled = (wide - wide.amax(dim=-1, keepdim=True)) / temperature
     # The filters rank by the logits themselves: a huge temperature can round distinct
@@ -86,7 +90,7 @@ def top_p_filter(logits: Tensor, p: float, *, rank_by: Tensor | None = None) -> 
     ``q_1 + .. + q_(j-1) < p`` (so the most likely token is always kept). ``p = 1`` keeps all.
     ``rank_by`` breaks ties among equal probabilities, as in ``top_k_filter``.
     """
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+    if not is_number(p) or not 0.0 < p <= 1.0:
         raise ValueError(f"top_p: expected a float in (0, 1], got {p!r}")
     if p >= 1.0:
         return logits.clone()
@@ -154,8 +158,7 @@ def check_sampling_args(temperature: float, top_k: int | None, top_p: float | No
     Greedy decoding (``do_sample=False``) does not use the temperature, so ``0`` (a common
     way to ask for greedy decoding) is accepted there, as Hugging Face does.
     """
-    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-            or not math.isfinite(temperature) or temperature < 0
+    if (not is_number(temperature, finite=True) or temperature < 0
             or (do_sample and temperature == 0)):
         expected = "> 0 for sampling" if do_sample else ">= 0"
         raise ValueError(f"temperature: expected a finite float {expected}, got {temperature!r}"
@@ -163,10 +166,8 @@ def check_sampling_args(temperature: float, top_k: int | None, top_p: float | No
                             if do_sample and temperature == 0 else ""))
     if top_k is not None and (not is_int(top_k) or top_k < 1):
         raise ValueError(f"top_k: expected None or a positive int, got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
-                              or not 0.0 < top_p <= 1.0):
+    if top_p is not None and (not is_number(top_p) or not 0.0 < top_p <= 1.0):
         raise ValueError(f"top_p: expected None or a float in (0, 1], got {top_p!r}")
-    if (isinstance(repetition_penalty, bool) or not isinstance(repetition_penalty, (int, float))
-            or not repetition_penalty > 0 or not math.isfinite(repetition_penalty)):
+    if not is_number(repetition_penalty, finite=True) or not repetition_penalty > 0:
         raise ValueError(f"repetition_penalty: expected a finite float > 0, got "
                          f"{repetition_penalty!r}")

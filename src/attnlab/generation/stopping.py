@@ -6,6 +6,14 @@ completes a stop string, that token included, even when the token runs past the 
 contains the string gives the same step: the first time it does, the last token completed it.
 One difference: Hugging Face also matches a string that begins in the prompt; here only the
 new text counts (the prompt may well contain a stop string, e.g. a chat's past turns).
+
+Decoding the whole new text at every step would cost ``O(n^2)`` over ``n`` tokens; only a
+tail is decoded. A string that first appears at this step ends in the newest token's text,
+and every token carries at least one byte of text, so the longest string's ``b`` bytes lie
+within the last ``b`` tokens; one more token gives the decoder the context that a tail's
+first token lacks (SentencePiece drops a first token's leading space, a byte-level tail may
+start inside a character). A match in the tail is confirmed on the whole new text (once per
+finished row), so a decoder that reads a tail's start differently cannot stop a row early.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 __all__ = ["Decoder", "StopStrings"]
@@ -29,8 +38,10 @@ class StopStrings:
     """``stop(new_ids, active) -> rows done``: which rows' new text contains a stop string.
 
     new_ids ``B x n`` (the tokens generated so far), active ``B`` bool (rows still running;
-    the others are skipped) -> bool ``B``. Each call decodes every active row's new tokens,
-    special tokens included (as their text), as Hugging Face's criterion sees them.
+    the others are skipped) -> bool ``B``. Each call decodes the last ``window`` new tokens of
+    every active row (module docstring), special tokens included (as their text), as Hugging
+    Face's criterion sees them; it assumes that the rows did not hold a stop string before
+    the newest token, as ``generate``, which calls it after every token, guarantees.
     """
 
     def __init__(self, stop_strings: str | Sequence[str], tokenizer: Decoder | None) -> None:
@@ -44,10 +55,19 @@ class StopStrings:
                              f"decode(ids) -> str) to read the new text, got {tokenizer!r}")
         self.strings = tuple(strings)
         self.tokenizer = tokenizer
+        # surrogatepass: a lone surrogate is never decoded text, but must not crash the count.
+        self.window = max(len(s.encode("utf-8", "surrogatepass")) for s in self.strings) + 1
 
     def __call__(self, new_ids: Tensor, active: Tensor) -> Tensor:
         done = active.clone()
-        for row in active.nonzero().flatten().tolist():
-            text = self.tokenizer.decode(new_ids[row].tolist())
-            done[row] = any(s in text for s in self.strings)
+        rows = active.nonzero().flatten().tolist()
+        if not rows:
+            return done
+        tails = new_ids[rows, -self.window:].tolist()  # one read back for the batch
+        done[rows] = torch.tensor([self._holds(tail) and self._holds(new_ids[row].tolist())
+                                   for row, tail in zip(rows, tails)], device=done.device)
         return done
+
+    def _holds(self, ids: list[int]) -> bool:
+        text = self.tokenizer.decode(ids)
+        return any(s in text for s in self.strings)

@@ -305,11 +305,7 @@ _INIT_FUNCTIONS = {"default": _default, "linear": _linear, "dynamic": _dynamic,
 def _checked_number(name: str, value: object, *, positive: bool) -> float:
     if not is_number(value):
         raise TypeError(f"{name}: expected a finite number, got {value!r}")
-    try:
-        finite = math.isfinite(value)
-    except OverflowError:  # an int too large for a float
-        finite = False
-    if not finite:
+    if not is_number(value, finite=True):
         raise ValueError(f"{name}: expected a finite number, got {value!r}")
     if positive and value <= 0:
         raise ValueError(f"{name}: expected a number > 0, got {value!r}")

@@ -25,11 +25,14 @@ from attnlab.layers.rope_scaling import RopeScaling, rope_inverse_frequencies
 # RopeScaling and rope_inverse_frequencies are part of this module's interface too.
 __all__ = ["RopeScaling", "RotaryEmbedding", "apply_rotary", "rope_inverse_frequencies"]
 
+# The scalings whose frequencies are chosen by the sequence length, read from the positions.
+_BY_LENGTH = ("dynamic", "longrope")
+
 
 class RotaryEmbedding(nn.Module):
     """Positions -> the cos and sin that ``apply_rotary`` multiplies by (float32).
 
-    ``rotary_dim`` R (even) features per head turn; ``base`` is the RoPE theta; positions must
+    ``rotary_dim`` R (even) features per head turn; ``base`` is the RoPE theta; positions
     lie in ``[0, max_len)``; ``scaling`` the context extension (default: none);
     ``max_position_embeddings`` is transformers' ``config.max_position_embeddings``, the
     length dynamic NTK starts scaling past and yarn/longrope take their default factor from
@@ -37,6 +40,11 @@ class RotaryEmbedding(nn.Module):
 
     Nothing of size ``max_len`` is allocated: each call is one outer product
     ``positions x inv_freq``, so a 128k-context model costs ``L x R`` per forward.
+
+    Only ``dynamic`` and ``longrope`` read the positions back (their largest, one host sync
+    per forward), and they refuse positions outside ``[0, max_len)``. The other scalings never
+    wait on the device: they apply the formula to whatever positions they are given, and
+    keeping them in range is the caller's part (``DecoderLM`` checks its positions first).
 
     Like transformers, ``dynamic`` and ``longrope`` keep state across calls (decided from
     ``s = max(positions) + 1`` over the whole batch, as a KV cache's decode steps see it):
@@ -92,9 +100,10 @@ class RotaryEmbedding(nn.Module):
                              f"{tuple(positions.shape)}")
         if positions.dim() == 1:
             positions = positions.unsqueeze(0)
-        if positions.numel() and positions.device.type != "meta":  # meta: shapes only
-            # One host sync per forward: the bounds check and the dynamic/longrope choice.
-            low, high = (int(v) for v in torch.aminmax(positions))
+        if (self.scaling.rope_type in _BY_LENGTH and positions.numel()
+                and positions.device.type != "meta"):  # meta: shapes only
+            # Their frequencies depend on the longest position: one read back (a host sync).
+            low, high = torch.stack(torch.aminmax(positions)).tolist()
             if low < 0 or high >= self.max_len:
                 raise ValueError(f"positions: expected values in [0, max_len={self.max_len}), "
                                  f"got min {low} and max {high}")

@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
+from attnlab._checks import is_number
 from attnlab.models.hf_loading import read_json
 
 __all__ = ["ConfigMixin", "check_value"]
@@ -59,15 +59,11 @@ def check_value(name: str, value: Any, hint: Any) -> Any:
             items = [check_value(f"{name}[{i}]", v, args[0]) for i, v in enumerate(value)]
         return origin(items)
     if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not is_number(value):
             raise TypeError(_message(name, value, hint))
-        try:
-            value = float(value)
-        except OverflowError:  # an int too large for a float
-            value = math.inf
-        if not math.isfinite(value):
+        if not is_number(value, finite=True):
             raise ValueError(_message(name, value, hint))
-        return value
+        return float(value)
     if hint is type(None) or hint is None:
         if value is not None:
             raise TypeError(_message(name, value, hint))

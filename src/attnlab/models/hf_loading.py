@@ -29,7 +29,6 @@ from attnlab.durable import write_file_atomic
 
 __all__ = [
     "CONFIG_NAME",
-    "GENERATION_CONFIG_NAME",
     "INDEX_NAME",
     "SUPPORTED_DTYPES",
     "WEIGHTS_NAME",
@@ -42,7 +41,6 @@ __all__ = [
 ]
 
 CONFIG_NAME = "config.json"
-GENERATION_CONFIG_NAME = "generation_config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,

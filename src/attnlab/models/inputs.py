@@ -2,8 +2,9 @@
 
 ``decoder_inputs`` is the head of ``DecoderLM.forward``: it checks ``input_ids``,
 ``attention_mask``, ``cache``, ``position_ids`` and ``logits_to_keep``, each error naming the
-argument, and gives the positions: with an ``attention_mask`` each real token's position is
-the number of real tokens before it (left padding starts at 0), else ``offset .. offset + L - 1``.
+argument, and gives the positions: with an ``attention_mask`` that pads, each real token's
+position is the number of real tokens before it (left padding starts at 0), else
+``offset .. offset + L - 1``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from attnlab.attention.kv_cache import KVCache
 __all__ = ["DecoderInputs", "decoder_inputs"]
 
 class DecoderInputs(NamedTuple):
-    """``B``, ``L``, the cache ``offset``, the bool ``key_mask`` ``B x (offset + L)`` (or
-    ``None``) and the ``positions`` (an int offset or a long ``B x L``/``L`` tensor)."""
+    """``B``, ``L``, the cache ``offset``, the bool ``key_mask`` ``B x (offset + L)`` (``None``
+    when nothing is padded) and the ``positions`` (an int offset or a long ``B x L``/``L``
+    tensor)."""
 
     batch: int
     length: int
@@ -39,6 +41,9 @@ def decoder_inputs(input_ids: object, attention_mask: object, cache: object,
     ``length`` is the ``offset``) or ``None``; ``position_ids`` ``B x L`` or ``L`` ints in
     ``[0, max_len)`` or ``None``; ``logits_to_keep`` an int ``>= 0``. ``offset + L`` must not
     exceed ``max_len`` (named ``max_len_name`` in the message).
+
+    A mask without a padded key is dropped (``key_mask`` ``None``: the plain causal case) and
+    its positions are the offset's, computed from the mask only when it pads.
     """
     B, L = check_token_ids("input_ids", input_ids, vocab_size)
     if cache is not None and not isinstance(cache, KVCache):
@@ -61,6 +66,8 @@ def decoder_inputs(input_ids: object, attention_mask: object, cache: object,
             raise ValueError(f"attention_mask: expected shape B x (offset + L) = "
                              f"({B}, {offset + L}), got {tuple(attention_mask.shape)}")
         key_mask = attention_mask.bool()
+        if bool(key_mask.all()):  # no padding: the plain causal path, positions from offset
+            key_mask = None
     if position_ids is not None:
         positions: int | Tensor = _check_positions(position_ids, B, L, max_len)
     elif key_mask is None:

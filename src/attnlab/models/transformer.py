@@ -357,10 +357,10 @@ class Transformer(PreTrainedModel):
                    grow: bool = False) -> KVCache:
         """An empty ``KVCache`` for the decoder's self-attention (``max_len`` positions;
         ``grow=True``: the room allocated first, doubled when needed)."""
-        c, p = self.config, self.output_proj.weight
+        c = self.config
         return KVCache(c.num_decoder_layers, batch_size, c.num_heads,
                        c.max_len if max_len is None else max_len, c.d_model // c.num_heads,
-                       dtype=p.dtype, device=p.device, grow=grow)
+                       dtype=self.dtype, device=self.device, grow=grow)
 
     def summary(self, max_depth: int = 2) -> str:
         """Print and return the per-module parameter counts."""

@@ -109,7 +109,8 @@ class WeightMap:
 class Family:
     """One model family: ``model_types`` it reads, the architecture name it writes, its config
     mapping (``config_from_hf(config.json dict) -> DecoderLMConfig`` raising a ``ValueError``
-    or ``TypeError`` naming the key; ``config_to_hf``) and its ``weights``."""
+    or ``TypeError`` naming the key; ``config_to_hf``, whose result ``check_round_trip``
+    proves to read back as the same model) and its ``weights``."""
 
     name: str
     model_types: tuple[str, ...]

@@ -24,7 +24,7 @@ from typing import Any
 from attnlab._checks import check_positive
 from attnlab.models.config import check_value
 from attnlab.models.decoder_config import DecoderLMConfig
-from attnlab.models.families.base import Family, WeightMap, check_round_trip, config_from_keys
+from attnlab.models.families.base import Family, WeightMap, config_from_keys
 
 __all__ = ["FAMILY", "gpt2_weights", "read_gpt2", "tiny_config", "write_gpt2"]
 
@@ -78,15 +78,15 @@ def read_gpt2(d: dict[str, Any]) -> DecoderLMConfig:
 
 
 def write_gpt2(c: DecoderLMConfig) -> dict[str, Any]:
-    """A GPT-2 ``config.json`` object for ``c`` (read back by ``read_gpt2`` and transformers);
-    a ``ValueError`` names the field GPT-2 cannot hold (a rotary ``c``, say)."""
+    """A GPT-2 ``config.json`` object for ``c`` (read back by ``read_gpt2`` and transformers;
+    ``save_family`` refuses a ``c`` that GPT-2 cannot hold, a rotary one say)."""
     d = {key: getattr(c, ours) for key, ours in _REQUIRED.items()}
     d.update({key: getattr(c, ours) for key, (ours, _, _) in _OPTIONAL.items()})
     act = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}.get(c.mlp, c.mlp)
     d.update(n_inner=c.ff_dim, eos_token_id=list(c.eos_token_id) or None,
              activation_function=act, scale_attn_weights=c.attention_scale is None,
              model_type="gpt2", architectures=["GPT2LMHeadModel"])
-    return check_round_trip(c, d, read_gpt2)
+    return d
 
 
 def gpt2_weights(c: DecoderLMConfig) -> WeightMap:

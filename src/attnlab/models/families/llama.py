@@ -25,7 +25,7 @@ from attnlab.models.config import check_value
 from attnlab.models.decoder_config import DecoderLMConfig
 from attnlab.models.families.base import Family, WeightMap
 
-__all__ = ["FAMILY", "llama_like_weights", "read_llama_like", "rope_of",
+__all__ = ["FAMILY", "llama_like_weights", "read_llama_like", "rope_dict", "rope_of",
            "rope_parameters_of", "write_llama_like"]
 
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -114,15 +114,23 @@ def read_llama_like(d: Mapping[str, Any], *, family: str, activation: str = "sil
 def rope_of(d: Mapping[str, Any]) -> tuple[RopeScaling | None, float]:
     """``(scaling or None for plain RoPE, rope_theta)`` from ``rope_parameters`` (transformers
     5) or ``rope_scaling`` + ``rope_theta`` (4)."""
-    parameters, scaling = (check_value(k, d.get(k), dict | None) or {}
-                           for k in ("rope_parameters", "rope_scaling"))
-    rope = {**scaling, **parameters}
+    rope = rope_dict(d)
     theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-    scaled = RopeScaling.from_hf(rope, source="rope_parameters" if parameters else "rope_scaling")
+    source = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+    scaled = RopeScaling.from_hf(rope, source=source)
     theta = check_value("rope_theta", theta, float)
     if theta <= 1:  # base^(-2i/D) must fall with i: slower rotations for later features
         raise ValueError(f"rope_theta: expected a number > 1, got {theta}")
     return (None if scaled.rope_type == "default" else scaled), theta
+
+
+def rope_dict(d: Mapping[str, Any]) -> dict[str, Any]:
+    """The RoPE keys of a ``config.json`` object ``d``: its ``rope_scaling`` (transformers 4)
+    updated by its ``rope_parameters`` (5), each an object or null (a ``TypeError`` naming
+    the key otherwise)."""
+    scaling, parameters = (check_value(k, d.get(k), dict | None) or {}
+                           for k in ("rope_scaling", "rope_parameters"))
+    return {**scaling, **parameters}
 
 
 def rope_parameters_of(c: DecoderLMConfig) -> dict[str, Any]:
@@ -136,19 +144,22 @@ def rope_parameters_of(c: DecoderLMConfig) -> dict[str, Any]:
             **{k: values[k] for k in _ROPE_KEYS[s.rope_type] if values[k] is not None}}
 
 
-def write_llama_like(c: DecoderLMConfig, *, model_type: str, architecture: str
+def write_llama_like(c: DecoderLMConfig, *, model_type: str, architecture: str,
+                     bias_keys: tuple[str, ...] = ("attention_bias", "mlp_bias")
                      ) -> dict[str, Any]:
     """The ``config.json`` keys shared by the Llama layout (readable by ``read_llama_like``
-    and by transformers)."""
+    and by transformers); of the bias switches, only the ``bias_keys`` that the family's
+    format has (``attention_bias`` for q/k/v and o, ``mlp_bias``)."""
     d: dict[str, Any] = {key: getattr(c, ours) for key, (ours, _) in _COPIED.items()}
     rope = rope_parameters_of(c)
     if rope["rope_type"] == "dynamic":  # transformers' dynamic scales from here on
         d["max_position_embeddings"] = c.rope_scaling.original_max_position_embeddings
     d.update(intermediate_size=c.ff_dim, num_key_value_heads=c.kv_heads,
              eos_token_id=list(c.eos_token_id) or None, model_type=model_type,
-             architectures=[architecture], hidden_act="silu",
-             attention_bias=c.resolved_bias("qkv_bias"), mlp_bias=c.resolved_bias("mlp_bias"),
-             rope_parameters=rope)
+             architectures=[architecture], hidden_act="silu", rope_parameters=rope)
+    biases = {"attention_bias": c.resolved_bias("qkv_bias"),
+              "mlp_bias": c.resolved_bias("mlp_bias")}
+    d.update({key: biases[key] for key in bias_keys})
     return d
 
 

@@ -18,8 +18,9 @@ from torch import nn
 
 from attnlab.durable import write_text_atomic
 from attnlab.models.config import check_value
-from attnlab.models.decoder_config import DecoderLMConfig, make_rotary
+from attnlab.models.decoder_config import DecoderLMConfig
 from attnlab.models.families import Family, family_for
+from attnlab.models.families.base import check_round_trip
 from attnlab.models.hf_loading import (
     CONFIG_NAME,
     check_folder,
@@ -46,6 +47,8 @@ def load_family(cls: type[M], folder: Path, dtype: torch.dtype | None,
         raise ValueError(f"{folder / CONFIG_NAME}: asks for {config.num_layers} layers, but "
                          f"the weights hold only {len(stored_names)} tensors")
     try:
+        # Parameters on "meta", filled below; the rotary frequencies (plain tensors, not
+        # buffers) are made on the CPU even here, ready to use.
         with torch.device("meta"):
             model = cls(config)  # type: ignore[call-arg]
     except RuntimeError as error:  # a size whose element count overflows
@@ -65,7 +68,6 @@ def load_family(cls: type[M], folder: Path, dtype: torch.dtype | None,
     model.load_state_dict(state, strict=True, assign=True)
     if config.tie_embeddings:  # `assign` made two Parameters of the one tensor: one again
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = make_rotary(config)  # its frequencies are buffers, made on "meta" above
     return model.to(device).eval()
 
 
@@ -90,13 +92,19 @@ def read_config(path: str | Path) -> tuple[Family, DecoderLMConfig, torch.dtype]
 
 def save_family(model: nn.Module, path: str | Path) -> Path:
     """Write a ``DecoderLM`` of a Hugging Face family (``model.config.family``) in that
-    family's format: its ``config.json`` and ``model.safetensors``."""
+    family's format: its ``config.json`` and ``model.safetensors``.
+
+    A config that the format cannot hold (one that would read back as another model: a
+    Llama with q/k norms, say) is refused with a ``ValueError`` naming the field, before
+    anything is written.
+    """
     c = model.config
     family = family_for(c.family)
+    hf = check_round_trip(c, family.config_to_hf(c), family.config_from_hf)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
-    hf = {**family.config_to_hf(c), "torch_dtype": dtype}
+    hf["torch_dtype"] = dtype
     save_tensors(path, family.weights(c).to_stored(model.state_dict()))  # one step each
     write_text_atomic(path / CONFIG_NAME, json.dumps(hf, indent=2) + "\n")
     return path

@@ -37,9 +37,8 @@ def read_mistral(d: Mapping[str, Any]) -> DecoderLMConfig:
 
 def write_mistral(c: DecoderLMConfig) -> dict[str, Any]:
     """A Mistral ``config.json`` object for ``c``."""
-    d = write_llama_like(c, model_type="mistral", architecture="MistralForCausalLM")
-    for key in ("attention_bias", "mlp_bias"):
-        del d[key]
+    d = write_llama_like(c, model_type="mistral", architecture="MistralForCausalLM",
+                         bias_keys=())
     return {**d, "sliding_window": c.sliding_window}
 
 

@@ -23,8 +23,8 @@ from typing import Any
 
 from attnlab.models.config import check_value
 from attnlab.models.decoder_config import DecoderLMConfig
-from attnlab.models.families.base import Family, WeightMap, check_round_trip
-from attnlab.models.families.llama import read_llama_like, write_llama_like
+from attnlab.models.families.base import Family, WeightMap
+from attnlab.models.families.llama import read_llama_like, rope_dict, write_llama_like
 
 __all__ = ["FAMILY", "phi3_weights", "read_phi3", "tiny_config", "write_phi3"]
 
@@ -38,8 +38,7 @@ _ROPE_TYPES = {"default": "default", "longrope": "longrope", "su": "longrope",
 def read_phi3(d: dict[str, Any]) -> DecoderLMConfig:
     """``DecoderLMConfig`` of a Phi-3 ``config.json`` object; errors name the key."""
     d = {**d, **{k: v for k, v in _DEFAULTS.items() if d.get(k) is None}}
-    rope = {**(check_value("rope_scaling", d.get("rope_scaling"), dict | None) or {}),
-            **(check_value("rope_parameters", d.get("rope_parameters"), dict | None) or {})}
+    rope = rope_dict(d)
     kind = rope.pop("type", None) or rope.get("rope_type") or "default"
     if not isinstance(kind, str) or kind not in _ROPE_TYPES:
         raise ValueError(f"rope_parameters.rope_type {kind!r} is not supported for phi3; "
@@ -70,11 +69,9 @@ def read_phi3(d: dict[str, Any]) -> DecoderLMConfig:
 
 
 def write_phi3(c: DecoderLMConfig) -> dict[str, Any]:
-    """A Phi-3 ``config.json`` object for ``c`` (read back by ``read_phi3`` and transformers);
-    a ``ValueError`` names the field Phi-3 cannot hold."""
-    d = write_llama_like(c, model_type="phi3", architecture="Phi3ForCausalLM")
-    for key in ("attention_bias", "mlp_bias"):
-        del d[key]
+    """A Phi-3 ``config.json`` object for ``c`` (read back by ``read_phi3`` and transformers;
+    ``save_family`` refuses a ``c`` that Phi-3 cannot hold)."""
+    d = write_llama_like(c, model_type="phi3", architecture="Phi3ForCausalLM", bias_keys=())
     s = c.rope_scaling
     rope: dict[str, Any] = {"rope_type": "default" if s is None else s.rope_type,
                             "rope_theta": c.rope_base,
@@ -86,7 +83,7 @@ def write_phi3(c: DecoderLMConfig) -> dict[str, Any]:
         d["original_max_position_embeddings"] = s.original_max_position_embeddings or c.max_len
     # No pad id: transformers' default (32000) is outside a small vocabulary.
     d.update(rope_parameters=rope, sliding_window=c.sliding_window, pad_token_id=None)
-    return check_round_trip(c, d, read_phi3)
+    return d
 
 
 def phi3_weights(c: DecoderLMConfig) -> WeightMap:

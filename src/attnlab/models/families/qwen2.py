@@ -48,9 +48,7 @@ def refuse_sliding_window(d: Mapping[str, Any], family: str) -> None:
 
 def write_qwen2(c: DecoderLMConfig) -> dict[str, Any]:
     """A Qwen2 ``config.json`` object for ``c``."""
-    d = write_llama_like(c, model_type="qwen2", architecture="Qwen2ForCausalLM")
-    for key in ("attention_bias", "mlp_bias"):
-        del d[key]
+    d = write_llama_like(c, model_type="qwen2", architecture="Qwen2ForCausalLM", bias_keys=())
     return {**d, "use_sliding_window": False}
 
 

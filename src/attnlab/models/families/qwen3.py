@@ -28,8 +28,8 @@ def read_qwen3(d: Mapping[str, Any]) -> DecoderLMConfig:
 
 def write_qwen3(c: DecoderLMConfig) -> dict[str, Any]:
     """A Qwen3 ``config.json`` object for ``c``."""
-    d = write_llama_like(c, model_type="qwen3", architecture="Qwen3ForCausalLM")
-    del d["mlp_bias"]
+    d = write_llama_like(c, model_type="qwen3", architecture="Qwen3ForCausalLM",
+                         bias_keys=("attention_bias",))
     return {**d, "use_sliding_window": False}
 
 

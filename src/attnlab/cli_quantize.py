@@ -1,0 +1,68 @@
+"""``attnlab quantize FOLDER OUT``: a checkpoint folder's weights as int8 or int4.
+
+Reads any folder that ``attnlab.models.from_pretrained`` reads, quantizes it
+(``attnlab.quantization``) and writes OUT in attnlab's own format: ``config.json`` with a
+``"quantization"`` record (``method``, ``group_size``, ``skip``) and ``model.safetensors``
+holding each quantized layer's ``qweight``/``scales``/``zeros``. The tokenizer and generation
+files are copied beside them, so ``attnlab generate --model OUT`` works as on FOLDER.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from pathlib import Path
+
+from attnlab.models.hf_loading import CONFIG_NAME, check_folder
+from attnlab.models.io import from_pretrained
+from attnlab.quantization import weight_bytes
+
+__all__ = ["add_commands"]
+
+# Copied from FOLDER: what a generate or chat call reads besides the weights.
+_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+               "generation_config.json", "chat_template.jinja", "vocab.json", "merges.txt")
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Register ``quantize`` on the top-level sub-parsers."""
+    p = sub.add_parser("quantize", help="write a checkpoint folder's weights as int8 or int4",
+                       description=__doc__)
+    p.add_argument("folder", help="checkpoint folder (any that `attnlab generate` reads)")
+    p.add_argument("out", help="folder to write (made if missing; must not be FOLDER)")
+    p.add_argument("--bits", type=int, choices=(8, 4), default=8,
+                   help="8: int8 per output row; 4: int4 in groups of --group-size")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="inputs per int4 scale and zero point: 32, 64, 128 or 256 (default 64; "
+                   "int4 only)")
+    p.add_argument("--skip", nargs="*", default=[], metavar="PATTERN",
+                   help="module names kept in float (fnmatch patterns, e.g. lm_head '*.mlp.*')")
+    p.add_argument("--dtype", default=None,
+                   help="dtype of what stays float and of the scales (default: the stored one)")
+    p.set_defaults(handler=_quantize)
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    source = check_folder(args.folder)
+    out = Path(args.out)
+    if out.exists() and out.resolve() == source.resolve():
+        raise ValueError(f"out: {out} is FOLDER itself; write the quantized copy elsewhere")
+    if args.bits == 8 and args.group_size is not None:
+        raise ValueError("--group-size: int8 scales whole rows; it applies to --bits 4 only")
+    start = time.perf_counter()
+    model = from_pretrained(source, dtype=args.dtype, kernels=False)
+    before = weight_bytes(model)
+    model.quantize(f"int{args.bits}", args.group_size, skip=args.skip)
+    model.save_pretrained(out)
+    for name in _SIDE_FILES:
+        if (source / name).is_file() and name != CONFIG_NAME:
+            shutil.copyfile(source / name, out / name)
+    after = weight_bytes(model)
+    print(f"quantized {source} as {model.quantization.method}"
+          + (f" (group_size {model.quantization.group_size})"
+             if model.quantization.group_size else "")
+          + f": weights {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB "
+          f"({after / before:.2f}x) in {time.perf_counter() - start:.1f} s")
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,130 @@
+"""The int8/int4 formats against their formulas: round-trip bounds, exactness on the grid,
+the nibble order, and the blocked layout equal to PyTorch's own int4 CPU packing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnlab.quantization.formats import (
+    QuantizedWeight,
+    blocked_int4,
+    dequantize_int4,
+    dequantize_int8,
+    pack_int4,
+    quantize,
+    quantize_int4,
+    quantize_int8,
+    unblocked_int4,
+    unpack_int4,
+)
+
+
+def _weight(rows: int = 64, cols: int = 128, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+
+
+def test_int8_is_the_symmetric_per_row_formula() -> None:
+    w = _weight()
+    q, s = quantize_int8(w)
+    expected_s = w.abs().amax(1) / 127
+    torch.testing.assert_close(s, expected_s)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    torch.testing.assert_close(q, torch.round(w / expected_s[:, None]).to(torch.int8))
+    err = (dequantize_int8(q, s) - w).abs()
+    assert (err <= s[:, None] / 2 + 1e-6).all()
+    # the largest weight of each row is kept exactly (up to float rounding)
+    row_max = w.abs().argmax(1)
+    torch.testing.assert_close(dequantize_int8(q, s).gather(1, row_max[:, None]),
+                               w.gather(1, row_max[:, None]))
+
+
+def test_int8_zero_row_and_grid_values_are_exact() -> None:
+    w = torch.zeros(3, 8)
+    w[1] = 1.0
+    w[2] = torch.tensor([-127, -3, 0, 5, 127, 1, 2, 64.0]) * 0.5
+    q, s = quantize_int8(w)
+    assert s[0] == 1 and (q[0] == 0).all()
+    torch.testing.assert_close(dequantize_int8(q[1:], s[1:]), w[1:])
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_round_trip_within_half_a_step(group_size: int) -> None:
+    w = _weight(cols=256)
+    packed, s, z = quantize_int4(w, group_size)
+    assert packed.shape == (64, 128) and packed.dtype == torch.uint8
+    assert s.shape == z.shape == (64, 256 // group_size)
+    codes = unpack_int4(packed)
+    groups = w.view(64, -1, group_size)
+    torch.testing.assert_close(s, (groups.amax(-1) - groups.amin(-1)) / 15)
+    torch.testing.assert_close(z, groups.amin(-1) + 8 * s)
+    back = dequantize_int4(codes, s, z)
+    step = s.repeat_interleave(group_size, dim=1)
+    assert ((back - w).abs() <= step / 2 + 1e-5).all()
+    # the formula, written out
+    torch.testing.assert_close(back, ((codes.float() - 8).view(64, -1, group_size)
+                                      * s[..., None] + z[..., None]).view(64, 256))
+
+
+def test_int4_scales_in_bfloat16_still_bound_the_error() -> None:
+    w = _weight(cols=128)
+    packed, s, z = quantize_int4(w, 64, torch.bfloat16)
+    assert s.dtype == z.dtype == torch.bfloat16
+    back = dequantize_int4(unpack_int4(packed), s, z, torch.float32)
+    assert ((back - w).abs() <= s.float().repeat_interleave(64, 1) * 0.6 + 1e-2).all()
+
+
+def test_int4_constant_group_and_grid_values_are_exact() -> None:
+    w = torch.full((2, 64), 0.3)
+    k = torch.randint(0, 16, (64,), generator=torch.Generator().manual_seed(0)).float()
+    k[0], k[1], k[32], k[33] = 0, 15, 0, 15  # each group spans all 16 codes
+    w[1, :32], w[1, 32:] = -1 + 0.25 * k[:32], 2 + 0.5 * k[32:]
+    packed, s, z = quantize_int4(w, 32)
+    torch.testing.assert_close(dequantize_int4(unpack_int4(packed), s, z), w)
+
+
+def test_nibble_order_is_low_then_high() -> None:
+    assert pack_int4(torch.tensor([[1, 2, 15, 0]])).tolist() == [[0x21, 0x0F]]
+    assert unpack_int4(torch.tensor([[0x21, 0x0F]], dtype=torch.uint8)).tolist() == [[1, 2, 15, 0]]
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.sampled_from([64, 128, 192]), half=st.integers(1, 20), seed=st.integers(0, 99))
+def test_blocked_layout_is_a_permutation_of_the_codes(rows: int, half: int, seed: int) -> None:
+    codes = torch.randint(0, 16, (rows, 2 * half), generator=torch.Generator().manual_seed(seed),
+                          dtype=torch.uint8)
+    blocked = blocked_int4(codes)
+    assert blocked.shape == (rows, half) and blocked.is_contiguous()
+    assert torch.equal(unblocked_int4(blocked), codes)
+    assert torch.equal(unpack_int4(pack_int4(codes)), codes)
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"),
+                    reason="this torch build has no int4 CPU packing")
+def test_blocked_layout_is_torchs_int4_cpu_packing() -> None:
+    codes = torch.randint(0, 16, (192, 96), dtype=torch.int32,
+                          generator=torch.Generator().manual_seed(1))
+    theirs = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    assert torch.equal(theirs, blocked_int4(codes))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("layout", ["plain", "blocked"])
+def test_rows_equal_the_dequantized_table(bits: int, layout: str) -> None:
+    weight = quantize(_weight(128, 64), bits, 32).with_layout(layout)
+    assert weight.layout == (layout if bits == 4 else "plain")
+    ids = torch.tensor([[0, 127, 64], [31, 32, 63]])
+    table = weight.dequantize()
+    torch.testing.assert_close(weight.rows(ids), table[ids])
+    assert weight.shape == (128, 64)
+    assert weight.group_size == (64 if bits == 8 else 32)
+
+
+def test_layouts_dequantize_alike() -> None:
+    plain = quantize(_weight(128, 64), 4, 64)
+    blocked = plain.with_layout("blocked")
+    assert isinstance(blocked, QuantizedWeight) and blocked.layout == "blocked"
+    assert torch.equal(blocked.dequantize(), plain.dequantize())
+    assert torch.equal(blocked.with_layout("plain").data, plain.data)

@@ -1,0 +1,85 @@
+"""Each quantized kernel equal to its formula (dequantize, then ``linear``), forced one by
+one; the measuring that picks among them, and its cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from attnlab.quantization import QUANTIZED_KERNELS, QuantizedLinear, quantize
+from attnlab.quantization import kernels as qkernels
+
+
+def _linear(rows: int = 128, cols: int = 256, bias: bool = True,
+            dtype: torch.dtype = torch.float32) -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(cols, rows, bias=bias).to(dtype)
+
+
+CASES = [("int8_mm", 8), ("int4_mm", 4), ("dequantize", 8), ("dequantize", 4)]
+
+
+@pytest.mark.parametrize(("kernel", "bits"), CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 70])
+@pytest.mark.parametrize("bias", [True, False])
+def test_each_kernel_equals_the_formula(kernel: str, bits: int, dtype: torch.dtype, rows: int,
+                                        bias: bool) -> None:
+    module = QuantizedLinear.from_linear(_linear(bias=bias, dtype=dtype), bits=bits,
+                                         group_size=64, kernel=kernel)
+    weight = module.weight_format
+    if not QUANTIZED_KERNELS[kernel].available(weight.with_layout("blocked"), dtype):
+        pytest.skip(f"{kernel} cannot run {dtype} on this torch build")
+    assert {k.name for k in module.calibrate(dtype).values()} == {kernel}
+    x = torch.randn(2, rows, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.inference_mode():
+        y = module(x)
+    expected = torch.nn.functional.linear(x.double(), module.dequantize(torch.float64),
+                                          None if module.bias is None else module.bias.double())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(y.double(), expected, rtol=tol, atol=tol * 10)
+    assert y.dtype == dtype and y.shape == (2, rows, 128)
+
+
+def test_measured_plan_is_cached_per_scheme(monkeypatch: pytest.MonkeyPatch,
+                                            tmp_path) -> None:
+    monkeypatch.delenv("ATTNLAB_QUANTIZED_KERNELS", raising=False)
+    monkeypatch.setenv("ATTNLAB_CACHE_DIR", str(tmp_path))
+    qkernels._TIMINGS.clear()
+    weight = quantize(torch.randn(64, 128), 4, 32)
+    picks = qkernels.plan(weight, torch.bfloat16)
+    assert set(picks) == {"1", "2-8", "9-64", "65+"}
+    assert set(picks.values()) <= set(QUANTIZED_KERNELS)
+    entries = json.loads((tmp_path / "kernels-quantized.json").read_text())["entries"]
+    keys = [k for k in entries if k.startswith("int4 g32 | ")]
+    assert len(keys) == 4 and all("64x128" in k and "bfloat16" in k for k in keys)
+    assert all("dequantize" in entries[k] for k in keys)
+    # read back, not measured again
+    qkernels._TIMINGS.clear()
+    monkeypatch.setattr(qkernels, "_time_kernels", lambda *a: pytest.fail("measured again"))
+    assert qkernels.plan(weight, torch.bfloat16) == picks
+
+
+def test_forced_kernel_is_checked_and_falls_back_to_the_formula(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    weight = quantize(torch.randn(64, 128), 8, 64)
+    assert set(qkernels.plan(weight, torch.float32, kernel="int4_mm").values()) == {"dequantize"}
+    with pytest.raises(ValueError, match="kernel: expected one of dequantize, int8_mm"):
+        qkernels.plan(weight, torch.float32, kernel="fast")
+    monkeypatch.setenv("ATTNLAB_QUANTIZED_KERNELS", "nope")
+    with pytest.raises(ValueError, match="ATTNLAB_QUANTIZED_KERNELS: expected one of"):
+        qkernels.plan(weight, torch.float32)
+
+
+def test_int4_kernel_needs_rows_in_blocks_of_64() -> None:
+    odd = quantize(torch.randn(96, 64), 4, 32)
+    assert not QUANTIZED_KERNELS["int4_mm"].available(odd, torch.bfloat16)
+    module = QuantizedLinear.from_linear(torch.nn.Linear(64, 96), bits=4, group_size=32,
+                                         kernel="int4_mm")
+    assert module.layout == "plain"
+    x = torch.randn(1, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(module(x), torch.nn.functional.linear(
+            x, module.dequantize(), module.bias))
