@@ -93,12 +93,6 @@ def test_cli_run_writes_the_table_names_the_cpu_and_prints_the_targets(
     for target in ("int8 perplexity within 1%", "int4 g64 perplexity within 5%"):
         assert target in table
         assert f"PASS: {target}" in printed or f"FAIL: {target}" in printed
-    # A second run goes on top and keeps the first as history.
-    assert main(["bench", "quantization", "--text", str(text_file), *TINY,
-                 "--out", str(out)]) == 0
-    current, history = (out / "quantization-accuracy.md").read_text().split("\n## History\n")
-    assert current.startswith("# Quantized weights: accuracy")
-    assert history.lstrip().startswith(f"### {machine_info()['cpu']}")
 
 
 def test_python_function_writes_the_table(tiny_settings, tmp_path, one_thread) -> None:
@@ -111,6 +105,11 @@ def test_python_function_writes_the_table(tiny_settings, tmp_path, one_thread) -
     for row in result.dates.scores:
         assert f"| {row.exact_match:.2%} |" in table
     assert f"- cpu: {result.machine['cpu']}" in table
+    # A second run goes on top and keeps the first as history.
+    write_report(result, path)
+    current, history = path.read_text().split("\n## History\n")
+    assert current.startswith("# Quantized weights: accuracy")
+    assert history.lstrip().startswith(f"### {result.machine['cpu']}")
 
 
 def test_perplexity_is_exp_of_the_mean_cross_entropy_computed_here(tiny_lm,
