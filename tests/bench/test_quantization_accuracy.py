@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import time
 from contextlib import contextmanager
 from dataclasses import replace
@@ -308,8 +309,21 @@ def test_an_out_that_is_a_file_fails_before_training(text_file, tmp_path, capsys
     ({"date_examples": 10_001}, "date_examples: expected at most 10,000"),
 ])
 def test_bad_settings_are_refused_by_name(changes, message) -> None:
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         AccuracySettings(**changes)
+
+
+def test_wrong_types_and_variants_are_refused_by_name() -> None:
+    with pytest.raises(TypeError, match=re.escape("text: expected a path (str or Path), got int")):
+        AccuracySettings(text=3)
+    with pytest.raises(TypeError, match=re.escape("seed: expected an int, got 1.5")):
+        AccuracySettings(seed=1.5)
+    with pytest.raises(ValueError, match=r"weights: expected one of .*got 'int3'"):
+        bench.Variant("int3")
+    with pytest.raises(ValueError, match="group_size: expected a group size for int4"):
+        bench.Variant("int4")
+    with pytest.raises(ValueError, match="none for int8, got 64"):
+        bench.Variant("int8", 64)
 
 
 def test_measure_accuracy_names_a_missing_text_and_wrong_settings(tmp_path) -> None:

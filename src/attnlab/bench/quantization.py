@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnlab._checks import check_positive, is_number
+from attnlab._checks import check_positive, is_int, is_number
 from attnlab.arg_types import number, positive_float, positive_int
 from attnlab.bench.harness import int_list, machine_info
 from attnlab.bench.quantization_report import targets, write_report
@@ -56,6 +56,7 @@ __all__ = ["DEFAULT_TEXT", "AccuracyResult", "AccuracySettings", "DateResult", "
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 HELD_OUT = 0.1
+WEIGHTS = ("float32", "bfloat16", "int8", "int4")
 _PROBE_STEPS = 5
 # Held-out dates at most: the other ~63,000 days of 1900-2099 stay for training.
 MAX_DATE_EXAMPLES = 10_000
@@ -94,7 +95,12 @@ class AccuracySettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.text, (str, Path)):
+            raise TypeError(f"text: expected a path (str or Path), got "
+                            f"{type(self.text).__name__}")
         object.__setattr__(self, "text", Path(self.text))
+        if not is_int(self.seed):
+            raise TypeError(f"seed: expected an int, got {self.seed!r}")
         for name in ("train_seconds", "date_seconds"):
             value = getattr(self, name)
             if not is_number(value, finite=True) or value <= 0:
@@ -126,6 +132,13 @@ class Variant:
 
     weights: str
     group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights: expected one of {WEIGHTS}, got {self.weights!r}")
+        if (self.weights == "int4") != (self.group_size is not None):
+            raise ValueError(f"group_size: expected a group size for int4 weights and none "
+                             f"for {self.weights}, got {self.group_size!r}")
 
     @property
     def label(self) -> str:
@@ -330,7 +343,8 @@ def lm_scores(model: nn.Module, ids: Tensor, window: int) -> tuple[float, Tensor
     ``ids`` is read in consecutive windows of ``window`` inputs, each predicting the next
     ``window`` ids, so that every id after the first is predicted once, from at most
     ``window`` ids before it: ``exp(mean -log softmax(logits)[target])`` over the ``N - 1``
-    targets. Logits are scored in float32 whatever the model's dtype.
+    targets. Logits are scored in float32 whatever the model's dtype; ``model`` is put in
+    eval mode.
     """
     if ids.dim() != 1 or len(ids) < 2:
         raise ValueError(f"ids: expected a 1-D tensor of at least 2 ids, got shape "
