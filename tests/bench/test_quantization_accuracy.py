@@ -244,6 +244,8 @@ def test_bad_flags_are_refused_by_name(argv, message, capsys) -> None:
     (["--d-model", "64"], "--group-sizes: int4 groups run along each layer's input, so every "
                           "size must divide the hidden size --d-model=64; got 32,64,128, of "
                           "which 128 do not"),
+    (["--group-sizes", "64,64"], "--group-sizes: expected a non-empty tuple of positive ints, "
+                                 "each once, got (64, 64)"),
     (["--d-model", "96", "--heads", "5", "--group-sizes", "32"],
      "--d-model: expected a multiple of --heads=5, got 96"),
 ])
@@ -301,8 +303,11 @@ def test_an_out_that_is_a_file_fails_before_training(text_file, tmp_path, capsys
     ({"train_seconds": True}, "train_seconds: expected a finite number of seconds > 0"),
     ({"group_sizes": (32, 48)}, "group_sizes: int4 groups run along each layer's input, so "
                                 "every size must divide the hidden size d_model=128"),
-    ({"group_sizes": ()}, "group_sizes: expected a non-empty tuple of positive ints, got ()"),
+    ({"group_sizes": ()}, "group_sizes: expected a non-empty tuple of positive ints, each "
+                          "once, got ()"),
     ({"group_sizes": [64]}, "group_sizes: expected a non-empty tuple of positive ints"),
+    ({"group_sizes": (64, 64)}, "group_sizes: expected a non-empty tuple of positive ints, "
+                                "each once, got (64, 64)"),
     ({"steps": 0}, "steps: expected a positive int, got 0"),
     ({"d_model": 100, "heads": 3, "group_sizes": (4,)}, "d_model: expected a multiple of "
                                                         "heads=3, got 100"),

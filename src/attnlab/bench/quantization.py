@@ -283,9 +283,9 @@ def check_group_sizes(group_sizes: object, d_model: int, *, name: str = "group_s
     """Every int4 group size must divide every quantized layer's input: ``E`` and the
     feed-forward ``3 E`` (so dividing ``E`` is enough)."""
     if (not isinstance(group_sizes, tuple) or not group_sizes
-            or not all(isinstance(g, int) and not isinstance(g, bool) and g > 0
-                       for g in group_sizes)):
-        raise ValueError(f"{name}: expected a non-empty tuple of positive ints, "
+            or not all(is_int(g) and g > 0 for g in group_sizes)
+            or len(set(group_sizes)) != len(group_sizes)):
+        raise ValueError(f"{name}: expected a non-empty tuple of positive ints, each once, "
                          f"got {group_sizes!r}")
     wrong = [g for g in group_sizes if d_model % g]
     if wrong:
