@@ -89,7 +89,7 @@ class AccuracySettings:
     block_size: int = 64
     batch_size: int = 32
     group_sizes: tuple[int, ...] = (32, 64, 128)
-    date_seconds: float = 90.0
+    date_seconds: float = 120.0
     date_steps: int | None = None
     date_examples: int = 1000
     seed: int = 0
