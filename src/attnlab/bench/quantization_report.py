@@ -59,8 +59,8 @@ def markdown(result: Any) -> str:
     lines = [
         "# Quantized weights: accuracy",
         "",
-        f"Measured on {result.machine.get('cpu', 'an unrecorded CPU')} "
-        f"({result.machine.get('torch threads', '?')} torch threads). Regenerate with "
+        f"Measured on {result.machine.get('cpu', 'an unrecorded CPU')} (torch threads: "
+        f"{result.machine.get('torch threads', '?')}). Regenerate with "
         f"`attnlab bench quantization`.",
         "",
         f"A character-level `DecoderLM` (Llama style: RoPE, RMSNorm, SwiGLU; {s.layers} "
