@@ -229,6 +229,8 @@ def test_targets_pass_and_fail_by_the_ratio(tiny_lm) -> None:
     (["--date-examples", "100000"], "argument --date-examples: expected an int in "
                                     "[1, 10000], got '100000'"),
     (["--steps", "0"], "argument --steps: expected a positive int, got '0'"),
+    (["--seed", str(2**64)], "argument --seed: expected an int in [0, 2**63), got "
+                             f"'{2**64}'"),
 ])
 def test_bad_flags_are_refused_by_name(argv, message, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
@@ -312,6 +314,7 @@ def test_an_out_that_is_a_file_fails_before_training(text_file, tmp_path, capsys
     ({"d_model": 100, "heads": 3, "group_sizes": (4,)}, "d_model: expected a multiple of "
                                                         "heads=3, got 100"),
     ({"date_examples": 10_001}, "date_examples: expected at most 10,000"),
+    ({"seed": -1}, "seed: expected an int in [0, 2**63), got -1"),
 ])
 def test_bad_settings_are_refused_by_name(changes, message) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):

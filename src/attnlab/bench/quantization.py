@@ -60,6 +60,7 @@ WEIGHTS = ("float32", "bfloat16", "int8", "int4")
 _PROBE_STEPS = 5
 # Held-out dates at most: the other ~63,000 days of 1900-2099 stay for training.
 MAX_DATE_EXAMPLES = 10_000
+MAX_SEED = 2**63  # torch.manual_seed's range
 # The date translator's training, as ``attnlab demo`` trains it (``attnlab.demo`` is a layer
 # above the benchmarks), on half its batch: twice the steps in the same time.
 DATE_TRAINING = TrainConfig(batch_size=64, lr=2e-3, warmup=100)
@@ -101,6 +102,8 @@ class AccuracySettings:
         object.__setattr__(self, "text", Path(self.text))
         if not is_int(self.seed):
             raise TypeError(f"seed: expected an int, got {self.seed!r}")
+        if not 0 <= self.seed < MAX_SEED:
+            raise ValueError(f"seed: expected an int in [0, 2**63), got {self.seed}")
         for name in ("train_seconds", "date_seconds"):
             value = getattr(self, name)
             if not is_number(value, finite=True) or value <= 0:
@@ -242,7 +245,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         type=number(int, lambda v: 1 <= v <= MAX_DATE_EXAMPLES,
                                     f"an int in [1, {MAX_DATE_EXAMPLES}]"),
                         help="held-out dates scored")
-    parser.add_argument("--seed", type=int, default=d.seed, help="seed of data and weights")
+    parser.add_argument("--seed", default=d.seed, help="seed of data and weights",
+                        type=number(int, lambda v: 0 <= v < MAX_SEED, "an int in [0, 2**63)"))
 
 
 def run(args: argparse.Namespace) -> Path:
