@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from attnlab.bench import quantization as bench
+from attnlab.bench import timed_training
 from attnlab.bench.harness import machine_info
 from attnlab.bench.quantization import (
     AccuracySettings,
@@ -191,20 +192,31 @@ def test_training_stops_at_the_deadline_and_says_how_far_it_got(tiny_settings,
                                                                  one_thread) -> None:
     settings = replace(tiny_settings, train_seconds=0.3, steps=None)
     calls = []
-    real = bench.Trainer._train_step
+    real = timed_training.Trainer._train_step
 
     def slower(self):  # the machine slows down once the run is planned
         calls.append(1)
-        time.sleep(0.05 if len(calls) > bench._PROBE_STEPS + 1 else 0.0)
+        time.sleep(0.05 if len(calls) > timed_training._PROBE_STEPS + 1 else 0.0)
         return real(self)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(bench.Trainer, "_train_step", slower)
+        patch.setattr(timed_training.Trainer, "_train_step", slower)
         training = measure_lm(settings).training
     assert 1 <= training.steps < training.planned
     assert training.seconds < 0.3 + 0.5  # one slowed step past the deadline, and the probe
     planned = measure_lm(replace(tiny_settings, train_seconds=60, steps=4)).training
     assert planned.steps == planned.planned == 4
+
+
+@pytest.mark.parametrize(("seconds", "most", "message"), [
+    (0, None, "seconds: expected a finite number > 0, got 0"),
+    (float("inf"), None, "seconds: expected a finite number > 0, got inf"),
+    (1.0, 0, "most: expected a positive int, got 0"),
+])
+def test_train_for_refuses_a_bad_budget_by_name(seconds, most, message) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        timed_training.train_for(torch.nn.Linear(1, 1), None, timed_training.TrainConfig(),
+                                 seconds, most)
 
 
 def test_targets_pass_and_fail_by_the_ratio(tiny_lm) -> None:

@@ -22,13 +22,9 @@ with groups of 64 within 5 %.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import hashlib
-import itertools
 import math
-import statistics
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -41,23 +37,23 @@ from attnlab._checks import check_positive, is_int, is_number
 from attnlab.arg_types import number, positive_float, positive_int
 from attnlab.bench.harness import int_list, machine_info
 from attnlab.bench.quantization_report import targets, write_report
+from attnlab.bench.timed_training import Training, train_for
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 from attnlab.models.pretrained import cast_weights
 from attnlab.models.transformer import Transformer, TransformerConfig
 from attnlab.quantization import quantize_model, weight_bytes
 from attnlab.training.tasks.seq2seq import Seq2SeqTask, make_seq2seq_task
 from attnlab.training.tasks.text import CharLMTask, read_text
-from attnlab.training.trainer import TrainConfig, Trainer
+from attnlab.training.trainer import TrainConfig
 
 __all__ = ["DEFAULT_TEXT", "AccuracyResult", "AccuracySettings", "DateResult", "DateScore",
-           "LMResult", "LMScore", "Training", "Variant", "add_arguments", "check_group_sizes",
+           "LMResult", "LMScore", "Variant", "add_arguments", "check_group_sizes",
            "date_model_config", "lm_scores", "measure_accuracy", "measure_dates", "measure_lm",
            "run", "settings_from_args", "variants", "weights_as"]
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 HELD_OUT = 0.1
 WEIGHTS = ("float32", "bfloat16", "int8", "int4")
-_PROBE_STEPS = 5
 # Held-out dates at most: the other ~63,000 days of 1900-2099 stay for training.
 MAX_DATE_EXAMPLES = 10_000
 MAX_SEED = 2**63  # torch.manual_seed's range
@@ -170,15 +166,6 @@ class DateScore:
     variant: Variant
     exact_match: float
     same_as_float32: float
-
-
-@dataclass(frozen=True)
-class Training:
-    """How a model was trained: ``steps`` done of the ``planned`` ones, in ``seconds``."""
-
-    steps: int
-    planned: int
-    seconds: float
 
 
 @dataclass(frozen=True)
@@ -320,7 +307,7 @@ def measure_lm(settings: AccuracySettings, *, progress: bool = False) -> LMResul
         d_ff=s.d_ff, dropout=0.1, max_len=s.block_size))
     config = TrainConfig(batch_size=s.batch_size, lr=3e-3, seed=s.seed)
     _say(progress, f"training the character LM on {s.text} for ~{s.train_seconds:g} s")
-    training = _train(lm, task, config, s.train_seconds, s.steps)
+    training = train_for(lm, task, config, s.train_seconds, s.steps)
     scores = _score_lm(lm, task.valid_ids, s.block_size, s.group_sizes, progress)
     return LMResult(len(text), hashlib.sha256(text.encode("utf-8")).hexdigest(), lm.eval(),
                     task.valid_ids, training, scores)
@@ -335,7 +322,7 @@ def measure_dates(settings: AccuracySettings, *, progress: bool = False) -> Date
     torch.manual_seed(s.seed)
     translator = Transformer(date_model_config(dates))
     _say(progress, f"training the date translator for ~{s.date_seconds:g} s")
-    training = _train(translator, dates, replace(DATE_TRAINING, seed=s.seed), s.date_seconds,
+    training = train_for(translator, dates, replace(DATE_TRAINING, seed=s.seed), s.date_seconds,
                       s.date_steps)
     scores = _score_dates(translator, dates, s.group_sizes, progress)
     return DateResult(translator.eval(), len(dates.test), training, scores)
@@ -433,55 +420,6 @@ def _copies(model: nn.Module, group_sizes: tuple[int, ...], progress: bool,
     for variant in variants(group_sizes):
         _say(progress, f"scoring the {what} with {variant.label} weights")
         yield variant, weights_as(model, variant)
-
-
-def _train(model: nn.Module, task: object, config: TrainConfig, seconds: float,
-           most: int | None) -> Training:
-    """Train ``model`` for about ``seconds``.
-
-    The run is planned as the steps that fit at the seconds per step of a few real steps on
-    a copy (at most ``most``), so that its schedule ends where the time does; on a shared
-    machine that slows down meanwhile, it stops at the deadline anyway, after the step that
-    crosses it. Evaluates only at the end; saves nothing.
-    """
-    start = time.perf_counter()
-    deadline = start + seconds
-    per_step = _seconds_per_step(model, task, config, deadline)
-    steps = max(1, int((deadline - time.perf_counter()) / per_step))
-    steps = steps if most is None else min(steps, most)
-    config = replace(config, steps=steps, warmup=min(config.warmup, steps // 10),
-                     eval_every=steps, checkpoint_every=steps, log_every=steps)
-
-    def stop_at_deadline(step: int, loss: float) -> None:
-        if time.perf_counter() > deadline and step < steps:
-            raise _StopTrainingError
-
-    trainer = Trainer(model, task, config, progress=False, on_step=stop_at_deadline)
-    with contextlib.suppress(_StopTrainingError):
-        trainer.fit()
-    return Training(trainer.step, steps, time.perf_counter() - start)
-
-
-class _StopTrainingError(Exception):
-    """Raised by a training callback to end ``Trainer.fit`` after the current step."""
-
-
-def _seconds_per_step(model: nn.Module, task: object, config: TrainConfig,
-                      deadline: float) -> float:
-    """Median seconds of the real steps 2 to 5 (the first warms up) trained on a copy of
-    ``model`` with ``config``, fewer if ``deadline`` comes first."""
-    times: list[float] = []
-
-    def record(step: int, loss: float) -> None:
-        times.append(time.perf_counter())
-        if step >= _PROBE_STEPS or (len(times) >= 2 and time.perf_counter() > deadline):
-            raise _StopTrainingError
-
-    probe = replace(config, steps=_PROBE_STEPS + 1, warmup=0)
-    with contextlib.suppress(_StopTrainingError):
-        Trainer(copy.deepcopy(model), task, probe, progress=False, on_step=record).fit()
-    gaps = [b - a for a, b in itertools.pairwise(times)]
-    return max(statistics.median(gaps), 1e-6) if gaps else math.inf
 
 
 def _share(outputs: list[str], expected: list[str]) -> float:
