@@ -201,3 +201,27 @@ def test_different_seeds_draw_different_tokens():
     runs = [_tokens(next(iter(_run(Engine(_model()), [(0, prompt, SamplingParams(
         12, temperature=2.0, seed=s))]).values()))) for s in (1, 2)]
     assert runs[0] != runs[1]
+
+
+def _styled(style: str) -> DecoderLM:
+    torch.manual_seed(0)
+    small = dict(d_model=64, num_layers=2, num_heads=4, max_len=48, initializer_range=0.3)
+    if style == "gpt":
+        return DecoderLM(DecoderLMConfig.gpt(V, **small)).eval()
+    if style == "sliding-qknorm":
+        return DecoderLM(DecoderLMConfig.llama(V, sliding_window=6, qk_norm=True,
+                                               **small)).eval()
+    model = DecoderLM(DecoderLMConfig.llama(V, d_ff=128, **small)).eval()
+    return model.quantize(style, 32 if style == "int4" else None)
+
+
+@pytest.mark.parametrize("style", ["gpt", "sliding-qknorm", "int8", "int4"])
+def test_other_families_and_quantized_models_serve_the_same_greedy_tokens(style):
+    model = _styled(style)
+    engine = Engine(model, max_batch=3, max_tokens_per_step=7, page_size=4)
+    prompts = [list(p) for p in _prompts()]
+    results = _run(engine, [(i % 3, p, GREEDY) for i, p in enumerate(prompts)])
+    for prompt, events in zip(prompts, results.values()):
+        expected = generate(model, torch.tensor([prompt]), NEW)[0, len(prompt):].tolist()
+        assert _tokens(events) == expected
+    assert engine.stats()["pages_used"] == 0
