@@ -245,3 +245,44 @@ def test_requests_added_from_another_thread_while_stepping():
         tokens = [e.token_id for e in events if e.request_id == request_id]
         assert tokens == generate(model, torch.tensor([prompt]), 5)[0, 3:].tolist()
     assert engine.stats()["pages_used"] == 0
+
+
+def test_an_abort_during_the_last_step_does_not_touch_a_new_request_of_that_id(monkeypatch):
+    model = _model()
+    engine = Engine(model)
+    engine.add_request([1, 2], SamplingParams(1, temperature=0), request_id="r")
+    real = model.lm_head.forward
+
+    def disconnect_mid_forward(x):  # as the HTTP thread would, while the model runs
+        engine.abort("r")
+        return real(x)
+
+    monkeypatch.setattr(model.lm_head, "forward", disconnect_mid_forward)
+    assert [e.finish_reason for e in engine.step()] == ["length"]
+    monkeypatch.undo()
+    engine.add_request([3], GREEDY, request_id="r")  # the id, reused
+    events = _drain(engine)
+    assert [e.finish_reason for e in events] == [None] * 4 + ["length"]
+
+
+def test_a_second_stepping_thread_is_refused(monkeypatch):
+    model = _model()
+    engine = Engine(model)
+    engine.add_request([1], GREEDY)
+    inside, release = threading.Event(), threading.Event()
+    real = model.lm_head.forward
+
+    def slow(x):
+        inside.set()
+        release.wait(5)
+        return real(x)
+
+    monkeypatch.setattr(model.lm_head, "forward", slow)
+    thread = threading.Thread(target=engine.step)
+    thread.start()
+    assert inside.wait(5)
+    with pytest.raises(RuntimeError, match="step: another thread is running step"):
+        engine.step()
+    release.set()
+    thread.join()
+    assert engine.stats()["tokens_generated"] == 1

@@ -82,8 +82,10 @@ class Engine:
                                    max_tokens_per_step=max_tokens_per_step,
                                    prefix_caching=prefix_caching)
         self._lock = threading.Lock()
+        self._stepping = threading.Lock()
         self._live: dict[str, Request] = {}
-        self._aborts: list[str] = []
+        # the request objects, not their ids: an id reused after a finish is another request
+        self._aborts: list[Request] = []
         self._tokens_generated = 0
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
@@ -137,7 +139,9 @@ class Engine:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id: expected a str, got {type(request_id).__name__}")
         with self._lock:
-            self._aborts.append(request_id)
+            request = self._live.get(request_id)
+            if request is not None:
+                self._aborts.append(request)
 
     def has_work(self) -> bool:
         """Whether a ``step`` would do anything: requests waiting or running, aborts to
@@ -158,7 +162,19 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """One scheduler step: report aborts, admit, run a prefill chunk or a decode token of
-        every planned request in one forward, sample, retire finished requests."""
+        every planned request in one forward, sample, retire finished requests.
+
+        A ``RuntimeError`` when another thread is in ``step`` already (one stepping thread).
+        """
+        if not self._stepping.acquire(blocking=False):
+            raise RuntimeError("step: another thread is running step(); expected one "
+                               "stepping thread")
+        try:
+            return self._step()
+        finally:
+            self._stepping.release()
+
+    def _step(self) -> list[TokenEvent]:
         with self._lock:
             events = self._take_aborts()
             plan = self.scheduler.schedule()
@@ -182,11 +198,8 @@ class Engine:
         return events
 
     def _take_aborts(self) -> list[TokenEvent]:
-        events = []
-        for request_id in self._aborts:
-            request = self._live.get(request_id)
-            if request is not None:
-                events.append(self._end(request, None))
+        events = [self._end(request, None) for request in dict.fromkeys(self._aborts)
+                  if self._live.get(request.request_id) is request]
         self._aborts.clear()
         return events
 
@@ -201,8 +214,8 @@ class Engine:
                 token = int(sample_logits(logits, p.temperature, p.top_k or None,
                                           p.top_p if p.top_p < 1 else None, request.generator,
                                           check=False))
-        except ValueError as error:
-            return self._end(request, str(error))
+        except Exception as error:  # NaN logits, or a sampler failure: this request only
+            return self._end(request, f"{type(error).__name__}: {error}")
         request.tokens.append(token)
         self._tokens_generated += 1
         reason = ("stop" if token in p.stop_token_ids
