@@ -225,3 +225,15 @@ def test_other_families_and_quantized_models_serve_the_same_greedy_tokens(style)
         expected = generate(model, torch.tensor([prompt]), NEW)[0, len(prompt):].tolist()
         assert _tokens(events) == expected
     assert engine.stats()["pages_used"] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_model_on_the_gpu_serves_the_same_greedy_tokens_as_generate_there():
+    model = _styled("gpt").cuda()
+    engine = Engine(model, max_batch=3, page_size=4)
+    assert engine.pool.k[0].device.type == "cuda"
+    prompts = [list(p) for p in _prompts()]
+    results = _run(engine, [(0, p, GREEDY) for p in prompts])
+    for prompt, events in zip(prompts, results.values()):
+        expected = generate(model, torch.tensor([prompt], device="cuda"), NEW)
+        assert _tokens(events) == expected[0, len(prompt):].tolist()

@@ -201,6 +201,7 @@ def test_sampling_params_normalise_stop_ids_and_say_greedy():
     ({"kv_pages": 0}, ValueError, "kv_pages: expected a positive int, got 0"),
     ({"max_batch": 8, "max_tokens_per_step": 4}, ValueError,
      "max_tokens_per_step: expected at least max_batch=8"),
+    ({"page_size": 33}, ValueError, "page_size: expected at most the model's max_len=32"),
     ({"prefix_caching": 1}, TypeError, "prefix_caching: expected a bool, got 1"),
 ])
 def test_bad_engine_settings_are_refused_by_name(kwargs, error, message):

@@ -66,6 +66,10 @@ class Engine:
                             ("max_queue", max_queue),
                             ("max_tokens_per_step", max_tokens_per_step)):
             check_positive(name, value)
+        if page_size > c.max_len:
+            raise ValueError(f"page_size: expected at most the model's max_len={c.max_len} "
+                             f"tokens (a page larger than a context is never filled), got "
+                             f"{page_size}")
         if max_tokens_per_step < max_batch:
             raise ValueError(f"max_tokens_per_step: expected at least max_batch={max_batch} "
                              f"(one decode token per running request), got "
