@@ -237,3 +237,17 @@ def test_a_model_on_the_gpu_serves_the_same_greedy_tokens_as_generate_there():
     for prompt, events in zip(prompts, results.values()):
         expected = generate(model, torch.tensor([prompt], device="cuda"), NEW)
         assert _tokens(events) == expected[0, len(prompt):].tolist()
+
+
+def test_decode_rows_are_not_padded_to_a_prefill_chunk(monkeypatch):
+    model = _model()
+    engine = Engine(model, max_batch=3, max_tokens_per_step=20, page_size=4)
+    for prompt in _prompts()[:2]:
+        engine.add_request(list(prompt), GREEDY)
+    engine.step()  # both prefilled
+    engine.add_request(list(_prompts()[4]), GREEDY)  # 26 tokens
+    shapes, real = [], model.embed_tokens.forward
+    monkeypatch.setattr(model.embed_tokens, "forward",
+                        lambda ids: shapes.append(tuple(ids.shape)) or real(ids))
+    engine.step()
+    assert shapes == [(2, 1), (1, 18)]  # the two decode tokens, then the chunk: 20 in all

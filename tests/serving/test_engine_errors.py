@@ -90,7 +90,8 @@ def test_a_failing_forward_ends_the_step_requests_and_the_engine_serves_on(monke
 def test_nan_logits_end_only_their_request(monkeypatch):
     model = _model()
     engine = Engine(model, max_batch=2)
-    bad, good = (engine.add_request([7, 8], GREEDY), engine.add_request([9], GREEDY))
+    # one-token prompts: both rows in one forward
+    bad, good = (engine.add_request([7], GREEDY), engine.add_request([9], GREEDY))
     real = model.lm_head.forward
 
     def poisoned(x):

@@ -1,8 +1,9 @@
 """The serving engine: requests in, one token per running request per ``step()`` out.
 
     add_request(prompt ids, SamplingParams) -> id      checked, queued (QueueFull past max_queue)
-    step():  plan (scheduler)  ->  one forward over the pages of every planned request
-             (paged_attention)  ->  sample each request whose prompt is done
+    step():  plan (scheduler)  ->  forwards over the pages of the planned requests
+             (paged_attention: the decode tokens together, each prefill chunk alone)
+             ->  sample each request whose prompt is done
              ->  [TokenEvent(id, token, finish_reason)], pages released on finish
 
 Everything a request holds is in a ``PagePool`` (``paged_cache``) and the ``Scheduler``;
@@ -184,16 +185,21 @@ class Engine:
             plan = self.scheduler.schedule()
             rows = [PagedRow(list(r.table), r.computed, r.tokens[r.computed:r.computed + n])
                     for r, n in plan]
-        if not plan:
-            return events
+        for group in _forward_groups(plan):
+            events += self._run([plan[i] for i in group], [rows[i] for i in group])
+        return events
+
+    def _run(self, plan: list[tuple[Request, int]], rows: list[PagedRow]) -> list[TokenEvent]:
+        """One forward over ``rows``; record it and sample where a prompt is done. A failure
+        ends these requests (with the error), not the engine."""
         try:
             with torch.inference_mode():
                 logits = paged_forward(self.model, self.pool, rows)[:, -1]
-        except Exception as error:  # the engine outlives a failing request: end the step's
+        except Exception as error:
             with self._lock:
-                for request, _ in plan:
-                    events.append(self._end(request, f"{type(error).__name__}: {error}"))
-            return events
+                return [self._end(request, f"{type(error).__name__}: {error}")
+                        for request, _ in plan]
+        events = []
         with self._lock:
             for (request, n), row in zip(plan, logits):
                 self.scheduler.advance(request, n)
@@ -258,3 +264,11 @@ def _token_list(prompt_ids: object, vocab_size: int) -> list[int]:
         raise ValueError(f"prompt_ids: expected ints in [0, {vocab_size}) (the model's "
                          f"vocabulary), got {bad[:5]!r}")
     return list(prompt_ids)
+
+
+def _forward_groups(plan: list[tuple[Request, int]]) -> list[list[int]]:
+    """Indices of ``plan`` run together: every one-token row in one forward, each prefill
+    chunk in its own. One forward pads every row to the longest (``L = max n``): a decode row
+    batched with a 500-token chunk would run 500 positions for its one token."""
+    single = [i for i, (_, n) in enumerate(plan) if n == 1]
+    return ([single] if single else []) + [[i] for i, (_, n) in enumerate(plan) if n > 1]
