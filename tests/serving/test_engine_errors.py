@@ -123,15 +123,16 @@ def test_a_full_queue_raises_queue_full_until_requests_are_admitted():
 def test_requests_longer_than_the_context_or_the_pool_are_refused_by_field():
     engine = Engine(_model(), page_size=4, kv_pages=5)  # 20 slots < max_len 32
     with pytest.raises(ValueError, match=r"max_tokens: the prompt has 10 tokens and the KV "
-                                         r"cache's 5 pages of 4 tokens hold\(s\) 20, so at "
-                                         r"most 10 new tokens fit; got 11"):
+                                         r"cache holds 20 tokens \(5 pages of 4\), so at most "
+                                         r"10 new tokens fit; got 11"):
         engine.add_request([1] * 10, SamplingParams(11))
-    with pytest.raises(ValueError, match="prompt_ids: the prompt has 20 tokens"):
+    with pytest.raises(ValueError, match=r"prompt_ids: the prompt has 20 tokens and the KV .* "
+                                         r"no room for a new token \(at most 19 prompt"):
         engine.add_request([1] * 20, SamplingParams(1))
     roomy = Engine(_model())
-    with pytest.raises(ValueError, match=r"max_tokens: .* the model's context of max_len=32 "
-                                         r"positions hold\(s\) 32, so at most 2 new tokens fit; "
-                                         r"got 3"):
+    with pytest.raises(ValueError, match=r"max_tokens: the prompt has 30 tokens and the model's "
+                                         r"context is max_len=32 tokens, so at most 2 new "
+                                         r"tokens fit; got 3"):
         roomy.add_request([1] * 30, SamplingParams(3))
     roomy.add_request([1] * 30, SamplingParams(2))  # exactly the context
     assert len(_drain(roomy)) == 2 and roomy.stats()["waiting"] == 0

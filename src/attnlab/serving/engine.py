@@ -114,14 +114,14 @@ class Engine:
             raise TypeError(f"request_id: expected a non-empty str or None, got {request_id!r}")
         size, n = len(prompt), params.max_tokens
         limit = min(c.max_len, self.pool.num_pages * ps)
-        what = (f"the model's context of max_len={c.max_len} positions" if limit == c.max_len
-                else f"the KV cache's {self.pool.num_pages} pages of {ps} tokens")
+        what = (f"the model's context is max_len={c.max_len} tokens" if limit == c.max_len
+                else f"the KV cache holds {limit} tokens ({self.pool.num_pages} pages of {ps})")
         if size >= limit:
-            raise ValueError(f"prompt_ids: the prompt has {size} tokens; {what} leaves no room "
-                             f"for a new token (at most {limit - 1} prompt tokens)")
+            raise ValueError(f"prompt_ids: the prompt has {size} tokens and {what}, which "
+                             f"leaves no room for a new token (at most {limit - 1} prompt tokens)")
         if size + n > limit:
-            raise ValueError(f"max_tokens: the prompt has {size} tokens and {what} hold(s) "
-                             f"{limit}, so at most {limit - size} new tokens fit; got {n}")
+            raise ValueError(f"max_tokens: the prompt has {size} tokens and {what}, so at most "
+                             f"{limit - size} new tokens fit; got {n}")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.model.device).manual_seed(params.seed)

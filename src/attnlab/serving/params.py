@@ -8,9 +8,7 @@ from dataclasses import dataclass
 
 from attnlab._checks import is_int, is_number
 
-__all__ = ["FINISH_REASONS", "QueueFull", "SamplingParams", "TokenEvent"]
-
-FINISH_REASONS = ("stop", "length", "abort")
+__all__ = ["QueueFull", "SamplingParams", "TokenEvent"]
 
 
 @dataclass(frozen=True)
