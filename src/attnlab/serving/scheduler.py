@@ -12,7 +12,7 @@ while prefilling). A step, under a budget of ``max_tokens_per_step`` tokens:
 3. admit: waiting requests, first come first served, while fewer than ``max_batch`` run,
    budget is left and the pool has the pages for the request's tokens + 1 (its prefix pages
    found in the prefix cache are shared, not counted); admission never takes pages from a
-   running request.
+   running request, and waits for the next step when this one paused a request.
 
 When a decoding request needs a page and none is available, the most recently admitted
 request is paused: its pages are released (its full pages stay in the prefix cache, so
@@ -74,7 +74,7 @@ class Scheduler:
     def schedule(self) -> list[tuple[Request, int]]:
         """The step's plan: ``(request, n)`` runs ``tokens[computed : computed + n]``;
         decode rows first, then prefill chunks, then newly admitted requests."""
-        budget, plan = self.budget, []
+        budget, plan, paused = self.budget, [], self.preemptions
         for request in list(self.running):
             if request.pending == 1 and request in self.running and budget \
                     and self._make_room(request):
@@ -85,8 +85,9 @@ class Scheduler:
                 n = min(request.pending, budget)
                 plan.append((request, n))
                 budget -= n
+        # after a pause, pages are short: admitting now would only pause someone again
         while self.waiting and budget and len(self.running) < self.max_batch \
-                and self._admit(self.waiting[0]):
+                and self.preemptions == paused and self._admit(self.waiting[0]):
             request = self.waiting.popleft()
             self.running.append(request)
             n = min(request.pending, budget)
