@@ -97,3 +97,14 @@ def test_a_paged_cache_cannot_be_reset_or_reordered():
                          (cache.reorder, (torch.zeros(1, dtype=torch.long),))):
         with pytest.raises(NotImplementedError, match="pages belong to the engine"):
             method(*args)
+
+
+def test_update_refuses_keys_of_the_wrong_shape():
+    pool = PagePool(1, 2, 2, 2, 4)
+    layer = PagedKVCache(pool, [PagedRow([0], 0, [1, 2])])[0]
+    good = torch.zeros(1, 2, 2, 4)
+    with pytest.raises(ValueError, match=r"k: expected shape B x G x L x D = \(1, 2, 2, 4\), "
+                                         r"got \(1, 1, 2, 4\)"):
+        layer.update(torch.zeros(1, 1, 2, 4), good)
+    with pytest.raises(ValueError, match=r"v: expected shape .* got \(1, 2, 3, 4\)"):
+        layer.update(good, torch.zeros(1, 2, 3, 4))

@@ -148,10 +148,10 @@ class PagedLayerCache:
         c = self.cache
         rows, queries, pages, slots = c.fresh
         out = []
-        for new, store in ((k, c.pool.k[self.index]), (v, c.pool.v[self.index])):
+        for name, new, store in (("k", k, c.pool.k[self.index]), ("v", v, c.pool.v[self.index])):
             if new.dim() != 4 or new.shape[0] != c.batch_size or new.shape[2] != c.query_length \
                     or new.shape[1:2] + new.shape[3:] != store.shape[1:2] + store.shape[3:]:
-                raise ValueError(f"k: expected shape B x G x L x D = ({c.batch_size}, "
+                raise ValueError(f"{name}: expected shape B x G x L x D = ({c.batch_size}, "
                                  f"{store.shape[1]}, {c.query_length}, {store.shape[3]}), got "
                                  f"{tuple(new.shape)}")
             store[pages, :, slots] = new[rows, :, queries].to(store.dtype)
