@@ -31,6 +31,7 @@ BENCHMARKS = {
     "generate": "attnlab.bench.generate",
     "mha": "attnlab.bench.mha",
     "qwen2": "attnlab.bench.qwen2",
+    "quantization": "attnlab.bench.quantization",
     "variants": "attnlab.bench.variants",
 }
 BENCH_OUT, BENCH_QUICK_OUT = Path("benchmarks"), Path("runs/bench-quick")

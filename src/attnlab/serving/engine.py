@@ -1,0 +1,274 @@
+"""The serving engine: requests in, one token per running request per ``step()`` out.
+
+    add_request(prompt ids, SamplingParams) -> id      checked, queued (QueueFull past max_queue)
+    step():  plan (scheduler)  ->  forwards over the pages of the planned requests
+             (paged_attention: the decode tokens together, each prefill chunk alone)
+             ->  sample each request whose prompt is done
+             ->  [TokenEvent(id, token, finish_reason)], pages released on finish
+
+Everything a request holds is in a ``PagePool`` (``paged_cache``) and the ``Scheduler``;
+``abort`` and an error in the model release it the same way as a finish.
+
+Threads: ``add_request``, ``abort``, ``stats`` and ``has_work`` may be called from any
+thread (the HTTP layer's event loop); ``step`` from one thread only. A lock guards the
+queues and the pool; ``step`` holds it to plan and to record, not while the model runs.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import uuid
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from attnlab._checks import check_positive, is_int
+from attnlab.generation import check_logits, sample_logits
+from attnlab.models import DecoderLM
+from attnlab.serving.paged_attention import PagedRow, paged_forward
+from attnlab.serving.paged_cache import PagePool
+from attnlab.serving.params import QueueFull, SamplingParams, TokenEvent
+from attnlab.serving.scheduler import Request, Scheduler
+
+__all__ = ["DEFAULT_POOL_BYTES", "Engine", "QueueFull", "SamplingParams", "TokenEvent"]
+
+# Without kv_pages, the pool holds max_batch full contexts but takes at most this much memory
+# (a 32k-token context times 8 requests would otherwise take gigabytes up front).
+DEFAULT_POOL_BYTES = 2 * 2**30
+
+
+class Engine:
+    """Continuous batching over a paged KV cache for one ``DecoderLM`` (any family, float or
+    quantized), in eval mode.
+
+    ``max_batch`` requests run at once; a step runs at most ``max_tokens_per_step`` tokens
+    (one per decoding request first, prefill chunks with the rest; ``>= max_batch``);
+    ``kv_pages`` pages of ``page_size`` tokens hold every request's keys and values (default:
+    ``max_batch`` full contexts, within ``DEFAULT_POOL_BYTES``); ``max_queue`` requests may
+    wait; ``prefix_caching`` shares the full pages of equal prompt prefixes.
+    """
+
+    def __init__(self, model: DecoderLM, *, max_batch: int = 8, max_tokens_per_step: int = 512,
+                 kv_pages: int | None = None, page_size: int = 16, max_queue: int = 64,
+                 prefix_caching: bool = True) -> None:
+        if not isinstance(model, DecoderLM):
+            raise TypeError(f"model: expected an attnlab DecoderLM, got {type(model).__name__}")
+        if model.training:
+            raise ValueError("model: expected a model in eval mode (model.eval(): dropout "
+                             "would make the tokens random), got one in training mode")
+        c = model.config
+        if c.rope_scaling is not None and c.rope_scaling.rope_type == "longrope":
+            raise ValueError("model: longrope RoPE changes every cached key once a sequence "
+                             "passes original_max_position_embeddings, which the paged cache "
+                             "does not recompute; expected another RoPE (use attnlab generate)")
+        for name, value in (("max_batch", max_batch), ("page_size", page_size),
+                            ("max_queue", max_queue),
+                            ("max_tokens_per_step", max_tokens_per_step)):
+            check_positive(name, value)
+        if page_size > c.max_len:
+            raise ValueError(f"page_size: expected at most the model's max_len={c.max_len} "
+                             f"tokens (a page larger than a context is never filled), got "
+                             f"{page_size}")
+        if max_tokens_per_step < max_batch:
+            raise ValueError(f"max_tokens_per_step: expected at least max_batch={max_batch} "
+                             f"(one decode token per running request), got "
+                             f"{max_tokens_per_step}")
+        if not isinstance(prefix_caching, bool):
+            raise TypeError(f"prefix_caching: expected a bool, got {prefix_caching!r}")
+        if kv_pages is None:
+            kv_pages = default_pages(model, max_batch, page_size)
+        check_positive("kv_pages", kv_pages)
+        self.model, self.max_queue = model, max_queue
+        self.pool = PagePool(c.num_layers, kv_pages, page_size, c.kv_heads, c.head_dim,
+                             dtype=model.dtype, device=model.device)
+        self.scheduler = Scheduler(self.pool, max_batch=max_batch,
+                                   max_tokens_per_step=max_tokens_per_step,
+                                   prefix_caching=prefix_caching)
+        self._lock = threading.Lock()
+        self._stepping = threading.Lock()
+        self._live: dict[str, Request] = {}
+        # the request objects, not their ids: an id reused after a finish is another request
+        self._aborts: list[Request] = []
+        self._tokens_generated = 0
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        """Queue a request; return its id (``request_id``, or a new unique one).
+
+        ``prompt_ids``: a non-empty list of token ids in ``[0, V)``. A ``ValueError`` names
+        ``max_tokens`` when the prompt + ``max_tokens`` exceeds the model's context
+        (``config.max_len``) or the whole pool, ``prompt_ids`` when the prompt alone does;
+        ``QueueFull`` when ``max_queue`` requests are waiting.
+        """
+        c, ps = self.model.config, self.pool.page_size
+        prompt = _token_list(prompt_ids, c.vocab_size)
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params: expected a SamplingParams, got {type(params).__name__}")
+        for i, t in enumerate(params.stop_token_ids):
+            if t >= c.vocab_size:
+                raise ValueError(f"stop_token_ids[{i}]: expected a token id in "
+                                 f"[0, {c.vocab_size}), got {t}")
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise TypeError(f"request_id: expected a non-empty str or None, got {request_id!r}")
+        size, n = len(prompt), params.max_tokens
+        limit = min(c.max_len, self.pool.num_pages * ps)
+        what = (f"the model's context is max_len={c.max_len} tokens" if limit == c.max_len
+                else f"the KV cache holds {limit} tokens ({self.pool.num_pages} pages of {ps})")
+        if size >= limit:
+            raise ValueError(f"prompt_ids: the prompt has {size} tokens and {what}, which "
+                             f"leaves no room for a new token (at most {limit - 1} prompt tokens)")
+        if size + n > limit:
+            raise ValueError(f"max_tokens: the prompt has {size} tokens and {what}, so at most "
+                             f"{limit - size} new tokens fit; got {n}")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
+        with self._lock:
+            request_id = uuid.uuid4().hex if request_id is None else request_id
+            if request_id in self._live:
+                raise ValueError(f"request_id: {request_id!r} is running or waiting already; "
+                                 "expected a new id")
+            if len(self.scheduler.waiting) >= self.max_queue:
+                raise QueueFull(f"max_queue: {self.max_queue} requests are waiting already")
+            request = Request(request_id, prompt, size, params, generator)
+            self.scheduler.waiting.append(request)
+            self._live[request_id] = request
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """End a request (waiting or running): the next ``step`` releases its pages and reports
+        ``TokenEvent(request_id, None, "abort")``. An id that is not live (finished already,
+        never added) is ignored: a client may disconnect after its last token."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id: expected a str, got {type(request_id).__name__}")
+        with self._lock:
+            request = self._live.get(request_id)
+            if request is not None:
+                self._aborts.append(request)
+
+    def has_work(self) -> bool:
+        """Whether a ``step`` would do anything: requests waiting or running, aborts to
+        report."""
+        with self._lock:
+            return bool(self._live or self._aborts)
+
+    def stats(self) -> dict[str, int]:
+        """``running``, ``waiting``, ``pages_used``, ``pages_total``, ``pages_cached`` (in the
+        prefix cache, used or idle), ``prefix_hits`` (pages reused), ``tokens_generated``,
+        ``preemptions`` (requests paused for lack of pages)."""
+        with self._lock:
+            s, pool = self.scheduler, self.pool
+            return {"running": len(s.running), "waiting": len(s.waiting),
+                    "pages_used": pool.used, "pages_total": pool.num_pages,
+                    "pages_cached": pool.cached, "prefix_hits": pool.prefix_hits,
+                    "tokens_generated": self._tokens_generated, "preemptions": s.preemptions}
+
+    def step(self) -> list[TokenEvent]:
+        """One scheduler step: report aborts, admit, run a prefill chunk or a decode token of
+        every planned request in one forward, sample, retire finished requests.
+
+        A ``RuntimeError`` when another thread is in ``step`` already (one stepping thread).
+        """
+        if not self._stepping.acquire(blocking=False):
+            raise RuntimeError("step: another thread is running step(); expected one "
+                               "stepping thread")
+        try:
+            return self._step()
+        finally:
+            self._stepping.release()
+
+    def _step(self) -> list[TokenEvent]:
+        with self._lock:
+            events = self._take_aborts()
+            plan = self.scheduler.schedule()
+            rows = [PagedRow(list(r.table), r.computed, r.tokens[r.computed:r.computed + n])
+                    for r, n in plan]
+        for group in _forward_groups(plan):
+            events += self._run([plan[i] for i in group], [rows[i] for i in group])
+        return events
+
+    def _run(self, plan: list[tuple[Request, int]], rows: list[PagedRow]) -> list[TokenEvent]:
+        """One forward over ``rows``; record it and sample where a prompt is done. A failure
+        ends these requests (with the error), not the engine."""
+        try:
+            with torch.inference_mode():
+                logits = paged_forward(self.model, self.pool, rows)[:, -1]
+        except Exception as error:
+            with self._lock:
+                return [self._end(request, f"{type(error).__name__}: {error}")
+                        for request, _ in plan]
+        events = []
+        with self._lock:
+            for (request, n), row in zip(plan, logits):
+                self.scheduler.advance(request, n)
+                if request.pending == 0:
+                    events.append(self._next_token(request, row))
+        return events
+
+    def _take_aborts(self) -> list[TokenEvent]:
+        events = [self._end(request, None) for request in dict.fromkeys(self._aborts)
+                  if self._live.get(request.request_id) is request]
+        self._aborts.clear()
+        return events
+
+    def _next_token(self, request: Request, logits: Tensor) -> TokenEvent:
+        """Choose ``request``'s next token from its logits ``V``; end it if it is done."""
+        p = request.params
+        try:
+            check_logits(logits, f"logits (request {request.request_id!r})")
+            if p.greedy:
+                token = int(logits.argmax())
+            else:
+                token = int(sample_logits(logits, p.temperature, p.top_k or None,
+                                          p.top_p if p.top_p < 1 else None, request.generator,
+                                          check=False))
+        except Exception as error:  # NaN logits, or a sampler failure: this request only
+            return self._end(request, f"{type(error).__name__}: {error}")
+        request.tokens.append(token)
+        self._tokens_generated += 1
+        reason = ("stop" if token in p.stop_token_ids
+                  else "length" if request.generated >= p.max_tokens else None)
+        if reason is not None:
+            self.scheduler.finish(request)
+            del self._live[request.request_id]
+        return TokenEvent(request.request_id, token, reason)
+
+    def _end(self, request: Request, error: str | None) -> TokenEvent:
+        """Abort ``request`` (released, forgotten); its event carries ``error`` if any."""
+        self.scheduler.finish(request)
+        del self._live[request.request_id]
+        return TokenEvent(request.request_id, None, "abort", error)
+
+
+def default_pages(model: DecoderLM, max_batch: int, page_size: int) -> int:
+    """Pages for ``max_batch`` full contexts, at most ``DEFAULT_POOL_BYTES`` of keys and
+    values (and at least one full context)."""
+    c = model.config
+    per_page = (2 * c.num_layers * c.kv_heads * page_size * c.head_dim
+                * torch.finfo(model.dtype).bits // 8)
+    context = math.ceil(c.max_len / page_size)
+    return max(context, min(max_batch * context, DEFAULT_POOL_BYTES // per_page))
+
+
+def _token_list(prompt_ids: object, vocab_size: int) -> list[int]:
+    """``prompt_ids`` as a list of ints when it is a non-empty sequence of ids in ``[0, V)``."""
+    if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
+        raise TypeError(f"prompt_ids: expected a list of token ids, got "
+                        f"{type(prompt_ids).__name__}")
+    if not prompt_ids:
+        raise ValueError("prompt_ids: expected at least one token id, got an empty list")
+    bad = [t for t in prompt_ids if not is_int(t) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt_ids: expected ints in [0, {vocab_size}) (the model's "
+                         f"vocabulary), got {bad[:5]!r}")
+    return list(prompt_ids)
+
+
+def _forward_groups(plan: list[tuple[Request, int]]) -> list[list[int]]:
+    """Indices of ``plan`` run together: every one-token row in one forward, each prefill
+    chunk in its own. One forward pads every row to the longest (``L = max n``): a decode row
+    batched with a 500-token chunk would run 500 positions for its one token."""
+    single = [i for i, (_, n) in enumerate(plan) if n == 1]
+    return ([single] if single else []) + [[i] for i, (_, n) in enumerate(plan) if n > 1]

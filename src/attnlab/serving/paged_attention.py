@@ -1,0 +1,160 @@
+"""Attention over the pages: one ``DecoderLM.forward`` for a ragged batch of requests.
+
+Row ``b`` of a step has ``start_b`` tokens already in its pages and ``n_b`` new ones (a
+decode token or a prefill chunk). The model is called unchanged, with
+
+    input_ids     B x L        the new tokens, left-padded to ``L = max n_b``
+    cache         PagedKVCache a ``KVCache`` whose layer ``i`` writes the new keys/values
+                               into each row's pages and returns the row's keys gathered from
+                               its pages, left-padded to ``S = offset + L``
+    attention_mask B x S       True on each row's ``T_b = start_b + n_b`` real keys (the last)
+    position_ids  B x L        token ``t`` of a row sits at position ``t``
+
+with ``offset = max T_b - L``. Row ``b``'s token ``t`` is key ``S - T_b + t``, and its new
+token ``j`` is query ``L - n_b + j``, i.e. key ``offset + L - n_b + j``: the model's
+bottom-right causal mask (query ``i`` sees keys up to ``offset + i``) is then exactly "token
+``t`` sees tokens ``0 .. t``" in every row. Padding queries write nothing and are not read.
+The model's own mask, RoPE and sliding window code run as they do for a dense cache: no
+model code is copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from attnlab.attention.kv_cache import KVCache
+from attnlab.serving.paged_cache import PagePool
+
+__all__ = ["PagedKVCache", "PagedRow", "paged_forward"]
+
+
+class PagedRow(NamedTuple):
+    """One request in a step: its block ``table`` (pages), ``start`` tokens already stored,
+    the ``new`` token ids to run (``n >= 1``); ``table`` covers ``start + n`` tokens."""
+
+    table: Sequence[int]
+    start: int
+    new: Sequence[int]
+
+
+def paged_forward(model: nn.Module, pool: PagePool, rows: Sequence[PagedRow], *,
+                  logits_to_keep: int = 1) -> Tensor:
+    """Run ``model`` on the new tokens of ``rows``, reading and extending their pages.
+
+    Returns the logits ``B x k x V`` of each row's last ``k = logits_to_keep`` query
+    positions (``k = 0``: all ``L``; the real ones of row ``b`` are its last ``n_b``).
+    """
+    cache = PagedKVCache(pool, rows, device=pool.k[0].device)
+    L = cache.query_length
+    ids = torch.zeros((len(rows), L), dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, L - len(row.new):] = torch.tensor(list(row.new), dtype=torch.long)
+    return model(ids.to(cache.key_mask.device), attention_mask=cache.key_mask, cache=cache,
+                 position_ids=cache.position_ids, logits_to_keep=logits_to_keep)
+
+
+class PagedKVCache(KVCache):
+    """A ``KVCache`` (by type, so that ``DecoderLM.forward`` takes it) over a ``PagePool``
+    for one forward of ``rows``; ``length`` is the ``offset`` of the module docstring.
+
+    Built once per step: the gather indices ``page_index``, ``slot_index`` ``B x S`` (key
+    ``j`` of row ``b`` is ``pool.k[i][page_index[b, j], :, slot_index[b, j]]``), the new
+    tokens' scatter targets, ``key_mask`` ``B x S`` and ``position_ids`` ``B x L``.
+    """
+
+    def __init__(self, pool: PagePool, rows: Sequence[PagedRow], *,
+                 device: torch.device | str | None = None) -> None:
+        # KVCache.__init__ would allocate dense buffers; this cache has its own layers.
+        if not rows:
+            raise ValueError("rows: expected at least one request, got none")
+        ps = pool.page_size
+        start = torch.tensor([row.start for row in rows])
+        count = torch.tensor([len(row.new) for row in rows])
+        if bool((count < 1).any()):
+            raise ValueError(f"rows: expected at least one new token per row, got counts "
+                             f"{count.tolist()}")
+        total = start + count
+        pages = max(len(row.table) for row in rows)
+        if any(len(row.table) * ps < int(t) for row, t in zip(rows, total)):
+            raise ValueError(f"rows: every block table must cover start + new tokens "
+                             f"({total.tolist()}) with pages of {ps}, got "
+                             f"{[len(row.table) for row in rows]} pages")
+        tables = torch.zeros((len(rows), pages), dtype=torch.long)
+        for b, row in enumerate(rows):
+            tables[b, :len(row.table)] = torch.tensor(list(row.table), dtype=torch.long)
+        L = int(count.max())
+        S = int(total.max())
+        self.query_length, self.offset = L, S - L
+        token = torch.arange(S) - (S - total)[:, None]  # B x S: token index of each key, < 0 pad
+        real = token >= 0
+        t = token.clamp(min=0)
+        page_index = tables.gather(1, t // ps)
+        slot_index = t % ps
+        fresh_b, fresh_j = (token >= start[:, None]).nonzero(as_tuple=True)
+        self.key_mask = real.to(device)
+        self.position_ids = t[:, self.offset:].to(device)
+        self.page_index, self.slot_index = page_index.to(device), slot_index.to(device)
+        self.fresh = (fresh_b.to(device), (fresh_j - self.offset).to(device),
+                      page_index[fresh_b, fresh_j].to(device),
+                      slot_index[fresh_b, fresh_j].to(device))
+        self.pool = pool
+        self.layers = [PagedLayerCache(self, i) for i in range(len(pool.k))]
+
+    @property
+    def length(self) -> int:
+        return self.offset
+
+    @property
+    def max_len(self) -> int:
+        return self.offset + self.query_length
+
+    @property
+    def batch_size(self) -> int:
+        return self.key_mask.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.pool.k, *self.pool.v))
+
+    def reset(self, *args: object) -> None:
+        """Refused, as ``truncate`` and ``reorder``: the pages belong to the engine."""
+        raise NotImplementedError("a PagedKVCache serves one forward; its pages belong to "
+                                  "the engine, which frees them")
+
+    truncate = reorder = reset
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache(rows={self.batch_size}, L={self.query_length}, "
+                f"offset={self.offset}, layers={len(self.layers)})")
+
+
+class PagedLayerCache:
+    """Layer ``index`` of a ``PagedKVCache``: ``update(k, v)`` as ``LayerKVCache.update``."""
+
+    def __init__(self, cache: PagedKVCache, index: int) -> None:
+        self.cache, self.index = cache, index
+
+    @property
+    def length(self) -> int:
+        return self.cache.offset
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write the real new keys/values of ``k``, ``v`` (``B x G x L x D``) into their
+        pages; return every row's keys and values ``B x G x S x D``, left-padded."""
+        c = self.cache
+        rows, queries, pages, slots = c.fresh
+        out = []
+        for name, new, store in (("k", k, c.pool.k[self.index]), ("v", v, c.pool.v[self.index])):
+            if new.dim() != 4 or new.shape[0] != c.batch_size or new.shape[2] != c.query_length \
+                    or new.shape[1:2] + new.shape[3:] != store.shape[1:2] + store.shape[3:]:
+                raise ValueError(f"{name}: expected shape B x G x L x D = ({c.batch_size}, "
+                                 f"{store.shape[1]}, {c.query_length}, {store.shape[3]}), got "
+                                 f"{tuple(new.shape)}")
+            store[pages, :, slots] = new[rows, :, queries].to(store.dtype)
+            # advanced indices on dims 0 and 2 come first: B x S x G x D
+            out.append(store[c.page_index, :, c.slot_index].transpose(1, 2))
+        return out[0], out[1]
