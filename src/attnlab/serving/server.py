@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from attnlab._checks import check_positive
 from attnlab.generation.config import read_generation_config
@@ -217,14 +217,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return state.model_card()
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
         prompts = [state.encode(p, "prompt") for p in body.prompt]
         job = _Job(state, body, prompts, body.max_tokens, "max_tokens", chat=False)
         return await job.respond(request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request):
+    async def chat_completions(body: ChatRequest, request: Request) -> Response:
         state.check_model(body.model)
         messages = [{"role": m.role, "content": m.text} for m in body.messages]
         try:
@@ -259,7 +259,7 @@ class _Job:
         self.choices: dict[str, tuple[int, ChoiceText]] = {}  # engine id -> (index, text)
         self.finishes: dict[int, str] = {}
 
-    async def respond(self, request: Request) -> JSONResponse | StreamingResponse:
+    async def respond(self, request: Request) -> Response:
         try:
             await self._start()
         except BaseException:
