@@ -209,3 +209,12 @@ def test_filters_keep_the_most_likely_token_when_a_temperature_rounds_it_into_a_
     assert top_p_filter(scaled, 1e-9).tolist() == [[0.0, float("-inf")]]
     assert top_p_filter(scaled, 1e-9, rank_by=logits).tolist() == [[float("-inf"), 0.0]]
     assert top_k_filter(scaled, 1, rank_by=logits).tolist() == [[float("-inf"), 0.0]]
+
+
+def test_a_top_p_below_float32s_smallest_number_keeps_the_most_likely_token() -> None:
+    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(0))
+    kept = top_p_filter(logits, 1e-300)
+    assert torch.isfinite(kept).sum(-1).tolist() == [1, 1]
+    assert torch.equal(kept.argmax(-1), logits.argmax(-1))
+    token = sample_logits(logits, 1.0, None, 1e-300, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(token.view(-1), logits.argmax(-1))

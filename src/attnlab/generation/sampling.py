@@ -100,6 +100,7 @@ def top_p_filter(logits: Tensor, p: float, *, rank_by: Tensor | None = None) -> 
     probs = torch.softmax(sorted_logits.float(), dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     remove_sorted = mass_before >= p
+    remove_sorted[..., 0] = False  # a p below float32's smallest number compares as 0
     remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
     return logits.masked_fill(remove, float("-inf"))
 
