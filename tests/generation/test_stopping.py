@@ -106,3 +106,14 @@ def test_each_step_decodes_a_bounded_tail() -> None:
     assert stop.window == 4
     # One tail a step, then the whole text once to confirm the match.
     assert tokenizer.lengths == [min(n, 4) for n in range(1, 203)] + [202]
+
+
+def test_a_decoder_that_returns_no_str_is_named() -> None:
+    class Listing:
+        def decode(self, ids: list[int]) -> list[str]:
+            return ["ab" for _ in ids]
+
+    stop = StopStrings(["ab"], Listing())
+    with pytest.raises(TypeError, match="tokenizer: expected decode\\(ids\\) to return a str, "
+                                        "got list"):
+        stop(torch.tensor([[1, 2]]), torch.tensor([True]))

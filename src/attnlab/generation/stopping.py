@@ -70,4 +70,7 @@ class StopStrings:
 
     def _holds(self, ids: list[int]) -> bool:
         text = self.tokenizer.decode(ids)
+        if not isinstance(text, str):  # `in` would test list membership, silently wrong
+            raise TypeError(f"tokenizer: expected decode(ids) to return a str, got "
+                            f"{type(text).__name__}")
         return any(s in text for s in self.strings)

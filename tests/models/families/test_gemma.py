@@ -127,6 +127,8 @@ def test_gemma_legacy_gelu_reads_as_the_tanh_approximation(pair, tmp_path) -> No
     ("hidden_activation", "gelu", "hidden_activation 'gelu' is not supported"),
     ("use_bidirectional_attention", True, "use_bidirectional_attention=true"),
     ("head_dim", 0, "head_dim: expected a positive int, got 0"),
+    ("hidden_size", 10**400, "hidden_size: expected at most"),
+    ("head_dim", 10**400, "sizes too large to build a model"),
 ])
 def test_gemma_refuses_unsupported_options_naming_the_key(pair, tmp_path, key, value,
                                                           words) -> None:

@@ -25,6 +25,7 @@ from attnlab.models.families.llama import llama_like_weights, read_llama_like, w
 __all__ = ["FAMILY", "read_gemma", "tiny_config", "write_gemma"]
 
 ACTIVATION = "gelu_pytorch_tanh"
+_MAX_WIDTH = 2**63 - 1  # torch's largest size
 # transformers' GemmaConfig defaults for the keys a config.json may leave out.
 _DEFAULTS = {"head_dim": 256, "tie_word_embeddings": True, "max_position_embeddings": 8192,
              "rms_norm_eps": 1e-6}
@@ -46,6 +47,9 @@ def read_gemma(d: dict[str, Any]) -> DecoderLMConfig:
          "hidden_act": ACTIVATION if act == "gelu" else act}
     c = read_llama_like(d, family="gemma", activation=ACTIVATION, norm="rmsnorm_unit_offset",
                         mlp="geglu", mlp_bias=False)
+    if c.d_model > _MAX_WIDTH:  # sqrt would overflow a float; no model is that wide
+        raise ValueError(f"hidden_size: expected at most {_MAX_WIDTH}, got a "
+                         f"{len(str(c.d_model))}-digit number")
     return replace(c, embedding_scale=math.sqrt(c.d_model))
 
 

@@ -51,7 +51,7 @@ def load_family(cls: type[M], folder: Path, dtype: torch.dtype | None,
         # buffers) are made on the CPU even here, ready to use.
         with torch.device("meta"):
             model = cls(config)  # type: ignore[call-arg]
-    except RuntimeError as error:  # a size whose element count overflows
+    except (RuntimeError, OverflowError) as error:  # a size past torch's int64 or a float
         raise ValueError(f"{folder / CONFIG_NAME}: sizes too large to build a model "
                          f"({error})") from None
     except (TypeError, ValueError) as error:  # a value only the layers check (RoPE's sizes)
