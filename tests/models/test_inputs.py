@@ -135,11 +135,11 @@ def test_a_mask_without_padding_is_dropped_and_positions_are_the_offset(monkeypa
     monkeypatch.setattr(torch.Tensor, "cumsum", lambda t, *a, **k: cumsums.append(a))
     ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
     got = decoder_inputs(ids, torch.ones(2, 5, dtype=torch.long), cache, None, 0, vocab_size=V,
-                         max_len=16, max_len_name="max_len", num_layers=1)
+                         max_len=16, num_layers=1)
     assert got == (2, 3, 2, None, 2) and not cumsums  # no positions computed to throw away
     monkeypatch.undo()
     mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
     padded = decoder_inputs(ids, mask, cache, None, 0, vocab_size=V, max_len=16,
-                            max_len_name="max_len", num_layers=1)
+                            num_layers=1)
     assert torch.equal(padded.key_mask, mask.bool())
     assert torch.equal(padded.positions, torch.tensor([[1, 2, 3], [2, 3, 4]]))

@@ -128,3 +128,20 @@ def test_layouts_dequantize_alike() -> None:
     assert isinstance(blocked, QuantizedWeight) and blocked.layout == "blocked"
     assert torch.equal(blocked.dequantize(), plain.dequantize())
     assert torch.equal(blocked.with_layout("plain").data, plain.data)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int8_dequantize_in_a_16_bit_dtype_is_the_float32_formula_rounded_once(
+        dtype: torch.dtype) -> None:
+    q, s = quantize_int8(_weight(64, 256), dtype)
+    fast = dequantize_int8(q, s)  # computed in the 16-bit dtype
+    assert fast.dtype == dtype
+    assert torch.equal(fast, (q.float() * s.float()[:, None]).to(dtype))
+
+
+def test_int4_dequantize_by_blocks_of_rows_is_the_whole_formula() -> None:
+    packed, s, z = quantize_int4(_weight(600, 128), 32, torch.bfloat16)
+    codes = unpack_int4(packed)
+    whole = ((codes.float() - 8).view(600, 4, 32) * s.float()[..., None]
+             + z.float()[..., None]).view(600, 128).to(torch.bfloat16)
+    assert torch.equal(dequantize_int4(codes, s, z), whole)

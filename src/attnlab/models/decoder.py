@@ -132,15 +132,12 @@ class DecoderLM(PreTrainedModel):
         cache = past_key_values if past_key_values is not None else cache
         B, L, offset, key_mask, positions = decoder_inputs(
             input_ids, attention_mask, cache, position_ids, logits_to_keep,
-            vocab_size=c.vocab_size, max_len=c.max_len, max_len_name="max_len",
+            vocab_size=c.vocab_size, max_len=c.max_len,
             num_layers=c.num_layers)
         if labels is not None:
             check_labels(labels, (B, L), c.vocab_size)
         if use_cache and cache is None:
             cache = self.make_cache(B, L, grow=True)
-        if key_mask is not None and bool(key_mask.all()):  # no padding: the plain causal path
-            key_mask = None
-            positions = offset if position_ids is None else positions
         mask = self._attention_mask(key_mask, L, offset)
         x = self.embed_tokens(input_ids)
         if c.embedding_scale is not None:  # in x's dtype, as Gemma rounds it

@@ -33,14 +33,14 @@ class DecoderInputs(NamedTuple):
 
 def decoder_inputs(input_ids: object, attention_mask: object, cache: object,
                    position_ids: object, logits_to_keep: object, *, vocab_size: int,
-                   max_len: int, max_len_name: str, num_layers: int) -> DecoderInputs:
+                   max_len: int, num_layers: int) -> DecoderInputs:
     """Check a causal LM's forward arguments; return what the forward needs.
 
     ``input_ids`` ``B x L`` ids in ``[0, vocab_size)``; ``attention_mask`` ``B x (offset + L)``
     or ``None``; ``cache`` a ``KVCache`` of ``num_layers`` layers and batch ``B`` (its
     ``length`` is the ``offset``) or ``None``; ``position_ids`` ``B x L`` or ``L`` ints in
     ``[0, max_len)`` or ``None``; ``logits_to_keep`` an int ``>= 0``. ``offset + L`` must not
-    exceed ``max_len`` (named ``max_len_name`` in the message).
+    exceed ``max_len``.
 
     A mask without a padded key is dropped (``key_mask`` ``None``: the plain causal case) and
     its positions are the offset's, computed from the mask only when it pads.
@@ -55,7 +55,7 @@ def decoder_inputs(input_ids: object, attention_mask: object, cache: object,
     offset = 0 if cache is None else cache.length
     if offset + L > max_len:
         raise ValueError(f"input_ids: positions {offset} .. {offset + L - 1} exceed the "
-                         f"model's {max_len_name}={max_len}")
+                         f"model's max_len={max_len}")
     if not is_int(logits_to_keep) \
             or logits_to_keep < 0:
         raise ValueError(f"logits_to_keep: expected an int >= 0, got {logits_to_keep!r}")

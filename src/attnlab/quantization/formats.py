@@ -62,8 +62,13 @@ def quantize_int8(weight: Tensor, scale_dtype: torch.dtype | None = None) -> tup
 
 def dequantize_int8(q: Tensor, scales: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """``q`` (``O x I`` int8), ``scales`` (``O``) -> ``q * scales[:, None]`` (``O x I``) in
-    ``dtype`` (default the scales'), computed in float32."""
-    return (q.float() * scales.float()[:, None]).to(dtype or scales.dtype)
+    ``dtype`` (default the scales'), as computed in float32 and rounded once: done in
+    ``dtype`` directly when the scales are in it (an int8 code and a 16-bit scale multiply
+    exactly in float32, which torch's 16-bit multiply computes in), else in float32."""
+    dtype = dtype or scales.dtype
+    if scales.dtype == dtype:
+        return q.to(dtype) * scales[:, None]
+    return (q.float() * scales.float()[:, None]).to(dtype)
 
 
 def quantize_int4(weight: Tensor, group_size: int,
@@ -88,11 +93,21 @@ def dequantize_int4(codes: Tensor, scales: Tensor, zeros: Tensor,
                     dtype: torch.dtype | None = None) -> Tensor:
     """``codes`` (``O x I`` values 0..15, unpacked), ``scales``/``zeros`` (``O x I/g``) ->
     ``(codes - 8) * scales + zeros`` per group (``O x I``) in ``dtype`` (default the
-    scales'), computed in float32."""
+    scales'), computed in float32, a block of rows at a time (float32 temporaries of a whole
+    weight cost more than the arithmetic)."""
     rows, cols = codes.shape
     groups = scales.shape[-1]
-    w = (codes.view(rows, groups, cols // groups).float() - 8) * scales.float()[..., None]
-    return (w + zeros.float()[..., None]).view(rows, cols).to(dtype or scales.dtype)
+    out = torch.empty(rows, cols, dtype=dtype or scales.dtype, device=codes.device)
+    c = codes.view(rows, groups, cols // groups)
+    s, z = scales.float()[..., None], zeros.float()[..., None]
+    for start in range(0, rows, _DEQUANTIZE_ROWS):
+        end = min(rows, start + _DEQUANTIZE_ROWS)
+        block = torch.addcmul(z[start:end], c[start:end].float() - 8, s[start:end])
+        out[start:end] = block.view(end - start, cols)
+    return out
+
+
+_DEQUANTIZE_ROWS = 256
 
 
 def pack_int4(codes: Tensor) -> Tensor:
