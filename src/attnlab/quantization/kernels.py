@@ -38,6 +38,10 @@ _MARGIN = 1.1  # how much faster than the formula a kernel must measure to be ch
 _COLD_BYTES, _MAX_COPIES = 128 * 2**20, 64
 _MIN_REPEATS, _MAX_REPEATS, _BUDGET_US = 3, 9, 10_000
 _TIMINGS: dict[str, dict[str, float]] = {}
+# Rows timed per bucket. A quantized kernel's cost grows with the rows while the formula's
+# dequantization is paid once, so "65+" is timed at a prefill chunk's 512 rows, not at 128:
+# a kernel that wins at 128 rows can lose 2x at 512.
+_ROWS = {"1": 1, "2-8": 8, "9-64": 64, "65+": 512}
 
 
 @dataclass(frozen=True)
@@ -86,17 +90,17 @@ def plan(weight: QuantizedWeight, dtype: torch.dtype, *, kernel: str | None = No
 def measure(weight: QuantizedWeight, dtype: torch.dtype, bucket: str,
             names: list[str]) -> dict[str, float]:
     """Median microseconds per call of each kernel in ``names`` for a weight of ``weight``'s
-    format and shape, at the bucket's representative row count: read from the cache file,
+    format and shape, at the bucket's row count in ``_ROWS``: read from the cache file,
     else timed now on random weights (each checked against the formula) and added to it."""
     rows, cols = weight.shape
     scheme = f"int{weight.bits}" + (f" g{weight.group_size}" if weight.bits == 4 else "")
-    key = f"{scheme} | {kernel_cache.entry_key(dtype, rows, cols, bucket)}"
+    key = f"{scheme} | {kernel_cache.entry_key(dtype, rows, cols, bucket)} @{_ROWS[bucket]}"
     path = kernel_cache.cache_file().with_name("kernels-quantized.json")
     if key not in _TIMINGS:
         _TIMINGS[key] = dict(kernel_cache.read_entries(path, QUANTIZED_KERNELS).get(key) or {})
     missing = [n for n in names if n not in _TIMINGS[key]]
     if missing:
-        timed = _time_kernels(weight, dtype, BUCKETS[bucket][1], missing)
+        timed = _time_kernels(weight, dtype, _ROWS[bucket], missing)
         _TIMINGS[key].update({n: timed.get(n, math.inf) for n in missing})
         entries = kernel_cache.read_entries(path, QUANTIZED_KERNELS)
         entries[key] = {n: t for n, t in _TIMINGS[key].items() if math.isfinite(t)}
