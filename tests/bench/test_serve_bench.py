@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import socket
 import statistics
+import threading
 import time
 
 import numpy as np
@@ -144,6 +145,61 @@ def test_load_generator_cuts_a_long_stream_and_counts_refusals(folder) -> None:
     assert cut.error == "cut" and 0 < cut.tokens < 500 and len(cut.gaps) == cut.tokens - 1
     s = serve.summarize(outcomes, wall)
     assert s["failed"] == 1 and s["cut"] >= 1
+
+
+def _one_answer(body: bytes) -> tuple[str, threading.Thread, socket.socket]:
+    """A server on 127.0.0.1 that answers one request with 200 and ``body`` as an event
+    stream, then closes the connection."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(10)
+
+    def answer() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.settimeout(10)
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += connection.recv(65536)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                               b"Connection: close\r\n\r\n" + body)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", thread, listener
+
+
+def test_stream_parsing_of_a_hand_written_stream() -> None:
+    body = (b'data: {"choices": [{"text": "a"}]}\n\n: a comment\n\n'
+            b'data: {"choices": [{"text": ""}]}\n\n'
+            b'data: {"choices": [{"text": " b"}]}\n\ndata: {"choices": [{"text": " c"}]}\n\n'
+            b'data: {"choices": [], "usage": {"completion_tokens": 4}}\n\ndata: [DONE]\n\n')
+    url, thread, listener = _one_answer(body)
+    with listener:
+        (outcome,), _ = serve.drive(url, [serve.Job((1,), 4)], 1, 10.0)
+    thread.join(10)
+    assert outcome.error is None and outcome.ttft > 0
+    assert outcome.tokens == 4  # the usage chunk's count, not the 3 events with text
+    assert len(outcome.gaps) == 2
+
+
+@pytest.mark.parametrize("body, error", [
+    (b"data: [1, 2]\n\n", "a malformed event b'[1, 2]': expected a JSON object, got list"),
+    (b'data: {"choices": 5}\n\n', "a malformed event"),
+    (b"data: {not json\n\n", "a malformed event"),
+    (b'data: {"usage": {"completion_tokens": "7"}}\n\n',
+     "usage.completion_tokens: expected an int >= 0, got '7'"),
+    (b'data: {"error": {"message": "boom"}}\n\n', "server error: {'message': 'boom'}"),
+    (b'data: {"choices": [{"text": "a"}]}\n\n', "the stream ended without data: [DONE]"),
+])
+def test_a_malformed_stream_is_a_failed_request(body, error) -> None:
+    url, thread, listener = _one_answer(body)
+    with listener:
+        (outcome,), _ = serve.drive(url, [serve.Job((1,), 4)], 1, 10.0)
+    thread.join(10)
+    assert error in outcome.error
+    assert serve.summarize([outcome], 1.0)["failed"] == 1
 
 
 def test_every_token_is_its_own_event(folder) -> None:

@@ -48,7 +48,7 @@ from pathlib import Path
 import uvicorn
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from attnlab._checks import check_positive, is_number
+from attnlab._checks import check_positive, is_int, is_number
 from attnlab.arg_types import non_negative_int, number, positive_int
 from attnlab.bench.harness import int_list, machine_info, write_with_history
 from attnlab.bench.qwen2 import FULL, QUICK
@@ -64,6 +64,8 @@ START_TIMEOUT_S, STOP_TIMEOUT_S = 120.0, 30.0
 # How long past the time limit a client may take to notice it (one read of the stream).
 GRACE_S = 5.0
 MAX_REQUESTS, MAX_SECONDS = 10_000, 86_400.0
+# A server-sent event of a token or of the usage is a few hundred bytes.
+MAX_LINE_BYTES = 2**20
 
 
 @dataclass(frozen=True)
@@ -316,14 +318,16 @@ def _send(url: str, job: Job, start: float, deadline: float) -> Outcome:
     sent = time.perf_counter()
     connection = http.client.HTTPConnection(host, int(port), timeout=_left(deadline))
     try:
+        connection.connect()
+        sock = connection.sock  # kept: http.client may drop its own reference mid-response
         connection.request("POST", "/v1/completions", body=body,
                            headers={"Content-Type": "application/json"})
         reply = connection.getresponse()
         if reply.status != 200:
             error = f"HTTP {reply.status}: {reply.read(200).decode('utf-8', 'replace')}"
         while error is None:
-            connection.sock.settimeout(_left(deadline))
-            line = reply.readline()
+            sock.settimeout(_left(deadline))
+            line = reply.readline(MAX_LINE_BYTES)
             now = time.perf_counter()
             if now >= deadline:
                 error = "cut"
@@ -333,12 +337,9 @@ def _send(url: str, job: Job, start: float, deadline: float) -> Outcome:
                 data = line[len(b"data: "):].strip()
                 if data == b"[DONE]":
                     break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    error = f"server error: {chunk['error'].get('message')}"
-                if chunk.get("usage"):
-                    usage = chunk["usage"]["completion_tokens"]
-                if any(choice.get("text") for choice in chunk.get("choices") or ()):
+                text, count, error = _event(data)
+                usage = usage if count is None else count
+                if text:
                     arrivals.append(now)
     except TimeoutError:
         error = "cut"
@@ -351,6 +352,24 @@ def _send(url: str, job: Job, start: float, deadline: float) -> Outcome:
                    gaps=tuple(b - a for a, b in pairwise(arrivals)),
                    tokens=len(arrivals) if usage is None else usage, end=end - start,
                    error=error)
+
+
+def _event(data: bytes) -> tuple[bool, int | None, str | None]:
+    """One server-sent event's JSON: ``(whether it carries text, the usage chunk's
+    completion_tokens or None, an error or None)``."""
+    try:
+        chunk = json.loads(data)
+        if not isinstance(chunk, dict):
+            raise TypeError(f"expected a JSON object, got {type(chunk).__name__}")
+        if "error" in chunk:
+            return False, None, f"server error: {str(chunk['error'])[:200]}"
+        usage = chunk.get("usage") or {}
+        count = usage.get("completion_tokens")
+        if count is not None and (not is_int(count) or count < 0):
+            raise TypeError(f"usage.completion_tokens: expected an int >= 0, got {count!r}")
+        return any(c.get("text") for c in chunk.get("choices") or ()), count, None
+    except (ValueError, TypeError, AttributeError) as failure:
+        return False, None, f"a malformed event {data[:100]!r}: {failure}"
 
 
 def _left(deadline: float) -> float:
