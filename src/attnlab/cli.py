@@ -32,6 +32,7 @@ BENCHMARKS = {
     "mha": "attnlab.bench.mha",
     "qwen2": "attnlab.bench.qwen2",
     "quantization": "attnlab.bench.quantization",
+    "serve": "attnlab.bench.serve",
     "variants": "attnlab.bench.variants",
 }
 BENCH_OUT, BENCH_QUICK_OUT = Path("benchmarks"), Path("runs/bench-quick")

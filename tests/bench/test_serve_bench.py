@@ -1,0 +1,278 @@
+"""`attnlab bench serve`: the quick run through the CLI writes the table, JSON and plot with
+figures that agree with each other; the percentiles are the formula; the load generator stops
+at its time limit (a stalled server, a long stream) and counts refused requests; bad options
+are named."""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnlab.bench import serve
+from attnlab.bench.qwen2 import QUICK
+from attnlab.bench.serve_report import targets
+from attnlab.bench.versus import random_checkpoint
+from attnlab.cli import main
+from attnlab.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("serve-bench")
+    random_checkpoint(path, "qwen2", QUICK)
+    serve.write_tokenizer(path, QUICK["vocab_size"])
+    return path
+
+
+def test_bench_serve_quick(tmp_path, capsys) -> None:
+    pytest.importorskip("transformers")
+    (tmp_path / "serve.md").write_text("# attnlab serve under load\n\nan earlier run\n\n"
+                                       "## Machine\n\n- cpu: Old CPU\n- measured: 2026-01-01\n")
+    assert main(["bench", "serve", "--quick", "--clients", "1,4", "--out",
+                 str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "serve.json").read_text())
+    work = serve.QUICK_WORK
+    jobs = serve.make_jobs(work, QUICK["vocab_size"], 0)
+    runs = {run["clients"]: run for run in data["runs"]}
+    assert list(runs) == [1, 4]
+    for run in runs.values():
+        assert (run["done"], run["cut"], run["failed"]) == (work.requests, 0, 0)
+        # greedy, so a request ends at max_tokens unless it draws an end id
+        assert 0 < run["tokens"] <= sum(job.max_tokens for job in jobs)
+        assert run["tokens_per_s"] == pytest.approx(run["tokens"] / run["wall_s"])
+        assert run["ttft_p50_ms"] <= run["ttft_p95_ms"]
+        assert run["itl_p50_ms"] <= run["itl_p95_ms"]
+    # Batched greedy decoding gives what one at a time gives: the same tokens in all.
+    assert runs[1]["tokens"] == runs[4]["tokens"]
+    on, off = data["prefix"]
+    assert (on["prefix_caching"], off["prefix_caching"]) == (True, False)
+    system_pages = work.system // data["engine"]["page_size"]
+    # every request after the warm-up finds the system prompt's full pages in the cache
+    assert on["engine_stats"]["prefix_hits"] >= work.prefix_requests * system_pages
+    assert off["engine_stats"]["prefix_hits"] == 0
+    assert [t["result"] for t in data["targets"]] == [
+        "PASS" if runs[4]["tokens_per_s"] >= 5 * runs[1]["tokens_per_s"] else "FAIL",
+        "PASS" if runs[4]["itl_p95_ms"] <= 3 * runs[1]["itl_p95_ms"] else "FAIL",
+        "PASS" if off["ttft_p50_ms"] >= 3 * on["ttft_p50_ms"] else "FAIL"]
+    table = (tmp_path / "serve.md").read_text()
+    one, four = runs[1], runs[4]
+    assert (f"| 4 | {work.requests} | 0 | 0 | {four['tokens']} | {four['wall_s']:.1f} "
+            f"| {four['tokens_per_s']:.1f} | "
+            f"{four['tokens_per_s'] / one['tokens_per_s']:.2f}x | {four['ttft_p50_ms']:.1f} |"
+            ) in table
+    assert f"| off | {work.prefix_requests} | {off['ttft_p50_ms']:.1f} |" in table
+    assert f"- cpu: {data['machine']['cpu']}" in table
+    assert "attnlab bench serve --quick" in table
+    out = capsys.readouterr().out
+    for target in data["targets"]:
+        assert f"{target['result']}: {target['target']}" in out
+    assert (tmp_path / "serve.png").stat().st_size > 1000
+    current, history = table.split("\n## History\n")  # the earlier run is kept below
+    assert "| 4 |" in current and "an earlier run" not in current
+    assert history.lstrip().startswith("### Old CPU, 2026-01-01") and "an earlier run" in history
+
+
+def test_percentile_by_hand() -> None:
+    values = [3.0, 1.0, 4.0, 2.0]  # sorted 1 2 3 4
+    assert serve.percentile(values, 50) == 2.5  # rank 1.5: halfway between 2 and 3
+    assert serve.percentile(values, 95) == pytest.approx(3.85)  # rank 2.85: 3 + 0.85 * 1
+    assert serve.percentile(values, 0) == 1.0
+    assert serve.percentile(values, 100) == 4.0
+    assert serve.percentile([7.0], 95) == 7.0
+    assert serve.percentile([], 50) is None
+    with pytest.raises(ValueError, match=r"q: expected a percentile in \[0, 100\], got 101"):
+        serve.percentile(values, 101)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=30), st.floats(0, 100))
+def test_percentile_is_numpys_linear(values, q) -> None:
+    assert serve.percentile(values, q) == pytest.approx(np.percentile(values, q), abs=1e-6)
+
+
+def test_summary_of_outcomes() -> None:
+    outcomes = [serve.Outcome(0.1, (0.01, 0.03), 3, 1.0),
+                serve.Outcome(0.3, (0.02,), 2, 2.0),
+                serve.Outcome(0.2, (), 1, 1.5, "cut"),
+                serve.Outcome(None, (), 0, 0.5, "HTTP 400: x")]
+    s = serve.summarize(outcomes, 2.0)
+    assert (s["done"], s["cut"], s["failed"], s["errors"]) == (2, 1, 1, ["HTTP 400: x"])
+    assert s["tokens"] == 6 and s["tokens_per_s"] == 3.0
+    assert s["ttft_p50_ms"] == pytest.approx(200.0)
+    assert s["itl_p50_ms"] == pytest.approx(1e3 * statistics.median([0.01, 0.03, 0.02]))
+
+
+def test_load_generator_stops_at_its_time_limit_on_a_stalled_server() -> None:
+    # A socket that accepts connections (the kernel's backlog) and never answers.
+    with socket.socket() as stalled:
+        stalled.bind(("127.0.0.1", 0))
+        stalled.listen(8)
+        url = f"http://127.0.0.1:{stalled.getsockname()[1]}"
+        jobs = [serve.Job((1, 2, 3), 4)] * 5
+        t0 = time.perf_counter()
+        outcomes, _ = serve.drive(url, jobs, 2, 0.5)
+        took = time.perf_counter() - t0
+    assert took < 0.5 + 1.0
+    assert len(outcomes) == 2  # one per client: none started after the limit
+    assert all(o.error == "cut" and o.ttft is None for o in outcomes)
+
+
+def test_load_generator_cuts_a_long_stream_and_counts_refusals(folder) -> None:
+    vocab = QUICK["vocab_size"]
+    long, refused = serve.Job((1, 2, 3), 500), serve.Job((vocab,), 4)  # id out of range
+    with serve.serving(folder, max_batch=2, max_tokens_per_step=16) as (url, state):
+        t0 = time.perf_counter()
+        outcomes, wall = serve.drive(url, [refused, long, long], 2, 0.6)
+        took = time.perf_counter() - t0
+        deadline = time.monotonic() + 10
+        while state.engine.stats["running"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert state.engine.stats["running"] == 0  # the cut stream was aborted
+    assert took < 0.6 + 2.0 and wall <= took
+    first, cut = outcomes[0], outcomes[1]
+    assert first.error.startswith("HTTP 400") and "token id 512 is out of range" in first.error
+    assert cut.error == "cut" and 0 < cut.tokens < 500 and len(cut.gaps) == cut.tokens - 1
+    s = serve.summarize(outcomes, wall)
+    assert s["failed"] == 1 and s["cut"] >= 1
+
+
+def _one_answer(body: bytes) -> tuple[str, threading.Thread, socket.socket]:
+    """A server on 127.0.0.1 that answers one request with 200 and ``body`` as an event
+    stream, then closes the connection."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(10)
+
+    def answer() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.settimeout(10)
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += connection.recv(65536)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                               b"Connection: close\r\n\r\n" + body)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", thread, listener
+
+
+def test_stream_parsing_of_a_hand_written_stream() -> None:
+    body = (b'data: {"choices": [{"text": "a"}]}\n\n: a comment\n\n'
+            b'data: {"choices": [{"text": ""}]}\n\n'
+            b'data: {"choices": [{"text": " b"}]}\n\ndata: {"choices": [{"text": " c"}]}\n\n'
+            b'data: {"choices": [], "usage": {"completion_tokens": 4}}\n\ndata: [DONE]\n\n')
+    url, thread, listener = _one_answer(body)
+    with listener:
+        (outcome,), _ = serve.drive(url, [serve.Job((1,), 4)], 1, 10.0)
+    thread.join(10)
+    assert outcome.error is None and outcome.ttft > 0
+    assert outcome.tokens == 4  # the usage chunk's count, not the 3 events with text
+    assert len(outcome.gaps) == 2
+
+
+@pytest.mark.parametrize("body, error", [
+    (b"data: [1, 2]\n\n", "a malformed event b'[1, 2]': expected a JSON object, got list"),
+    (b'data: {"choices": 5}\n\n', "a malformed event"),
+    (b"data: {not json\n\n", "a malformed event"),
+    (b'data: {"usage": {"completion_tokens": "7"}}\n\n',
+     "usage.completion_tokens: expected an int >= 0, got '7'"),
+    (b'data: {"error": {"message": "boom"}}\n\n', "server error: {'message': 'boom'}"),
+    (b'data: {"choices": [{"text": "a"}]}\n\n', "the stream ended without data: [DONE]"),
+])
+def test_a_malformed_stream_is_a_failed_request(body, error) -> None:
+    url, thread, listener = _one_answer(body)
+    with listener:
+        (outcome,), _ = serve.drive(url, [serve.Job((1,), 4)], 1, 10.0)
+    thread.join(10)
+    assert error in outcome.error
+    assert serve.summarize([outcome], 1.0)["failed"] == 1
+
+
+def test_every_token_is_its_own_event(folder) -> None:
+    """The word-level tokenizer decodes every id of the vocabulary to text."""
+    tokenizer = Tokenizer.from_pretrained(folder)
+    assert tokenizer.vocab_size == QUICK["vocab_size"]
+    assert tokenizer.decode([0, 5, QUICK["vocab_size"] - 1]) == "w0 w5 w511"
+    with serve.serving(folder) as (url, _):
+        (outcome,), _ = serve.drive(url, [serve.Job((7, 8, 9), 6)], 1, 30.0)
+    assert outcome.error is None
+    assert len(outcome.gaps) == outcome.tokens - 1 and outcome.ttft > 0
+
+
+def test_jobs_are_seeded_and_within_their_ranges() -> None:
+    work = serve.QUICK_WORK
+    jobs = serve.make_jobs(work, 100, seed=3)
+    assert jobs == serve.make_jobs(work, 100, seed=3) != serve.make_jobs(work, 100, seed=4)
+    assert len(jobs) == work.requests
+    for job in jobs:
+        assert work.prompt[0] <= len(job.prompt) <= work.prompt[1]
+        assert work.output[0] <= job.max_tokens <= work.output[1]
+        assert all(0 <= t < 100 for t in job.prompt)
+    warmup, prefixed = serve.prefix_jobs(work, 100, seed=3)
+    assert len(prefixed) == work.prefix_requests
+    for job in [warmup, *prefixed]:
+        assert job.prompt[:work.system] == warmup.prompt[:work.system]
+        assert work.user[0] <= len(job.prompt) - work.system <= work.user[1]
+
+
+def test_targets_need_both_runs() -> None:
+    r = {"runs": [{"clients": 4, "tokens_per_s": 10.0, "itl_p95_ms": 5.0}],
+         "prefix": [], "workload": {"system": 1000}}
+    assert [t["result"] for t in targets(r)] == ["not measured"] * 3
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--clients", "0"], "argument --clients: expected positive ints, got '0'"),
+    (["--clients", "4,4"], "argument --clients: expected each number of clients once"),
+    (["--requests", "100001"], "argument --requests: expected an int in [1, 10000]"),
+    (["--time-limit", "nan"], "argument --time-limit: expected a number of seconds"),
+    (["--time-limit", "0"], "argument --time-limit: expected a number of seconds"),
+    (["--layers", "25"], "argument --layers: expected a number of layers in [1, 24]"),
+    (["--max-batch", "-1"], "argument --max-batch: expected a positive int, got '-1'"),
+    (["--seed", "-1"], "argument --seed: expected an int >= 0, got '-1'"),
+])
+def test_bad_options_are_named(argv, named, capsys, tmp_path) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "serve", "--out", str(tmp_path), *argv])
+    assert exit_.value.code == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "serve.md").exists()
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--max-batch", "16", "--max-tokens-per-step", "8"],
+     "--max-tokens-per-step: expected at least --max-batch=16 (one decode token per running "
+     "request), got 8"),
+    (["--page-size", "5000"], "--page-size: expected at most the model's context of 4096 "
+     "tokens, got 5000"),
+    (["--system-tokens", "4090"], "--system-tokens: a prompt of 4090 + 48 tokens and 4 new "
+     "ones exceed the model's context of 4096 tokens; expected at most 4044"),
+])
+def test_options_the_server_would_refuse_are_named_first(argv, named, capsys,
+                                                         tmp_path) -> None:
+    start = time.perf_counter()
+    assert main(["bench", "serve", "--out", str(tmp_path), *argv]) == 2
+    assert named in capsys.readouterr().err
+    assert time.perf_counter() - start < 5  # before the 200 M parameter checkpoint is made
+
+
+def test_drive_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="clients: expected a positive int, got 0"):
+        serve.drive("http://127.0.0.1:1", [], 0, 1.0)
+    with pytest.raises(ValueError, match=r"time_limit: expected seconds in \(0, 86400\], "
+                       "got inf"):
+        serve.drive("http://127.0.0.1:1", [], 1, float("inf"))
