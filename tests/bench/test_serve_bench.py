@@ -238,6 +238,7 @@ def test_targets_need_both_runs() -> None:
 @pytest.mark.parametrize("argv, named", [
     (["--clients", "0"], "argument --clients: expected positive ints, got '0'"),
     (["--clients", "4,4"], "argument --clients: expected each number of clients once"),
+    (["--clients", "1,1025"], "each at most 1024, got '1,1025'"),
     (["--requests", "100001"], "argument --requests: expected an int in [1, 10000]"),
     (["--time-limit", "nan"], "argument --time-limit: expected a number of seconds"),
     (["--time-limit", "0"], "argument --time-limit: expected a number of seconds"),
@@ -268,6 +269,13 @@ def test_options_the_server_would_refuse_are_named_first(argv, named, capsys,
     assert main(["bench", "serve", "--out", str(tmp_path), *argv]) == 2
     assert named in capsys.readouterr().err
     assert time.perf_counter() - start < 5  # before the 200 M parameter checkpoint is made
+
+
+def test_an_out_that_is_a_file_is_named(tmp_path, capsys) -> None:
+    (tmp_path / "file").write_text("")
+    assert main(["bench", "serve", "--quick", "--out", str(tmp_path / "file")]) == 2
+    assert f"--out: expected a folder (made if missing), got the file {tmp_path / 'file'}" \
+        in capsys.readouterr().err
 
 
 def test_drive_refuses_bad_arguments() -> None:

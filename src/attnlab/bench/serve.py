@@ -63,7 +63,7 @@ SERVED_NAME = "bench-qwen2"
 START_TIMEOUT_S, STOP_TIMEOUT_S = 120.0, 30.0
 # How long past the time limit a client may take to notice it (one read of the stream).
 GRACE_S = 5.0
-MAX_REQUESTS, MAX_SECONDS = 10_000, 86_400.0
+MAX_CLIENTS, MAX_REQUESTS, MAX_SECONDS = 1024, 10_000, 86_400.0
 # A server-sent event of a token or of the usage is a few hundred bytes.
 MAX_LINE_BYTES = 2**20
 
@@ -145,6 +145,8 @@ def run(args: argparse.Namespace) -> Path:
               "page_size": args.page_size}
     _check_options(engine, work, sizes["max_position_embeddings"])
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out: expected a folder (made if missing), got the file {out}")
     out.mkdir(parents=True, exist_ok=True)
     jobs = make_jobs(work, sizes["vocab_size"], args.seed)
     warmup, prefixed = prefix_jobs(work, sizes["vocab_size"], args.seed)
@@ -383,8 +385,9 @@ def _ids(rng: random.Random, n: int, vocab_size: int) -> tuple[int, ...]:
 
 def _clients(text: str) -> tuple[int, ...]:
     values = int_list(text)
-    if len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"expected each number of clients once, got {text!r}")
+    if len(set(values)) != len(values) or max(values) > MAX_CLIENTS:
+        raise argparse.ArgumentTypeError(f"expected each number of clients once, each at most "
+                                         f"{MAX_CLIENTS}, got {text!r}")
     return values
 
 
