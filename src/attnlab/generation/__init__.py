@@ -18,6 +18,7 @@ from attnlab.generation.sampling import (
     sampling_probs,
     top_k_filter,
     top_p_filter,
+    unusable_rows,
 )
 from attnlab.generation.stopping import StopStrings
 
@@ -39,4 +40,5 @@ __all__ = [
     "sampling_probs",
     "top_k_filter",
     "top_p_filter",
+    "unusable_rows",
 ]

@@ -23,6 +23,7 @@ __all__ = [
     "sampling_probs",
     "top_k_filter",
     "top_p_filter",
+    "unusable_rows",
 ]
 
 
@@ -128,6 +129,13 @@ def apply_repetition_penalty(logits: Tensor, token_ids: Tensor, penalty: float,
     return torch.where(seen, penalised, logits)
 
 
+def unusable_rows(logits: Tensor) -> Tensor:
+    """logits ``N.. x V`` -> ``N..`` bool, True where no token can be chosen (NaN, +inf, or
+    every entry ``-inf``): ``check_logits``'s test, for a caller that handles rows alone."""
+    return (logits.isnan().any(-1) | (logits == math.inf).any(-1)
+            | (logits == -math.inf).all(-1))
+
+
 def check_logits(logits: Tensor, name: str = "logits") -> None:
     """Refuse logits ``N.. x V`` from which no token can be chosen: a row with NaN or +inf
     (softmax gives NaN, argmax an arbitrary token), or with every entry ``-inf``.
@@ -141,12 +149,11 @@ def check_logits(logits: Tensor, name: str = "logits") -> None:
         raise ValueError(f"{name}: expected a floating-point tensor N.. x V with V >= 1, "
                          f"got {got}")
     flat = logits.detach().reshape(-1, logits.shape[-1])
-    nan, pos_inf = flat.isnan().any(-1), (flat == math.inf).any(-1)
-    all_neg_inf = (flat == -math.inf).all(-1)
-    bad = nan | pos_inf | all_neg_inf
+    bad = unusable_rows(flat)
     if bool(bad.any()):
         row = int(bad.nonzero()[0])
-        what = ("NaN" if nan[row] else "+inf" if pos_inf[row] else "only -inf (no token left)")
+        what = ("NaN" if flat[row].isnan().any() else "+inf" if (flat[row] == math.inf).any()
+                else "only -inf (no token left)")
         raise ValueError(f"{name}: row {row} (of {flat.shape[0]}) holds {what}; expected finite "
                          "values, with -inf only for removed tokens (NaN or inf logits come "
                          "from NaN weights or an overflow, e.g. in float16)")

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from attnlab._checks import check_positive, is_int
-from attnlab.generation import check_logits, sample_logits
+from attnlab.generation import check_logits, sample_logits, unusable_rows
 from attnlab.models import DecoderLM
 from attnlab.serving.paged_attention import PagedRow, paged_forward
 from attnlab.serving.paged_cache import PagePool
@@ -199,12 +199,14 @@ class Engine:
             with self._lock:
                 return [self._end(request, f"{type(error).__name__}: {error}")
                         for request, _ in plan]
+        # One pass and one read-back for the whole batch, not a check and an argmax per row.
+        unusable, best = unusable_rows(logits).tolist(), logits.argmax(-1).tolist()
         events = []
         with self._lock:
-            for (request, n), row in zip(plan, logits):
+            for i, ((request, n), row) in enumerate(zip(plan, logits)):
                 self.scheduler.advance(request, n)
                 if request.pending == 0:
-                    events.append(self._next_token(request, row))
+                    events.append(self._next_token(request, row, unusable[i], best[i]))
         return events
 
     def _take_aborts(self) -> list[TokenEvent]:
@@ -213,13 +215,16 @@ class Engine:
         self._aborts.clear()
         return events
 
-    def _next_token(self, request: Request, logits: Tensor) -> TokenEvent:
-        """Choose ``request``'s next token from its logits ``V``; end it if it is done."""
+    def _next_token(self, request: Request, logits: Tensor, unusable: bool,
+                    best: int) -> TokenEvent:
+        """Choose ``request``'s next token from its logits ``V`` (``unusable``: no token can be
+        chosen from them; ``best``: their argmax); end it if it is done."""
         p = request.params
         try:
-            check_logits(logits, f"logits (request {request.request_id!r})")
+            if unusable:
+                check_logits(logits, f"logits (request {request.request_id!r})")  # raises
             if p.greedy:
-                token = int(logits.argmax())
+                token = best
             else:
                 token = int(sample_logits(logits, p.temperature, p.top_k or None,
                                           p.top_p if p.top_p < 1 else None, request.generator,
