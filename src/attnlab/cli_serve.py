@@ -2,7 +2,7 @@
 
     attnlab serve --model DIR [--host 127.0.0.1] [--port 8000] [--max-batch 8]
                   [--max-tokens-per-step 512] [--kv-pages N] [--page-size 16]
-                  [--quantize int8|int4]
+                  [--dtype DTYPE] [--quantize int8|int4]
 
 The app is ``attnlab.serving.server.create_app``, run by uvicorn; the URL is printed once the
 socket listens (``--port 0`` takes a free port and prints it).
@@ -18,6 +18,7 @@ import sys
 import uvicorn
 
 from attnlab.arg_types import number, positive_int
+from attnlab.models.hf_loading import SUPPORTED_DTYPES
 from attnlab.quantization import METHODS
 from attnlab.serving.server import create_app
 
@@ -44,6 +45,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="tokens per KV cache page")
     p.add_argument("--max-queue", type=positive_int, default=64, metavar="N",
                    help="requests waiting at most; more are answered 429")
+    p.add_argument("--dtype", choices=sorted(SUPPORTED_DTYPES), default=None,
+                   help="weights and activations dtype (default: the checkpoint's)")
     p.add_argument("--quantize", choices=sorted(METHODS), default=None,
                    help="quantize the weights on loading (default: as stored)")
     p.set_defaults(handler=run_serve)
@@ -51,7 +54,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the folder, then serve until interrupted (Ctrl-C)."""
-    app = create_app(args.model, quantize=args.quantize, max_batch=args.max_batch,
+    app = create_app(args.model, quantize=args.quantize, dtype=args.dtype,
+                     max_batch=args.max_batch,
                      max_tokens_per_step=args.max_tokens_per_step, kv_pages=args.kv_pages,
                      page_size=args.page_size, max_queue=args.max_queue)
     server = ReadyServer(uvicorn.Config(app, host=args.host, port=args.port,

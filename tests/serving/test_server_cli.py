@@ -59,6 +59,7 @@ def test_serve_prints_its_url_and_answers(folder) -> None:
     (["--max-batch", "0"], "--max-batch: expected a positive int"),
     (["--page-size", "x"], "--page-size"),
     (["--quantize", "int3"], "--quantize: invalid choice"),
+    (["--dtype", "float8"], "--dtype: invalid choice"),
     (["--port", "-1"], "--port: expected a port in [0, 65535]"),
     (["--port", "70000"], "--port: expected a port in [0, 65535]"),
 ])
@@ -86,3 +87,16 @@ def test_quantized_serving_equals_the_quantized_model(folder) -> None:
         out = client(url).completions.create(model=folder.name, prompt="once upon a time",
                                              max_tokens=8, temperature=0)
     assert out.choices[0].text == tok.decode(expected[0, len(ids):], skip_special_tokens=True)
+
+
+def test_a_dtype_serves_the_model_cast_to_it(folder) -> None:
+    tok = Tokenizer.from_pretrained(folder)
+    ids = tok.encode("once upon a time")
+    model = from_pretrained(folder, dtype="bfloat16")
+    expected = generate(model, torch.tensor([ids]), 8, eos_token_id=tok.eos_token_id)
+    with live(create_app(folder, dtype="bfloat16", kv_pages=64)) as url:
+        out = client(url).completions.create(model=folder.name, prompt="once upon a time",
+                                             max_tokens=8, temperature=0)
+    assert out.choices[0].text == tok.decode(expected[0, len(ids):], skip_special_tokens=True)
+    with pytest.raises(ValueError, match="quantize, dtype: only for a folder"):
+        create_app((model, tok), dtype="float32")

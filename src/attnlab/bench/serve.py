@@ -54,6 +54,7 @@ from attnlab.bench.harness import int_list, machine_info, write_with_history
 from attnlab.bench.qwen2 import FULL, QUICK
 from attnlab.bench.serve_report import markdown, plot, targets
 from attnlab.bench.versus import random_checkpoint
+from attnlab.models.hf_loading import SUPPORTED_DTYPES
 from attnlab.serving.server import ServerState, create_app
 
 __all__ = ["Job", "Outcome", "Workload", "add_arguments", "drive", "make_jobs", "percentile",
@@ -123,6 +124,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the server's --max-batch: requests decoded together at most")
     parser.add_argument("--max-tokens-per-step", type=positive_int, default=128,
                         help="the server's --max-tokens-per-step (prefill chunks + decodes)")
+    parser.add_argument("--dtype", choices=sorted(SUPPORTED_DTYPES), default="float32",
+                        help="the served model's dtype (the checkpoint is written in float32)")
     parser.add_argument("--page-size", type=positive_int, default=16,
                         help="the server's --page-size: tokens per KV cache page")
     parser.add_argument("--layers", type=_layers, default=FULL["num_hidden_layers"],
@@ -144,6 +147,7 @@ def run(args: argparse.Namespace) -> Path:
     engine = {"max_batch": args.max_batch, "max_tokens_per_step": args.max_tokens_per_step,
               "page_size": args.page_size}
     _check_options(engine, work, sizes["max_position_embeddings"])
+    engine["dtype"] = args.dtype
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out: expected a folder (made if missing), got the file {out}")

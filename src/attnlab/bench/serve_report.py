@@ -46,7 +46,8 @@ def markdown(r: dict, info: dict[str, str]) -> str:
         "",
         f"Measured on {info['cpu']} ({info['cores']} cores, {info['torch threads']} torch "
         f"threads), server and clients in one process. Random Qwen2 checkpoint "
-        f"({r['checkpoint']}, float32): {s['num_hidden_layers']} layers, hidden "
+        f"({r['checkpoint']}, served in {e.get('dtype', 'float32')}): "
+        f"{s['num_hidden_layers']} layers, hidden "
         f"{s['hidden_size']}, {s['num_attention_heads']} query / {s['num_key_value_heads']} "
         f"key-value heads, intermediate {s['intermediate_size']}, vocabulary "
         f"{s['vocab_size']}; a word-level tokenizer covering the vocabulary. `attnlab serve` "
@@ -163,4 +164,4 @@ def _command(r: dict) -> str:
             f"--max-tokens-per-step {r['engine']['max_tokens_per_step']} --page-size "
             f"{r['engine']['page_size']} --layers {r['sizes']['num_hidden_layers']} "
             f"--system-tokens {r['workload']['system']} --time-limit {r['time_limit_s']:g} "
-            f"--seed {r['seed']}")
+            f"--seed {r['seed']} --dtype {r['engine'].get('dtype', 'float32')}")
