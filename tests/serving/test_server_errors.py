@@ -353,7 +353,8 @@ def test_create_app_refuses_bad_arguments_by_name(folder) -> None:
     for kwargs, error, message in [
         ({"model": 3}, TypeError, "model: expected a folder"),
         ({"model": (tok, model)}, TypeError, "model: expected a folder or a (DecoderLM"),
-        ({"model": (model, tok), "quantize": "int8"}, ValueError, "quantize: only for a folder"),
+        ({"model": (model, tok), "quantize": "int8"}, ValueError,
+         "quantize, dtype: only for a folder"),
         ({"model": folder, "max_body_bytes": 0}, ValueError, "max_body_bytes: expected a "
          "positive int, got 0"),
         ({"model": folder, "served_name": ""}, TypeError, "served_name"),
