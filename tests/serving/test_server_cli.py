@@ -78,25 +78,19 @@ def test_missing_folder_is_named(tmp_path) -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_quantized_serving_equals_the_quantized_model(folder) -> None:
+@pytest.mark.parametrize("load", [{"quantize": "int8"}, {"dtype": "bfloat16"}])
+def test_quantized_or_cast_serving_equals_the_model_loaded_so(folder, load: dict) -> None:
     tok = Tokenizer.from_pretrained(folder)
     ids = tok.encode("once upon a time")
-    model = from_pretrained(folder, quantize="int8")
+    model = from_pretrained(folder, **load)
     expected = generate(model, torch.tensor([ids]), 8, eos_token_id=tok.eos_token_id)
-    with live(create_app(folder, quantize="int8", kv_pages=64)) as url:
+    with live(create_app(folder, kv_pages=64, **load)) as url:
         out = client(url).completions.create(model=folder.name, prompt="once upon a time",
                                              max_tokens=8, temperature=0)
     assert out.choices[0].text == tok.decode(expected[0, len(ids):], skip_special_tokens=True)
 
 
-def test_a_dtype_serves_the_model_cast_to_it(folder) -> None:
-    tok = Tokenizer.from_pretrained(folder)
-    ids = tok.encode("once upon a time")
-    model = from_pretrained(folder, dtype="bfloat16")
-    expected = generate(model, torch.tensor([ids]), 8, eos_token_id=tok.eos_token_id)
-    with live(create_app(folder, dtype="bfloat16", kv_pages=64)) as url:
-        out = client(url).completions.create(model=folder.name, prompt="once upon a time",
-                                             max_tokens=8, temperature=0)
-    assert out.choices[0].text == tok.decode(expected[0, len(ids):], skip_special_tokens=True)
+def test_a_pair_takes_no_dtype(folder) -> None:
+    model, tok = from_pretrained(folder), Tokenizer.from_pretrained(folder)
     with pytest.raises(ValueError, match="quantize, dtype: only for a folder"):
         create_app((model, tok), dtype="float32")

@@ -82,15 +82,12 @@ class QuantizedLinear(nn.Module):
         """The kernel per rows bucket for activations in ``dtype`` (measured or read from the
         cache); the first calibration may re-store int4 codes in the blocked layout when a
         kernel that reads it is chosen."""
-        if self.layout == "plain" and not self._plans:
-            picks = plan(self.weight_format, dtype, kernel=self._kernel)
-            layouts = {QUANTIZED_KERNELS[n].layout for n in picks.values()} - {None}
-            if layouts:
-                self.set_weight(self.weight_format.with_layout(layouts.pop()))
-        else:
-            picks = plan(self.weight_format, dtype, kernel=self._kernel)
-            picks = {b: n if QUANTIZED_KERNELS[n].layout in (None, self.layout) else "dequantize"
-                     for b, n in picks.items()}
+        picks = plan(self.weight_format, dtype, kernel=self._kernel)
+        needed = {QUANTIZED_KERNELS[n].layout for n in picks.values()} - {None}
+        if needed and self.layout == "plain" and not self._plans:  # decided once, then kept
+            self.set_weight(self.weight_format.with_layout(needed.pop()))
+        picks = {b: n if QUANTIZED_KERNELS[n].layout in (None, self.layout) else "dequantize"
+                 for b, n in picks.items()}
         kernels = {b: QUANTIZED_KERNELS[n] for b, n in picks.items()}
         self._plans[dtype] = kernels
         return kernels
