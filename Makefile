@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo bench lint clean
+.PHONY: venv test demo docs docs-serve bench lint clean
 
 venv: $(STAMP)
 
@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,docs]"
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -19,6 +19,15 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/attnlab demo
+
+# The course site: every code block runs during the build; any warning (a failing block, a
+# broken link or reference) fails it. Output in site/ (site/index.html, Japanese in site/ja/).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 MPLBACKEND=Agg $(BIN)/mkdocs build --strict
+	@echo "docs: site/index.html"
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 MPLBACKEND=Agg $(BIN)/mkdocs serve
 
 bench: $(STAMP)
 	$(BIN)/attnlab bench attention
@@ -33,4 +42,4 @@ lint: $(STAMP)
 	$(BIN)/lint-imports --no-cache
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) build site src/*.egg-info
