@@ -181,23 +181,32 @@ class DecoderLayer(nn.Module):
         return self.norm3(x + ff(x))
 
 
-class Encoder(nn.Module):
-    """``src`` ids ``B x S`` -> memory ``B x S x E``."""
+class _Stack(nn.Module):
+    """What the encoder and the decoder share: scaled embedding + sinusoidal positions, a stack
+    of ``layer`` modules, an optional final LayerNorm."""
 
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, layer: type[nn.Module], vocab_size: int,
+                 num_layers: int) -> None:
         super().__init__()
         c = config
         self.scale = math.sqrt(c.d_model)
-        self.embed = nn.Embedding(c.src_vocab_size, c.d_model)
+        self.embed = nn.Embedding(vocab_size, c.d_model)
         self.pos = SinusoidalPositionalEncoding(c.d_model, c.max_len, c.dropout)
         self.layers = nn.ModuleList(
-            EncoderLayer(c.d_model, c.num_heads, c.d_ff, dropout=c.dropout,
-                         activation=c.activation, norm_first=c.norm_first,
-                         layer_norm_eps=c.layer_norm_eps, bias=c.bias, backend=c.backend)
-            for _ in range(c.num_encoder_layers)
+            layer(c.d_model, c.num_heads, c.d_ff, dropout=c.dropout, activation=c.activation,
+                  norm_first=c.norm_first, layer_norm_eps=c.layer_norm_eps, bias=c.bias,
+                  backend=c.backend)
+            for _ in range(num_layers)
         )
         self.norm = (nn.LayerNorm(c.d_model, eps=c.layer_norm_eps, bias=c.bias)
                      if c.use_final_norm else None)
+
+
+class Encoder(_Stack):
+    """``src`` ids ``B x S`` -> memory ``B x S x E``."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__(config, EncoderLayer, config.src_vocab_size, config.num_encoder_layers)
 
     def forward(self, src: Tensor, mask: Tensor | None = None) -> Tensor:
         """``mask``: bool, broadcasting to ``B x H x S x S`` (True = attend)."""
@@ -207,23 +216,11 @@ class Encoder(nn.Module):
         return x if self.norm is None else self.norm(x)
 
 
-class Decoder(nn.Module):
+class Decoder(_Stack):
     """``tgt`` ids ``B x T`` and memory ``B x S x E`` -> hidden states ``B x T x E``."""
 
     def __init__(self, config: TransformerConfig) -> None:
-        super().__init__()
-        c = config
-        self.scale = math.sqrt(c.d_model)
-        self.embed = nn.Embedding(c.tgt_vocab_size, c.d_model)
-        self.pos = SinusoidalPositionalEncoding(c.d_model, c.max_len, c.dropout)
-        self.layers = nn.ModuleList(
-            DecoderLayer(c.d_model, c.num_heads, c.d_ff, dropout=c.dropout,
-                         activation=c.activation, norm_first=c.norm_first,
-                         layer_norm_eps=c.layer_norm_eps, bias=c.bias, backend=c.backend)
-            for _ in range(c.num_decoder_layers)
-        )
-        self.norm = (nn.LayerNorm(c.d_model, eps=c.layer_norm_eps, bias=c.bias)
-                     if c.use_final_norm else None)
+        super().__init__(config, DecoderLayer, config.tgt_vocab_size, config.num_decoder_layers)
 
     def forward(self, tgt: Tensor, memory: Tensor, self_mask: Tensor | None = None,
                 memory_mask: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
