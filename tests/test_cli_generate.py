@@ -323,7 +323,7 @@ def test_summary_is_true_for_few_tokens(folder, capsys, n: str, expected: str) -
 
 
 def test_summary_without_measurable_decode_time() -> None:
-    line = summary(3, 2, 0.0, 1.0, 1.0, note=None, machine="float32, 1 threads")
+    line = summary(3, 2, 0.0, 1.0, 1.0, note=None, machine="float32, 1 thread")
     assert "nan" not in line and "inf" not in line
     assert "a decode rate needs" in line or "tokens/s" not in line
 
