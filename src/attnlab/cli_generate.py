@@ -186,10 +186,11 @@ def run_generate(args: argparse.Namespace) -> int:
     print(file=sys.stdout, flush=True)
     dtype = str(model.dtype).removeprefix("torch.")
     threads = torch.get_num_threads()
+    machine = f"{dtype}, {threads} thread{'s' if threads != 1 else ''}"
     note = (f"new tokens capped at {s.max_new_tokens} by the model's limit of {config.max_len} "
             "positions" if s.capped else None)
     print(summary(len(ids), streamer.count, start, streamer.first_time, end, note=note,
-                  machine=f"{dtype}, {threads} thread{'s' if threads != 1 else ''}"), file=sys.stderr)
+                  machine=machine), file=sys.stderr)
     return 0
 
 

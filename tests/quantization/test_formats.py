@@ -113,7 +113,7 @@ def test_blocked_layout_is_torchs_int4_cpu_packing() -> None:
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("layout", ["plain", "blocked"])
 def test_rows_equal_the_dequantized_table(bits: int, layout: str) -> None:
-    weight = quantize(_weight(128, 64), bits, 32).with_layout(layout)
+    weight = quantize(_weight(128, 64), bits, 32 if bits == 4 else None).with_layout(layout)
     assert weight.layout == (layout if bits == 4 else "plain")
     ids = torch.tensor([[0, 127, 64], [31, 32, 63]])
     table = weight.dequantize()
@@ -145,3 +145,25 @@ def test_int4_dequantize_by_blocks_of_rows_is_the_whole_formula() -> None:
     whole = ((codes.float() - 8).view(600, 4, 32) * s.float()[..., None]
              + z.float()[..., None]).view(600, 128).to(torch.bfloat16)
     assert torch.equal(dequantize_int4(codes, s, z), whole)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ((torch.randn(4, 64), 3, 64), r"bits: expected 8 or 4, got 3"),
+    ((torch.randn(4, 64), 4, None), r"group_size: expected one of \(32, 64, 128, 256\) "
+                                    r"dividing the weight's 64 inputs, got None"),
+    ((torch.randn(4, 96), 4, 64), r"dividing the weight's 96 inputs, got 64"),
+    ((torch.randn(4, 64), 4, 48), r"got 48"),
+    ((torch.randn(4, 64), 8, 32), r"int8 has one scale per row, so None or the weight's 64"),
+    ((torch.randn(64), 8, None), r"weight: expected a 2-d floating-point tensor O x I, got "
+                                 r"torch.float32 of shape \(64,\)"),
+    ((torch.ones(4, 64, dtype=torch.int32), 8, None), r"got torch.int32"),
+    (([[1.0]], 8, None), r"got list"),
+])
+def test_quantize_refuses_bad_arguments(args: tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        quantize(*args)
+
+
+def test_int8_group_size_may_name_the_row() -> None:
+    w = torch.randn(4, 64)
+    assert torch.equal(quantize(w, 8, 64).dequantize(), quantize(w, 8).dequantize())

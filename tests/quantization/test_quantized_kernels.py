@@ -64,7 +64,7 @@ def test_measured_plan_is_cached_per_scheme(monkeypatch: pytest.MonkeyPatch,
 
 def test_forced_kernel_is_checked_and_falls_back_to_the_formula(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    weight = quantize(torch.randn(64, 128), 8, 64)
+    weight = quantize(torch.randn(64, 128), 8)
     assert set(qkernels.plan(weight, torch.float32, kernel="int4_mm").values()) == {"dequantize"}
     with pytest.raises(ValueError, match="kernel: expected one of dequantize, int8_mm"):
         qkernels.plan(weight, torch.float32, kernel="fast")

@@ -109,6 +109,17 @@ def test_bfloat16_model_keeps_bfloat16_scales_and_activations() -> None:
         assert model(torch.tensor([[1, 2]])).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("skipped", ["head", "embed"])
+def test_skipping_one_reader_of_a_tied_table_keeps_it_float_for_both(skipped: str) -> None:
+    reference = _Tiny(tie=True)
+    model = quantize_model(_Tiny(tie=True), "int8", skip=[skipped])
+    assert type(model.head) is nn.Linear and type(model.embed) is nn.Embedding
+    assert model.embed.weight is model.head.weight
+    assert isinstance(model.body[0], QuantizedLinear)
+    ids = torch.arange(10)
+    assert torch.equal(model.head(model.embed(ids)), reference.head(reference.embed(ids)))
+
+
 def test_skip_patterns_keep_modules_float() -> None:
     model = quantize_model(_Tiny(tie=False), "int8", skip=["head", "body.*"])
     assert type(model.head) is nn.Linear and type(model.body[0]) is nn.Linear

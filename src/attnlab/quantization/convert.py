@@ -4,7 +4,8 @@
 ``nn.Linear`` (or ``InferenceLinear``) and every ``nn.Embedding`` whose qualified name matches
 none of the ``skip`` patterns (``fnmatch``, e.g. ``"lm_head"``, ``"*.mlp.*"``) with its
 quantized module. An ``nn.Linear`` whose weight is an ``nn.Embedding``'s (a tied LM head)
-becomes one quantized table that both read. What is left (norms, biases, skipped modules)
+becomes one quantized table that both read; skipping either of the two keeps the table float
+for both. What is left (norms, biases, skipped modules)
 keeps its dtype. The scheme is kept on the model as ``model.quantization``, a
 ``QuantizationConfig`` that ``save_pretrained`` records in ``config.json``.
 """
@@ -181,4 +182,11 @@ def _chosen_modules(model: nn.Module, config: QuantizationConfig) -> dict[str, n
             raise ValueError(f"{name}: its weight is not all finite floating-point numbers; "
                              "refusing to quantize it")
         chosen[name] = module
-    return chosen
+    # A tied table is one weight: quantized for all of its readers or for none, so that
+    # skipping the head does not leave a float head beside a second, quantized copy.
+    readers: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        if type(module) in (nn.Linear, InferenceLinear, nn.Embedding) and name:
+            readers.setdefault(id(module.weight), []).append(name)
+    return {name: m for name, m in chosen.items()
+            if all(reader in chosen for reader in readers[id(m.weight)])}

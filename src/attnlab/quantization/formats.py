@@ -203,12 +203,25 @@ class QuantizedWeight:
         return (lanes >> shift) & 15
 
 
-def quantize(weight: Tensor, bits: int, group_size: int,
+def quantize(weight: Tensor, bits: int, group_size: int | None = None,
              scale_dtype: torch.dtype | None = None) -> QuantizedWeight:
-    """``weight`` (``O x I``) in the plain layout of ``bits`` (8: per row; 4: groups of
-    ``group_size`` along ``I``), scales in ``scale_dtype`` (default the weight's)."""
+    """``weight`` (``O x I``) in the plain layout of ``bits`` (8: one scale per row, so
+    ``group_size`` is None or ``I``; 4: groups of ``group_size`` along ``I``, one of
+    ``GROUP_SIZES`` dividing ``I``), scales in ``scale_dtype`` (default the weight's)."""
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+        got = (f"{weight.dtype} of shape {tuple(weight.shape)}" if isinstance(weight, Tensor)
+               else type(weight).__name__)
+        raise ValueError(f"weight: expected a 2-d floating-point tensor O x I, got {got}")
     if bits == 8:
+        if group_size not in (None, weight.shape[1]):
+            raise ValueError(f"group_size: int8 has one scale per row, so None or the "
+                             f"weight's {weight.shape[1]} inputs, got {group_size!r}")
         q, scales = quantize_int8(weight, scale_dtype)
         return QuantizedWeight(8, q, scales, None)
+    if bits != 4:
+        raise ValueError(f"bits: expected 8 or 4, got {bits!r}")
+    if group_size not in GROUP_SIZES or weight.shape[1] % group_size:
+        raise ValueError(f"group_size: expected one of {GROUP_SIZES} dividing the weight's "
+                         f"{weight.shape[1]} inputs, got {group_size!r}")
     packed, scales, zeros = quantize_int4(weight, group_size, scale_dtype)
     return QuantizedWeight(4, packed, scales, zeros)

@@ -58,7 +58,7 @@ class QuantizedLinear(nn.Module):
         w = module.weight
         new = cls(module.in_features, module.out_features, module.bias is not None, bits=bits,
                   group_size=group_size, scale_dtype=w.dtype, device="meta", kernel=kernel)
-        new.set_weight(quantize(w, bits, group_size, w.dtype))
+        new.set_weight(quantize(w, bits, group_size if bits == 4 else None, w.dtype))
         if module.bias is not None:
             new.bias = nn.Parameter(module.bias.detach().clone(),
                                     requires_grad=module.bias.requires_grad)
@@ -160,7 +160,7 @@ class QuantizedEmbedding(nn.Module):
         w = module.weight
         new = cls(module.num_embeddings, module.embedding_dim, bits=bits, group_size=group_size,
                   scale_dtype=w.dtype, device="meta")
-        new.table.set_weight(quantize(w, bits, group_size, w.dtype))
+        new.table.set_weight(quantize(w, bits, group_size if bits == 4 else None, w.dtype))
         return new
 
     @classmethod
