@@ -52,3 +52,8 @@ def test_positional_bad_input() -> None:
         SinusoidalPositionalEncoding(4, max_len=8)(torch.randn(2, 3, 5))
     with pytest.raises(ValueError, match="offset"):
         LearnedPositionalEmbedding(4, 2)(torch.randn(1, 3, 2), offset=2)
+    # Too long for the table with no offset: the input's length is named, not the offset.
+    for layer in (LearnedPositionalEmbedding(8, 4), SinusoidalPositionalEncoding(4, max_len=8)):
+        with pytest.raises(ValueError, match=r"^x: expected a length of at most max_len=8 "
+                                             r"positions, got 10$"):
+            layer(torch.randn(1, 10, 4))

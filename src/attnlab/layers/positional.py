@@ -154,6 +154,9 @@ def positions_from_offset(offset: Offset, length: int, max_len: int,
     if isinstance(offset, bool):
         raise TypeError(f"offset: expected an int, slice, Tensor or None, got {offset!r}")
     if isinstance(offset, int):
+        if offset == 0 and length > max_len:  # the input is too long, whatever the offset
+            raise ValueError(f"x: expected a length of at most max_len={max_len} positions, "
+                             f"got {length}")
         if offset < 0 or offset + length > max_len:
             raise ValueError(
                 f"offset: positions {offset} .. {offset + length - 1} must lie in [0, {max_len}) "
