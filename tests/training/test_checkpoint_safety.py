@@ -185,7 +185,9 @@ def trainer_for(out):
     cfg = DecoderLMConfig.gpt(len(task.vocab), d_model=16, num_layers=1, num_heads=2,
                               dropout=0.1, max_len=256)
     config = TrainConfig(steps=2, batch_size=8, eval_every=1000, checkpoint_every=1000)
-    return Trainer(DecoderLM(cfg), task, config, out_dir=out, d_model=16, progress=False)
+    info = {"model_type": "decoder_lm", "model_config": cfg.to_dict()}
+    return Trainer(DecoderLM(cfg), task, config, out_dir=out, save_info=info, d_model=16,
+                   progress=False)
 
 
 def test_swap_keeps_a_complete_copy_at_every_moment(tmp_path):

@@ -194,3 +194,20 @@ def test_checkpoint_errors_and_atomic_overwrite(tmp_path, task):
         save_checkpoint(tmp_path / "ck", Boom(), **info)
     load_model(ckpt)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.parametrize(("info", "message"), [
+    (None, r"missing \['model_type', 'model_config'\] in \[\]"),
+    ({"model_type": "transformer"}, r"missing \['model_config'\]"),
+    ({"model_type": "transformer", "model_config": {}, "vocab": 1}, r"unknown keys \['vocab'\]"),
+])
+def test_out_dir_without_usable_save_info_is_refused_before_training(tmp_path, info, message):
+    task = make_seq2seq_task("copy", max_len=5, n_test=20, n_valid=16)
+    model = Transformer(TransformerConfig(len(task.src_vocab), len(task.tgt_vocab), d_model=16,
+                                          num_heads=2, num_encoder_layers=1,
+                                          num_decoder_layers=1, d_ff=32))
+    with pytest.raises(ValueError, match=r"^save_info: a run with out_dir saves checkpoints.*"
+                                         + message):
+        Trainer(model, task, TrainConfig(steps=3, batch_size=4, eval_every=3),
+                out_dir=tmp_path, save_info=info, progress=False)
+    assert not any(tmp_path.iterdir())

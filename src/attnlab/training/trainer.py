@@ -150,6 +150,8 @@ class Trainer:
         self.task, self.config = task, config
         self.out_dir = None if out_dir is None else Path(out_dir)
         self.save_info = save_info or {}
+        if self.out_dir is not None:
+            _check_save_info(self.save_info)
         self.metric, self.higher_is_better = metric, higher_is_better
         self.progress, self.on_step = progress, on_step
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -419,3 +421,15 @@ class Trainer:
         self.history.append(record)
         if self.is_main and self.out_dir is not None:
             append_record(self.out_dir / "metrics.jsonl", record)
+
+
+def _check_save_info(info: dict[str, Any]) -> None:
+    """Refuse, before any training, a ``save_info`` with which no checkpoint could be saved."""
+    missing = [key for key in ("model_type", "model_config") if key not in info]
+    unknown = sorted(set(info) - {"model_type", "model_config", "extra"})
+    if missing or unknown:
+        raise ValueError(
+            f"save_info: a run with out_dir saves checkpoints, which need 'model_type' and "
+            f"'model_config' (and optionally 'extra'); "
+            f"{'missing ' + repr(missing) if missing else 'unknown keys ' + repr(unknown)} "
+            f"in {sorted(info)}")
