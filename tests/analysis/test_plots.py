@@ -113,3 +113,19 @@ def test_tokens_with_dollars_render_as_text(tmp_path):
         plots.plot_attention_heads(w[0], tokens, tokens, tmp_path / "x.png")
     with pytest.raises(ValueError, match="single: expected shape 3 x 2"):
         plots.plot_single_vs_multi(w[0], w, tokens, tokens[:2], tmp_path / "x.png")
+
+
+@pytest.mark.parametrize(("cols", "grid"), [(4, (2, 4)), (2, (3, 2)), (8, (1, 6))])
+def test_head_grid_has_cols_panels_a_row(figures, tmp_path, cols, grid):
+    w = torch.softmax(torch.randn(6, 5, 5), -1)
+    plots.plot_attention_heads(w, list("abcde"), list("abcde"), tmp_path / "h.png", cols=cols)
+    panels = [a for a in figures[0].axes if a.get_label() != "<colorbar>"]
+    assert panels[0].get_subplotspec().get_gridspec().get_geometry() == grid
+    assert sum(bool(a.images) for a in panels) == 6
+
+
+@pytest.mark.parametrize("cols", [0, -1, 1.5, True, "2"])
+def test_head_grid_refuses_bad_cols(tmp_path, cols):
+    w = torch.softmax(torch.randn(2, 3, 3), -1)
+    with pytest.raises(ValueError, match=r"cols: expected a positive int \(panels per row\)"):
+        plots.plot_attention_heads(w, list("abc"), list("abc"), tmp_path / "h.png", cols=cols)

@@ -46,9 +46,12 @@ def plot_attention_heads(
     path: str | Path,
     *,
     title: str = "",
+    cols: int = 4,
 ) -> Path:
-    """A grid of heatmaps, one per head: weights ``H x L x S``, token labels on both axes
-    (thinned on long inputs), one colorbar for the grid (weights 0 .. 1)."""
+    """A grid of heatmaps, one per head, ``cols`` to a row: weights ``H x L x S``, token labels
+    on both axes (thinned on long inputs), one colorbar for the grid (weights 0 .. 1)."""
+    if not is_int(cols) or cols < 1:
+        raise ValueError(f"cols: expected a positive int (panels per row), got {cols!r}")
     weights = _check_tensor("weights", weights, 3)
     if weights.shape[1:] != (len(queries), len(keys)):
         raise ValueError(
@@ -59,7 +62,7 @@ def plot_attention_heads(
         raise ValueError(f"weights: expected at least one head, query and key, got shape "
                          f"{tuple(weights.shape)}")
     panels = [(f"head {h}", weights[h]) for h in range(H)]
-    return _heatmap_grid(panels, queries, keys, path, cols=4, title=title)
+    return _heatmap_grid(panels, queries, keys, path, cols=cols, title=title)
 
 
 def plot_metric_map(
