@@ -86,7 +86,15 @@ def test_wide_beam_finds_the_brute_force_best(length_penalty: float, seed: int) 
 
 def reference_beam_search(model: Transformer, src: torch.Tensor, T: int, K: int, lp: float,
                           early_stopping: bool) -> tuple[list[int], float]:
-    """The beam-search rules written plainly: lists, no cache, a full forward per prefix."""
+    """The best hypothesis of ``reference_hypotheses``: (tokens, score)."""
+    score, tokens = reference_hypotheses(model, src, T, K, lp, early_stopping)[0]
+    return tokens, score
+
+
+def reference_hypotheses(model: Transformer, src: torch.Tensor, T: int, K: int, lp: float,
+                         early_stopping: bool) -> list[tuple[float, list[int]]]:
+    """The beam-search rules written plainly (lists, no cache, a full forward per prefix): the
+    ``K`` best finished hypotheses as (score, tokens), best first."""
     running: list[tuple[float, list[int]]] = [(0.0, [])]
     finished: list[tuple[float, list[int]]] = []
     for step in range(T):
@@ -106,10 +114,9 @@ def reference_beam_search(model: Transformer, src: torch.Tensor, T: int, K: int,
         finished = sorted(finished, key=lambda h: -h[0])[:K]
         if len(finished) == K and (early_stopping
                                    or finished[-1][0] >= running[0][0] / (step + 1) ** lp):
-            return finished[0][1], finished[0][0]
+            return finished
     finished += [(score / T**lp, tokens) for score, tokens in running]
-    score, tokens = max(finished, key=lambda h: h[0])
-    return tokens, score
+    return sorted(finished, key=lambda h: -h[0])[:K]
 
 
 @pytest.mark.parametrize("num_beams", [2, 3])
@@ -124,6 +131,53 @@ def test_beam_search_matches_plain_reference(num_beams: int, early_stopping: boo
     tokens, ref_score = reference_beam_search(model, src, 5, num_beams, 1.0, early_stopping)
     assert ids[0, 1:1 + len(tokens)].tolist() == tokens
     assert abs(float(score[0]) - ref_score) < 1e-5
+
+
+@pytest.mark.parametrize(("num_beams", "returned"), [(3, 3), (4, 2)])
+@pytest.mark.parametrize("early_stopping", [True, False])
+@pytest.mark.parametrize("seed", [0, 6])
+def test_num_return_sequences_are_the_reference_beams_best_first(
+        num_beams: int, returned: int, early_stopping: bool, seed: int) -> None:
+    model = make(seed=seed)
+    src = torch.randint(3, 9, (2, 5), generator=torch.Generator().manual_seed(seed))
+    ids, scores = generate_seq2seq(model, src, 5, bos_id=BOS, eos_id=EOS, num_beams=num_beams,
+                                   early_stopping=early_stopping, return_scores=True,
+                                   num_return_sequences=returned)
+    assert ids.shape[0] == scores.shape[0] == 2 * returned
+    for b in range(2):
+        expected = reference_hypotheses(model, src[b:b + 1], 5, num_beams, 1.0,
+                                        early_stopping)[:returned]
+        for i, (ref_score, tokens) in enumerate(expected):
+            row = b * returned + i
+            assert ids[row, 1:1 + len(tokens)].tolist() == tokens
+            assert abs(float(scores[row]) - ref_score) < 1e-5
+        assert scores[b * returned:(b + 1) * returned].diff().le(0).all()
+    best = beam_search(model, src, 5, bos_id=BOS, eos_id=EOS, num_beams=num_beams,
+                       early_stopping=early_stopping)
+    first = ids[::returned, :best.shape[1]]
+    assert torch.equal(first, best[:, :first.shape[1]])
+
+
+def test_fewer_finished_hypotheses_than_asked_are_padded_rows_scored_minus_inf() -> None:
+    model = make(vocab=3, seed=1)  # ids 0..2, eos = 2
+    src = torch.tensor([[0, 1, 0]])
+    ids, scores = beam_search(model, src, 1, bos_id=BOS, eos_id=EOS, num_beams=4,
+                              num_return_sequences=4, return_scores=True)
+    # One step over 3 tokens: exactly 3 hypotheses ([0], [1], [eos]); the 4th row is empty.
+    assert torch.isfinite(scores[:3]).all() and scores[3] == float("-inf")
+    assert ids[3, 1:].eq(EOS).all()  # pad defaults to eos
+
+
+@pytest.mark.parametrize("returned", [0, 5, 1.0, True])
+def test_num_return_sequences_out_of_range_is_refused(returned: object) -> None:
+    model = make()
+    with pytest.raises(ValueError, match=r"num_return_sequences: expected an int in \[1, "
+                                         r"num_beams=4\]"):
+        beam_search(model, torch.tensor([[3, 4]]), 3, bos_id=BOS, eos_id=EOS, num_beams=4,
+                    num_return_sequences=returned)
+    with pytest.raises(ValueError, match=r"num_beams=1\], got 2"):
+        generate_seq2seq(model, torch.tensor([[3, 4]]), 3, bos_id=BOS, eos_id=EOS,
+                         num_return_sequences=2)
 
 
 @pytest.mark.parametrize("early_stopping", [True, False])

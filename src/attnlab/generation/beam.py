@@ -30,23 +30,25 @@ __all__ = ["beam_search", "generate_seq2seq", "greedy_search"]
 def generate_seq2seq(model: Seq2SeqLM, src: Tensor, max_new_tokens: int, *, bos_id: int,
                      eos_id: int, num_beams: int = 1, length_penalty: float = 1.0,
                      early_stopping: bool = False, src_mask: Tensor | None = None,
-                     pad_id: int | None = None,
-                     return_scores: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                     pad_id: int | None = None, return_scores: bool = False,
+                     num_return_sequences: int = 1) -> Tensor | tuple[Tensor, Tensor]:
     """Translate ``src`` (``B x S`` ids): greedy for ``num_beams=1``, else beam search.
 
     Returns ids ``B x (1 + n)`` starting with ``bos_id`` (rows that end early are filled with
     ``pad_id``, default the model's ``pad_id`` or else ``eos_id``), and with
     ``return_scores`` also the scores ``B`` (formula in the module docstring).
     ``src_mask`` ``B x S``: True = real token (default ``src != pad_id``).
+    ``num_return_sequences`` ``R <= num_beams``: the ``R`` best hypotheses of each source,
+    best first, as rows ``b * R .. b * R + R - 1`` (``B * R`` rows, as in Hugging Face).
     """
-    if num_beams == 1:
+    if num_beams == 1 and num_return_sequences == 1:
         return greedy_search(model, src, max_new_tokens, bos_id=bos_id, eos_id=eos_id,
                              length_penalty=length_penalty, src_mask=src_mask, pad_id=pad_id,
                              return_scores=return_scores)
     return beam_search(model, src, max_new_tokens, bos_id=bos_id, eos_id=eos_id,
                        num_beams=num_beams, length_penalty=length_penalty,
                        early_stopping=early_stopping, src_mask=src_mask, pad_id=pad_id,
-                       return_scores=return_scores)
+                       return_scores=return_scores, num_return_sequences=num_return_sequences)
 
 
 @torch.no_grad()
@@ -82,9 +84,15 @@ def greedy_search(model: Seq2SeqLM, src: Tensor, max_new_tokens: int, *, bos_id:
 def beam_search(model: Seq2SeqLM, src: Tensor, max_new_tokens: int, *, bos_id: int,
                 eos_id: int, num_beams: int = 4, length_penalty: float = 1.0,
                 early_stopping: bool = False, src_mask: Tensor | None = None,
-                pad_id: int | None = None,
-                return_scores: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """Beam search with ``num_beams`` beams (see the module docstring and ``generate_seq2seq``)."""
+                pad_id: int | None = None, return_scores: bool = False,
+                num_return_sequences: int = 1) -> Tensor | tuple[Tensor, Tensor]:
+    """Beam search with ``num_beams`` beams (see the module docstring and ``generate_seq2seq``,
+    which also says what ``num_return_sequences`` returns). A source with fewer finished
+    hypotheses than asked for (a tiny vocabulary) gets ``pad_id`` rows scored ``-inf``."""
+    check_positive("num_beams", num_beams)
+    if not is_int(num_return_sequences) or not 1 <= num_return_sequences <= num_beams:
+        raise ValueError(f"num_return_sequences: expected an int in [1, num_beams={num_beams}], "
+                         f"got {num_return_sequences!r}")
     memory, memory_mask, pad = _prepare(model, src, max_new_tokens, bos_id, eos_id, src_mask,
                                         pad_id, num_beams, length_penalty)
     B, K, device = src.shape[0], num_beams, src.device
@@ -145,12 +153,14 @@ def beam_search(model: Seq2SeqLM, src: Tensor, max_new_tokens: int, *, bos_id: i
                 if not done[b] and score != float("-inf"):
                     _add(finished[b], K, score / length**length_penalty,
                          seqs[b * K + i, 1:].tolist())
-    best = [hyps[0] for hyps in finished]
+    R = num_return_sequences
+    missing = (float("-inf"), [])
+    best = [hyp for hyps in finished for hyp in [*hyps[:R], *[missing] * (R - len(hyps))]]
     n = max(len(tokens) for _, tokens in best)
-    ids = torch.full((B, 1 + n), pad, dtype=torch.long, device=device)
+    ids = torch.full((B * R, 1 + n), pad, dtype=torch.long, device=device)
     ids[:, 0] = bos_id
-    for b, (_, tokens) in enumerate(best):
-        ids[b, 1:1 + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    for row, (_, tokens) in enumerate(best):
+        ids[row, 1:1 + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
     scores = torch.tensor([score for score, _ in best], device=device)
     return (ids, scores) if return_scores else ids
 
