@@ -101,7 +101,8 @@ class RoPE(nn.Module):
     The layout is the one of projected heads before the head transpose, ``B x L x H x D``
     (for ``B x H x L x D`` tensors, transpose dims -2 and -3 first). Called as
     ``rope(x, offset=None)``, see the module docstring for ``offset``. Returns ``x``'s shape
-    and dtype; the angles are computed in float32 (``cos``/``sin`` buffers ``max_len x D/2``).
+    and dtype; the angles are computed in float64 and kept as float32 ``cos``/``sin`` buffers
+    ``max_len x D/2`` (Hugging Face computes them in float32: differences of ~1e-7).
     """
 
     def __init__(self, head_dim: int, max_len: int, base: float = 10000.0,
