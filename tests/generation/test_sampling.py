@@ -218,3 +218,64 @@ def test_a_top_p_below_float32s_smallest_number_keeps_the_most_likely_token() ->
     assert torch.equal(kept.argmax(-1), logits.argmax(-1))
     token = sample_logits(logits, 1.0, None, 1e-300, generator=torch.Generator().manual_seed(1))
     assert torch.equal(token.view(-1), logits.argmax(-1))
+
+
+def _top_p_by_sorting_everything(logits: torch.Tensor, p: float,
+                                 keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The nucleus written plainly in float64 (stable order by ``keys``): (kept, near), where
+    ``near`` marks tokens whose mass-before is within 1e-6 of p (rounding may flip those)."""
+    order = keys.argsort(dim=-1, descending=True, stable=True)
+    probs = torch.softmax(logits.double(), dim=-1).gather(-1, order)
+    mass_before = probs.cumsum(-1) - probs
+    kept_sorted = mass_before < p
+    kept_sorted[..., 0] = True
+    kept = torch.zeros_like(kept_sorted).scatter(-1, order, kept_sorted)
+    near = torch.zeros_like(kept_sorted).scatter(-1, order, (mass_before - p).abs() < 1e-6)
+    return kept, near
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("p", [0.05, 0.5, 0.9, 0.99])
+@pytest.mark.parametrize("spread", [8.0, 3.0, 0.5])  # peaked .. flat: nuclei of a few .. 1000s
+@pytest.mark.parametrize("ties", [False, True])
+def test_top_p_over_a_large_vocabulary_is_the_nucleus(seed: int, p: float, spread: float,
+                                                      ties: bool) -> None:
+    """V > 1024: the nucleus found among the top candidates, or by the full sort when it may
+    reach past them, is the formula's, ties broken by index (integer logits: many ties)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, 5000, generator=g) * spread
+    if ties:
+        logits = logits.round()
+    logits[1] = logits[1].flip(-1)  # another row layout in the same batch
+    kept = top_p_filter(logits, p).isfinite()
+    expected, near = _top_p_by_sorting_everything(logits, p, logits)
+    assert torch.equal(kept[~near], expected[~near])
+    ranked = logits * 1e-9  # scaled into ties by a huge temperature; ranked by the logits
+    kept = top_p_filter(ranked, p, rank_by=logits).isfinite()
+    expected, near = _top_p_by_sorting_everything(ranked, p, logits)
+    assert torch.equal(kept[~near], expected[~near])
+
+
+def test_top_p_searches_the_candidates_first_and_sorts_all_only_when_needed() -> None:
+    from attnlab.generation import sampling
+
+    peaked = torch.randn(2, 4096, generator=torch.Generator().manual_seed(0)) * 8
+    assert sampling._top_p_among_candidates(peaked, peaked, 0.9) is not None
+    flat = torch.zeros(2, 4096)
+    assert sampling._top_p_among_candidates(flat, flat, 0.5) is None  # 2048 tokens needed
+    assert top_p_filter(flat, 0.5).isfinite().sum(-1).tolist() == [2048, 2048]
+    # A tie group straddling the last candidate: decided by the full sort, ties by index.
+    straddle = torch.cat([torch.full((1, 1000), 5.0), torch.full((1, 3096), 4.9)], dim=-1)
+    kept = top_p_filter(straddle, 0.2).isfinite()
+    expected, near = _top_p_by_sorting_everything(straddle, 0.2, straddle)
+    assert torch.equal(kept[~near], expected[~near])
+
+
+@pytest.mark.parametrize(("u", "row", "token"), [
+    (0.0, [NEG, 0.0, 0.0, NEG], 1),  # u = 0: the first token of positive probability
+    (1 - 2**-24, [0.0, 0.0, NEG, NEG], 1),  # u * total rounds to the total: not a removed one
+    (0.5, [0.0, NEG, 0.0, NEG], 2),
+])
+def test_the_draw_never_picks_a_token_of_probability_zero(monkeypatch, u, row, token) -> None:
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.full(shape, u, dtype=kw["dtype"]))
+    assert int(sample_logits(torch.tensor([row]))[0]) == token
