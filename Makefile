@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/attnlab bench attention
 	$(BIN)/attnlab bench mha
 	$(BIN)/attnlab bench generate
+	$(BIN)/attnlab bench sampling
 	$(BIN)/attnlab bench variants --max-len 32768 --repeats 3
 	$(BIN)/attnlab bench qwen2
 	$(BIN)/attnlab bench families

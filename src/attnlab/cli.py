@@ -32,6 +32,7 @@ BENCHMARKS = {
     "mha": "attnlab.bench.mha",
     "qwen2": "attnlab.bench.qwen2",
     "quantization": "attnlab.bench.quantization",
+    "sampling": "attnlab.bench.sampling",
     "serve": "attnlab.bench.serve",
     "variants": "attnlab.bench.variants",
 }
