@@ -13,10 +13,12 @@ from attnlab.generation import (
     apply_repetition_penalty,
     check_logits,
     check_sampling_args,
+    greedy_tokens,
     sample_logits,
     sampling_probs,
     top_k_filter,
     top_p_filter,
+    unusable_rows,
 )
 from conftest import assert_close
 
@@ -279,3 +281,35 @@ def test_top_p_searches_the_candidates_first_and_sorts_all_only_when_needed() ->
 def test_the_draw_never_picks_a_token_of_probability_zero(monkeypatch, u, row, token) -> None:
     monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.full(shape, u, dtype=kw["dtype"]))
     assert int(sample_logits(torch.tensor([row]))[0]) == token
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("V", [3, 4099])  # a short row, and one over vectorised blocks
+def test_unusable_rows_is_the_three_conditions_written_out(dtype, V) -> None:
+    g = torch.Generator().manual_seed(V)
+    logits = torch.randn(8, V, generator=g).to(dtype)
+    where = torch.randint(0, V, (8,), generator=g).tolist()
+    logits[0, where[0]] = float("nan")
+    logits[1, where[1]] = float("inf")
+    logits[2] = float("-inf")
+    logits[3, where[3]], logits[3, where[3] - 1] = float("nan"), float("inf")
+    logits[4, :V // 2 + 1] = float("-inf")  # removed tokens only: usable
+    logits[5, where[5]] = float("-inf")
+    logits[6, where[6]], logits[6, where[6] - 1] = float("inf"), float("-inf")
+    expected = (logits.isnan().any(-1) | (logits == float("inf")).any(-1)
+                | (logits == float("-inf")).all(-1))
+    assert expected.tolist() == [True, True, True, True, False, False, True, False]
+    assert torch.equal(unusable_rows(logits), expected)
+    assert torch.equal(unusable_rows(logits.view(2, 4, V)), expected.view(2, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_tokens_is_the_first_maximum_of_each_row(dtype) -> None:
+    logits = torch.randn(3, 2, 5000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[0, 0, [7, 4000]] = 50.0  # a tie: the first index wins, as argmax says
+    logits[1, 1, :] = float("-inf")
+    logits[1, 1, 4999] = 0.0
+    tokens = greedy_tokens(logits)
+    assert tokens.dtype == torch.long and tokens.shape == (3, 2)
+    assert torch.equal(tokens, logits.double().argmax(-1))
+    assert int(tokens[0, 0]) == 7 and int(tokens[1, 1]) == 4999

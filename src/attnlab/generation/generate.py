@@ -28,6 +28,7 @@ from attnlab.generation.sampling import (
     apply_repetition_penalty,
     check_logits,
     check_sampling_args,
+    greedy_tokens,
     sample_logits,
 )
 from attnlab.generation.stopping import Decoder, StopStrings
@@ -131,7 +132,7 @@ def generate(
         if do_sample:
             token = sample_logits(logits, temperature, top_k, top_p, generator, check=False)
         else:
-            token = logits.argmax(dim=-1)
+            token = greedy_tokens(logits)
         if pad_token_id is not None:
             token = token.masked_fill(finished, pad_token_id)
         ids = torch.cat([ids, token[:, None]], dim=1)

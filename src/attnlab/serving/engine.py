@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from attnlab._checks import check_positive, is_int
-from attnlab.generation import check_logits, sample_logits, unusable_rows
+from attnlab.generation import check_logits, greedy_tokens, sample_logits, unusable_rows
 from attnlab.models import DecoderLM
 from attnlab.serving.paged_attention import PagedRow, paged_forward
 from attnlab.serving.paged_cache import PagePool
@@ -200,7 +200,7 @@ class Engine:
                 return [self._end(request, f"{type(error).__name__}: {error}")
                         for request, _ in plan]
         # One pass and one read-back for the whole batch, not a check and an argmax per row.
-        unusable, best = unusable_rows(logits).tolist(), logits.argmax(-1).tolist()
+        unusable, best = unusable_rows(logits).tolist(), greedy_tokens(logits).tolist()
         events = []
         with self._lock:
             for i, ((request, n), row) in enumerate(zip(plan, logits)):
