@@ -4,10 +4,13 @@ page runs exactly the code of its English page (only the prose is translated).""
 from __future__ import annotations
 
 import re
+import shlex
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from attnlab.cli import build_parser
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
@@ -84,3 +87,55 @@ def test_japanese_page_runs_the_same_code(page: Path):
     )
     for n, (en, ja) in enumerate(zip(english, japanese)):
         assert en == ja, f"{page.name}: code block {n} differs between English and Japanese"
+
+
+def shell_commands(body: str) -> list[list[str]]:
+    """The command lines of a shell block: continuations joined, a quote left open carried
+    into the next line, comments dropped, each split as the shell would (``shlex``)."""
+    commands, pending = [], ""
+    for line in body.replace("\\\n", " ").splitlines():
+        pending = f"{pending}\n{line}" if pending else line
+        try:
+            words = shlex.split(pending, comments=True)
+        except ValueError:  # a quotation still open: it goes on on the next line
+            continue
+        pending = ""
+        if words:
+            commands.append(words)
+    if pending:
+        raise ValueError(f"unclosed quotation in {pending!r}")
+    return commands
+
+
+def test_shell_commands_parses_continuations_and_comments():
+    body = "attnlab demo --steps 2  # train\n# a comment\nattnlab viz \\\n    --text 'a # b'\n"
+    assert shell_commands(body) == [["attnlab", "demo", "--steps", "2"],
+                                    ["attnlab", "viz", "--text", "a # b"]]
+    assert shell_commands("curl -d '{\n  \"a\": 1}'\nmake docs") == [
+        ["curl", "-d", '{\n  "a": 1}'], ["make", "docs"]]
+    with pytest.raises(ValueError, match="unclosed quotation"):
+        shell_commands("echo 'a")
+
+
+@pytest.mark.parametrize("page", english_pages(), ids=lambda p: str(p.relative_to(DOCS)))
+def test_every_command_line_on_a_page_is_one_the_cli_accepts(page: Path):
+    """The shell blocks are not run (they name real checkpoints and full-size runs), but they
+    cannot rot either: each ``attnlab`` line must parse with the real command line, each
+    ``make`` target must exist."""
+    parser = build_parser()
+    targets = set(re.findall(r"^([a-z][\w-]*):", (DOCS.parent / "Makefile").read_text(), re.M))
+    for path in (page, page.with_suffix(".ja.md")):
+        if not path.exists():
+            continue
+        for info, body in code_blocks(path.read_text(encoding="utf-8")):
+            if info.split(" ")[0] not in ("bash", "sh", "console"):
+                continue
+            for words in shell_commands(body):
+                where = f"{path.relative_to(DOCS)}: {' '.join(words)!r}"
+                if words[0] == "attnlab":
+                    try:
+                        parser.parse_args(words[1:])
+                    except SystemExit as exit_:
+                        pytest.fail(f"{where} is refused by attnlab's parser ({exit_})")
+                elif words[0] == "make":
+                    assert set(words[1:]) <= targets, f"{where}: no such make target"
