@@ -6,6 +6,7 @@ are named."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import statistics
 import threading
@@ -162,6 +163,12 @@ def _one_answer(body: bytes) -> tuple[str, threading.Thread, socket.socket]:
             request = b""
             while b"\r\n\r\n" not in request:
                 request += connection.recv(65536)
+            # Read the whole body too: closing a socket with unread bytes sends a reset,
+            # which the client may see before the answer's last bytes.
+            head, _, rest = request.partition(b"\r\n\r\n")
+            length = re.search(rb"(?i)content-length:\s*(\d+)", head)
+            while length and len(rest) < int(length[1]):
+                rest += connection.recv(65536)
             connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                                b"Connection: close\r\n\r\n" + body)
 
