@@ -1,6 +1,7 @@
-"""Shared test helpers: an oracle comparison with a per-dtype tolerance table, and the
+"""Shared test helpers: an oracle comparison with a per-dtype tolerance table, the
 inference kernels pinned to the formula (results independent of a calibration on a busy
-machine; the kernels' own tests unpin them and prove each equal to the formula)."""
+machine; the kernels' own tests unpin them and prove each equal to the formula), and one
+tiny Qwen2 checkpoint folder for the tests that only read one."""
 
 from __future__ import annotations
 
@@ -19,6 +20,17 @@ def _kernels_pinned_to_the_formula(tmp_path_factory: pytest.TempPathFactory):
     patch.setenv("ATTNLAB_CACHE_DIR", str(tmp_path_factory.mktemp("kernel-cache")))
     yield
     patch.undo()
+
+
+@pytest.fixture(scope="session")
+def qwen2_folder(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random Qwen2 folder with a BPE tokenizer and a chat template
+    (``test_cli_generate.make_folder``), written once per session: read it, never write."""
+    from test_cli_generate import make_folder
+
+    path = tmp_path_factory.mktemp("qwen2-folder")
+    make_folder(path)
+    return path
 
 
 # DESIGN.md: float32 rtol 1e-5 / atol 1e-6; half precisions looser.

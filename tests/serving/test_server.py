@@ -24,15 +24,8 @@ PROMPT = "once upon a time"
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen2-serve")
-    make_folder(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def server(folder):
-    app = create_app(folder, max_batch=4, page_size=4, kv_pages=256)
+def server(qwen2_folder):
+    app = create_app(qwen2_folder, max_batch=4, page_size=4, kv_pages=256)
     with live(app) as url:
         yield app, url
 
@@ -43,13 +36,13 @@ def api(server):
 
 
 @pytest.fixture(scope="module")
-def tok(folder):
-    return Tokenizer.from_pretrained(folder)
+def tok(qwen2_folder):
+    return Tokenizer.from_pretrained(qwen2_folder)
 
 
-def hf_greedy(folder, ids: list[int], new: int, eos: int) -> list[int]:
+def hf_greedy(qwen2_folder, ids: list[int], new: int, eos: int) -> list[int]:
     transformers = pytest.importorskip("transformers")
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(folder).eval()
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(qwen2_folder).eval()
     prompt = torch.tensor([ids])
     with torch.no_grad():
         out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
@@ -62,24 +55,24 @@ def engine_idle(app) -> bool:
     return stats["running"] == 0 and stats["waiting"] == 0 and stats["pages_used"] == 0
 
 
-def test_models_list(api, folder) -> None:
+def test_models_list(api, qwen2_folder) -> None:
     models = api.models.list().data
-    assert [m.id for m in models] == [folder.name]
-    assert api.models.retrieve(folder.name).id == folder.name
+    assert [m.id for m in models] == [qwen2_folder.name]
+    assert api.models.retrieve(qwen2_folder.name).id == qwen2_folder.name
     with pytest.raises(openai.NotFoundError):
         api.models.retrieve("gpt-4")
 
 
-def test_concurrent_requests_equal_one_at_a_time(api, folder) -> None:
+def test_concurrent_requests_equal_one_at_a_time(api, qwen2_folder) -> None:
     """Requests that arrive together are batched by the engine; each gets the text it gets
     alone."""
     prompts = ["once upon a time", "the fox said", "hello", "the world was"]
-    alone = [api.completions.create(model=folder.name, prompt=p, max_tokens=10,
+    alone = [api.completions.create(model=qwen2_folder.name, prompt=p, max_tokens=10,
                                     temperature=0).choices[0].text for p in prompts]
     together: dict[int, str] = {}
 
     def ask(i: int) -> None:
-        together[i] = api.completions.create(model=folder.name, prompt=prompts[i],
+        together[i] = api.completions.create(model=qwen2_folder.name, prompt=prompts[i],
                                              max_tokens=10, temperature=0).choices[0].text
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
@@ -91,13 +84,13 @@ def test_concurrent_requests_equal_one_at_a_time(api, folder) -> None:
 
 
 @pytest.mark.parametrize("new", [1, 24])
-def test_greedy_completion_equals_transformers_and_generate(api, folder, tok, new) -> None:
+def test_greedy_completion_equals_transformers_and_generate(api, qwen2_folder, tok, new) -> None:
     ids = tok.encode(PROMPT)
-    expected = hf_greedy(folder, ids, new, tok.eos_token_id)
-    ours = generate(from_pretrained(folder), torch.tensor([ids]), new,
+    expected = hf_greedy(qwen2_folder, ids, new, tok.eos_token_id)
+    ours = generate(from_pretrained(qwen2_folder), torch.tensor([ids]), new,
                     eos_token_id=tok.eos_token_id)[0, len(ids):].tolist()
     assert ours == expected  # what `attnlab generate` prints
-    out = api.completions.create(model=folder.name, prompt=PROMPT, max_tokens=new,
+    out = api.completions.create(model=qwen2_folder.name, prompt=PROMPT, max_tokens=new,
                                  temperature=0)
     [choice] = out.choices
     assert choice.text == tok.decode(expected, skip_special_tokens=True)
@@ -105,24 +98,24 @@ def test_greedy_completion_equals_transformers_and_generate(api, folder, tok, ne
     assert choice.finish_reason == ("stop" if ended else "length")
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), len(expected))
     assert out.usage.total_tokens == len(ids) + len(expected)
-    assert out.object == "text_completion" and out.model == folder.name
+    assert out.object == "text_completion" and out.model == qwen2_folder.name
 
 
-def test_token_id_prompt_equals_text_prompt(api, folder, tok) -> None:
-    text = api.completions.create(model=folder.name, prompt=PROMPT, max_tokens=8,
+def test_token_id_prompt_equals_text_prompt(api, qwen2_folder, tok) -> None:
+    text = api.completions.create(model=qwen2_folder.name, prompt=PROMPT, max_tokens=8,
                                   temperature=0)
-    ids = api.completions.create(model=folder.name, prompt=tok.encode(PROMPT), max_tokens=8,
+    ids = api.completions.create(model=qwen2_folder.name, prompt=tok.encode(PROMPT), max_tokens=8,
                                  temperature=0)
     assert ids.choices[0].text == text.choices[0].text
     assert ids.usage == text.usage
 
 
-def test_chat_uses_the_template_and_equals_transformers(api, folder, tok) -> None:
+def test_chat_uses_the_template_and_equals_transformers(api, qwen2_folder, tok) -> None:
     messages = [{"role": "system", "content": "be brief"},
                 {"role": "user", "content": "hello fox"}]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    expected = hf_greedy(folder, ids, 10, tok.eos_token_id)
-    out = api.chat.completions.create(model=folder.name, messages=messages, max_tokens=10,
+    expected = hf_greedy(qwen2_folder, ids, 10, tok.eos_token_id)
+    out = api.chat.completions.create(model=qwen2_folder.name, messages=messages, max_tokens=10,
                                       temperature=0)
     [choice] = out.choices
     assert choice.message.role == "assistant"
@@ -133,15 +126,15 @@ def test_chat_uses_the_template_and_equals_transformers(api, folder, tok) -> Non
     # Text parts are joined as one content string.
     parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "hello "},
                                                        {"type": "text", "text": "fox"}]}]
-    again = api.chat.completions.create(model=folder.name, messages=parts, max_tokens=10,
+    again = api.chat.completions.create(model=qwen2_folder.name, messages=parts, max_tokens=10,
                                         temperature=0)
     assert again.choices[0].message.content == choice.message.content
 
 
-def test_chat_without_max_tokens_fills_the_context(api, folder, tok) -> None:
+def test_chat_without_max_tokens_fills_the_context(api, qwen2_folder, tok) -> None:
     messages = [{"role": "user", "content": "the fox said"}]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    out = api.chat.completions.create(model=folder.name, messages=messages, temperature=0)
+    out = api.chat.completions.create(model=qwen2_folder.name, messages=messages, temperature=0)
     limit = 256  # make_folder's max_position_embeddings
     assert out.usage.completion_tokens <= limit - len(ids)
     if out.choices[0].finish_reason == "length":
@@ -149,11 +142,11 @@ def test_chat_without_max_tokens_fills_the_context(api, folder, tok) -> None:
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
-def test_stream_joined_equals_non_streaming(api, folder, kind) -> None:
+def test_stream_joined_equals_non_streaming(api, qwen2_folder, kind) -> None:
     """Sampled with a seed and n=2: the same request streamed and not streamed gives the
     same texts; the role comes first, finish_reason only on each choice's last chunk, then
     the usage chunk."""
-    common = {"model": folder.name, "max_tokens": 12, "temperature": 1.5, "seed": 7, "n": 2}
+    common = {"model": qwen2_folder.name, "max_tokens": 12, "temperature": 1.5, "seed": 7, "n": 2}
     if kind == "chat":
         make = api.chat.completions.create
         common["messages"] = [{"role": "user", "content": "once upon"}]
@@ -185,8 +178,8 @@ def test_stream_joined_equals_non_streaming(api, folder, kind) -> None:
     assert [c.finish_reason for c in whole.choices] == [finishes[0], finishes[1]]
 
 
-def test_stream_ends_with_done(server, folder) -> None:
-    body = {"model": folder.name, "prompt": PROMPT, "max_tokens": 3, "stream": True}
+def test_stream_ends_with_done(server, qwen2_folder) -> None:
+    body = {"model": qwen2_folder.name, "prompt": PROMPT, "max_tokens": 3, "stream": True}
     status, headers, text = raw(server[1], "POST", "/v1/completions", body)
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
     events = [line for line in text.split("\n\n") if line]
@@ -194,8 +187,8 @@ def test_stream_ends_with_done(server, folder) -> None:
     assert all(e.startswith("data: {") for e in events[:-1])
 
 
-def test_n_and_seed_reproducible(api, folder) -> None:
-    ask = {"model": folder.name, "prompt": PROMPT, "max_tokens": 10, "temperature": 1.5}
+def test_n_and_seed_reproducible(api, qwen2_folder) -> None:
+    ask = {"model": qwen2_folder.name, "prompt": PROMPT, "max_tokens": 10, "temperature": 1.5}
     first = api.completions.create(**ask, n=3, seed=11)
     again = api.completions.create(**ask, n=3, seed=11)
     assert [c.index for c in first.choices] == [0, 1, 2]
@@ -210,18 +203,18 @@ def test_n_and_seed_reproducible(api, folder) -> None:
     assert first.usage.prompt_tokens == 3 * made.usage.prompt_tokens
 
 
-def test_several_prompts(api, folder, tok) -> None:
+def test_several_prompts(api, qwen2_folder, tok) -> None:
     prompts = [PROMPT, "the fox"]
-    out = api.completions.create(model=folder.name, prompt=prompts, max_tokens=6,
+    out = api.completions.create(model=qwen2_folder.name, prompt=prompts, max_tokens=6,
                                  temperature=0, n=2)
-    singles = [api.completions.create(model=folder.name, prompt=p, max_tokens=6,
+    singles = [api.completions.create(model=qwen2_folder.name, prompt=p, max_tokens=6,
                                       temperature=0).choices[0].text for p in prompts]
     assert [c.text for c in out.choices] == [singles[0]] * 2 + [singles[1]] * 2
     assert out.usage.prompt_tokens == 2 * sum(len(tok.encode(p)) for p in prompts)
 
 
-def test_stop_strings_cut_the_text_and_end_the_request(api, server, folder) -> None:
-    ask = {"model": folder.name, "prompt": PROMPT, "max_tokens": 40, "temperature": 0}
+def test_stop_strings_cut_the_text_and_end_the_request(api, server, qwen2_folder) -> None:
+    ask = {"model": qwen2_folder.name, "prompt": PROMPT, "max_tokens": 40, "temperature": 0}
     full = api.completions.create(**ask).choices[0].text
     assert len(full) > 12, full
     stop = full[6:9]
@@ -247,10 +240,10 @@ def metric(text: str, name: str, labels: str = "") -> float:
     return float(found.group(1))
 
 
-def test_metrics_count_requests_and_tokens(api, server, folder) -> None:
+def test_metrics_count_requests_and_tokens(api, server, qwen2_folder) -> None:
     wait_for(lambda: engine_idle(server[0]), what="an idle engine")
     before = raw(server[1], "GET", "/metrics")[2]
-    out = api.completions.create(model=folder.name, prompt=PROMPT, max_tokens=5,
+    out = api.completions.create(model=qwen2_folder.name, prompt=PROMPT, max_tokens=5,
                                  temperature=0)
     wait_for(lambda: engine_idle(server[0]), what="an idle engine")
     status, headers, after = raw(server[1], "GET", "/metrics")

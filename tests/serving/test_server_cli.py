@@ -18,21 +18,13 @@ from attnlab.generation import generate
 from attnlab.models.io import from_pretrained
 from attnlab.serving.server import create_app
 from attnlab.tokenizer import Tokenizer
-from test_cli_generate import make_folder
 
 START_TIMEOUT_S = 90
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen2-serve-cli")
-    make_folder(path)
-    return path
-
-
-def test_serve_prints_its_url_and_answers(folder) -> None:
-    command = [sys.executable, "-m", "attnlab", "serve", "--model", str(folder), "--port", "0",
-               "--max-batch", "2", "--page-size", "8", "--kv-pages", "64"]
+def test_serve_prints_its_url_and_answers(qwen2_folder) -> None:
+    command = [sys.executable, "-m", "attnlab", "serve", "--model", str(qwen2_folder),
+               "--port", "0", "--max-batch", "2", "--page-size", "8", "--kv-pages", "64"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
     lines: queue.Queue[str] = queue.Queue()
@@ -42,8 +34,8 @@ def test_serve_prints_its_url_and_answers(folder) -> None:
         assert line.startswith("attnlab serve: http://127.0.0.1:"), line
         url = line.split()[2].removesuffix("/v1")
         api = client(url)
-        assert [m.id for m in api.models.list().data] == [folder.name]
-        out = api.completions.create(model=folder.name, prompt="the fox", max_tokens=4,
+        assert [m.id for m in api.models.list().data] == [qwen2_folder.name]
+        out = api.completions.create(model=qwen2_folder.name, prompt="the fox", max_tokens=4,
                                      temperature=0)
         assert out.usage.completion_tokens >= 1
     finally:
@@ -63,9 +55,9 @@ def test_serve_prints_its_url_and_answers(folder) -> None:
     (["--port", "-1"], "--port: expected a port in [0, 65535]"),
     (["--port", "70000"], "--port: expected a port in [0, 65535]"),
 ])
-def test_bad_options_are_named(folder, capsys, args, message) -> None:
+def test_bad_options_are_named(qwen2_folder, capsys, args, message) -> None:
     with pytest.raises(SystemExit) as exited:
-        build_parser().parse_args(["serve", "--model", str(folder), *args])
+        build_parser().parse_args(["serve", "--model", str(qwen2_folder), *args])
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -79,18 +71,18 @@ def test_missing_folder_is_named(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("load", [{"quantize": "int8"}, {"dtype": "bfloat16"}])
-def test_quantized_or_cast_serving_equals_the_model_loaded_so(folder, load: dict) -> None:
-    tok = Tokenizer.from_pretrained(folder)
+def test_quantized_or_cast_serving_equals_the_model_loaded_so(qwen2_folder, load: dict) -> None:
+    tok = Tokenizer.from_pretrained(qwen2_folder)
     ids = tok.encode("once upon a time")
-    model = from_pretrained(folder, **load)
+    model = from_pretrained(qwen2_folder, **load)
     expected = generate(model, torch.tensor([ids]), 8, eos_token_id=tok.eos_token_id)
-    with live(create_app(folder, kv_pages=64, **load)) as url:
-        out = client(url).completions.create(model=folder.name, prompt="once upon a time",
+    with live(create_app(qwen2_folder, kv_pages=64, **load)) as url:
+        out = client(url).completions.create(model=qwen2_folder.name, prompt="once upon a time",
                                              max_tokens=8, temperature=0)
     assert out.choices[0].text == tok.decode(expected[0, len(ids):], skip_special_tokens=True)
 
 
-def test_a_pair_takes_no_dtype(folder) -> None:
-    model, tok = from_pretrained(folder), Tokenizer.from_pretrained(folder)
+def test_a_pair_takes_no_dtype(qwen2_folder) -> None:
+    model, tok = from_pretrained(qwen2_folder), Tokenizer.from_pretrained(qwen2_folder)
     with pytest.raises(ValueError, match="quantize, dtype: only for a folder"):
         create_app((model, tok), dtype="float32")

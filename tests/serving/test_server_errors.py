@@ -20,22 +20,14 @@ from attnlab.models.io import from_pretrained
 from attnlab.serving import engine as engine_module
 from attnlab.serving.server import create_app
 from attnlab.tokenizer import Tokenizer
-from test_cli_generate import make_folder
 
 PROMPT = "once upon a time"
 CONTEXT = 256  # make_folder's max_position_embeddings
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen2-serve-errors")
-    make_folder(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def server(folder):
-    app = create_app(folder, max_batch=2, page_size=4, kv_pages=256)
+def server(qwen2_folder):
+    app = create_app(qwen2_folder, max_batch=2, page_size=4, kv_pages=256)
     with live(app) as url:
         yield app, url
 
@@ -50,12 +42,12 @@ def idle(app) -> bool:
     return stats["running"] == 0 and stats["waiting"] == 0 and stats["pages_used"] == 0
 
 
-def completion(folder, **fields) -> dict:
-    return {"model": folder.name, "prompt": PROMPT, "max_tokens": 4, **fields}
+def completion(qwen2_folder, **fields) -> dict:
+    return {"model": qwen2_folder.name, "prompt": PROMPT, "max_tokens": 4, **fields}
 
 
-def chat(folder, **fields) -> dict:
-    return {"model": folder.name, "messages": [{"role": "user", "content": "hi"}], **fields}
+def chat(qwen2_folder, **fields) -> dict:
+    return {"model": qwen2_folder.name, "messages": [{"role": "user", "content": "hi"}], **fields}
 
 
 BAD_COMPLETIONS = [
@@ -100,8 +92,9 @@ BAD_COMPLETIONS = [
 
 @pytest.mark.parametrize(("fields", "param", "message"), BAD_COMPLETIONS,
                          ids=[str(f)[:40] for f, _, _ in BAD_COMPLETIONS])
-def test_bad_completion_is_400_naming_the_field(server, folder, fields, param, message) -> None:
-    status, body = post(server, "/v1/completions", completion(folder, **fields))
+def test_bad_completion_is_400_naming_the_field(server, qwen2_folder, fields, param,
+                                                message) -> None:
+    status, body = post(server, "/v1/completions", completion(qwen2_folder, **fields))
     assert status == 400, body
     error = body["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -130,8 +123,8 @@ BAD_CHATS = [
 
 @pytest.mark.parametrize(("fields", "param", "message"), BAD_CHATS,
                          ids=[str(f)[:40] for f, _, _ in BAD_CHATS])
-def test_bad_chat_is_400_naming_the_field(server, folder, fields, param, message) -> None:
-    status, body = post(server, "/v1/chat/completions", chat(folder, **fields))
+def test_bad_chat_is_400_naming_the_field(server, qwen2_folder, fields, param, message) -> None:
+    status, body = post(server, "/v1/chat/completions", chat(qwen2_folder, **fields))
     assert status == 400, body
     assert body["error"]["param"] == param and body["error"]["message"].startswith(param)
     assert message in body["error"]["message"]
@@ -139,23 +132,23 @@ def test_bad_chat_is_400_naming_the_field(server, folder, fields, param, message
 
 @pytest.mark.parametrize("fields", [{"temperature": 1e-300}, {"top_p": 1e-300},
                                     {"top_k": 10**9}, {"seed": 2**64 - 1, "n": 2}])
-def test_extreme_sampling_values_are_served(server, folder, fields) -> None:
+def test_extreme_sampling_values_are_served(server, qwen2_folder, fields) -> None:
     """A temperature under 1e-5 is greedy; a top_p under float32's range keeps the top
     token (greedy too); a top_k over the vocabulary keeps all; the largest seed wraps for
     the second choice."""
-    status, body = post(server, "/v1/completions", completion(folder, temperature=1.0,
+    status, body = post(server, "/v1/completions", completion(qwen2_folder, temperature=1.0,
                                                               max_tokens=6) | fields)
     assert status == 200, body
     if "seed" not in fields and "top_k" not in fields:
-        _, greedy = post(server, "/v1/completions", completion(folder, temperature=0,
+        _, greedy = post(server, "/v1/completions", completion(qwen2_folder, temperature=0,
                                                                max_tokens=6))
         assert body["choices"][0]["text"] == greedy["choices"][0]["text"]
 
 
-def test_the_openai_client_sees_the_400(server, folder) -> None:
+def test_the_openai_client_sees_the_400(server, qwen2_folder) -> None:
     api = client(server[1])
     with pytest.raises(openai.BadRequestError) as caught:
-        api.completions.create(model=folder.name, prompt=PROMPT, max_tokens=10_000)
+        api.completions.create(model=qwen2_folder.name, prompt=PROMPT, max_tokens=10_000)
     assert caught.value.status_code == 400
     assert caught.value.body["param"] == "max_tokens"
     assert caught.value.body["code"] == "context_length_exceeded"
@@ -175,8 +168,8 @@ def test_malformed_body_is_400(server, body, headers) -> None:
     assert json.loads(text)["error"]["type"] == "invalid_request_error"
 
 
-def test_unknown_model_route_and_method(server, folder) -> None:
-    status, body = post(server, "/v1/completions", completion(folder, model="gpt-4"))
+def test_unknown_model_route_and_method(server, qwen2_folder) -> None:
+    status, body = post(server, "/v1/completions", completion(qwen2_folder, model="gpt-4"))
     assert status == 404 and body["error"]["param"] == "model"
     assert body["error"]["code"] == "model_not_found"
     status, _, text = raw(server[1], "GET", "/v1/nothing")
@@ -185,27 +178,27 @@ def test_unknown_model_route_and_method(server, folder) -> None:
     assert status == 405 and "error" in json.loads(text)
 
 
-def test_huge_body_is_refused_before_it_is_read(folder) -> None:
-    app = create_app(folder, max_body_bytes=1000)
+def test_huge_body_is_refused_before_it_is_read(qwen2_folder) -> None:
+    app = create_app(qwen2_folder, max_body_bytes=1000)
     with live(app) as url:
         status, _, text = raw(url, "POST", "/v1/completions",
-                              completion(folder, prompt="fox " * 1000))
+                              completion(qwen2_folder, prompt="fox " * 1000))
         assert status == 413 and json.loads(text)["error"]["code"] == "body_too_large"
-        status, _, text = raw(url, "POST", "/v1/completions", completion(folder))
+        status, _, text = raw(url, "POST", "/v1/completions", completion(qwen2_folder))
         assert status == 200, text
 
 
-def test_full_queue_is_429_and_the_server_goes_on(folder) -> None:
+def test_full_queue_is_429_and_the_server_goes_on(qwen2_folder) -> None:
     """One request decoding, one waiting (max_queue=1): of 6 at once, some are refused with
     429 and the others complete."""
-    app = create_app(folder, max_batch=1, max_queue=1, page_size=4, kv_pages=256)
+    app = create_app(qwen2_folder, max_batch=1, max_queue=1, page_size=4, kv_pages=256)
     results: list[object] = []
     with live(app) as url:
         api = client(url)
 
         def ask() -> None:
             try:
-                results.append(api.completions.create(model=folder.name, prompt=PROMPT,
+                results.append(api.completions.create(model=qwen2_folder.name, prompt=PROMPT,
                                                       max_tokens=40, temperature=0))
             except openai.RateLimitError as error:
                 results.append(error)
@@ -221,7 +214,7 @@ def test_full_queue_is_429_and_the_server_goes_on(folder) -> None:
         assert all(e.status_code == 429 and e.body["code"] == "queue_full" for e in refused)
         assert len({r.choices[0].text for r in served}) == 1
         wait_for(lambda: idle(app), what="an idle engine")
-        again = api.completions.create(model=folder.name, prompt=PROMPT, max_tokens=40,
+        again = api.completions.create(model=qwen2_folder.name, prompt=PROMPT, max_tokens=40,
                                        temperature=0)
         assert again.choices[0].text == served[0].choices[0].text
 
@@ -238,7 +231,8 @@ def slow_steps(engine, monkeypatch) -> None:
     monkeypatch.setattr(engine, "step", slow)
 
 
-def test_client_leaving_mid_stream_aborts_and_frees_pages(server, folder, monkeypatch) -> None:
+def test_client_leaving_mid_stream_aborts_and_frees_pages(server, qwen2_folder,
+                                                          monkeypatch) -> None:
     engine = server[0].state.serving.engine.engine
     slow_steps(engine, monkeypatch)
     aborted: list[str] = []
@@ -252,7 +246,7 @@ def test_client_leaving_mid_stream_aborts_and_frees_pages(server, folder, monkey
     wait_for(lambda: idle(server[0]), what="an idle engine")
     before = server[0].state.serving.engine.stats["tokens_generated"]
     host, port = server[1].removeprefix("http://").split(":")
-    body = json.dumps(completion(folder, max_tokens=200, stream=True, temperature=1.0,
+    body = json.dumps(completion(qwen2_folder, max_tokens=200, stream=True, temperature=1.0,
                                  seed=1)).encode()
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
@@ -269,7 +263,8 @@ def test_client_leaving_mid_stream_aborts_and_frees_pages(server, folder, monkey
     assert server[0].state.serving.engine.stats["tokens_generated"] - before < 200
 
 
-def test_client_leaving_a_non_streaming_request_aborts_it(server, folder, monkeypatch) -> None:
+def test_client_leaving_a_non_streaming_request_aborts_it(server, qwen2_folder,
+                                                          monkeypatch) -> None:
     engine = server[0].state.serving.engine.engine
     slow_steps(engine, monkeypatch)
     aborted: list[str] = []
@@ -277,7 +272,7 @@ def test_client_leaving_a_non_streaming_request_aborts_it(server, folder, monkey
     monkeypatch.setattr(engine, "abort", lambda rid: (aborted.append(rid), real_abort(rid)))
     wait_for(lambda: idle(server[0]), what="an idle engine")
     host, port = server[1].removeprefix("http://").split(":")
-    body = json.dumps(completion(folder, max_tokens=200, n=2)).encode()
+    body = json.dumps(completion(qwen2_folder, max_tokens=200, n=2)).encode()
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                      b"application/json\r\nContent-Length: " + str(len(body)).encode()
@@ -287,7 +282,7 @@ def test_client_leaving_a_non_streaming_request_aborts_it(server, folder, monkey
     wait_for(lambda: idle(server[0]) and len(aborted) == 2, what="both choices aborted")
 
 
-def test_engine_failure_fails_the_request_and_the_engine_goes_on(server, folder,
+def test_engine_failure_fails_the_request_and_the_engine_goes_on(server, qwen2_folder,
                                                                  monkeypatch) -> None:
     engine = server[0].state.serving.engine.engine
     real_step, calls = engine.step, []
@@ -299,22 +294,22 @@ def test_engine_failure_fails_the_request_and_the_engine_goes_on(server, folder,
         return real_step()
 
     monkeypatch.setattr(engine, "step", failing_step)
-    status, body = post(server, "/v1/completions", completion(folder, max_tokens=20))
+    status, body = post(server, "/v1/completions", completion(qwen2_folder, max_tokens=20))
     assert status == 500 and body["error"]["code"] == "engine_failure"
     assert "RuntimeError: boom" in body["error"]["message"]
     # Streaming: the error arrives as an event, then [DONE].
     calls.clear()
     status, _, text = raw(server[1], "POST", "/v1/completions",
-                          completion(folder, max_tokens=20, stream=True))
+                          completion(qwen2_folder, max_tokens=20, stream=True))
     events = [e for e in text.split("\n\n") if e]
     assert status == 200 and events[-1] == "data: [DONE]"
     assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "engine_failure"
-    status, body = post(server, "/v1/completions", completion(folder, max_tokens=5))
+    status, body = post(server, "/v1/completions", completion(qwen2_folder, max_tokens=5))
     assert status == 200 and body["usage"]["completion_tokens"] >= 1
     assert raw(server[1], "GET", "/health")[0] == 200
 
 
-def test_model_failure_in_the_engine_fails_its_requests_only(server, folder,
+def test_model_failure_in_the_engine_fails_its_requests_only(server, qwen2_folder,
                                                              monkeypatch) -> None:
     """The engine ends the requests of a step whose forward raised (an "abort" event with
     the error): the client gets a 500 naming it; the next request is served."""
@@ -327,39 +322,39 @@ def test_model_failure_in_the_engine_fails_its_requests_only(server, folder,
         return real(*args, **kwargs)
 
     monkeypatch.setattr(engine_module, "paged_forward", failing)
-    status, body = post(server, "/v1/completions", completion(folder, max_tokens=5))
+    status, body = post(server, "/v1/completions", completion(qwen2_folder, max_tokens=5))
     assert status == 500 and "RuntimeError: model down" in body["error"]["message"]
     wait_for(lambda: idle(server[0]), what="the failed request's pages to be freed")
-    status, body = post(server, "/v1/completions", completion(folder, max_tokens=5))
+    status, body = post(server, "/v1/completions", completion(qwen2_folder, max_tokens=5))
     assert status == 200 and body["usage"]["completion_tokens"] >= 1
 
 
-def test_handler_failure_is_500_json(server, folder, monkeypatch) -> None:
+def test_handler_failure_is_500_json(server, qwen2_folder, monkeypatch) -> None:
     tokenizer = server[0].state.serving.tokenizer
 
     def broken(*args, **kwargs):
         raise RuntimeError("tokenizer down")
 
     monkeypatch.setattr(tokenizer, "encode", broken)
-    status, _, text = raw(server[1], "POST", "/v1/completions", completion(folder))
+    status, _, text = raw(server[1], "POST", "/v1/completions", completion(qwen2_folder))
     assert status == 500 and json.loads(text)["error"]["type"] == "server_error"
     monkeypatch.undo()
-    status, _, _ = raw(server[1], "POST", "/v1/completions", completion(folder))
+    status, _, _ = raw(server[1], "POST", "/v1/completions", completion(qwen2_folder))
     assert status == 200
 
 
-def test_create_app_refuses_bad_arguments_by_name(folder) -> None:
-    model, tok = from_pretrained(folder), Tokenizer.from_pretrained(folder)
+def test_create_app_refuses_bad_arguments_by_name(qwen2_folder) -> None:
+    model, tok = from_pretrained(qwen2_folder), Tokenizer.from_pretrained(qwen2_folder)
     for kwargs, error, message in [
         ({"model": 3}, TypeError, "model: expected a folder"),
         ({"model": (tok, model)}, TypeError, "model: expected a folder or a (DecoderLM"),
         ({"model": (model, tok), "quantize": "int8"}, ValueError,
          "quantize, dtype: only for a folder"),
-        ({"model": folder, "max_body_bytes": 0}, ValueError, "max_body_bytes: expected a "
+        ({"model": qwen2_folder, "max_body_bytes": 0}, ValueError, "max_body_bytes: expected a "
          "positive int, got 0"),
-        ({"model": folder, "served_name": ""}, TypeError, "served_name"),
-        ({"model": folder, "max_batch": 0}, ValueError, "max_batch"),
-        ({"model": folder / "missing"}, FileNotFoundError, "missing"),
+        ({"model": qwen2_folder, "served_name": ""}, TypeError, "served_name"),
+        ({"model": qwen2_folder, "max_batch": 0}, ValueError, "max_batch"),
+        ({"model": qwen2_folder / "missing"}, FileNotFoundError, "missing"),
     ]:
         with pytest.raises(error, match=re.escape(message)):
             create_app(**kwargs)
