@@ -3,6 +3,8 @@ newest first, each headed by its machine and date."""
 
 from __future__ import annotations
 
+import pytest
+
 from attnlab.bench.harness import machine_info, machine_section, write_with_history
 
 
@@ -46,3 +48,21 @@ def test_a_table_edited_into_bad_utf8_does_not_lose_the_new_run(tmp_path) -> Non
     write_with_history(path, run_text("AMD EPYC", "2026-01-01 10:00 UTC", "1"))
     current, history = path.read_text().split("\n## History\n")
     assert "ours 1 tokens/s" in current and "old \ufffd figure" in history
+
+
+def test_a_run_killed_while_writing_leaves_the_table_and_its_history(tmp_path, monkeypatch):
+    from attnlab import durable
+
+    path = tmp_path / "qwen2.md"
+    write_with_history(path, "# first\n\n- cpu: A\n- measured: 1\n")
+    write_with_history(path, "# second\n\n- cpu: B\n- measured: 2\n")
+    before = path.read_text()
+
+    def killed(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(durable.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        write_with_history(path, "# third\n\n- cpu: C\n- measured: 3\n")
+    assert path.read_text() == before and "- cpu: A" in before
+    assert [p.name for p in tmp_path.iterdir()] == ["qwen2.md"]  # no temporary file left

@@ -24,6 +24,7 @@ from typing import TypeVar
 import torch
 
 from attnlab._checks import check_positive
+from attnlab.durable import write_text_atomic
 
 __all__ = [
     "Measurement",
@@ -214,7 +215,8 @@ def write_with_history(path: Path, text: str) -> Path:
     sections = [text.rstrip("\n")]
     if entries:
         sections += [HISTORY, "\n\n".join(entries)]
-    path.write_text("\n\n".join(sections) + "\n", encoding="utf-8")
+    # In one step: a kill mid-write must not lose the history the file held.
+    write_text_atomic(path, "\n\n".join(sections) + "\n")
     return path
 
 

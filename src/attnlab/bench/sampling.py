@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from attnlab.arg_types import positive_int
 from attnlab.bench.harness import machine_info, machine_section, time_medians, write_with_history
+from attnlab.durable import write_text_atomic
 from attnlab.generation import sample_logits
 
 __all__ = ["add_arguments", "run"]
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> Path:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info()
-    (out / "sampling.json").write_text(json.dumps({"rows": rows, "machine": info}, indent=2))
+    write_text_atomic(out / "sampling.json", json.dumps({"rows": rows, "machine": info}, indent=2))
     md = write_with_history(out / "sampling.md", _markdown(rows, info))
     print(md.read_text().partition("\n## History")[0])
     return md

@@ -54,6 +54,7 @@ from attnlab.bench.harness import int_list, machine_info, write_with_history
 from attnlab.bench.qwen2 import FULL, QUICK
 from attnlab.bench.serve_report import markdown, plot, targets
 from attnlab.bench.versus import random_checkpoint
+from attnlab.durable import write_text_atomic
 from attnlab.models.hf_loading import SUPPORTED_DTYPES
 from attnlab.serving.server import ServerState, create_app
 
@@ -176,7 +177,7 @@ def run(args: argparse.Namespace) -> Path:
     r["targets"] = targets(r)
     info = machine_info()
     r["machine"] = info
-    (out / "serve.json").write_text(json.dumps(r, indent=2))
+    write_text_atomic(out / "serve.json", json.dumps(r, indent=2))
     md = write_with_history(out / "serve.md", markdown(r, info))
     plot(out / "serve.png", r, f"attnlab serve, Qwen2-0.5B shape ({sizes['num_hidden_layers']}"
          f" layers), on {info['cpu']}")

@@ -142,13 +142,13 @@ def _top_p_among_candidates(logits: Tensor, keys: Tensor, p: float) -> Tensor | 
     higher key: every token ranked above it is then a candidate, in the same (stable) order.
     """
     candidates = keys.topk(_TOP_P_CANDIDATES, dim=-1).indices.sort(dim=-1).values
-    order = keys.gather(-1, candidates).argsort(dim=-1, descending=True, stable=True)
+    ranked = keys.gather(-1, candidates)
+    ranked, order = ranked.sort(dim=-1, descending=True, stable=True)
     candidates = candidates.gather(-1, order)  # by key, ties by index: the stable order
     probs = torch.softmax(logits.float(), dim=-1).gather(-1, candidates)
     keep = probs.cumsum(dim=-1) - probs < p
     keep[..., 0] = True  # a p below float32's smallest number compares as 0
     count = keep.sum(dim=-1, keepdim=True)  # the kept tokens are a prefix: the mass only grows
-    ranked = keys.gather(-1, candidates)
     last_kept = ranked.gather(-1, count - 1)
     if not bool(((count < _TOP_P_CANDIDATES) & (last_kept > ranked[..., -1:])).all()):
         return None

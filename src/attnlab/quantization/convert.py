@@ -163,9 +163,11 @@ def _chosen_modules(model: nn.Module, config: QuantizationConfig) -> dict[str, n
     """``{qualified name: module}`` of the modules to quantize, checked: every size fits the
     group size, every weight is finite, no embedding renormalises its rows."""
     chosen: dict[str, nn.Module] = {}
+    readers: dict[int, list[str]] = {}  # the modules reading each weight (a tied table: two)
     for name, module in model.named_modules():
         if type(module) not in (nn.Linear, InferenceLinear, nn.Embedding) or not name:
             continue
+        readers.setdefault(id(module.weight), []).append(name)
         if any(fnmatch.fnmatchcase(name, p) for p in config.skip):
             continue
         embedding = isinstance(module, nn.Embedding)
@@ -184,9 +186,5 @@ def _chosen_modules(model: nn.Module, config: QuantizationConfig) -> dict[str, n
         chosen[name] = module
     # A tied table is one weight: quantized for all of its readers or for none, so that
     # skipping the head does not leave a float head beside a second, quantized copy.
-    readers: dict[int, list[str]] = {}
-    for name, module in model.named_modules():
-        if type(module) in (nn.Linear, InferenceLinear, nn.Embedding) and name:
-            readers.setdefault(id(module.weight), []).append(name)
     return {name: m for name, m in chosen.items()
             if all(reader in chosen for reader in readers[id(m.weight)])}
