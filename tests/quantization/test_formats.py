@@ -153,6 +153,9 @@ def test_int4_dequantize_by_blocks_of_rows_is_the_whole_formula() -> None:
                                     r"dividing the weight's 64 inputs, got None"),
     ((torch.randn(4, 96), 4, 64), r"dividing the weight's 96 inputs, got 64"),
     ((torch.randn(4, 64), 4, 48), r"got 48"),
+    ((torch.randn(4, 64), 4, 64.0), r"got 64.0"),
+    ((torch.randn(4, 64), 4, True), r"got True"),
+    ((torch.randn(4, 64), 8, 64.0), r"int8 has one scale per row.*got 64.0"),
     ((torch.randn(4, 64), 8, 32), r"int8 has one scale per row, so None or the weight's 64"),
     ((torch.randn(64), 8, None), r"weight: expected a 2-d floating-point tensor O x I, got "
                                  r"torch.float32 of shape \(64,\)"),

@@ -211,3 +211,6 @@ def test_out_dir_without_usable_save_info_is_refused_before_training(tmp_path, i
         Trainer(model, task, TrainConfig(steps=3, batch_size=4, eval_every=3),
                 out_dir=tmp_path, save_info=info, progress=False)
     assert not any(tmp_path.iterdir())
+    with pytest.raises(TypeError, match=r"save_info: expected a dict .* got list"):
+        Trainer(model, task, TrainConfig(steps=3, batch_size=4, eval_every=3),
+                out_dir=tmp_path, save_info=["model_type", "model_config"], progress=False)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attnlab._checks import is_int
+
 __all__ = [
     "BITS",
     "GROUP_SIZES",
@@ -213,14 +215,14 @@ def quantize(weight: Tensor, bits: int, group_size: int | None = None,
                else type(weight).__name__)
         raise ValueError(f"weight: expected a 2-d floating-point tensor O x I, got {got}")
     if bits == 8:
-        if group_size not in (None, weight.shape[1]):
+        if group_size is not None and (not is_int(group_size) or group_size != weight.shape[1]):
             raise ValueError(f"group_size: int8 has one scale per row, so None or the "
                              f"weight's {weight.shape[1]} inputs, got {group_size!r}")
         q, scales = quantize_int8(weight, scale_dtype)
         return QuantizedWeight(8, q, scales, None)
     if bits != 4:
         raise ValueError(f"bits: expected 8 or 4, got {bits!r}")
-    if group_size not in GROUP_SIZES or weight.shape[1] % group_size:
+    if not is_int(group_size) or group_size not in GROUP_SIZES or weight.shape[1] % group_size:
         raise ValueError(f"group_size: expected one of {GROUP_SIZES} dividing the weight's "
                          f"{weight.shape[1]} inputs, got {group_size!r}")
     packed, scales, zeros = quantize_int4(weight, group_size, scale_dtype)

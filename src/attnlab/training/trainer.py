@@ -425,6 +425,9 @@ class Trainer:
 
 def _check_save_info(info: dict[str, Any]) -> None:
     """Refuse, before any training, a ``save_info`` with which no checkpoint could be saved."""
+    if not isinstance(info, dict):
+        raise TypeError(f"save_info: expected a dict with 'model_type' and 'model_config', got "
+                        f"{type(info).__name__}")
     missing = [key for key in ("model_type", "model_config") if key not in info]
     unknown = sorted(set(info) - {"model_type", "model_config", "extra"})
     if missing or unknown:
