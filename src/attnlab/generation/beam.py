@@ -58,7 +58,7 @@ def greedy_search(model: Seq2SeqLM, src: Tensor, max_new_tokens: int, *, bos_id:
                   return_scores: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """The most likely next token at every step (see ``generate_seq2seq`` for the arguments)."""
     memory, memory_mask, pad = _prepare(model, src, max_new_tokens, bos_id, eos_id, src_mask,
-                                        pad_id, 1, length_penalty)
+                                        pad_id, length_penalty)
     B = src.shape[0]
     cache = model.make_cache(B, max_new_tokens + 1)
     ys = torch.full((B, 1), bos_id, dtype=torch.long, device=src.device)
@@ -94,7 +94,7 @@ def beam_search(model: Seq2SeqLM, src: Tensor, max_new_tokens: int, *, bos_id: i
         raise ValueError(f"num_return_sequences: expected an int in [1, num_beams={num_beams}], "
                          f"got {num_return_sequences!r}")
     memory, memory_mask, pad = _prepare(model, src, max_new_tokens, bos_id, eos_id, src_mask,
-                                        pad_id, num_beams, length_penalty)
+                                        pad_id, length_penalty)
     B, K, device = src.shape[0], num_beams, src.device
     memory = memory.repeat_interleave(K, dim=0)  # row b*K + i is beam i of source b
     if memory_mask is not None:
@@ -182,7 +182,7 @@ def _is_done(hyps: list[tuple[float, list[int]]], K: int, best_running: float,
 
 
 def _prepare(model: Seq2SeqLM, src: Tensor, max_new_tokens: int, bos_id: int, eos_id: int,
-             src_mask: Tensor | None, pad_id: int | None, num_beams: int,
+             src_mask: Tensor | None, pad_id: int | None,
              length_penalty: float) -> tuple[Tensor, Tensor | None, int]:
     """Check the arguments, encode once: memory ``B x S x E``, key mask ``B x S``, pad id."""
     if not isinstance(model, Seq2SeqLM) or not isinstance(model.config, Seq2SeqLMConfig):
@@ -197,7 +197,6 @@ def _prepare(model: Seq2SeqLM, src: Tensor, max_new_tokens: int, bos_id: int, eo
     if 1 + max_new_tokens > c.max_len:
         raise ValueError(f"max_new_tokens: bos + {max_new_tokens} new tokens exceed the model's "
                          f"max_len={c.max_len}")
-    check_positive("num_beams", num_beams)
     if not is_number(length_penalty, finite=True):  # NaN or inf would make every score equal
         raise ValueError(f"length_penalty: expected a finite float, got {length_penalty!r}")
     pad = c.pad_id if pad_id is None else pad_id
