@@ -231,9 +231,9 @@ def slow_steps(engine, monkeypatch) -> None:
     monkeypatch.setattr(engine, "step", slow)
 
 
-def test_client_leaving_mid_stream_aborts_and_frees_pages(server, qwen2_folder,
-                                                          monkeypatch) -> None:
-    engine = server[0].state.serving.engine.engine
+def slowed_and_watched(engine, monkeypatch) -> list[str]:
+    """``engine`` with slow steps (``slow_steps``); returns the ids of the requests that it
+    is asked to abort, as they come."""
     slow_steps(engine, monkeypatch)
     aborted: list[str] = []
     real_abort = engine.abort
@@ -243,6 +243,12 @@ def test_client_leaving_mid_stream_aborts_and_frees_pages(server, qwen2_folder,
         real_abort(request_id)
 
     monkeypatch.setattr(engine, "abort", spy)
+    return aborted
+
+
+def test_client_leaving_mid_stream_aborts_and_frees_pages(server, qwen2_folder,
+                                                          monkeypatch) -> None:
+    aborted = slowed_and_watched(server[0].state.serving.engine.engine, monkeypatch)
     wait_for(lambda: idle(server[0]), what="an idle engine")
     before = server[0].state.serving.engine.stats["tokens_generated"]
     host, port = server[1].removeprefix("http://").split(":")
@@ -265,11 +271,7 @@ def test_client_leaving_mid_stream_aborts_and_frees_pages(server, qwen2_folder,
 
 def test_client_leaving_a_non_streaming_request_aborts_it(server, qwen2_folder,
                                                           monkeypatch) -> None:
-    engine = server[0].state.serving.engine.engine
-    slow_steps(engine, monkeypatch)
-    aborted: list[str] = []
-    real_abort = engine.abort
-    monkeypatch.setattr(engine, "abort", lambda rid: (aborted.append(rid), real_abort(rid)))
+    aborted = slowed_and_watched(server[0].state.serving.engine.engine, monkeypatch)
     wait_for(lambda: idle(server[0]), what="an idle engine")
     host, port = server[1].removeprefix("http://").split(":")
     body = json.dumps(completion(qwen2_folder, max_tokens=200, n=2)).encode()
