@@ -18,7 +18,8 @@ def _linear(rows: int = 128, cols: int = 256, bias: bool = True,
     return torch.nn.Linear(cols, rows, bias=bias).to(dtype)
 
 
-CASES = [("int8_mm", 8), ("int4_mm", 4), ("dequantize", 8), ("dequantize", 4)]
+CASES = [("int8_mm", 8), ("int4_mm", 4), ("int8_native", 8), ("int4_native", 4),
+         ("dequantize", 8), ("dequantize", 4)]
 
 
 @pytest.mark.parametrize(("kernel", "bits"), CASES)
@@ -32,7 +33,10 @@ def test_each_kernel_equals_the_formula(kernel: str, bits: int, dtype: torch.dty
     weight = module.weight_format
     if not QUANTIZED_KERNELS[kernel].available(weight.with_layout("blocked"), dtype):
         pytest.skip(f"{kernel} cannot run {dtype} on this torch build")
-    assert {k.name for k in module.calibrate(dtype).values()} == {kernel}
+    most = QUANTIZED_KERNELS[kernel].max_rows
+    assert {b: k.name for b, k in module.calibrate(dtype).items()} == {
+        b: kernel if most is None or most >= top else "dequantize"
+        for b, top in (("1", 1), ("2-8", 8), ("9-64", 64), ("65+", 512))}
     x = torch.randn(2, rows, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
     with torch.inference_mode():
         y = module(x)
@@ -83,3 +87,27 @@ def test_int4_kernel_needs_rows_in_blocks_of_64() -> None:
     with torch.inference_mode():
         torch.testing.assert_close(module(x), torch.nn.functional.linear(
             x, module.dequantize(), module.bias))
+
+
+@pytest.mark.parametrize(("native_one_row", "expected"), [
+    (10.0, {"1": "int4_native", "2-8": "int4_native"}),  # plain wins overall
+    (25.0, {"1": "int4_mm", "2-8": "int4_mm"}),  # blocked wins by more than the margin
+])
+def test_the_plan_keeps_the_codes_in_one_layout(monkeypatch: pytest.MonkeyPatch,
+                                                native_one_row: float, expected: dict) -> None:
+    """int4_native reads the plain layout, int4_mm the blocked one: a plan never mixes them
+    (a module keeps one copy of the codes), choosing the layout that loses least overall."""
+    import dataclasses
+
+    timings = {"1": {"dequantize": 100.0, "int4_native": native_one_row, "int4_mm": 30.0},
+               "2-8": {"dequantize": 100.0, "int4_native": 50.0, "int4_mm": 20.0},
+               "9-64": {"dequantize": 100.0, "int4_mm": 150.0},
+               "65+": {"dequantize": 100.0, "int4_mm": 300.0}}
+    every = {n: dataclasses.replace(k, available=lambda w, d: True)
+             for n, k in QUANTIZED_KERNELS.items()}
+    monkeypatch.setattr(qkernels, "QUANTIZED_KERNELS", every)
+    monkeypatch.setattr(qkernels, "measure", lambda w, d, b, names: {
+        n: timings[b][n] for n in names if n in timings[b]})
+    monkeypatch.delenv("ATTNLAB_QUANTIZED_KERNELS", raising=False)
+    picks = qkernels.plan(quantize(torch.randn(128, 256), 4, 64), torch.bfloat16)
+    assert picks == {**expected, "9-64": "dequantize", "65+": "dequantize"}

@@ -1,4 +1,5 @@
-"""Measured fast paths for inference: CPU kernels for ``x W^T + b`` (:mod:`.catalog`), the
+"""Measured fast paths for inference: CPU kernels for ``x W^T + b`` (:mod:`.catalog`; our
+own C++ decoding GEMVs among them, :mod:`.native`, compiled on this machine), the
 calibration that times them on this machine and caches the winners (:mod:`.calibration`,
 :mod:`.cache`), and the module that uses them (:class:`InferenceLinear`, swapped in by
 :func:`optimize_for_inference`). The formulas in :mod:`attnlab.functional` never branch on

@@ -21,9 +21,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attnlab.kernels import native
+
 __all__ = ["KERNELS", "LAYOUTS", "Kernel", "to_layout"]
 
 LAYOUTS = ("rows", "columns", "packed")
+NATIVE_MAX_ROWS = 8  # the native GEMV is offered for the decoding buckets only
 # The dtypes the fast paths are written and tested for; the formula takes every dtype.
 _FAST_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -112,6 +115,13 @@ def _rows_gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return parts + bias if bias is not None else parts
 
 
+def _native_gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x W^T + b`` by attnlab's own C++ GEMV (:mod:`attnlab.kernels.native`): each weight
+    row read once for all rows of ``x``, converted to float32 in registers."""
+    y = native.gemv(x, weight)
+    return y if bias is None else y + bias
+
+
 def _onednn_takes(dtype: torch.dtype, ops: tuple[str, ...]) -> bool:
     """Whether this torch build has oneDNN's private ``ops`` and runs ``dtype`` through them
     on this CPU (bfloat16 needs CPU support, which torch reports)."""
@@ -129,6 +139,11 @@ def _any_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
 def _one_row_over_threads(dtype: torch.dtype, rows: int, out_features: int) -> bool:
     T = torch.get_num_threads()
     return dtype in _FAST_DTYPES and rows == 1 and T > 1 and out_features % T == 0
+
+
+def _native_few_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
+    # Written for decoding: past 8 rows a BLAS GEMM reuses each weight better.
+    return dtype in _FAST_DTYPES and rows <= NATIVE_MAX_ROWS and native.available()
 
 
 def _onednn_any_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
@@ -165,5 +180,6 @@ KERNELS: dict[str, Kernel] = {
         Kernel("onednn_packed", "packed", _packed, _onednn, _onednn_packed_any_rows),
         Kernel("rows_gemv", "columns", _columns, _rows_gemv, _any_rows),
         Kernel("blocks_gemv", "rows", _rows, _blocks_gemv, _one_row_over_threads),
+        Kernel("native_gemv", "rows", _rows, _native_gemv, _native_few_rows),
     )
 }

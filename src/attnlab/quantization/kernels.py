@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attnlab.kernels import BUCKETS
+from attnlab.kernels import BUCKETS, native
 from attnlab.kernels import cache as kernel_cache
 from attnlab.quantization.formats import BLOCK_ROWS, QuantizedWeight, blocked_int4, quantize
 
@@ -34,6 +34,7 @@ __all__ = ["QUANTIZED_KERNELS", "QuantizedKernel", "forced_quantized_kernel", "m
            "plan"]
 
 _ENV = "ATTNLAB_QUANTIZED_KERNELS"
+_NATIVE_MAX_ROWS = 8  # the native GEMVs are written for decoding
 _MARGIN = 1.1  # how much faster than the formula a kernel must measure to be chosen
 _COLD_BYTES, _MAX_COPIES = 128 * 2**20, 64
 _MIN_REPEATS, _MAX_REPEATS, _BUDGET_US = 3, 9, 10_000
@@ -48,13 +49,15 @@ _ROWS = {"1": 1, "2-8": 8, "9-64": 64, "65+": 512}
 class QuantizedKernel:
     """One way to compute ``x W'^T + b``: ``prepare(weight, dtype) -> state`` (what it reads,
     made once per activation dtype), ``run(x M x I, state, bias O | None) -> M x O``,
-    ``available(weight, dtype) -> bool``; ``layout`` the int4 layout it needs (None: any)."""
+    ``available(weight, dtype) -> bool``; ``layout`` the int4 layout it needs (None: any);
+    ``max_rows`` the most rows it is offered for (None: any)."""
 
     name: str
     layout: str | None
     prepare: Callable[[QuantizedWeight, torch.dtype], tuple]
     run: Callable[[Tensor, tuple, Tensor | None], Tensor]
     available: Callable[[QuantizedWeight, torch.dtype], bool]
+    max_rows: int | None = None
 
 
 def forced_quantized_kernel(kernel: str | None = None) -> str | None:
@@ -77,14 +80,31 @@ def plan(weight: QuantizedWeight, dtype: torch.dtype, *, kernel: str | None = No
     forced = forced_quantized_kernel(kernel)
     names = [n for n, k in QUANTIZED_KERNELS.items() if k.available(weight, dtype)]
     if forced is not None:
-        return dict.fromkeys(BUCKETS, forced if forced in names else "dequantize")
-    picks = {}
-    for bucket in BUCKETS:
-        timings = measure(weight, dtype, bucket, names)
-        fastest = min(timings, key=timings.__getitem__)
-        picks[bucket] = fastest if _MARGIN * timings[fastest] <= timings["dequantize"] \
-            else "dequantize"
-    return picks
+        return {b: forced if forced in names and _takes_rows(forced, b) else "dequantize"
+                for b in BUCKETS}
+    timings = {b: measure(weight, dtype, b, [n for n in names if _takes_rows(n, b)])
+               for b in BUCKETS}
+    best = {b: min(t.values()) for b, t in timings.items()}
+    # The codes are kept in one layout: the layout whose kernels lose least against each
+    # bucket's fastest, summed over the buckets (the one kept now unless another is better
+    # by _MARGIN); within it, per bucket, the formula unless a kernel beats it by _MARGIN.
+    options = {}
+    for layout in dict.fromkeys((weight.layout, "plain", "blocked")):
+        picks = {}
+        for b, t in timings.items():
+            fits = {n: us for n, us in t.items() if QUANTIZED_KERNELS[n].layout in (None, layout)}
+            fastest = min(fits, key=fits.__getitem__)
+            picks[b] = fastest if _MARGIN * fits[fastest] <= fits["dequantize"] else "dequantize"
+        options[layout] = (sum(timings[b][n] / best[b] for b, n in picks.items()), picks)
+    chosen = min(options, key=lambda name: options[name][0])
+    if options[weight.layout][0] <= _MARGIN * options[chosen][0]:
+        chosen = weight.layout
+    return options[chosen][1]
+
+
+def _takes_rows(name: str, bucket: str) -> bool:
+    most = QUANTIZED_KERNELS[name].max_rows
+    return most is None or _ROWS[bucket] <= most
 
 
 def measure(weight: QuantizedWeight, dtype: torch.dtype, bucket: str,
@@ -194,6 +214,27 @@ def _int4_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
     return y if bias is None else y + bias
 
 
+def _int8_native_prepare(weight: QuantizedWeight, dtype: torch.dtype) -> tuple:
+    return (weight.data.contiguous(), weight.scales.contiguous())
+
+
+def _int8_native_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
+    """``x (q s)^T``: attnlab's C++ GEMV, the codes converted in registers."""
+    y = native.gemv_int8(x, *state)
+    return y if bias is None else y + bias
+
+
+def _int4_native_prepare(weight: QuantizedWeight, dtype: torch.dtype) -> tuple:
+    return (weight.data.contiguous(), weight.scales.contiguous(), weight.zeros.contiguous(),
+            weight.group_size)
+
+
+def _int4_native_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
+    """``x ((q - 8) s + z)^T`` per group: attnlab's C++ GEMV on the plain layout."""
+    y = native.gemv_int4(x, *state)
+    return y if bias is None else y + bias
+
+
 def _any(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
     return True
 
@@ -209,7 +250,14 @@ def _int4_takes(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
             and weight.group_size in (32, 64, 128, 256) and _blocked_layout_is_torchs())
 
 
+def _native_takes(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
+    return (weight.data.is_cpu and dtype in _NATIVE_DTYPES
+            and weight.scales.dtype in _NATIVE_DTYPES
+            and (weight.bits == 8 or weight.group_size % 32 == 0) and native.available())
+
+
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 _BLOCKED_CHECKED: list[bool] = []
 
 
@@ -236,5 +284,9 @@ QUANTIZED_KERNELS: dict[str, QuantizedKernel] = {
         QuantizedKernel("dequantize", None, _dequantize_prepare, _dequantize_run, _any),
         QuantizedKernel("int8_mm", None, _int8_prepare, _int8_run, _int8_takes),
         QuantizedKernel("int4_mm", "blocked", _int4_prepare, _int4_run, _int4_takes),
+        QuantizedKernel("int8_native", None, _int8_native_prepare, _int8_native_run,
+                        lambda w, d: w.bits == 8 and _native_takes(w, d), _NATIVE_MAX_ROWS),
+        QuantizedKernel("int4_native", "plain", _int4_native_prepare, _int4_native_run,
+                        lambda w, d: w.bits == 4 and _native_takes(w, d), _NATIVE_MAX_ROWS),
     )
 }

@@ -80,11 +80,11 @@ class QuantizedLinear(nn.Module):
 
     def calibrate(self, dtype: torch.dtype) -> dict[str, QuantizedKernel]:
         """The kernel per rows bucket for activations in ``dtype`` (measured or read from the
-        cache); the first calibration may re-store int4 codes in the blocked layout when a
-        kernel that reads it is chosen."""
+        cache); the first calibration may re-store int4 codes in the other layout when the
+        kernels chosen read it (the plan keeps to one layout)."""
         picks = plan(self.weight_format, dtype, kernel=self._kernel)
         needed = {QUANTIZED_KERNELS[n].layout for n in picks.values()} - {None}
-        if needed and self.layout == "plain" and not self._plans:  # decided once, then kept
+        if needed and needed != {self.layout} and not self._plans:  # decided once, then kept
             self.set_weight(self.weight_format.with_layout(needed.pop()))
         picks = {b: n if QUANTIZED_KERNELS[n].layout in (None, self.layout) else "dequantize"
                  for b, n in picks.items()}

@@ -1,0 +1,100 @@
+"""attnlab's own C++ kernels for decoding: ``y = x W^T`` for a few rows ``x``, reading each
+weight once (float32, bfloat16, int8 and 4-bit codes), compiled on this machine.
+
+A decoding step reads every weight once for one or a few rows, so its speed is the rate at
+which the weight streams from memory; PyTorch's CPU GEMV for these shapes (and its int8/int4
+ops, with one row) runs at a fraction of it. ``native_gemv.cpp``, beside this file, converts
+each weight to float32 in registers and accumulates in float32 (AVX-512 where the compiler
+targets it, else plain loops that it vectorises). It is compiled on first use with
+``torch.utils.cpp_extension`` for this CPU (``-march=native``; about half a minute, once: the
+build is kept under ``$ATTNLAB_CACHE_DIR/native``, else ``~/.cache/attnlab/native``, keyed by
+the source's hash). Nothing requires it: without a compiler (or with ``ATTNLAB_NATIVE=0``)
+:func:`available` is False and the calibration chooses among PyTorch's kernels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+__all__ = ["available", "gemv", "gemv_int4", "gemv_int8"]
+
+_SOURCE = Path(__file__).with_name("native_gemv.cpp")
+_ENV = "ATTNLAB_NATIVE"
+_LOG = logging.getLogger("attnlab.kernels")
+_BUILT: list[ModuleType | None] = []  # the loaded extension, or None when it cannot be had
+
+
+def available() -> bool:
+    """Whether the native kernels can run here: compiled now if needed (once per process)
+    unless ``$ATTNLAB_NATIVE`` is ``0``; a failed build warns once and gives False."""
+    return _extension() is not None
+
+
+def gemv(x: Tensor, weight: Tensor) -> Tensor:
+    """``x W^T`` with x ``M x I`` and weight ``O x I`` (both contiguous, float32 or both
+    bfloat16) -> ``M x O`` in x's dtype, accumulated in float32. For small ``M``."""
+    return _require().gemv(x, weight).to(x.dtype)
+
+
+def gemv_int8(x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
+    """``x (q s)^T``: q ``O x I`` int8, scales ``O`` (float32 or bfloat16), x ``M x I``
+    (float32 or bfloat16, contiguous) -> ``M x O`` in x's dtype; the scale applied to each
+    float32 dot product."""
+    return _require().gemv_int8(x, q, scales).to(x.dtype)
+
+
+def gemv_int4(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor,
+              group_size: int) -> Tensor:
+    """``x ((q - 8) s + z)^T`` per group of ``group_size`` inputs: packed ``O x I/2`` uint8
+    (code ``2j`` in the low nibble of byte ``j``), scales and zeros ``O x I/g`` (float32 or
+    bfloat16, one dtype), x ``M x I`` -> ``M x O`` in x's dtype. ``group_size`` a multiple
+    of 32."""
+    return _require().gemv_int4(x, packed, scales, zeros, group_size).to(x.dtype)
+
+
+def _require() -> ModuleType:
+    extension = _extension()
+    if extension is None:
+        raise RuntimeError("attnlab's native kernels are not available on this machine "
+                           "(see the warning given when they were first asked for)")
+    return extension
+
+
+def _extension() -> ModuleType | None:
+    if os.environ.get(_ENV, "").strip() == "0":
+        return None
+    if not _BUILT:
+        _BUILT.append(_build())
+    return _BUILT[0]
+
+
+def _build() -> ModuleType | None:
+    """The compiled extension, from the build folder when this source was built there."""
+    source = _SOURCE.read_bytes()
+    digest = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
+    folder = Path(os.environ.get("ATTNLAB_CACHE_DIR") or Path.home() / ".cache" / "attnlab")
+    build = folder / "native" / digest
+    try:
+        from torch.utils import cpp_extension
+
+        build.mkdir(parents=True, exist_ok=True)
+        _LOG.info("attnlab: compiling the native decoding kernels in %s (once)", build)
+        return cpp_extension.load(
+            name=f"attnlab_native_{digest}", sources=[str(_SOURCE)], build_directory=str(build),
+            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+            verbose=False)
+    except Exception as error:  # a missing compiler or ninja, a failed build: not fatal
+        lines = str(error).strip().splitlines()
+        reason = lines[-1] if lines else type(error).__name__
+        warnings.warn(f"attnlab's native kernels could not be built ({reason}); decoding "
+                      f"uses PyTorch's kernels. Set {_ENV}=0 to skip the attempt.",
+                      stacklevel=3)
+        return None

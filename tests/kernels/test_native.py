@@ -1,0 +1,122 @@
+"""attnlab's C++ decoding kernels (``attnlab.kernels.native``), each equal to its formula in
+float64: float32/bfloat16 GEMV, int8 with per-row scales, int4 in groups; every row count
+(blocks of 8 and 4 rows and their tails), input sizes that are not a multiple of the vector
+width, one and two threads; bad input refused by name. They are built on this machine: where
+a C++ compiler is installed, a failed build fails these tests instead of skipping them."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import pytest
+import torch
+from kernel_helpers import thread_count
+
+from attnlab.kernels import native
+from attnlab.quantization import quantize
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="no C++ compiler: the native kernels cannot be built here (calibration skips them)")
+
+
+def test_the_kernels_build_here() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed build warns: fail on it
+        assert native.available()
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
+           float32_tol: float = 1e-5) -> None:
+    assert actual.dtype == dtype
+    # float32: a reordered float32 sum; bfloat16: the result rounded to 8 bits.
+    rtol, atol = (float32_tol,) * 2 if dtype == torch.float32 else (8e-3, 1e-2)
+    torch.testing.assert_close(actual.double(), expected, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17])
+@pytest.mark.parametrize(("out_features", "in_features"), [(37, 70), (130, 64), (5, 33)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemv_equals_the_formula(dtype, rows, out_features, in_features, threads) -> None:
+    g = torch.Generator().manual_seed(rows * out_features)
+    w = torch.randn(out_features, in_features, generator=g).to(dtype)
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    with thread_count(threads):
+        y = native.gemv(x, w)
+    _close(y, x.double() @ w.double().t(), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4, 9])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_equals_dequantize_then_linear(dtype, scale_dtype, rows, threads) -> None:
+    g = torch.Generator().manual_seed(rows)
+    weight = quantize(torch.randn(69, 200, generator=g), 8, scale_dtype=scale_dtype)
+    x = torch.randn(rows, 200, generator=g).to(dtype)
+    with thread_count(threads):
+        y = native.gemv_int8(x, weight.data, weight.scales)
+    _close(y, x.double() @ weight.dequantize(torch.float64).t(), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+def test_int4_equals_dequantize_then_linear(dtype, scale_dtype, group_size, rows) -> None:
+    g = torch.Generator().manual_seed(group_size + rows)
+    weight = quantize(torch.randn(67, 512, generator=g), 4, group_size, scale_dtype)
+    x = torch.randn(rows, 512, generator=g).to(dtype)
+    with thread_count(2):
+        y = native.gemv_int4(x, weight.data, weight.scales, weight.zeros, group_size)
+    # s (q . x - 8 sum x) + z sum x: the difference of two float32 sums cancels a little.
+    _close(y, x.double() @ weight.dequantize(torch.float64).t(), dtype, float32_tol=1e-4)
+
+
+def test_int4_reads_the_low_nibble_as_the_even_input() -> None:
+    """One code set at a time: input 2j reads byte j's low nibble, input 2j+1 its high one."""
+    packed = torch.full((1, 32), 8 | (8 << 4), dtype=torch.uint8)  # every code 8: W' = z = 0
+    packed[0, 3] = 9 | (8 << 4)  # code of input 6 is 9: W'[0, 6] = s
+    scales, zeros = torch.full((1, 2), 2.0), torch.zeros(1, 2)
+    x = torch.arange(64, dtype=torch.float32)[None]
+    assert native.gemv_int4(x, packed, scales, zeros, 32).item() == 2.0 * 6
+
+
+def test_bad_input_is_refused_naming_it() -> None:
+    x, w = torch.randn(2, 64), torch.randn(8, 64)
+    with pytest.raises(RuntimeError, match="weight: expected x's dtype"):
+        native.gemv(x, w.double())
+    with pytest.raises(RuntimeError, match="weight: expected 64 stored columns"):
+        native.gemv(x, torch.randn(8, 63))
+    with pytest.raises(RuntimeError, match="x: expected a contiguous 2-D"):
+        native.gemv(x.t(), w)
+    with pytest.raises(RuntimeError, match="scales: expected 8 values"):
+        native.gemv_int8(x, torch.zeros(8, 64, dtype=torch.int8), torch.ones(7))
+    with pytest.raises(RuntimeError, match="group_size: expected a multiple of 32"):
+        native.gemv_int4(x, torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 4),
+                         torch.ones(8, 4), 16)
+
+
+def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATTNLAB_NATIVE", "0")
+    assert not native.available()
+    with pytest.raises(RuntimeError, match="not available"):
+        native.gemv(torch.randn(1, 4), torch.randn(2, 4))
+
+
+def test_a_failed_build_warns_once_and_leaves_the_choice_to_pytorchs_kernels(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils import cpp_extension
+
+    def fails(**kwargs):
+        raise RuntimeError("Error building extension 'attnlab_native'\nc++: not found")
+
+    monkeypatch.setattr(native, "_BUILT", [])
+    monkeypatch.setattr(cpp_extension, "load", fails)
+    with pytest.warns(UserWarning, match=r"could not be built \(c\+\+: not found\)"):
+        assert not native.available()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not native.available()  # decided once per process
