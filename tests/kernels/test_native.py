@@ -35,16 +35,25 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
     torch.testing.assert_close(actual.double(), expected, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+needs_pairs = pytest.mark.skipif(
+    not native.pairs_available(), reason="this CPU has no AVX512-BF16 (no pair products)")
+# (dtype, pairs): the pair products run bfloat16 only.
+GEMV_CASES = [(torch.float32, False), (torch.bfloat16, False),
+              pytest.param(torch.bfloat16, True, marks=needs_pairs)]
+
+
+@pytest.mark.parametrize(("dtype", "pairs"), GEMV_CASES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17])
-@pytest.mark.parametrize(("out_features", "in_features"), [(37, 70), (130, 64), (5, 33)])
+@pytest.mark.parametrize(("out_features", "in_features"), [(37, 70), (130, 64), (5, 33),
+                                                            (9, 160)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_gemv_equals_the_formula(dtype, rows, out_features, in_features, threads) -> None:
+def test_gemv_equals_the_formula(dtype, pairs, rows, out_features, in_features,
+                                 threads) -> None:
     g = torch.Generator().manual_seed(rows * out_features)
     w = torch.randn(out_features, in_features, generator=g).to(dtype)
     x = torch.randn(rows, in_features, generator=g).to(dtype)
     with thread_count(threads):
-        y = native.gemv(x, w)
+        y = native.gemv(x, w, pairs=pairs)
     _close(y, x.double() @ w.double().t(), dtype)
 
 
@@ -61,16 +70,20 @@ def test_int8_equals_dequantize_then_linear(dtype, scale_dtype, rows, threads) -
     _close(y, x.double() @ weight.dequantize(torch.float64).t(), dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "pairs"), GEMV_CASES)
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
+@pytest.mark.parametrize(("group_size", "in_features"), [(32, 512), (64, 512), (128, 512),
+                                                         (256, 512), (32, 1088)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 6])
-def test_int4_equals_dequantize_then_linear(dtype, scale_dtype, group_size, rows) -> None:
+def test_int4_equals_dequantize_then_linear(dtype, pairs, scale_dtype, group_size,
+                                            in_features, rows) -> None:
+    """1088 / 32 = 34 groups: more than the 16 whose scales the pair loop reads at once."""
     g = torch.Generator().manual_seed(group_size + rows)
-    weight = quantize(torch.randn(67, 512, generator=g), 4, group_size, scale_dtype)
-    x = torch.randn(rows, 512, generator=g).to(dtype)
+    weight = quantize(torch.randn(67, in_features, generator=g), 4, group_size, scale_dtype)
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
     with thread_count(2):
-        y = native.gemv_int4(x, weight.data, weight.scales, weight.zeros, group_size)
+        y = native.gemv_int4(x, weight.data, weight.scales, weight.zeros, group_size,
+                             pairs=pairs)
     # s (q . x - 8 sum x) + z sum x: the difference of two float32 sums cancels a little.
     _close(y, x.double() @ weight.dequantize(torch.float64).t(), dtype, float32_tol=1e-4)
 
@@ -94,6 +107,8 @@ def test_bad_input_is_refused_naming_it() -> None:
         native.gemv(x.t(), w)
     with pytest.raises(RuntimeError, match="scales: expected 8 values"):
         native.gemv_int8(x, torch.zeros(8, 64, dtype=torch.int8), torch.ones(7))
+    with pytest.raises(RuntimeError, match="pairs: expected bfloat16"):
+        native.gemv(x, w, pairs=True)
     with pytest.raises(RuntimeError, match="group_size: expected a multiple of 32"):
         native.gemv_int4(x, torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 4),
                          torch.ones(8, 4), 16)

@@ -122,6 +122,13 @@ def _native_gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return y if bias is None else y + bias
 
 
+def _native_pairs(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x W^T + b`` by attnlab's C++ GEMV taking bfloat16 products in pairs (``vdpbf16ps``)
+    instead of widening the weight."""
+    y = native.gemv(x, weight, pairs=True)
+    return y if bias is None else y + bias
+
+
 def _onednn_takes(dtype: torch.dtype, ops: tuple[str, ...]) -> bool:
     """Whether this torch build has oneDNN's private ``ops`` and runs ``dtype`` through them
     on this CPU (bfloat16 needs CPU support, which torch reports)."""
@@ -144,6 +151,10 @@ def _one_row_over_threads(dtype: torch.dtype, rows: int, out_features: int) -> b
 def _native_few_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
     # Written for decoding: past 8 rows a BLAS GEMM reuses each weight better.
     return dtype in _FAST_DTYPES and rows <= NATIVE_MAX_ROWS and native.available()
+
+
+def _native_pairs_few_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
+    return dtype == torch.bfloat16 and rows <= NATIVE_MAX_ROWS and native.pairs_available()
 
 
 def _onednn_any_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
@@ -181,5 +192,6 @@ KERNELS: dict[str, Kernel] = {
         Kernel("rows_gemv", "columns", _columns, _rows_gemv, _any_rows),
         Kernel("blocks_gemv", "rows", _rows, _blocks_gemv, _one_row_over_threads),
         Kernel("native_gemv", "rows", _rows, _native_gemv, _native_few_rows),
+        Kernel("native_pairs", "rows", _rows, _native_pairs, _native_pairs_few_rows),
     )
 }

@@ -24,7 +24,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-__all__ = ["available", "gemv", "gemv_int4", "gemv_int8"]
+__all__ = ["available", "gemv", "gemv_int4", "gemv_int8", "pairs_available"]
 
 _SOURCE = Path(__file__).with_name("native_gemv.cpp")
 _ENV = "ATTNLAB_NATIVE"
@@ -38,10 +38,19 @@ def available() -> bool:
     return _extension() is not None
 
 
-def gemv(x: Tensor, weight: Tensor) -> Tensor:
+def pairs_available() -> bool:
+    """Whether the build has the bfloat16 pair-product loops (AVX512-BF16's ``vdpbf16ps``),
+    which ``pairs=True`` asks for."""
+    extension = _extension()
+    return extension is not None and extension.has_pairs()
+
+
+def gemv(x: Tensor, weight: Tensor, *, pairs: bool = False) -> Tensor:
     """``x W^T`` with x ``M x I`` and weight ``O x I`` (both contiguous, float32 or both
-    bfloat16) -> ``M x O`` in x's dtype, accumulated in float32. For small ``M``."""
-    return _require().gemv(x, weight).to(x.dtype)
+    bfloat16) -> ``M x O`` in x's dtype, accumulated in float32. For small ``M``.
+    ``pairs``: bfloat16 products taken two at a time by ``vdpbf16ps`` instead of widening
+    the weight to float32 (see :func:`pairs_available`)."""
+    return _require().gemv(x, weight, pairs).to(x.dtype)
 
 
 def gemv_int8(x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
@@ -52,12 +61,13 @@ def gemv_int8(x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
 
 
 def gemv_int4(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor,
-              group_size: int) -> Tensor:
+              group_size: int, *, pairs: bool = False) -> Tensor:
     """``x ((q - 8) s + z)^T`` per group of ``group_size`` inputs: packed ``O x I/2`` uint8
     (code ``2j`` in the low nibble of byte ``j``), scales and zeros ``O x I/g`` (float32 or
     bfloat16, one dtype), x ``M x I`` -> ``M x O`` in x's dtype. ``group_size`` a multiple
-    of 32."""
-    return _require().gemv_int4(x, packed, scales, zeros, group_size).to(x.dtype)
+    of 32. ``pairs`` (bfloat16 x): the codes read as the bfloat16 numbers ``128 + q`` and
+    multiplied with x two at a time by ``vdpbf16ps``."""
+    return _require().gemv_int4(x, packed, scales, zeros, group_size, pairs).to(x.dtype)
 
 
 def _require() -> ModuleType:

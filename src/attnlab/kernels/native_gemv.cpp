@@ -7,21 +7,32 @@
 //                                  s and z per row and group of g inputs (O x K/g)
 //
 // Every function returns float32 (M x O); the caller rounds to its dtype and adds a bias.
-// Threads split the output rows through ATen's parallel_for (torch's own thread pool).
-// Written plainly so that the compiler vectorises it for the machine it is built on
-// (-O3 -march=native); `omp simd` lets it reorder the float sums, which is what makes a
-// vector reduction possible (the result differs from a sequential sum only by rounding).
+// Threads split the output rows through ATen's parallel_for (torch's own thread pool). Each
+// weight row is read once and used for every row of x (in blocks of up to 8 rows).
+//
+// The inner loops, by what the compiler targets (-march=native):
+// - AVX-512: weights widened to float32, fused multiply-adds;
+// - otherwise plain loops that the compiler vectorises (`omp simd` lets it reorder the sums);
+// - with AVX512-BF16 also, when asked (`pairs`) and x is bfloat16: bfloat16 weights, and
+//   4-bit codes turned into the bfloat16 numbers 128 + q (exact), multiplied by x in pairs
+//   into float32 sums (vdpbf16ps). Fewer instructions, longer dependency chains: which of the
+//   two is faster depends on the CPU and the row count, so calibration measures both.
+// The sums are float32 in every build, in another order than a sequential sum.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define ATTNLAB_AVX512 1
+#if defined(__AVX512BF16__)
+#define ATTNLAB_AVX512BF16 1
+#endif
 #endif
 
 namespace {
@@ -39,11 +50,30 @@ inline float load(int8_t v) { return static_cast<float>(v); }
 
 constexpr int64_t kGrain = 64;  // output rows per task, at least
 
+// f(std::integral_constant<int, MB>, m0) for the rows [m0, m0 + MB) of x, MB <= MAX: the
+// inner loops keep MB sums in registers, so MB is a compile-time constant.
+template <int N, typename F>
+inline void with_rows(int64_t n, F&& f) {
+  if constexpr (N > 1) {
+    if (n < N) return with_rows<N - 1>(n, f);
+  }
+  f(std::integral_constant<int, N>{});
+}
+
+template <int MAX, typename F>
+void in_row_blocks(int64_t M, F&& f) {
+  for (int64_t m0 = 0; m0 < M; m0 += MAX)
+    with_rows<MAX>(std::min<int64_t>(MAX, M - m0), [&](auto mb) { f(mb, m0); });
+}
+
 // x as float32 (M x K), converted once for all threads.
 std::vector<float> as_float(const torch::Tensor& x) {
   auto f = x.to(torch::kFloat32).contiguous();
   return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
 }
+
+template <typename T>
+const T* ptr(const torch::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); }
 
 #ifdef ATTNLAB_AVX512
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -55,12 +85,11 @@ inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// y[m, o] = row_scale(o) * sum_k W[o, k] x[m, k], m < MB, o in [begin, end): each weight row
-// is read once and converted once for all MB rows of x; two accumulators per row of x keep
-// two FMA chains in flight.
+// y[m, o] = row_scale(o) * sum_k W[o, k] x[m, k] for MB rows of x (float32), o in
+// [begin, end); two sums per row of x keep two FMA chains in flight.
 template <int MB, typename W, typename Scale>
-void rows_times_x_block(const W* w, const float* x, float* y, int64_t O, int64_t K,
-                        int64_t begin, int64_t end, Scale row_scale) {
+void widened_rows(const W* w, const float* x, float* y, int64_t O, int64_t K, int64_t begin,
+                  int64_t end, Scale row_scale) {
   for (int64_t o = begin; o < end; ++o) {
     const W* row = w + o * K;
     __m512 acc[MB], acc2[MB];
@@ -89,36 +118,59 @@ void rows_times_x_block(const W* w, const float* x, float* y, int64_t O, int64_t
 template <typename W, typename Scale>
 void rows_times_x(const W* w, const float* x, float* y, int64_t M, int64_t O, int64_t K,
                   int64_t begin, int64_t end, Scale row_scale) {
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    const float* xm = x + m0 * K;
-    float* ym = y + m0 * O;
-    switch (std::min<int64_t>(8, M - m0)) {
-      case 1: rows_times_x_block<1>(w, xm, ym, O, K, begin, end, row_scale); break;
-      case 2: rows_times_x_block<2>(w, xm, ym, O, K, begin, end, row_scale); break;
-      case 3: rows_times_x_block<3>(w, xm, ym, O, K, begin, end, row_scale); break;
-      case 4: rows_times_x_block<4>(w, xm, ym, O, K, begin, end, row_scale); break;
-      case 5: rows_times_x_block<5>(w, xm, ym, O, K, begin, end, row_scale); break;
-      case 6: rows_times_x_block<6>(w, xm, ym, O, K, begin, end, row_scale); break;
-      case 7: rows_times_x_block<7>(w, xm, ym, O, K, begin, end, row_scale); break;
-      default: rows_times_x_block<8>(w, xm, ym, O, K, begin, end, row_scale); break;
-    }
-  }
+  in_row_blocks<8>(M, [&](auto mb, int64_t m0) {
+    widened_rows<decltype(mb)::value>(w, x + m0 * K, y + m0 * O, O, K, begin, end, row_scale);
+  });
 }
 #else
-template <typename W>
-inline float dot1(const W* w, int64_t K, const float* x) {
-  float a = 0.f;
-#pragma omp simd reduction(+ : a)
-  for (int64_t k = 0; k < K; ++k) a += load(w[k]) * x[k];
-  return a;
-}
-
 // y[m, o] = row_scale(o) * sum_k W[o, k] x[m, k] for o in [begin, end).
 template <typename W, typename Scale>
 void rows_times_x(const W* w, const float* x, float* y, int64_t M, int64_t O, int64_t K,
                   int64_t begin, int64_t end, Scale row_scale) {
-  for (int64_t o = begin; o < end; ++o)
-    for (int64_t m = 0; m < M; ++m) y[m * O + o] = dot1(w + o * K, K, x + m * K) * row_scale(o);
+  for (int64_t o = begin; o < end; ++o) {
+    const W* row = w + o * K;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      float a = 0.f;
+#pragma omp simd reduction(+ : a)
+      for (int64_t k = 0; k < K; ++k) a += load(row[k]) * xm[k];
+      y[m * O + o] = a * row_scale(o);
+    }
+  }
+}
+#endif
+
+#ifdef ATTNLAB_AVX512BF16
+inline __m512bh as_bf16(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+inline __m512bh load32_bf16(const uint16_t* p) { return as_bf16(_mm512_loadu_si512(p)); }
+
+// y[m, o] = sum_k W[o, k] x[m, k] with W and x bfloat16: products of pairs summed in float32
+// by vdpbf16ps, 32 inputs an instruction.
+template <int MB>
+void bf16_rows(const uint16_t* w, const uint16_t* x, float* y, int64_t O, int64_t K,
+               int64_t begin, int64_t end) {
+  for (int64_t o = begin; o < end; ++o) {
+    const uint16_t* row = w + o * K;
+    __m512 acc[MB], acc2[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = acc2[m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+      const __m512bh a = load32_bf16(row + k), b = load32_bf16(row + k + 32);
+      for (int m = 0; m < MB; ++m) {
+        acc[m] = _mm512_dpbf16_ps(acc[m], a, load32_bf16(x + m * K + k));
+        acc2[m] = _mm512_dpbf16_ps(acc2[m], b, load32_bf16(x + m * K + k + 32));
+      }
+    }
+    for (; k + 32 <= K; k += 32) {
+      const __m512bh a = load32_bf16(row + k);
+      for (int m = 0; m < MB; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], a, load32_bf16(x + m * K + k));
+    }
+    for (int m = 0; m < MB; ++m) {
+      float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], acc2[m]));
+      for (int64_t t = k; t < K; ++t) sum += from_bf16(row[t]) * from_bf16(x[m * K + t]);
+      y[m * O + o] = sum;
+    }
+  }
 }
 #endif
 
@@ -128,31 +180,46 @@ void check_rows(const torch::Tensor& x, const torch::Tensor& w, int64_t k_stored
   TORCH_CHECK(w.size(1) == k_stored, "weight: expected ", k_stored, " stored columns, got ", w.size(1));
 }
 
-template <typename S>
-const S* scale_ptr(const torch::Tensor& s) { return reinterpret_cast<const S*>(s.data_ptr()); }
-
 }  // namespace
 
-torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w) {
+bool has_pairs() {
+#ifdef ATTNLAB_AVX512BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, bool pairs) {
   check_rows(x, w, x.size(1));
   TORCH_CHECK(w.scalar_type() == x.scalar_type(), "weight: expected x's dtype");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16,
+              "weight: expected float32 or bfloat16");
   const int64_t M = x.size(0), K = x.size(1), O = w.size(0);
   auto y = torch::empty({M, O}, x.options().dtype(torch::kFloat32));
-  const auto xf = as_float(x);
   float* out = y.data_ptr<float>();
-  auto one = [](int64_t) { return 1.f; };
-  if (w.scalar_type() == torch::kFloat32) {
-    const float* wp = w.data_ptr<float>();
+  TORCH_CHECK(!pairs || (has_pairs() && w.scalar_type() == torch::kBFloat16),
+              "pairs: expected bfloat16 and a build with AVX512-BF16");
+#ifdef ATTNLAB_AVX512BF16
+  if (pairs) {
+    const uint16_t *wp = ptr<uint16_t>(w), *xp = ptr<uint16_t>(x);
     at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
-      rows_times_x(wp, xf.data(), out, M, O, K, b, e, one);
+      in_row_blocks<8>(M, [&](auto mb, int64_t m0) {
+        bf16_rows<decltype(mb)::value>(wp, xp + m0 * K, out + m0 * O, O, K, b, e);
+      });
     });
-  } else {
-    TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "weight: expected float32 or bfloat16");
-    const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-    at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
-      rows_times_x(wp, xf.data(), out, M, O, K, b, e, one);
-    });
+    return y;
   }
+#endif
+  const auto xf = as_float(x);
+  auto one = [](int64_t) { return 1.f; };
+  auto run = [&](const auto* wp) {
+    at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
+      rows_times_x(wp, xf.data(), out, M, O, K, b, e, one);
+    });
+  };
+  if (w.scalar_type() == torch::kFloat32) run(ptr<float>(w));
+  else run(ptr<uint16_t>(w));
   return y;
 }
 
@@ -161,21 +228,22 @@ torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& q, const to
   TORCH_CHECK(q.scalar_type() == torch::kChar, "q: expected int8");
   const int64_t M = x.size(0), K = x.size(1), O = q.size(0);
   TORCH_CHECK(s.is_contiguous() && s.numel() == O, "scales: expected ", O, " values");
+  TORCH_CHECK(s.scalar_type() == torch::kFloat32 || s.scalar_type() == torch::kBFloat16,
+              "scales: expected float32 or bfloat16");
   auto y = torch::empty({M, O}, x.options().dtype(torch::kFloat32));
   const auto xf = as_float(x);
   float* out = y.data_ptr<float>();
-  const int8_t* qp = q.data_ptr<int8_t>();
+  const int8_t* qp = ptr<int8_t>(q);
   auto run = [&](auto row_scale) {
     at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
       rows_times_x(qp, xf.data(), out, M, O, K, b, e, row_scale);
     });
   };
   if (s.scalar_type() == torch::kFloat32) {
-    const float* sp = scale_ptr<float>(s);
+    const float* sp = ptr<float>(s);
     run([sp](int64_t o) { return sp[o]; });
   } else {
-    TORCH_CHECK(s.scalar_type() == torch::kBFloat16, "scales: expected float32 or bfloat16");
-    const uint16_t* sp = scale_ptr<uint16_t>(s);
+    const uint16_t* sp = ptr<uint16_t>(s);
     run([sp](int64_t o) { return from_bf16(sp[o]); });
   }
   return y;
@@ -183,17 +251,79 @@ torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& q, const to
 
 namespace {
 
-// y[m, o] for o in [begin, end): per group j, s_j (q . x - 8 sum x) + z_j sum x, with the
-// codes of a byte multiplied by the even (low nibble) and odd (high nibble) inputs.
-#ifdef ATTNLAB_AVX512
+// The 4-bit kernels compute, per row o and group j of g inputs,
+//   sum_k W'[o, k] x[k] = s_j (sum_k q_k x_k - c sum_k x_k) + (z_j - (8 - c) s_j) sum_k x_k
+// with c = 8 (codes as they are) or c = 136 (codes read as the bfloat16 numbers 128 + q).
+struct Int4Args {
+  const uint8_t* q;
+  const float* xsum;  // M x groups
+  float* y;
+  int64_t O, K, g;
+};
+
+#ifdef ATTNLAB_AVX512BF16
+// 16 bytes -> 32 bfloat16 numbers 128 + q in input order: byte j's low nibble is input 2j.
+inline __m512bh int4_as_bf16(const uint8_t* p) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  // low half of each 32-bit lane: low nibble, high half: high nibble; then 0x4300 | q.
+  const __m512i both = _mm512_or_si512(b, _mm512_slli_epi32(b, 12));
+  return as_bf16(_mm512_ternarylogic_epi32(both, _mm512_set1_epi32(0x000F000F),
+                                           _mm512_set1_epi32(0x43004300), 0xEA));  // (a & b) | c
+}
+
+// 16 scales (or zeros) from position p as float32, the lanes past n zero.
+inline __m512 load_scales(const float* p, __mmask16 n) { return _mm512_maskz_loadu_ps(n, p); }
+inline __m512 load_scales(const uint16_t* p, __mmask16 n) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(n, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
 template <int MB, typename S>
-void int4_block(const uint8_t* q, const S* s, const S* z, const float* xe, const float* xo,
-                const float* xsum, float* y, int64_t O, int64_t K, int64_t g,
-                int64_t begin, int64_t end) {
-  const int64_t groups = K / g, half = g / 2, stride = K / 2;
+void int4_bf16_rows(const Int4Args& a, const S* s, const S* z, const uint16_t* x,
+                    int64_t begin, int64_t end) {
+  const int64_t groups = a.K / a.g, stride = a.K / 2;
+  alignas(64) float scale[16];
+  for (int64_t o = begin; o < end; ++o) {
+    const uint8_t* row = a.q + o * stride;
+    __m512 acc[2][MB], shift[MB];
+    for (int m = 0; m < MB; ++m) acc[0][m] = acc[1][m] = shift[m] = _mm512_setzero_ps();
+    // Groups 16 at a time: their scales and zeros read as vectors, the shift term summed in
+    // vectors, each scale then broadcast from the stack.
+    for (int64_t j0 = 0; j0 < groups; j0 += 16) {
+      const int64_t n = std::min<int64_t>(16, groups - j0);
+      const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1u);
+      const __m512 s16 = load_scales(s + o * groups + j0, lanes);
+      const __m512 z16 = load_scales(z + o * groups + j0, lanes);
+      const __m512 shift16 = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), s16, z16);  // z - 136 s
+      for (int m = 0; m < MB; ++m)
+        shift[m] = _mm512_fmadd_ps(shift16, _mm512_maskz_loadu_ps(lanes, a.xsum + m * groups + j0), shift[m]);
+      _mm512_store_ps(scale, s16);
+      for (int64_t j = j0; j < j0 + n; ++j) {
+        __m512 dot[MB];
+        for (int m = 0; m < MB; ++m) dot[m] = _mm512_setzero_ps();
+        for (int64_t k = j * a.g; k < (j + 1) * a.g; k += 32) {
+          const __m512bh codes = int4_as_bf16(row + k / 2);
+          for (int m = 0; m < MB; ++m) dot[m] = _mm512_dpbf16_ps(dot[m], codes, load32_bf16(x + m * a.K + k));
+        }
+        const __m512 sj = _mm512_set1_ps(scale[j - j0]);
+        for (int m = 0; m < MB; ++m) acc[j & 1][m] = _mm512_fmadd_ps(sj, dot[m], acc[j & 1][m]);
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      a.y[m * a.O + o] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]), shift[m]));
+  }
+}
+#endif
+
+#ifdef ATTNLAB_AVX512
+// x split into its even (xe) and odd (xo) inputs, M x K/2 each, float32.
+template <int MB, typename S>
+void int4_widened_rows(const Int4Args& a, const S* s, const S* z, const float* xe,
+                       const float* xo, int64_t begin, int64_t end) {
+  const int64_t groups = a.K / a.g, half = a.g / 2, stride = a.K / 2;
   const __m512i low = _mm512_set1_epi32(15);
   for (int64_t o = begin; o < end; ++o) {
-    const uint8_t* row = q + o * stride;
+    const uint8_t* row = a.q + o * stride;
     __m512 acc[MB];
     float shift[MB];
     for (int m = 0; m < MB; ++m) { acc[m] = _mm512_setzero_ps(); shift[m] = 0.f; }
@@ -213,54 +343,33 @@ void int4_block(const uint8_t* q, const S* s, const S* z, const float* xe, const
       const __m512 scale = _mm512_set1_ps(sj);
       for (int m = 0; m < MB; ++m) {
         acc[m] = _mm512_fmadd_ps(scale, _mm512_add_ps(dlo[m], dhi[m]), acc[m]);
-        shift[m] += (zj - 8.f * sj) * xsum[m * groups + j];
+        shift[m] += (zj - 8.f * sj) * a.xsum[m * groups + j];
       }
     }
-    for (int m = 0; m < MB; ++m) y[m * O + o] = _mm512_reduce_add_ps(acc[m]) + shift[m];
-  }
-}
-
-template <typename S>
-void int4_rows(const uint8_t* q, const S* s, const S* z, const float* xe, const float* xo,
-               const float* xsum, float* y, int64_t M, int64_t O, int64_t K, int64_t g,
-               int64_t begin, int64_t end) {
-  const int64_t stride = K / 2, groups = K / g;
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    const float *e = xe + m0 * stride, *d = xo + m0 * stride, *t = xsum + m0 * groups;
-    float* ym = y + m0 * O;
-    switch (std::min<int64_t>(4, M - m0)) {
-      case 1: int4_block<1>(q, s, z, e, d, t, ym, O, K, g, begin, end); break;
-      case 2: int4_block<2>(q, s, z, e, d, t, ym, O, K, g, begin, end); break;
-      case 3: int4_block<3>(q, s, z, e, d, t, ym, O, K, g, begin, end); break;
-      default: int4_block<4>(q, s, z, e, d, t, ym, O, K, g, begin, end); break;
-    }
+    for (int m = 0; m < MB; ++m) a.y[m * a.O + o] = _mm512_reduce_add_ps(acc[m]) + shift[m];
   }
 }
 #else
-template <typename S>
-void int4_rows(const uint8_t* q, const S* s, const S* z, const float* xe, const float* xo,
-               const float* xsum, float* y, int64_t M, int64_t O, int64_t K, int64_t g,
-               int64_t begin, int64_t end) {
-  const int64_t groups = K / g, half = g / 2;
+template <int MB, typename S>
+void int4_widened_rows(const Int4Args& a, const S* s, const S* z, const float* xe,
+                       const float* xo, int64_t begin, int64_t end) {
+  const int64_t groups = a.K / a.g, half = a.g / 2, stride = a.K / 2;
   for (int64_t o = begin; o < end; ++o) {
-    const uint8_t* row = q + o * (K / 2);
-    for (int64_t m = 0; m < M; ++m) {
-      const float* e = xe + m * (K / 2);
-      const float* d = xo + m * (K / 2);
+    const uint8_t* row = a.q + o * stride;
+    for (int m = 0; m < MB; ++m) {
       float acc = 0.f;
       for (int64_t j = 0; j < groups; ++j) {
         const uint8_t* bytes = row + j * half;
-        const float* ej = e + j * half;
-        const float* dj = d + j * half;
+        const float* e = xe + m * stride + j * half;
+        const float* d = xo + m * stride + j * half;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < half; ++i) {
-          dot += static_cast<float>(bytes[i] & 15) * ej[i] + static_cast<float>(bytes[i] >> 4) * dj[i];
-        }
-        const float sum = xsum[m * groups + j];
+        for (int64_t i = 0; i < half; ++i)
+          dot += static_cast<float>(bytes[i] & 15) * e[i] + static_cast<float>(bytes[i] >> 4) * d[i];
+        const float sum = a.xsum[m * groups + j];
         acc += load(s[o * groups + j]) * (dot - 8.f * sum) + load(z[o * groups + j]) * sum;
       }
-      y[m * O + o] = acc;
+      a.y[m * a.O + o] = acc;
     }
   }
 }
@@ -269,7 +378,7 @@ void int4_rows(const uint8_t* q, const S* s, const S* z, const float* xe, const 
 }  // namespace
 
 torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
-                        const torch::Tensor& z, int64_t group_size) {
+                        const torch::Tensor& z, int64_t group_size, bool pairs) {
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0,
               "group_size: expected a multiple of 32 dividing x's ", K, " columns, got ",
@@ -278,35 +387,56 @@ torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const to
   TORCH_CHECK(q.scalar_type() == torch::kByte, "q: expected uint8");
   const int64_t O = q.size(0), groups = K / group_size;
   TORCH_CHECK(s.is_contiguous() && z.is_contiguous() && s.numel() == O * groups &&
-                  z.numel() == O * groups && s.scalar_type() == z.scalar_type(),
-              "scales, zeros: expected ", O, " x ", groups, " values of one dtype");
+                  z.numel() == O * groups && s.scalar_type() == z.scalar_type() &&
+                  (s.scalar_type() == torch::kFloat32 || s.scalar_type() == torch::kBFloat16),
+              "scales, zeros: expected ", O, " x ", groups, " float32 or bfloat16 values of one dtype");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "x: expected float32 or bfloat16");
+  TORCH_CHECK(!pairs || (has_pairs() && x.scalar_type() == torch::kBFloat16),
+              "pairs: expected bfloat16 x and a build with AVX512-BF16");
   auto y = torch::empty({M, O}, x.options().dtype(torch::kFloat32));
   const auto xf = as_float(x);
-  std::vector<float> xe(M * K / 2), xo(M * K / 2), xsum(M * groups, 0.f);
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t i = 0; i < K / 2; ++i) {
-      xe[m * K / 2 + i] = xf[m * K + 2 * i];
-      xo[m * K / 2 + i] = xf[m * K + 2 * i + 1];
-    }
+  std::vector<float> xsum(M * groups, 0.f);
+  for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / group_size] += xf[m * K + k];
-  }
-  float* out = y.data_ptr<float>();
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  auto run = [&](auto* sp, auto* zp) {
+  const Int4Args args{ptr<uint8_t>(q), xsum.data(), y.data_ptr<float>(), O, K, group_size};
+  auto run = [&](const auto* sp, const auto* zp) {
+#ifdef ATTNLAB_AVX512BF16
+    if (pairs) {
+      const uint16_t* xp = ptr<uint16_t>(x);
+      at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
+        in_row_blocks<4>(M, [&](auto mb, int64_t m0) {
+          Int4Args rows = args;
+          rows.xsum += m0 * groups;
+          rows.y += m0 * O;
+          int4_bf16_rows<decltype(mb)::value>(rows, sp, zp, xp + m0 * K, b, e);
+        });
+      });
+      return;
+    }
+#endif
+    std::vector<float> xe(M * K / 2), xo(M * K / 2);
+    for (int64_t i = 0; i < M * K / 2; ++i) {
+      xe[i] = xf[2 * i];
+      xo[i] = xf[2 * i + 1];
+    }
     at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
-      int4_rows(qp, sp, zp, xe.data(), xo.data(), xsum.data(), out, M, O, K, group_size, b, e);
+      in_row_blocks<4>(M, [&](auto mb, int64_t m0) {
+        Int4Args rows = args;
+        rows.xsum += m0 * groups;
+        rows.y += m0 * O;
+        int4_widened_rows<decltype(mb)::value>(rows, sp, zp, xe.data() + m0 * K / 2,
+                                               xo.data() + m0 * K / 2, b, e);
+      });
     });
   };
-  if (s.scalar_type() == torch::kFloat32) {
-    run(scale_ptr<float>(s), scale_ptr<float>(z));
-  } else {
-    TORCH_CHECK(s.scalar_type() == torch::kBFloat16, "scales: expected float32 or bfloat16");
-    run(scale_ptr<uint16_t>(s), scale_ptr<uint16_t>(z));
-  }
+  if (s.scalar_type() == torch::kFloat32) run(ptr<float>(s), ptr<float>(z));
+  else run(ptr<uint16_t>(s), ptr<uint16_t>(z));
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("has_pairs", &has_pairs, "whether this build has the bfloat16 pair-product loops");
   m.def("gemv", &gemv, "y = x W^T (float32), W float32 or bfloat16");
   m.def("gemv_int8", &gemv_int8, "y = x (q s)^T (float32), q int8 per-row scales s");
   m.def("gemv_int4", &gemv_int4, "y = x ((q - 8) s + z)^T (float32), 4-bit groups");

@@ -235,6 +235,12 @@ def _int4_native_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
     return y if bias is None else y + bias
 
 
+def _int4_pairs_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
+    """The same, the codes read as bfloat16 and multiplied with x in pairs (``vdpbf16ps``)."""
+    y = native.gemv_int4(x, *state, pairs=True)
+    return y if bias is None else y + bias
+
+
 def _any(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
     return True
 
@@ -288,5 +294,8 @@ QUANTIZED_KERNELS: dict[str, QuantizedKernel] = {
                         lambda w, d: w.bits == 8 and _native_takes(w, d), _NATIVE_MAX_ROWS),
         QuantizedKernel("int4_native", "plain", _int4_native_prepare, _int4_native_run,
                         lambda w, d: w.bits == 4 and _native_takes(w, d), _NATIVE_MAX_ROWS),
+        QuantizedKernel("int4_native_pairs", "plain", _int4_native_prepare, _int4_pairs_run,
+                        lambda w, d: (w.bits == 4 and d == torch.bfloat16 and _native_takes(w, d)
+                                      and native.pairs_available()), _NATIVE_MAX_ROWS),
     )
 }
