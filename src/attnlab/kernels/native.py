@@ -39,7 +39,7 @@ def available() -> bool:
 
 
 def pairs_available() -> bool:
-    """Whether the build has the bfloat16 pair-product loops (AVX512-BF16's ``vdpbf16ps``),
+    """Whether the build has the bfloat16 pair-product loops (the bfloat16 dot-product instruction ``vdpbf16ps``, when the compiler targets a CPU that has it),
     which ``pairs=True`` asks for."""
     extension = _extension()
     return extension is not None and extension.has_pairs()
