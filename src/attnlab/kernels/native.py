@@ -39,8 +39,9 @@ def available() -> bool:
 
 
 def pairs_available() -> bool:
-    """Whether the build has the bfloat16 pair-product loops (the bfloat16 dot-product instruction ``vdpbf16ps``, when the compiler targets a CPU that has it),
-    which ``pairs=True`` asks for."""
+    """Whether the build has the bfloat16 pair-product loops that ``pairs=True`` asks for
+    (the dot-product instruction ``vdpbf16ps``, built when the compiler targets a CPU that
+    has it)."""
     extension = _extension()
     return extension is not None and extension.has_pairs()
 
