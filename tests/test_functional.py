@@ -207,6 +207,22 @@ def test_causal_query_longer_than_keys_gives_zero_rows():
         assert torch.equal(out[0, 0, :4], torch.zeros(4, 4)), backend
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_one_causal_query_sees_every_key(backend, with_mask):
+    """A decoding step: the one query is the last position, so the bottom-right causal mask
+    hides nothing (the library drops it); with a key mask, only that mask counts."""
+    q, k, v = make((2, 4, 1, 8), (2, 2, 7, 8))
+    mask = torch.tensor([[True] * 7, [False, False, True, True, True, True, True]])[:, None,
+                                                                                   None]
+    mask = mask if with_mask else None
+    out = scaled_dot_product_attention(q, k, v, mask, is_causal=True, enable_gqa=True,
+                                       backend=backend)
+    assert_close(out, reference(q, k, v, mask, is_causal=True))
+    plain = scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, backend=backend)
+    assert torch.equal(out, plain)
+
+
 def test_no_keys_at_all_gives_zero_rows():
     q, k, v = make((1, 2, 3, 4), (1, 2, 0, 4))
     for backend in BACKENDS:

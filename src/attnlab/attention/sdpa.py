@@ -64,6 +64,10 @@ def scaled_dot_product_attention(
       ``auto`` then runs ``math`` and another explicit backend raises.
     """
     scale = _check_inputs(query, key, value, mask, scale, dropout_p, backend)
+    if is_causal and query.shape[-2] == 1:
+        # One query is the last position: the bottom-right causal mask lets it see every key
+        # (decoding). Dropping it spares the backends a mask, and the fused one its slow path.
+        is_causal = False
     chosen = _choose_backend(backend, return_weights, dropout_p, mask, hook is not None)
     rank = max(query.dim(), key.dim(), value.dim())
     query, key, value = _broadcast(query, key, value, enable_gqa)
@@ -85,6 +89,13 @@ def scaled_dot_product_attention(
     return out.squeeze(0) if rank == 2 else out
 
 
+def _broadcast_shapes(*shapes: torch.Size) -> torch.Size:
+    """``torch.broadcast_shapes``, answered at once when the shapes are equal (every call of
+    a model: the general one costs microseconds per call in Python)."""
+    first = shapes[0]
+    return first if all(s == first for s in shapes[1:]) else torch.broadcast_shapes(*shapes)
+
+
 def _broadcast(
     query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -101,7 +112,7 @@ def _broadcast(
                          for t in (query, key, value))
     shapes = {"query": query.shape[:-3], "key": key.shape[:-3], "value": value.shape[:-3]}
     try:
-        lead = torch.broadcast_shapes(*shapes.values())
+        lead = _broadcast_shapes(*shapes.values())
     except RuntimeError:
         raise ValueError(
             "key: expected leading dims N.. that broadcast with query's (as torch.matmul), "
@@ -129,7 +140,7 @@ def _broadcast(
         query = query.expand(*query.shape[:-3], H, -1, -1)
         key, value = key.expand(*key.shape[:-3], H, -1, -1), value.expand(
             *value.shape[:-3], H, -1, -1)
-    kv_lead = torch.broadcast_shapes(key.shape[:-3], value.shape[:-3])
+    kv_lead = _broadcast_shapes(key.shape[:-3], value.shape[:-3])
     return (query.expand(*lead, -1, -1, -1), key.expand(*kv_lead, -1, -1, -1),
             value.expand(*kv_lead, -1, -1, -1))
 
