@@ -135,3 +135,25 @@ def test_a_failed_build_warns_once_and_leaves_the_choice_to_pytorchs_kernels(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not native.available()  # decided once per process
+
+
+def test_ninja_comes_from_its_package_when_not_on_the_path() -> None:
+    """torch builds extensions with ninja; the ``ninja`` dependency ships one beside Python."""
+    folder = native._ninja_folder()
+    assert shutil.which("ninja", path=folder) is not None
+
+
+def test_a_build_is_kept_per_cpu_model_and_torch_version(monkeypatch, tmp_path) -> None:
+    """-march=native code must never be loaded on another CPU: the build folder's name
+    changes with the CPU model (as it does with the source and the torch version)."""
+    from torch.utils import cpp_extension
+
+    from attnlab.kernels import cache
+
+    folders = []
+    monkeypatch.setenv("ATTNLAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: folders.append(kw["build_directory"]))
+    native._build()
+    monkeypatch.setattr(cache, "cpu_model", lambda: "another CPU")
+    native._build()
+    assert len(set(folders)) == 2 and all(f.startswith(str(tmp_path)) for f in folders)

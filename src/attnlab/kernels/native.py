@@ -8,7 +8,8 @@ each weight to float32 in registers and accumulates in float32 (AVX-512 where th
 targets it, else plain loops that it vectorises). It is compiled on first use with
 ``torch.utils.cpp_extension`` for this CPU (``-march=native``; about half a minute, once: the
 build is kept under ``$ATTNLAB_CACHE_DIR/native``, else ``~/.cache/attnlab/native``, keyed by
-the source's hash). Nothing requires it: without a compiler (or with ``ATTNLAB_NATIVE=0``)
+the source, the torch version and the CPU model; ninja comes from the ``ninja`` package when
+it is not on the PATH). Nothing requires it: without a compiler (or with ``ATTNLAB_NATIVE=0``)
 :func:`available` is False and the calibration chooses among PyTorch's kernels.
 """
 
@@ -17,12 +18,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import warnings
 from pathlib import Path
 from types import ModuleType
 
 import torch
 from torch import Tensor
+
+from attnlab.kernels import cache
 
 __all__ = ["available", "gemv", "gemv_int4", "gemv_int8", "pairs_available"]
 
@@ -89,15 +93,20 @@ def _extension() -> ModuleType | None:
 
 def _build() -> ModuleType | None:
     """The compiled extension, from the build folder when this source was built there."""
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
+    # -march=native: a build is for this CPU model only (a home folder shared between
+    # machines must not hand one CPU's instructions to another).
+    key = f"{torch.__version__} | {cache.cpu_model()}".encode()
+    digest = hashlib.sha256(_SOURCE.read_bytes() + key).hexdigest()[:16]
     folder = Path(os.environ.get("ATTNLAB_CACHE_DIR") or Path.home() / ".cache" / "attnlab")
     build = folder / "native" / digest
+    path = os.environ.get("PATH")
     try:
         from torch.utils import cpp_extension
 
         build.mkdir(parents=True, exist_ok=True)
         _LOG.info("attnlab: compiling the native decoding kernels in %s (once)", build)
+        if shutil.which("ninja") is None:  # torch builds with ninja: the `ninja` wheel's
+            os.environ["PATH"] = os.pathsep.join((_ninja_folder(), path or ""))  # copy
         return cpp_extension.load(
             name=f"attnlab_native_{digest}", sources=[str(_SOURCE)], build_directory=str(build),
             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
@@ -109,3 +118,18 @@ def _build() -> ModuleType | None:
                       f"uses PyTorch's kernels. Set {_ENV}=0 to skip the attempt.",
                       stacklevel=3)
         return None
+    finally:
+        if path is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = path
+
+
+def _ninja_folder() -> str:
+    """The folder of the ``ninja`` program that the ``ninja`` package installs ("" without
+    it)."""
+    try:
+        import ninja
+    except ImportError:
+        return ""
+    return str(getattr(ninja, "BIN_DIR", ""))

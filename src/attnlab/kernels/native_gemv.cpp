@@ -49,6 +49,7 @@ inline float load(uint16_t v) { return from_bf16(v); }
 inline float load(int8_t v) { return static_cast<float>(v); }
 
 constexpr int64_t kGrain = 64;  // output rows per task, at least
+constexpr int64_t kAhead = 4;   // rows read ahead (a prefetch is a hint: past the end is harmless)
 
 // f(std::integral_constant<int, MB>, m0) for the rows [m0, m0 + MB) of x, MB <= MAX: the
 // inner loops keep MB sums in registers, so MB is a compile-time constant.
@@ -96,6 +97,7 @@ void widened_rows(const W* w, const float* x, float* y, int64_t O, int64_t K, in
     for (int m = 0; m < MB; ++m) acc[m] = acc2[m] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + kAhead * K + k), _MM_HINT_T0);
       const __m512 a = load16(row + k), b = load16(row + k + 16);
       for (int m = 0; m < MB; ++m) {
         acc[m] = _mm512_fmadd_ps(a, _mm512_loadu_ps(x + m * K + k), acc[m]);
