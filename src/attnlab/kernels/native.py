@@ -15,13 +15,20 @@ it is not on the PATH). Nothing requires it: without a compiler (or with ``ATTNL
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None
 
 import torch
 from torch import Tensor
@@ -107,10 +114,11 @@ def _build() -> ModuleType | None:
         _LOG.info("attnlab: compiling the native decoding kernels in %s (once)", build)
         if shutil.which("ninja") is None:  # torch builds with ninja: the `ninja` wheel's
             os.environ["PATH"] = os.pathsep.join((_ninja_folder(), path or ""))  # copy
-        return cpp_extension.load(
-            name=f"attnlab_native_{digest}", sources=[str(_SOURCE)], build_directory=str(build),
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-            verbose=False)
+        with _only_builder(build):
+            return cpp_extension.load(
+                name=f"attnlab_native_{digest}", sources=[str(_SOURCE)],
+                build_directory=str(build), extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # a missing compiler or ninja, a failed build: not fatal
         lines = str(error).strip().splitlines()
         reason = lines[-1] if lines else type(error).__name__
@@ -123,6 +131,24 @@ def _build() -> ModuleType | None:
             os.environ.pop("PATH", None)
         else:
             os.environ["PATH"] = path
+
+
+@contextlib.contextmanager
+def _only_builder(build: Path) -> Iterator[None]:
+    """This process alone in ``build`` for the block. torch marks a build in progress with a
+    ``lock`` file that every later load waits for, forever when the builder was killed; an
+    OS lock (``flock``, released when its process dies, however it dies) is held around the
+    load instead, and a ``lock`` file found while holding it was left by a killed build."""
+    if fcntl is None:  # no flock on this system: torch's own lock only
+        yield
+        return
+    with open(build / "attnlab-build.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            (build / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
 
 
 def _ninja_folder() -> str:
