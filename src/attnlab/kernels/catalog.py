@@ -26,7 +26,6 @@ from attnlab.kernels import native
 __all__ = ["KERNELS", "LAYOUTS", "Kernel", "to_layout"]
 
 LAYOUTS = ("rows", "columns", "packed")
-NATIVE_MAX_ROWS = 8  # the native GEMV is offered for the decoding buckets only
 # The dtypes the fast paths are written and tested for; the formula takes every dtype.
 _FAST_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -149,12 +148,11 @@ def _one_row_over_threads(dtype: torch.dtype, rows: int, out_features: int) -> b
 
 
 def _native_few_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
-    # Written for decoding: past 8 rows a BLAS GEMM reuses each weight better.
-    return dtype in _FAST_DTYPES and rows <= NATIVE_MAX_ROWS and native.available()
+    return dtype in _FAST_DTYPES and rows <= native.MAX_ROWS and native.available()
 
 
 def _native_pairs_few_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
-    return dtype == torch.bfloat16 and rows <= NATIVE_MAX_ROWS and native.pairs_available()
+    return dtype == torch.bfloat16 and rows <= native.MAX_ROWS and native.pairs_available()
 
 
 def _onednn_any_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:

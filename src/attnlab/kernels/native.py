@@ -35,7 +35,11 @@ from torch import Tensor
 
 from attnlab.kernels import cache
 
-__all__ = ["available", "gemv", "gemv_int4", "gemv_int8", "pairs_available"]
+__all__ = ["MAX_ROWS", "available", "gemv", "gemv_int4", "gemv_int8", "pairs_available"]
+
+# The kernels are offered (by both calibrations) for the decoding buckets only: past 8 rows a
+# BLAS GEMM reuses each weight better.
+MAX_ROWS = 8
 
 _SOURCE = Path(__file__).with_name("native_gemv.cpp")
 _ENV = "ATTNLAB_NATIVE"

@@ -34,7 +34,6 @@ __all__ = ["QUANTIZED_KERNELS", "QuantizedKernel", "forced_quantized_kernel", "m
            "plan"]
 
 _ENV = "ATTNLAB_QUANTIZED_KERNELS"
-_NATIVE_MAX_ROWS = 8  # the native GEMVs are written for decoding
 _MARGIN = 1.1  # how much faster than the formula a kernel must measure to be chosen
 _COLD_BYTES, _MAX_COPIES = 128 * 2**20, 64
 _MIN_REPEATS, _MAX_REPEATS, _BUDGET_US = 3, 9, 10_000
@@ -291,11 +290,11 @@ QUANTIZED_KERNELS: dict[str, QuantizedKernel] = {
         QuantizedKernel("int8_mm", None, _int8_prepare, _int8_run, _int8_takes),
         QuantizedKernel("int4_mm", "blocked", _int4_prepare, _int4_run, _int4_takes),
         QuantizedKernel("int8_native", None, _int8_native_prepare, _int8_native_run,
-                        lambda w, d: w.bits == 8 and _native_takes(w, d), _NATIVE_MAX_ROWS),
+                        lambda w, d: w.bits == 8 and _native_takes(w, d), native.MAX_ROWS),
         QuantizedKernel("int4_native", "plain", _int4_native_prepare, _int4_native_run,
-                        lambda w, d: w.bits == 4 and _native_takes(w, d), _NATIVE_MAX_ROWS),
+                        lambda w, d: w.bits == 4 and _native_takes(w, d), native.MAX_ROWS),
         QuantizedKernel("int4_native_pairs", "plain", _int4_native_prepare, _int4_pairs_run,
                         lambda w, d: (w.bits == 4 and d == torch.bfloat16 and _native_takes(w, d)
-                                      and native.pairs_available()), _NATIVE_MAX_ROWS),
+                                      and native.pairs_available()), native.MAX_ROWS),
     )
 }
