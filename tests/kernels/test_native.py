@@ -95,6 +95,59 @@ def test_int4_equals_dequantize_then_linear(dtype, pairs, scale_dtype, group_siz
     _close(y, x.double() @ weight.dequantize(torch.float64).t(), dtype, float32_tol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["float", "int8", "int4"])
+def test_the_bias_is_added_before_the_one_rounding(dtype, kind) -> None:
+    """``x W^T + b`` comes back in x's dtype, the bias added to the float32 sum: equal to
+    the float64 result rounded once (within one rounding of a float32 sum)."""
+    g = torch.Generator().manual_seed(3)
+    dense = torch.randn(70, 128, generator=g)
+    x = torch.randn(3, 128, generator=g).to(dtype)
+    bias = (100 * torch.randn(70, generator=g)).to(dtype)  # large: a second rounding shows
+    if kind == "float":
+        w = dense.to(dtype)
+        y, exact = native.gemv(x, w, bias), x.double() @ w.double().t()
+    elif kind == "int8":
+        q = quantize(dense, 8)
+        y = native.gemv_int8(x, q.data, q.scales, bias)
+        exact = x.double() @ q.dequantize(torch.float64).t()
+    else:
+        q = quantize(dense, 4, 64)
+        y = native.gemv_int4(x, q.data, q.scales, q.zeros, 64, bias)
+        exact = x.double() @ q.dequantize(torch.float64).t()
+    exact = exact + bias.double()
+    assert y.dtype == dtype
+    torch.testing.assert_close(y, exact.to(dtype), rtol=1e-5 if dtype == torch.float32 else 0,
+                               atol=1e-4 if dtype == torch.float32 else 0.5)
+    if dtype == torch.bfloat16:  # one rounding: at most one bfloat16 step from the exact sum
+        step = exact.abs() * 2.0**-7
+        assert bool(((y.double() - exact).abs() <= step).all())
+    with pytest.raises(RuntimeError, match="bias: expected 70 contiguous values"):
+        native.gemv(x, dense.to(dtype), bias[:5]) if kind == "float" else \
+            native.gemv_int8(x, quantize(dense, 8).data, quantize(dense, 8).scales, bias[:5])
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_dequantize_equals_the_formula_exactly(scale_dtype, dtype, group_size) -> None:
+    """The same float32 arithmetic and one rounding as ``QuantizedWeight.dequantize``, so the
+    same numbers, bit for bit."""
+    g = torch.Generator().manual_seed(group_size)
+    dense = torch.randn(67, 256, generator=g)
+    int4 = quantize(dense, 4, group_size, scale_dtype)
+    with thread_count(2):
+        got = native.dequantize_int4(int4.data, int4.scales, int4.zeros, group_size, dtype)
+    assert torch.equal(got, int4.dequantize(dtype))
+    int8 = quantize(dense, 8, scale_dtype=scale_dtype)
+    assert torch.equal(native.dequantize_int8(int8.data, int8.scales, dtype),
+                       int8.dequantize(dtype))
+    with pytest.raises(ValueError, match=r"dtype: expected torch\.float32 or torch\.bfloat16"):
+        native.dequantize_int8(int8.data, int8.scales, torch.float16)
+    with pytest.raises(RuntimeError, match="scales: expected 67 contiguous"):
+        native.dequantize_int8(int8.data, int8.scales[:3], dtype)
+
+
 def test_int4_reads_the_low_nibble_as_the_even_input() -> None:
     """One code set at a time: input 2j reads byte j's low nibble, input 2j+1 its high one."""
     packed = torch.full((1, 32), 8 | (8 << 4), dtype=torch.uint8)  # every code 8: W' = z = 0

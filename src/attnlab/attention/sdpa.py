@@ -17,6 +17,7 @@ from attnlab._checks import is_number
 from attnlab.attention.flash import flash_attention
 from attnlab.attention.fused import fused_attention
 from attnlab.attention.math import math_attention
+from attnlab.kernels import native
 
 __all__ = ["BACKENDS", "scaled_dot_product_attention"]
 
@@ -58,7 +59,9 @@ def scaled_dot_product_attention(
     - ``return_weights=True`` returns ``(output, weights)``, weights ``N.. x H x L x S`` being
       the ones that multiplied ``V`` (after dropout when ``dropout_p > 0``).
     - ``backend``: ``"math"``, ``"flash"``, ``"fused"`` or ``"auto"`` (the fused kernel, or
-      ``math`` when weights are asked for). A backend asked for something it cannot do raises.
+      ``math`` when weights are asked for; for a decoding step's few CPU queries with no
+      gradient, attnlab's C++ kernel ``attnlab.kernels.native.decode_attention`` when
+      built). A backend asked for something it cannot do raises.
     - ``hook(point, tensor) -> tensor`` sees, and may replace, the masked ``"scores"`` and the
       ``"pattern"`` ``N.. x H x L x S`` (analysis hook points): only ``math`` forms them, so
       ``auto`` then runs ``math`` and another explicit backend raises.
@@ -82,11 +85,47 @@ def scaled_dot_product_attention(
         return (out, weights) if return_weights else out
     if chosen == "flash":
         out = flash_attention(query, key, value, mask, is_causal=is_causal, scale=scale)
+    elif backend == "auto" and _native_decoding(query, key, value, mask, dropout_p):
+        out = _native_attention(query, key, value, mask, is_causal, scale)
     else:
         out = fused_attention(
             query, key, value, mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p
         )
     return out.squeeze(0) if rank == 2 else out
+
+
+def _native_decoding(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+                     dropout_p: float) -> bool:
+    """Whether ``auto`` runs attnlab's C++ decoding kernel: a few CPU queries (a decoding
+    step, at most ``native.MAX_ROWS``), float32 or bfloat16, no dropout, no gradient needed,
+    the kernels built here. PyTorch's fused kernel spends more on setting up its tiles than
+    on the arithmetic of so few queries."""
+    if (query.dim() != 4 or query.shape[-2] > native.MAX_ROWS or not query.is_cpu
+            or query.dtype not in _NATIVE_DTYPES or dropout_p > 0):
+        return False
+    if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (query, key, value, mask)):
+        return False
+    return native.available()
+
+
+def _native_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+                      is_causal: bool, scale: float) -> Tensor:
+    """The C++ decoding kernel on ``_broadcast``'s views: key/value rows that broadcast
+    become stride-0 views, the mask an expanded bool or float32 view."""
+    B, H, L, _ = query.shape
+    S = key.shape[-2]
+    key, value = key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1)
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            mask = mask.float()
+        mask = mask.expand(B, H, L, S)
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous()
+                         for t in (query, key, value))
+    return native.decode_attention(query, key, value, mask, scale, is_causal)
+
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _broadcast_shapes(*shapes: torch.Size) -> torch.Size:

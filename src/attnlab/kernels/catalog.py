@@ -117,15 +117,13 @@ def _rows_gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 def _native_gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``x W^T + b`` by attnlab's own C++ GEMV (:mod:`attnlab.kernels.native`): each weight
     row read once for all rows of ``x``, converted to float32 in registers."""
-    y = native.gemv(x, weight)
-    return y if bias is None else y + bias
+    return native.gemv(x, weight, bias)
 
 
 def _native_pairs(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``x W^T + b`` by attnlab's C++ GEMV taking bfloat16 products in pairs (``vdpbf16ps``)
     instead of widening the weight."""
-    y = native.gemv(x, weight, pairs=True)
-    return y if bias is None else y + bias
+    return native.gemv(x, weight, bias, pairs=True)
 
 
 def _onednn_takes(dtype: torch.dtype, ops: tuple[str, ...]) -> bool:

@@ -1,16 +1,20 @@
-"""attnlab's own C++ kernels for decoding: ``y = x W^T`` for a few rows ``x``, reading each
-weight once (float32, bfloat16, int8 and 4-bit codes), compiled on this machine.
+"""attnlab's own C++ kernels for decoding, compiled on this machine: ``y = x W^T + b`` for a
+few rows ``x``, reading each weight once (float32, bfloat16, int8 and 4-bit codes); the
+dequantization of int8/int4 weights; attention of a few queries over cached keys; the greedy
+argmax.
 
 A decoding step reads every weight once for one or a few rows, so its speed is the rate at
 which the weight streams from memory; PyTorch's CPU GEMV for these shapes (and its int8/int4
-ops, with one row) runs at a fraction of it. ``native_gemv.cpp``, beside this file, converts
-each weight to float32 in registers and accumulates in float32 (AVX-512 where the compiler
-targets it, else plain loops that it vectorises). It is compiled on first use with
-``torch.utils.cpp_extension`` for this CPU (``-march=native``; about half a minute, once: the
-build is kept under ``$ATTNLAB_CACHE_DIR/native``, else ``~/.cache/attnlab/native``, keyed by
-the source, the torch version and the CPU model; ninja comes from the ``ninja`` package when
-it is not on the PATH). Nothing requires it: without a compiler (or with ``ATTNLAB_NATIVE=0``)
-:func:`available` is False and the calibration chooses among PyTorch's kernels.
+ops, with one row) runs at a fraction of it, and its attention and argmax cost more in set-up
+than in arithmetic on a step's small tensors. ``native_gemv.cpp`` and ``native_decode.cpp``,
+beside this file, convert each weight to float32 in registers and accumulate in float32
+(AVX-512 where the compiler targets it, else plain loops that it vectorises). They are
+compiled on first use with ``torch.utils.cpp_extension`` for this CPU (``-march=native``;
+under a minute, once: the build is kept under ``$ATTNLAB_CACHE_DIR/native``, else
+``~/.cache/attnlab/native``, keyed by the sources, the torch version and the CPU model; ninja
+comes from the ``ninja`` package when it is not on the PATH). Nothing requires them: without a
+compiler (or with ``ATTNLAB_NATIVE=0``) :func:`available` is False and the callers use
+PyTorch's kernels.
 """
 
 from __future__ import annotations
@@ -35,13 +39,15 @@ from torch import Tensor
 
 from attnlab.kernels import cache
 
-__all__ = ["MAX_ROWS", "available", "gemv", "gemv_int4", "gemv_int8", "pairs_available"]
+__all__ = ["MAX_ROWS", "argmax_rows", "available", "decode_attention", "dequantize_int4",
+           "dequantize_int8", "gemv", "gemv_int4", "gemv_int8", "pairs_available"]
 
 # The kernels are offered (by both calibrations) for the decoding buckets only: past 8 rows a
 # BLAS GEMM reuses each weight better.
 MAX_ROWS = 8
 
-_SOURCE = Path(__file__).with_name("native_gemv.cpp")
+_SOURCES = tuple(Path(__file__).with_name(name)
+                 for name in ("native_gemv.cpp", "native_decode.cpp"))
 _ENV = "ATTNLAB_NATIVE"
 _LOG = logging.getLogger("attnlab.kernels")
 _BUILT: list[ModuleType | None] = []  # the loaded extension, or None when it cannot be had
@@ -61,29 +67,70 @@ def pairs_available() -> bool:
     return extension is not None and extension.has_pairs()
 
 
-def gemv(x: Tensor, weight: Tensor, *, pairs: bool = False) -> Tensor:
-    """``x W^T`` with x ``M x I`` and weight ``O x I`` (both contiguous, float32 or both
-    bfloat16) -> ``M x O`` in x's dtype, accumulated in float32. For small ``M``.
-    ``pairs``: bfloat16 products taken two at a time by ``vdpbf16ps`` instead of widening
-    the weight to float32 (see :func:`pairs_available`)."""
-    return _require().gemv(x, weight, pairs).to(x.dtype)
+def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+         pairs: bool = False) -> Tensor:
+    """``x W^T + b`` with x ``M x I`` and weight ``O x I`` (both contiguous, float32 or both
+    bfloat16), bias ``O`` (x's dtype) -> ``M x O`` in x's dtype, accumulated in float32 and
+    rounded once. For small ``M``. ``pairs``: bfloat16 products taken two at a time by
+    ``vdpbf16ps`` instead of widening the weight to float32 (see :func:`pairs_available`)."""
+    return _require().gemv(x, weight, bias, pairs)
 
 
-def gemv_int8(x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
-    """``x (q s)^T``: q ``O x I`` int8, scales ``O`` (float32 or bfloat16), x ``M x I``
+def gemv_int8(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x (q s)^T + b``: q ``O x I`` int8, scales ``O`` (float32 or bfloat16), x ``M x I``
     (float32 or bfloat16, contiguous) -> ``M x O`` in x's dtype; the scale applied to each
     float32 dot product."""
-    return _require().gemv_int8(x, q, scales).to(x.dtype)
+    return _require().gemv_int8(x, q, scales, bias)
 
 
 def gemv_int4(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor,
-              group_size: int, *, pairs: bool = False) -> Tensor:
-    """``x ((q - 8) s + z)^T`` per group of ``group_size`` inputs: packed ``O x I/2`` uint8
-    (code ``2j`` in the low nibble of byte ``j``), scales and zeros ``O x I/g`` (float32 or
-    bfloat16, one dtype), x ``M x I`` -> ``M x O`` in x's dtype. ``group_size`` a multiple
+              group_size: int, bias: Tensor | None = None, *, pairs: bool = False) -> Tensor:
+    """``x ((q - 8) s + z)^T + b`` per group of ``group_size`` inputs: packed ``O x I/2``
+    uint8 (code ``2j`` in the low nibble of byte ``j``), scales and zeros ``O x I/g`` (float32
+    or bfloat16, one dtype), x ``M x I`` -> ``M x O`` in x's dtype. ``group_size`` a multiple
     of 32. ``pairs`` (bfloat16 x): the codes read as the bfloat16 numbers ``128 + q`` and
     multiplied with x two at a time by ``vdpbf16ps``."""
-    return _require().gemv_int4(x, packed, scales, zeros, group_size, pairs).to(x.dtype)
+    return _require().gemv_int4(x, packed, scales, zeros, group_size, bias, pairs)
+
+
+def dequantize_int4(packed: Tensor, scales: Tensor, zeros: Tensor, group_size: int,
+                    dtype: torch.dtype) -> Tensor:
+    """``W' = (q - 8) s + z`` per group (packed ``O x I/2`` as :func:`gemv_int4` reads it,
+    scales and zeros ``O x I/g``) -> ``O x I`` in ``dtype`` (float32 or bfloat16), computed
+    in float32 and rounded once."""
+    return _require().dequantize_int4(packed, scales, zeros, group_size,
+                                      _bfloat16("dtype", dtype))
+
+
+def dequantize_int8(q: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    """``W' = q s`` per row (q ``O x I`` int8, scales ``O``) -> ``O x I`` in ``dtype``
+    (float32 or bfloat16), computed in float32 and rounded once."""
+    return _require().dequantize_int8(q, scales, _bfloat16("dtype", dtype))
+
+
+def decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+                     scale: float, is_causal: bool) -> Tensor:
+    """``softmax(q k^T * scale + mask) v`` for a few queries: query ``B x H x L x D``, key
+    ``B x G x S x D`` and value ``B x G x S x Dv`` (``G`` dividing ``H``, head ``h`` reading
+    kv head ``h // (H/G)``; any strides with a contiguous last dim, as a cache's views are),
+    mask None or ``B x H x L x S`` (bool, True = may attend, or additive float32; an expanded
+    view is fine) -> ``B x H x L x Dv`` in query's dtype (float32 or bfloat16), a view of a
+    ``B x L x H x Dv`` tensor. ``is_causal``: query ``i`` sees keys up to ``S - L + i``. A
+    query with no key to attend to gets zeros. Scores, softmax and sums in float32."""
+    return _require().decode_attention(query, key, value, mask, float(scale), bool(is_causal))
+
+
+def argmax_rows(x: Tensor) -> Tensor:
+    """The first index of each row's maximum (of its first NaN, if any, as ``torch.argmax``):
+    x ``N x V`` contiguous float32 or bfloat16 -> ``N`` int64. Every thread takes a share of
+    a row."""
+    return _require().argmax_rows(x)
+
+
+def _bfloat16(name: str, dtype: torch.dtype) -> bool:
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{name}: expected torch.float32 or torch.bfloat16, got {dtype}")
+    return dtype == torch.bfloat16
 
 
 def _require() -> ModuleType:
@@ -107,7 +154,7 @@ def _build() -> ModuleType | None:
     # -march=native: a build is for this CPU model only (a home folder shared between
     # machines must not hand one CPU's instructions to another).
     key = f"{torch.__version__} | {cache.cpu_model()}".encode()
-    digest = hashlib.sha256(_SOURCE.read_bytes() + key).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + key).hexdigest()[:16]
     folder = Path(os.environ.get("ATTNLAB_CACHE_DIR") or Path.home() / ".cache" / "attnlab")
     build = folder / "native" / digest
     path = os.environ.get("PATH")
@@ -120,7 +167,7 @@ def _build() -> ModuleType | None:
             os.environ["PATH"] = os.pathsep.join((_ninja_folder(), path or ""))  # copy
         with _only_builder(build):
             return cpp_extension.load(
-                name=f"attnlab_native_{digest}", sources=[str(_SOURCE)],
+                name=f"attnlab_native_{digest}", sources=[str(p) for p in _SOURCES],
                 build_directory=str(build), extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # a missing compiler or ninja, a failed build: not fatal

@@ -6,8 +6,8 @@
 //   gemv_int4  W' = (q - 8) s + z  q 4-bit codes, two a byte, low nibble first (O x K/2),
 //                                  s and z per row and group of g inputs (O x K/g)
 //
-// Every function returns float32 (M x O); the caller rounds to its dtype and adds a bias.
-// Threads split the output rows through ATen's parallel_for (torch's own thread pool). Each
+// Every function returns x's dtype (M x O), the optional bias added to the float32 sum before
+// the one rounding. Threads split the output rows through ATen's parallel_for (torch's own thread pool). Each
 // weight row is read once and used for every row of x (in blocks of up to 8 rows).
 //
 // The inner loops, by what the compiler targets (-march=native):
@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -47,6 +48,7 @@ inline float from_bf16(uint16_t bits) {
 inline float load(float v) { return v; }
 inline float load(uint16_t v) { return from_bf16(v); }
 inline float load(int8_t v) { return static_cast<float>(v); }
+inline float load(at::BFloat16 v) { return static_cast<float>(v); }
 
 constexpr int64_t kGrain = 64;  // output rows per task, at least
 constexpr int64_t kAhead = 4;   // rows read ahead (a prefetch is a hint: past the end is harmless)
@@ -75,6 +77,57 @@ std::vector<float> as_float(const torch::Tensor& x) {
 
 template <typename T>
 const T* ptr(const torch::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); }
+
+// The float32 sums of the output rows [begin, end) plus the bias, rounded into `out` (x's
+// dtype): each task finishes its own rows.
+struct Finish {
+  const float* sums;
+  const torch::Tensor* bias;  // empty when none
+  torch::Tensor* out;
+  int64_t M, O;
+
+  void operator()(int64_t begin, int64_t end) const {
+    const bool has_bias = bias->defined();
+    if (out->scalar_type() == torch::kFloat32) {
+      float* y = out->data_ptr<float>();
+      if (y == sums && !has_bias) return;  // summed in place
+      const float* b = has_bias ? bias->data_ptr<float>() : nullptr;
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t o = begin; o < end; ++o)
+          y[m * O + o] = sums[m * O + o] + (b ? b[o] : 0.f);
+      return;
+    }
+    auto* y = out->data_ptr<at::BFloat16>();
+    const at::BFloat16* b = has_bias ? bias->data_ptr<at::BFloat16>() : nullptr;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t o = begin; o < end; ++o)
+        y[m * O + o] = at::BFloat16(sums[m * O + o] + (b ? static_cast<float>(b[o]) : 0.f));
+  }
+};
+
+// The output in x's dtype and, unless that is float32 with no bias (written in place), a
+// float32 buffer for the sums.
+struct Output {
+  torch::Tensor out, sums;
+
+  Output(const torch::Tensor& x, const torch::Tensor& bias, int64_t O) {
+    const int64_t M = x.size(0);
+    out = torch::empty({M, O}, x.options());
+    const bool direct = x.scalar_type() == torch::kFloat32 && !bias.defined();
+    sums = direct ? out : torch::empty({M, O}, x.options().dtype(torch::kFloat32));
+  }
+  float* data() { return sums.data_ptr<float>(); }
+  Finish finish(const torch::Tensor& bias) {
+    return Finish{sums.data_ptr<float>(), &bias, &out, out.size(0), out.size(1)};
+  }
+};
+
+void check_bias(const torch::Tensor& bias, const torch::Tensor& x, int64_t O) {
+  if (!bias.defined()) return;
+  TORCH_CHECK(bias.dim() == 1 && bias.size(0) == O && bias.is_contiguous() &&
+                  bias.scalar_type() == x.scalar_type(),
+              "bias: expected ", O, " contiguous values in x's dtype");
+}
 
 #ifdef ATTNLAB_AVX512
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -192,16 +245,20 @@ bool has_pairs() {
 #endif
 }
 
-torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, bool pairs) {
+torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, const std::optional<torch::Tensor>& bias_or_none,
+                   bool pairs) {
+  const torch::Tensor bias = bias_or_none.value_or(torch::Tensor());
   check_rows(x, w, x.size(1));
   TORCH_CHECK(w.scalar_type() == x.scalar_type(), "weight: expected x's dtype");
   TORCH_CHECK(w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16,
               "weight: expected float32 or bfloat16");
   const int64_t M = x.size(0), K = x.size(1), O = w.size(0);
-  auto y = torch::empty({M, O}, x.options().dtype(torch::kFloat32));
-  float* out = y.data_ptr<float>();
+  check_bias(bias, x, O);
   TORCH_CHECK(!pairs || (has_pairs() && w.scalar_type() == torch::kBFloat16),
               "pairs: expected bfloat16 and a build with AVX512-BF16");
+  Output y(x, bias, O);
+  float* out = y.data();
+  const Finish finish = y.finish(bias);
 #ifdef ATTNLAB_AVX512BF16
   if (pairs) {
     const uint16_t *wp = ptr<uint16_t>(w), *xp = ptr<uint16_t>(x);
@@ -209,8 +266,9 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, bool pairs) {
       in_row_blocks<8>(M, [&](auto mb, int64_t m0) {
         bf16_rows<decltype(mb)::value>(wp, xp + m0 * K, out + m0 * O, O, K, b, e);
       });
+      finish(b, e);
     });
-    return y;
+    return y.out;
   }
 #endif
   const auto xf = as_float(x);
@@ -218,27 +276,35 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, bool pairs) {
   auto run = [&](const auto* wp) {
     at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
       rows_times_x(wp, xf.data(), out, M, O, K, b, e, one);
+      finish(b, e);
     });
   };
   if (w.scalar_type() == torch::kFloat32) run(ptr<float>(w));
   else run(ptr<uint16_t>(w));
-  return y;
+  return y.out;
 }
 
-torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s) {
+torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
+                        const std::optional<torch::Tensor>& bias_or_none) {
+  const torch::Tensor bias = bias_or_none.value_or(torch::Tensor());
   check_rows(x, q, x.size(1));
   TORCH_CHECK(q.scalar_type() == torch::kChar, "q: expected int8");
   const int64_t M = x.size(0), K = x.size(1), O = q.size(0);
   TORCH_CHECK(s.is_contiguous() && s.numel() == O, "scales: expected ", O, " values");
   TORCH_CHECK(s.scalar_type() == torch::kFloat32 || s.scalar_type() == torch::kBFloat16,
               "scales: expected float32 or bfloat16");
-  auto y = torch::empty({M, O}, x.options().dtype(torch::kFloat32));
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "x: expected float32 or bfloat16");
+  check_bias(bias, x, O);
+  Output y(x, bias, O);
+  const Finish finish = y.finish(bias);
   const auto xf = as_float(x);
-  float* out = y.data_ptr<float>();
+  float* out = y.data();
   const int8_t* qp = ptr<int8_t>(q);
   auto run = [&](auto row_scale) {
     at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
       rows_times_x(qp, xf.data(), out, M, O, K, b, e, row_scale);
+      finish(b, e);
     });
   };
   if (s.scalar_type() == torch::kFloat32) {
@@ -248,7 +314,7 @@ torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& q, const to
     const uint16_t* sp = ptr<uint16_t>(s);
     run([sp](int64_t o) { return from_bf16(sp[o]); });
   }
-  return y;
+  return y.out;
 }
 
 namespace {
@@ -273,6 +339,15 @@ inline __m512bh int4_as_bf16(const uint8_t* p) {
                                            _mm512_set1_epi32(0x43004300), 0xEA));  // (a & b) | c
 }
 
+// 32 bytes -> their 64 codes as the bfloat16 numbers 128 + q: `even` the low nibbles (inputs
+// 2i of the 64), `odd` the high ones (inputs 2i + 1); x is read in the same order.
+inline void int4x64_as_bf16(const uint8_t* p, __m512bh& even, __m512bh& odd) {
+  const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i high = _mm512_set1_epi16(0x4300);
+  even = as_bf16(_mm512_ternarylogic_epi32(words, _mm512_set1_epi16(0x000F), high, 0xEA));  // (a & b) | c
+  odd = as_bf16(_mm512_or_si512(_mm512_srli_epi16(words, 4), high));
+}
+
 // 16 scales (or zeros) from position p as float32, the lanes past n zero.
 inline __m512 load_scales(const float* p, __mmask16 n) { return _mm512_maskz_loadu_ps(n, p); }
 inline __m512 load_scales(const uint16_t* p, __mmask16 n) {
@@ -280,17 +355,19 @@ inline __m512 load_scales(const uint16_t* p, __mmask16 n) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-template <int MB, typename S>
+// Blocks of 64 codes (group sizes that are multiples of 64) take half the instructions to
+// turn into bfloat16 (int4x64_as_bf16) when x is read de-interleaved: per block of 64 inputs,
+// the 32 even ones, then the 32 odd ones (`deinterleaved`).
+template <int MB, bool BY64, typename S>
 void int4_bf16_rows(const Int4Args& a, const S* s, const S* z, const uint16_t* x,
                     int64_t begin, int64_t end) {
   const int64_t groups = a.K / a.g, stride = a.K / 2;
-  alignas(64) float scale[16];
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* row = a.q + o * stride;
     __m512 acc[2][MB], shift[MB];
     for (int m = 0; m < MB; ++m) acc[0][m] = acc[1][m] = shift[m] = _mm512_setzero_ps();
     // Groups 16 at a time: their scales and zeros read as vectors, the shift term summed in
-    // vectors, each scale then broadcast from the stack.
+    // vectors, each scale then broadcast from its lane.
     for (int64_t j0 = 0; j0 < groups; j0 += 16) {
       const int64_t n = std::min<int64_t>(16, groups - j0);
       const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1u);
@@ -299,21 +376,48 @@ void int4_bf16_rows(const Int4Args& a, const S* s, const S* z, const uint16_t* x
       const __m512 shift16 = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), s16, z16);  // z - 136 s
       for (int m = 0; m < MB; ++m)
         shift[m] = _mm512_fmadd_ps(shift16, _mm512_maskz_loadu_ps(lanes, a.xsum + m * groups + j0), shift[m]);
-      _mm512_store_ps(scale, s16);
       for (int64_t j = j0; j < j0 + n; ++j) {
-        __m512 dot[MB];
-        for (int m = 0; m < MB; ++m) dot[m] = _mm512_setzero_ps();
-        for (int64_t k = j * a.g; k < (j + 1) * a.g; k += 32) {
-          const __m512bh codes = int4_as_bf16(row + k / 2);
-          for (int m = 0; m < MB; ++m) dot[m] = _mm512_dpbf16_ps(dot[m], codes, load32_bf16(x + m * a.K + k));
+        __m512 dot[MB], dot2[MB];
+        for (int m = 0; m < MB; ++m) dot[m] = dot2[m] = _mm512_setzero_ps();
+        if constexpr (BY64) {
+          for (int64_t k = j * a.g; k < (j + 1) * a.g; k += 64) {
+            __m512bh even, odd;
+            int4x64_as_bf16(row + k / 2, even, odd);
+            for (int m = 0; m < MB; ++m) {
+              dot[m] = _mm512_dpbf16_ps(dot[m], even, load32_bf16(x + m * a.K + k));
+              dot2[m] = _mm512_dpbf16_ps(dot2[m], odd, load32_bf16(x + m * a.K + k + 32));
+            }
+          }
+          for (int m = 0; m < MB; ++m) dot[m] = _mm512_add_ps(dot[m], dot2[m]);
+        } else {
+          for (int64_t k = j * a.g; k < (j + 1) * a.g; k += 32) {
+            const __m512bh codes = int4_as_bf16(row + k / 2);
+            for (int m = 0; m < MB; ++m) dot[m] = _mm512_dpbf16_ps(dot[m], codes, load32_bf16(x + m * a.K + k));
+          }
         }
-        const __m512 sj = _mm512_set1_ps(scale[j - j0]);
+        // The scale broadcast from its lane (a shuffle; a store and reload can stall).
+        const __m512 sj = _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(j - j0)), s16);
         for (int m = 0; m < MB; ++m) acc[j & 1][m] = _mm512_fmadd_ps(sj, dot[m], acc[j & 1][m]);
       }
     }
     for (int m = 0; m < MB; ++m)
       a.y[m * a.O + o] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]), shift[m]));
   }
+}
+
+// x (M x K bfloat16, K a multiple of 64) with each block of 64 inputs reordered: its 32 even
+// inputs, then its 32 odd ones.
+std::vector<uint16_t> deinterleaved(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const uint16_t* xp = ptr<uint16_t>(x);
+  std::vector<uint16_t> out(M * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K; b += 64)
+      for (int64_t i = 0; i < 32; ++i) {
+        out[m * K + b + i] = xp[m * K + b + 2 * i];
+        out[m * K + b + 32 + i] = xp[m * K + b + 2 * i + 1];
+      }
+  return out;
 }
 #endif
 
@@ -380,7 +484,9 @@ void int4_widened_rows(const Int4Args& a, const S* s, const S* z, const float* x
 }  // namespace
 
 torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
-                        const torch::Tensor& z, int64_t group_size, bool pairs) {
+                        const torch::Tensor& z, int64_t group_size, const std::optional<torch::Tensor>& bias_or_none,
+                        bool pairs) {
+  const torch::Tensor bias = bias_or_none.value_or(torch::Tensor());
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0,
               "group_size: expected a multiple of 32 dividing x's ", K, " columns, got ",
@@ -396,23 +502,29 @@ torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const to
               "x: expected float32 or bfloat16");
   TORCH_CHECK(!pairs || (has_pairs() && x.scalar_type() == torch::kBFloat16),
               "pairs: expected bfloat16 x and a build with AVX512-BF16");
-  auto y = torch::empty({M, O}, x.options().dtype(torch::kFloat32));
+  check_bias(bias, x, O);
+  Output y(x, bias, O);
+  const Finish finish = y.finish(bias);
   const auto xf = as_float(x);
   std::vector<float> xsum(M * groups, 0.f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / group_size] += xf[m * K + k];
-  const Int4Args args{ptr<uint8_t>(q), xsum.data(), y.data_ptr<float>(), O, K, group_size};
+  const Int4Args args{ptr<uint8_t>(q), xsum.data(), y.data(), O, K, group_size};
   auto run = [&](const auto* sp, const auto* zp) {
 #ifdef ATTNLAB_AVX512BF16
     if (pairs) {
-      const uint16_t* xp = ptr<uint16_t>(x);
+      const bool by64 = group_size % 64 == 0;
+      const std::vector<uint16_t> xs = by64 ? deinterleaved(x) : std::vector<uint16_t>();
+      const uint16_t* xp = by64 ? xs.data() : ptr<uint16_t>(x);
       at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
         in_row_blocks<4>(M, [&](auto mb, int64_t m0) {
           Int4Args rows = args;
           rows.xsum += m0 * groups;
           rows.y += m0 * O;
-          int4_bf16_rows<decltype(mb)::value>(rows, sp, zp, xp + m0 * K, b, e);
+          if (by64) int4_bf16_rows<decltype(mb)::value, true>(rows, sp, zp, xp + m0 * K, b, e);
+          else int4_bf16_rows<decltype(mb)::value, false>(rows, sp, zp, xp + m0 * K, b, e);
         });
+        finish(b, e);
       });
       return;
     }
@@ -430,16 +542,113 @@ torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const to
         int4_widened_rows<decltype(mb)::value>(rows, sp, zp, xe.data() + m0 * K / 2,
                                                xo.data() + m0 * K / 2, b, e);
       });
+      finish(b, e);
     });
   };
   if (s.scalar_type() == torch::kFloat32) run(ptr<float>(s), ptr<float>(z));
   else run(ptr<uint16_t>(s), ptr<uint16_t>(z));
-  return y;
+  return y.out;
 }
+
+namespace {
+
+// Rows [begin, end) of W' written in float32 (F = float) or bfloat16, rounded once.
+template <typename F, typename S>
+void int4_rows_out(const uint8_t* q, const S* s, const S* z, F* out, int64_t K, int64_t g,
+                   int64_t begin, int64_t end) {
+  const int64_t groups = K / g;
+  for (int64_t o = begin; o < end; ++o) {
+    const uint8_t* row = q + o * (K / 2);
+    F* w = out + o * K;
+    for (int64_t j = 0; j < groups; ++j) {
+      const float sj = load(s[o * groups + j]), zj = load(z[o * groups + j]);
+      for (int64_t i = j * g / 2; i < (j + 1) * g / 2; ++i) {
+        w[2 * i] = F(zj + static_cast<float>((row[i] & 15) - 8) * sj);
+        w[2 * i + 1] = F(zj + static_cast<float>((row[i] >> 4) - 8) * sj);
+      }
+    }
+  }
+}
+
+template <typename F, typename S>
+void int8_rows_out(const int8_t* q, const S* s, F* out, int64_t K, int64_t begin, int64_t end) {
+  for (int64_t o = begin; o < end; ++o) {
+    const float so = load(s[o]);
+    for (int64_t k = 0; k < K; ++k) out[o * K + k] = F(static_cast<float>(q[o * K + k]) * so);
+  }
+}
+
+
+// f(out pointer) with the output's element type (float or at::BFloat16), and f(scales) alike.
+template <typename F>
+void with_out_type(torch::Tensor& out, F&& f) {
+  if (out.scalar_type() == torch::kFloat32) f(out.data_ptr<float>());
+  else f(out.data_ptr<at::BFloat16>());
+}
+
+torch::ScalarType out_dtype(bool bfloat16) { return bfloat16 ? torch::kBFloat16 : torch::kFloat32; }
+
+void check_scales(const torch::Tensor& s, int64_t count) {
+  TORCH_CHECK(s.is_contiguous() && s.numel() == count &&
+                  (s.scalar_type() == torch::kFloat32 || s.scalar_type() == torch::kBFloat16),
+              "scales: expected ", count, " contiguous float32 or bfloat16 values");
+}
+
+}  // namespace
+
+torch::Tensor dequantize_int4(const torch::Tensor& q, const torch::Tensor& s, const torch::Tensor& z,
+                              int64_t group_size, bool bfloat16) {
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.is_cpu() && q.scalar_type() == torch::kByte,
+              "q: expected a contiguous 2-D CPU uint8 tensor");
+  const int64_t O = q.size(0), K = 2 * q.size(1);
+  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && K % group_size == 0,
+              "group_size: expected an even divisor of ", K, ", got ", group_size);
+  check_scales(s, O * (K / group_size));
+  check_scales(z, O * (K / group_size));
+  TORCH_CHECK(s.scalar_type() == z.scalar_type(), "zeros: expected the scales' dtype");
+  auto out = torch::empty({O, K}, q.options().dtype(out_dtype(bfloat16)));
+  const uint8_t* qp = ptr<uint8_t>(q);
+  with_out_type(out, [&](auto* op) {
+    auto run = [&](const auto* sp, const auto* zp) {
+      at::parallel_for(0, O, 16, [&](int64_t b, int64_t e) {
+        int4_rows_out(qp, sp, zp, op, K, group_size, b, e);
+      });
+    };
+    if (s.scalar_type() == torch::kFloat32) run(ptr<float>(s), ptr<float>(z));
+    else run(ptr<at::BFloat16>(s), ptr<at::BFloat16>(z));
+  });
+  return out;
+}
+
+torch::Tensor dequantize_int8(const torch::Tensor& q, const torch::Tensor& s, bool bfloat16) {
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.is_cpu() && q.scalar_type() == torch::kChar,
+              "q: expected a contiguous 2-D CPU int8 tensor");
+  const int64_t O = q.size(0), K = q.size(1);
+  check_scales(s, O);
+  auto out = torch::empty({O, K}, q.options().dtype(out_dtype(bfloat16)));
+  const int8_t* qp = ptr<int8_t>(q);
+  with_out_type(out, [&](auto* op) {
+    auto run = [&](const auto* sp) {
+      at::parallel_for(0, O, 16, [&](int64_t b, int64_t e) { int8_rows_out(qp, sp, op, K, b, e); });
+    };
+    if (s.scalar_type() == torch::kFloat32) run(ptr<float>(s));
+    else run(ptr<at::BFloat16>(s));
+  });
+  return out;
+}
+
+// The other kernels of a decoding step, in native_decode.cpp.
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const std::optional<torch::Tensor>& mask, double scale, bool causal);
+torch::Tensor argmax_rows(const torch::Tensor& x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_pairs", &has_pairs, "whether this build has the bfloat16 pair-product loops");
-  m.def("gemv", &gemv, "y = x W^T (float32), W float32 or bfloat16");
-  m.def("gemv_int8", &gemv_int8, "y = x (q s)^T (float32), q int8 per-row scales s");
-  m.def("gemv_int4", &gemv_int4, "y = x ((q - 8) s + z)^T (float32), 4-bit groups");
+  m.def("gemv", &gemv, "y = x W^T + b, W float32 or bfloat16");
+  m.def("gemv_int8", &gemv_int8, "y = x (q s)^T + b, q int8 with per-row scales s");
+  m.def("gemv_int4", &gemv_int4, "y = x ((q - 8) s + z)^T + b, 4-bit codes in groups");
+  m.def("dequantize_int4", &dequantize_int4, "W' = (q - 8) s + z per group");
+  m.def("dequantize_int8", &dequantize_int8, "W' = q s per row");
+  m.def("decode_attention", &decode_attention, "softmax(q k^T scale + mask) v for a few queries");
+  m.def("argmax_rows", &argmax_rows, "the first index of each row's maximum");
 }

@@ -3,7 +3,10 @@
 ``dequantize`` is the formula (``W'`` made in ``x``'s dtype, then ``linear``): it runs every
 case and is the reference the others are tested against. ``int8_mm`` is PyTorch's
 ``_weight_int8pack_mm`` (int8 codes and per-row scales read directly), ``int4_mm`` its
-``_weight_int4pack_mm_for_cpu`` on the blocked layout (``attnlab.quantization.formats``).
+``_weight_int4pack_mm_for_cpu`` on the blocked layout (``attnlab.quantization.formats``);
+``native_dequantize`` the formula with ``W'`` made by attnlab's C++ dequantization, and
+``int8_native``, ``int4_native``, ``int4_native_pairs`` attnlab's C++ GEMVs
+(:mod:`attnlab.kernels.native`) for a few rows.
 Reading 1-2 bytes less per weight matters when a weight is read once per token (decoding);
 with many rows (prefill) the formula's one dequantization and a BLAS GEMM usually win, so the
 choice is made per rows bucket, by timing the candidates on this machine as
@@ -219,8 +222,7 @@ def _int8_native_prepare(weight: QuantizedWeight, dtype: torch.dtype) -> tuple:
 
 def _int8_native_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
     """``x (q s)^T``: attnlab's C++ GEMV, the codes converted in registers."""
-    y = native.gemv_int8(x, *state)
-    return y if bias is None else y + bias
+    return native.gemv_int8(x, *state, bias)
 
 
 def _int4_native_prepare(weight: QuantizedWeight, dtype: torch.dtype) -> tuple:
@@ -230,14 +232,29 @@ def _int4_native_prepare(weight: QuantizedWeight, dtype: torch.dtype) -> tuple:
 
 def _int4_native_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
     """``x ((q - 8) s + z)^T`` per group: attnlab's C++ GEMV on the plain layout."""
-    y = native.gemv_int4(x, *state)
-    return y if bias is None else y + bias
+    return native.gemv_int4(x, *state, bias)
 
 
 def _int4_pairs_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
     """The same, the codes read as bfloat16 and multiplied with x in pairs (``vdpbf16ps``)."""
-    y = native.gemv_int4(x, *state, pairs=True)
-    return y if bias is None else y + bias
+    return native.gemv_int4(x, *state, bias, pairs=True)
+
+
+def _native_dequantize_prepare(weight: QuantizedWeight, dtype: torch.dtype) -> tuple:
+    zeros = None if weight.zeros is None else weight.zeros.contiguous()
+    return (weight.data.contiguous(), weight.scales.contiguous(), zeros, weight.group_size,
+            dtype)
+
+
+def _native_dequantize_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
+    """The formula with ``W'`` made by attnlab's C++ dequantization (one pass, all threads,
+    the same numbers): for many rows, where a BLAS GEMM on ``W'`` wins."""
+    data, scales, zeros, group_size, dtype = state
+    if zeros is None:
+        weight = native.dequantize_int8(data, scales, dtype)
+    else:
+        weight = native.dequantize_int4(data, scales, zeros, group_size, dtype)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def _any(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
@@ -289,6 +306,8 @@ QUANTIZED_KERNELS: dict[str, QuantizedKernel] = {
         QuantizedKernel("dequantize", None, _dequantize_prepare, _dequantize_run, _any),
         QuantizedKernel("int8_mm", None, _int8_prepare, _int8_run, _int8_takes),
         QuantizedKernel("int4_mm", "blocked", _int4_prepare, _int4_run, _int4_takes),
+        QuantizedKernel("native_dequantize", "plain", _native_dequantize_prepare,
+                        _native_dequantize_run, _native_takes),
         QuantizedKernel("int8_native", None, _int8_native_prepare, _int8_native_run,
                         lambda w, d: w.bits == 8 and _native_takes(w, d), native.MAX_ROWS),
         QuantizedKernel("int4_native", "plain", _int4_native_prepare, _int4_native_run,

@@ -1,0 +1,181 @@
+// The kernels of a decoding step besides its matrix-vector products:
+//
+//   decode_attention  z = softmax(q k^T scale + mask) v for a few queries over the cached keys
+//                     (grouped-query heads read each key once for the whole group)
+//   argmax_rows       the greedy choice: the first index of each row's maximum (NaN first)
+//
+// A decoding step calls each of them once per layer or once per token on small tensors, where
+// PyTorch's general kernels cost more than the arithmetic: its CPU attention sets up tiles for
+// long queries, its argmax reduces a 150k-entry row on one thread without vector loads. Sums,
+// softmax and the greedy comparison are in float32 for float32 and bfloat16 inputs alike.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+
+// One (batch row, key/value head) per task: its H/G query heads times L queries are the rows
+// r = hh * L + i, all scored against each key as it is read.
+template <typename T>
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+            float scale, bool causal, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
+  const int64_t G = k.size(1), S = k.size(2), Dv = v.size(3), per = H / G, R = per * L;
+  const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();  // B x L x H x Dv
+  const auto qs = q.strides(), ks = k.strides(), vs = v.strides();
+  const bool has_mask = mask.defined(), bool_mask = has_mask && mask.scalar_type() == at::kBool;
+  const bool* mb = bool_mask ? mask.data_ptr<bool>() : nullptr;
+  const float* mf = has_mask && !bool_mask ? mask.data_ptr<float>() : nullptr;
+  const std::vector<int64_t> ms = has_mask ? mask.strides().vec() : std::vector<int64_t>(4, 0);
+  at::parallel_for(0, B * G, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(R * D), kf(D), vf(Dv), scores(R * S), acc(R * Dv), total(R);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / G, g = t % G;
+      for (int64_t r = 0; r < R; ++r) {
+        const T* row = qp + b * qs[0] + (g * per + r / L) * qs[1] + (r % L) * qs[2];
+        for (int64_t d = 0; d < D; ++d) qf[r * D + d] = to_float(row[d]);
+      }
+      for (int64_t j = 0; j < S; ++j) {
+        const T* key = kp + b * ks[0] + g * ks[1] + j * ks[2];
+        for (int64_t d = 0; d < D; ++d) kf[d] = to_float(key[d]);
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t h = g * per + r / L, i = r % L;
+          float s = kNegInf;
+          if (!causal || j <= S - L + i) {
+            const float* qr = qf.data() + r * D;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += qr[d] * kf[d];
+            s = dot * scale;
+            if (has_mask) {
+              const int64_t at = b * ms[0] + h * ms[1] + i * ms[2] + j * ms[3];
+              if (bool_mask) s = mb[at] ? s : kNegInf;
+              else s += mf[at];
+            }
+          }
+          scores[r * S + j] = s;
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        float* row = scores.data() + r * S;
+        const float top = *std::max_element(row, row + S);
+        total[r] = 0.f;
+        if (!(top > kNegInf)) continue;  // nothing to attend to: a zero output
+        float sum = 0.f;
+        for (int64_t j = 0; j < S; ++j) {
+          row[j] = std::exp(row[j] - top);
+          sum += row[j];
+        }
+        total[r] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < S; ++j) {
+        const T* value = vp + b * vs[0] + g * vs[1] + j * vs[2];
+        for (int64_t d = 0; d < Dv; ++d) vf[d] = to_float(value[d]);
+        for (int64_t r = 0; r < R; ++r) {
+          const float p = scores[r * S + j];
+          if (total[r] == 0.f || p == 0.f) continue;
+          float* a = acc.data() + r * Dv;
+#pragma omp simd
+          for (int64_t d = 0; d < Dv; ++d) a[d] += p * vf[d];
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t h = g * per + r / L, i = r % L;
+        const float inv = total[r] > 0.f ? 1.f / total[r] : 0.f;
+        T* o = op + ((b * L + i) * H + h) * Dv;
+        for (int64_t d = 0; d < Dv; ++d) o[d] = T(acc[r * Dv + d] * inv);
+      }
+    }
+  });
+}
+
+// The first index of the maximum of x[begin, end), or of its first NaN (as torch.argmax).
+template <typename T>
+std::pair<float, int64_t> chunk_argmax(const T* x, int64_t begin, int64_t end) {
+  float top = kNegInf;
+  int nan = 0;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+  for (int64_t i = begin; i < end; ++i) {
+    const float v = to_float(x[i]);
+    top = v > top ? v : top;
+    nan |= v != v;
+  }
+  for (int64_t i = begin; i < end; ++i) {
+    const float v = to_float(x[i]);
+    if (nan ? v != v : v == top) return {nan ? std::numeric_limits<float>::quiet_NaN() : top, i};
+  }
+  return {top, begin};  // every entry -inf
+}
+
+}  // namespace
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& mask_or_none, double scale,
+                            bool causal) {
+  const at::Tensor mask = mask_or_none.value_or(at::Tensor());
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+              "query, key, value: expected B x H x L x D, B x G x S x D, B x G x S x Dv");
+  TORCH_CHECK(q.is_cpu() && k.is_cpu() && v.is_cpu(), "query, key, value: expected CPU tensors");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "query, key, value: expected one dtype, float32 or bfloat16");
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
+  const int64_t G = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == G && v.size(2) == S &&
+                  k.size(3) == D && G > 0 && H % G == 0,
+              "key, value: expected B x G x S x D and B x G x S x Dv with G dividing H");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "query, key, value: expected a contiguous last dim");
+  if (mask.defined())
+    TORCH_CHECK(mask.dim() == 4 && mask.size(0) == B && mask.size(1) == H && mask.size(2) == L &&
+                    mask.size(3) == S &&
+                    (mask.scalar_type() == at::kBool || mask.scalar_type() == at::kFloat),
+                "mask: expected a bool or float32 B x H x L x S tensor");
+  auto out = at::empty({B, L, H, v.size(3)}, q.options());
+  if (q.scalar_type() == at::kFloat) attend<float>(q, k, v, mask, scale, causal, out);
+  else attend<at::BFloat16>(q, k, v, mask, scale, causal, out);
+  return out.transpose(1, 2);
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.is_cpu() && x.size(1) > 0 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x: expected a contiguous 2-D CPU float32 or bfloat16 tensor with columns");
+  constexpr int64_t kChunk = 16384;  // a task's share of a row
+  const int64_t N = x.size(0), V = x.size(1), chunks = (V + kChunk - 1) / kChunk;
+  std::vector<std::pair<float, int64_t>> found(N * chunks);
+  auto run = [&](const auto* p) {
+    at::parallel_for(0, N * chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n = t / chunks, c = t % chunks;
+        found[t] = chunk_argmax(p + n * V, c * kChunk, std::min(V, (c + 1) * kChunk));
+      }
+    });
+  };
+  if (x.scalar_type() == at::kFloat) run(x.data_ptr<float>());
+  else run(x.data_ptr<at::BFloat16>());
+  auto out = at::empty({N}, x.options().dtype(at::kLong));
+  int64_t* index = out.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    auto best = found[n * chunks];
+    for (int64_t c = 1; c < chunks && best.first == best.first; ++c) {
+      const auto& next = found[n * chunks + c];
+      if (next.first != next.first || next.first > best.first) best = next;
+    }
+    index[n] = best.second;
+  }
+  return out;
+}

@@ -1,0 +1,138 @@
+"""attnlab's C++ kernels of a decoding step besides its GEMVs (``attnlab.kernels.native``):
+attention of a few queries over cached keys, equal to the formula in float64 for every mask
+convention, grouped heads, strided cache views and rows with nothing to attend to; the greedy
+argmax, equal to ``torch.argmax`` including ties, -inf and NaN; and their use by
+``scaled_dot_product_attention(backend="auto")`` and ``greedy_tokens``."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from kernel_helpers import thread_count
+
+from attnlab.attention.math import math_attention
+from attnlab.attention.sdpa import scaled_dot_product_attention
+from attnlab.generation.sampling import greedy_tokens
+from attnlab.kernels import native
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="no C++ compiler: the native kernels cannot be built here")
+
+
+def _reference(q, k, v, mask, scale, is_causal):
+    """The formula in float64, grouped heads repeated."""
+    per = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(per, 1), v.repeat_interleave(per, 1)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.double()
+    out, _ = math_attention(q.double(), k.double(), v.double(), mask, is_causal=is_causal,
+                            scale=scale)
+    return out
+
+
+# (B, H, G, L, S, D, Dv)
+SHAPES = [(1, 14, 2, 1, 37, 64, 64), (2, 4, 4, 3, 17, 8, 8), (3, 6, 2, 8, 9, 16, 16),
+          (1, 4, 1, 2, 2, 32, 32), (2, 2, 1, 1, 70, 5, 7)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+def test_decode_attention_equals_the_formula(dtype, shape, is_causal, mask_kind) -> None:
+    B, H, G, L, S, D, Dv = shape
+    g = torch.Generator().manual_seed(B * S + L)
+    # As a decoder hands them over: q a transposed view, k/v views into a longer cache.
+    q = torch.randn(B, L, H, D, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(B, G, S + 4, D, generator=g).to(dtype)[:, :, :S]
+    v = torch.randn(B, G, S + 4, Dv, generator=g).to(dtype)[:, :, :S]
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(B, 1, L, S, generator=g) > 0.3
+        mask[0, 0, 0] = False  # a query with nothing to attend to: zeros
+    elif mask_kind == "float":
+        mask = torch.randn(B, 1, 1, S, generator=g)
+        mask[..., 0] = float("-inf")
+    expanded = None if mask is None else mask.expand(B, H, L, S)
+    with thread_count(2):
+        out = native.decode_attention(q, k, v, expanded, 0.3, is_causal)
+    assert out.shape == (B, H, L, Dv) and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), _reference(q, k, v, mask, 0.3, is_causal),
+                               rtol=tol, atol=tol)
+    if mask_kind == "bool":
+        assert bool((out[0, :, 0] == 0).all())
+
+
+def test_decode_attention_refuses_bad_input_by_name() -> None:
+    q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(RuntimeError, match="query, key, value: expected one dtype"):
+        native.decode_attention(q, k.double(), k, None, 1.0, False)
+    with pytest.raises(RuntimeError, match="with G dividing H"):
+        native.decode_attention(q, torch.randn(1, 3, 5, 8), torch.randn(1, 3, 5, 8), None,
+                                1.0, False)
+    with pytest.raises(RuntimeError, match="mask: expected a bool or float32 B x H x L x S"):
+        native.decode_attention(q, k, k, torch.ones(1, 4, 1, 4, dtype=torch.bool), 1.0, False)
+    with pytest.raises(RuntimeError, match="contiguous last dim"):
+        native.decode_attention(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), k,
+                                None, 1.0, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float", "key"])
+def test_auto_backend_runs_the_kernel_for_a_decoding_step(monkeypatch, dtype,
+                                                          mask_kind) -> None:
+    """``auto`` with a few CPU queries and no gradient runs the kernel, and gives the fused
+    backend's answer; with gradients, dropout or many queries it does not run it."""
+    calls = []
+    kernel = native.decode_attention
+    monkeypatch.setattr(native, "decode_attention",
+                        lambda *a: calls.append(1) or kernel(*a))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 1, 16, generator=g).to(dtype)
+    k, v = (torch.randn(1, 2, 9, 16, generator=g).to(dtype) for _ in range(2))  # B broadcasts
+    mask = {None: None, "bool": torch.rand(2, 1, 1, 9, generator=g) > 0.5,
+            "float": torch.randn(2, 1, 1, 9, generator=g), "key": torch.rand(9) > 0.2}[mask_kind]
+    with torch.no_grad():
+        out = scaled_dot_product_attention(q, k, v, mask, is_causal=True, enable_gqa=True)
+        fused = scaled_dot_product_attention(q, k, v, mask, is_causal=True, enable_gqa=True,
+                                             backend="fused")
+    assert calls == [1]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), fused.float(), rtol=tol, atol=tol)
+    scaled_dot_product_attention(q.requires_grad_(), k, v, mask, enable_gqa=True)
+    with torch.no_grad():
+        scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, dropout_p=0.5)
+        long = torch.randn(2, 6, native.MAX_ROWS + 1, 16).to(dtype)
+        scaled_dot_product_attention(long, k, v, None, enable_gqa=True)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("columns", [1, 7, 16384, 16385, 151936])
+def test_argmax_equals_torch(dtype, columns) -> None:
+    g = torch.Generator().manual_seed(columns)
+    x = torch.randn(5, columns, generator=g).to(dtype)
+    x[1] = float("-inf")  # nothing but -inf: index 0, as torch
+    x[2, columns // 2] = x[2, -1] = 1e4  # a tie: the first
+    x[3, -1] = float("nan")  # NaN wins, as in torch
+    x[4, columns // 3] = float("nan")
+    x[4, -1] = float("nan")
+    with thread_count(2):
+        got = native.argmax_rows(x)
+    assert torch.equal(got, x.argmax(-1))
+    assert native.argmax_rows(x[:0]).shape == (0,)
+
+
+def test_greedy_tokens_use_the_kernel(monkeypatch) -> None:
+    calls = []
+    kernel = native.argmax_rows
+    monkeypatch.setattr(native, "argmax_rows", lambda x: calls.append(x.shape) or kernel(x))
+    logits = torch.randn(2, 3, 50).to(torch.bfloat16)
+    assert torch.equal(greedy_tokens(logits), logits.float().argmax(-1))
+    assert calls == [(6, 50)]
+    assert torch.equal(greedy_tokens(logits.double()), logits.double().argmax(-1))
+    assert calls == [(6, 50)]  # float64: torch's argmax
