@@ -184,11 +184,11 @@ def test_hooks_other_than_scores_and_pattern_keep_the_backend(build, backend_cal
     calls = backend_calls
     with torch.no_grad():
         run_with_cache(model, inputs, ["*.q", "*.k", "*.v", "*.z", "*.resid_*", "*_out"])
-    assert calls == {"math": 0, "fused": n, "flash": 0}  # auto runs the fused kernel
+    assert calls == {"math": 0, "fused": n, "flash": 0, "native": 0}  # 9 queries: fused
     calls.update(math=0, fused=0)
     with torch.no_grad():
         run_with_cache(model, inputs, "layers.0.self_attn.pattern")
-    assert calls == {"math": 1, "fused": n - 1, "flash": 0}  # only the hooked layer
+    assert calls == {"math": 1, "fused": n - 1, "flash": 0, "native": 0}  # the hooked layer
 
 
 @builds

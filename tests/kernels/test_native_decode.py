@@ -16,6 +16,7 @@ from attnlab.attention.math import math_attention
 from attnlab.attention.sdpa import scaled_dot_product_attention
 from attnlab.generation.sampling import greedy_tokens
 from attnlab.kernels import native
+from attnlab.layers import RMSNorm
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None,
@@ -136,3 +137,28 @@ def test_greedy_tokens_use_the_kernel(monkeypatch) -> None:
     assert calls == [(6, 50)]
     assert torch.equal(greedy_tokens(logits.double()), logits.double().argmax(-1))
     assert calls == [(6, 50)]  # float64: torch's argmax
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_rms_norm_equals_the_formula(dtype, weight_dtype, unit_offset) -> None:
+    """The kernel against the written-out formula (``RMSNorm`` with a gradient, which takes
+    the formula): the same roundings, so at most one step of the last one apart."""
+    calls = []
+    norm = RMSNorm(40, eps=1e-5, unit_offset=unit_offset)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(40, generator=torch.Generator().manual_seed(2)))
+    norm = norm.to(weight_dtype)
+    x = (3 * torch.randn(2, 5, 40, generator=torch.Generator().manual_seed(1))).to(dtype)
+    formula = norm(x.clone().requires_grad_()).detach()  # a gradient: the formula
+    kernel = native.rms_norm
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(native, "rms_norm", lambda *a: calls.append(1) or kernel(*a))
+        with torch.no_grad():
+            got = norm(x)
+    assert calls == [1] and got.dtype == formula.dtype and got.shape == x.shape
+    one_step = formula.abs().double() * (2.0**-7 if formula.dtype == torch.bfloat16 else 1e-6)
+    assert bool(((got.double() - formula.double()).abs() <= one_step + 1e-6).all())
+    with pytest.raises(RuntimeError, match="weight: expected 40 contiguous"):
+        native.rms_norm(x.reshape(-1, 40), norm.weight[:3], 1e-5, False)

@@ -128,11 +128,15 @@ def generate(
         if repetition_penalty != 1.0:
             logits = apply_repetition_penalty(logits, ids, repetition_penalty, mask)
         # Once a step, for greedy and sampling alike; after the penalty, which may overflow.
-        check_logits(logits, f"logits (the model's output for new token {step + 1})")
+        name = f"logits (the model's output for new token {step + 1})"
         if do_sample:
+            check_logits(logits, name)
             token = sample_logits(logits, temperature, top_k, top_p, generator, check=False)
         else:
             token = greedy_tokens(logits)
+            # The chosen entry is its row's maximum: NaN or +inf when the row holds one, -inf
+            # when every entry is; checking it checks the row, without a second pass.
+            check_logits(logits.gather(-1, token[:, None]), name)
         if pad_token_id is not None:
             token = token.masked_fill(finished, pad_token_id)
         ids = torch.cat([ids, token[:, None]], dim=1)

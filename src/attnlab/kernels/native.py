@@ -1,7 +1,7 @@
 """attnlab's own C++ kernels for decoding, compiled on this machine: ``y = x W^T + b`` for a
 few rows ``x``, reading each weight once (float32, bfloat16, int8 and 4-bit codes); the
 dequantization of int8/int4 weights; attention of a few queries over cached keys; the greedy
-argmax.
+argmax; RMSNorm.
 
 A decoding step reads every weight once for one or a few rows, so its speed is the rate at
 which the weight streams from memory; PyTorch's CPU GEMV for these shapes (and its int8/int4
@@ -40,7 +40,7 @@ from torch import Tensor
 from attnlab.kernels import cache
 
 __all__ = ["MAX_ROWS", "argmax_rows", "available", "decode_attention", "dequantize_int4",
-           "dequantize_int8", "gemv", "gemv_int4", "gemv_int8", "pairs_available"]
+           "dequantize_int8", "gemv", "gemv_int4", "gemv_int8", "pairs_available", "rms_norm"]
 
 # The kernels are offered (by both calibrations) for the decoding buckets only: past 8 rows a
 # BLAS GEMM reuses each weight better.
@@ -125,6 +125,14 @@ def argmax_rows(x: Tensor) -> Tensor:
     x ``N x V`` contiguous float32 or bfloat16 -> ``N`` int64. Every thread takes a share of
     a row."""
     return _require().argmax_rows(x)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool = False) -> Tensor:
+    """RMSNorm of each row: x ``N x E`` contiguous (float32 or bfloat16), weight ``E``
+    (float32 or bfloat16) -> ``N x E`` in x's dtype; ``n = x / sqrt(mean(x^2) + eps)`` in
+    float32, then ``n * (1 + w)`` rounded once (``unit_offset``, Gemma) or ``n`` rounded to
+    x's dtype and times ``w``, rounded again (Llama, Qwen), as ``attnlab.layers.RMSNorm``."""
+    return _require().rms_norm(x, weight, float(eps), bool(unit_offset))
 
 
 def _bfloat16(name: str, dtype: torch.dtype) -> bool:

@@ -3,6 +3,7 @@
 //   decode_attention  z = softmax(q k^T scale + mask) v for a few queries over the cached keys
 //                     (grouped-query heads read each key once for the whole group)
 //   argmax_rows       the greedy choice: the first index of each row's maximum (NaN first)
+//   rms_norm          x / sqrt(mean(x^2) + eps) * w, rounded as the written-out formula rounds
 //
 // A decoding step calls each of them once per layer or once per token on small tensors, where
 // PyTorch's general kernels cost more than the arithmetic: its CPU attention sets up tiles for
@@ -102,25 +103,82 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   });
 }
 
-// The first index of the maximum of x[begin, end), or of its first NaN (as torch.argmax).
+// The first index of the maximum of x[begin, end), or of its first NaN (as torch.argmax): the
+// maxima of blocks of 64 taken with vector loads, then the first block holding the maximum
+// (or a NaN) searched entry by entry.
 template <typename T>
 std::pair<float, int64_t> chunk_argmax(const T* x, int64_t begin, int64_t end) {
+  constexpr int64_t kBlock = 64;
   float top = kNegInf;
-  int nan = 0;
-#pragma omp simd reduction(max : top) reduction(| : nan)
-  for (int64_t i = begin; i < end; ++i) {
-    const float v = to_float(x[i]);
-    top = v > top ? v : top;
-    nan |= v != v;
+  int64_t found = begin;  // the first block holding `top`
+  for (int64_t b = begin; b < end; b += kBlock) {
+    const int64_t stop = std::min(end, b + kBlock);
+    float block = kNegInf;
+    int nan = 0;
+#pragma omp simd reduction(max : block) reduction(| : nan)
+    for (int64_t i = b; i < stop; ++i) {
+      const float v = to_float(x[i]);
+      block = v > block ? v : block;
+      nan |= v != v;
+    }
+    if (nan) {
+      for (int64_t i = b; i < stop; ++i)
+        if (to_float(x[i]) != to_float(x[i])) return {std::numeric_limits<float>::quiet_NaN(), i};
+    }
+    if (block > top) {
+      top = block;
+      found = b;
+    }
   }
-  for (int64_t i = begin; i < end; ++i) {
-    const float v = to_float(x[i]);
-    if (nan ? v != v : v == top) return {nan ? std::numeric_limits<float>::quiet_NaN() : top, i};
-  }
+  for (int64_t i = found; i < std::min(end, found + kBlock); ++i)
+    if (to_float(x[i]) == top) return {top, i};
   return {top, begin};  // every entry -inf
 }
 
+template <typename T, typename W>
+void rms_rows(const T* x, const W* w, T* y, int64_t E, float eps, bool unit_offset,
+              int64_t begin, int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {
+    const T* row = x + n * E;
+    float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t e = 0; e < E; ++e) squares += to_float(row[e]) * to_float(row[e]);
+    const float inv = 1.f / std::sqrt(squares / static_cast<float>(E) + eps);
+    T* out = y + n * E;
+    // As the formula: with a unit offset the float32 product is rounded once; otherwise the
+    // normalised x is rounded to x's dtype first, then multiplied by the weight and rounded.
+    if (unit_offset)
+      for (int64_t e = 0; e < E; ++e) out[e] = T(to_float(row[e]) * inv * (1.f + to_float(w[e])));
+    else
+      for (int64_t e = 0; e < E; ++e) out[e] = T(to_float(T(to_float(row[e]) * inv)) * to_float(w[e]));
+  }
+}
+
 }  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool unit_offset) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.is_cpu() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x: expected a contiguous 2-D CPU float32 or bfloat16 tensor");
+  TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(1) &&
+                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "weight: expected ", x.size(1), " contiguous float32 or bfloat16 values");
+  auto y = at::empty_like(x);
+  const int64_t N = x.size(0), E = x.size(1);
+  auto run = [&](const auto* xp, auto* yp) {
+    auto with_weight = [&](const auto* wp) {
+      at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(E, 1)),
+                       [&](int64_t b, int64_t e) {
+        rms_rows(xp, wp, yp, E, static_cast<float>(eps), unit_offset, b, e);
+      });
+    };
+    if (w.scalar_type() == at::kFloat) with_weight(w.data_ptr<float>());
+    else with_weight(w.data_ptr<at::BFloat16>());
+  };
+  if (x.scalar_type() == at::kFloat) run(x.data_ptr<float>(), y.data_ptr<float>());
+  else run(x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>());
+  return y;
+}
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::optional<at::Tensor>& mask_or_none, double scale,

@@ -641,6 +641,7 @@ torch::Tensor dequantize_int8(const torch::Tensor& q, const torch::Tensor& s, bo
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const std::optional<torch::Tensor>& mask, double scale, bool causal);
 torch::Tensor argmax_rows(const torch::Tensor& x);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps, bool unit_offset);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_pairs", &has_pairs, "whether this build has the bfloat16 pair-product loops");
@@ -651,4 +652,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_int8", &dequantize_int8, "W' = q s per row");
   m.def("decode_attention", &decode_attention, "softmax(q k^T scale + mask) v for a few queries");
   m.def("argmax_rows", &argmax_rows, "the first index of each row's maximum");
+  m.def("rms_norm", &rms_norm, "x / sqrt(mean(x^2) + eps) * w per row");
 }
