@@ -17,6 +17,7 @@ from attnlab.attention.sdpa import scaled_dot_product_attention
 from attnlab.generation.sampling import greedy_tokens
 from attnlab.kernels import native
 from attnlab.layers import RMSNorm
+from attnlab.layers.rotary import apply_rotary
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None,
@@ -162,3 +163,28 @@ def test_rms_norm_equals_the_formula(dtype, weight_dtype, unit_offset) -> None:
     assert bool(((got.double() - formula.double()).abs() <= one_step + 1e-6).all())
     with pytest.raises(RuntimeError, match="weight: expected 40 contiguous"):
         native.rms_norm(x.reshape(-1, 40), norm.weight[:3], 1e-5, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize(("rotary_dim", "cos_rows"), [(16, 1), (8, 2), (16, 2)])
+def test_rotary_equals_the_formula_exactly(dtype, interleaved, rotary_dim, cos_rows) -> None:
+    """The kernel against ``apply_rotary``'s written-out formula (taken with a gradient): the
+    same products and roundings in x's dtype, so the same numbers; partial rotation (R < D)
+    passes the other features through; cos/sin per row or shared; x a strided view."""
+    g = torch.Generator().manual_seed(rotary_dim + cos_rows)
+    x = torch.randn(2, 3, 10, 16, generator=g).to(dtype)[:, :, 1:6]  # B x L x H x D view
+    angles = torch.randn(cos_rows, 3, rotary_dim, generator=g)
+    cos, sin = angles.cos(), angles.sin()
+    formula = apply_rotary(x.clone().requires_grad_(), cos, sin,
+                           interleaved=interleaved).detach()
+    calls = []
+    kernel = native.rotary
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(native, "rotary", lambda *a: calls.append(1) or kernel(*a))
+        with torch.no_grad():
+            got = apply_rotary(x, cos, sin, interleaved=interleaved)
+    assert calls == [1]
+    assert torch.equal(got, formula)
+    with pytest.raises(RuntimeError, match="cos, sin: expected contiguous"):
+        native.rotary(x, cos.to(dtype), sin.double(), interleaved)

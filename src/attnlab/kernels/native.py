@@ -1,7 +1,7 @@
 """attnlab's own C++ kernels for decoding, compiled on this machine: ``y = x W^T + b`` for a
 few rows ``x``, reading each weight once (float32, bfloat16, int8 and 4-bit codes); the
 dequantization of int8/int4 weights; attention of a few queries over cached keys; the greedy
-argmax; RMSNorm.
+argmax; RMSNorm; RoPE.
 
 A decoding step reads every weight once for one or a few rows, so its speed is the rate at
 which the weight streams from memory; PyTorch's CPU GEMV for these shapes (and its int8/int4
@@ -40,7 +40,8 @@ from torch import Tensor
 from attnlab.kernels import cache
 
 __all__ = ["MAX_ROWS", "argmax_rows", "available", "decode_attention", "dequantize_int4",
-           "dequantize_int8", "gemv", "gemv_int4", "gemv_int8", "pairs_available", "rms_norm"]
+           "dequantize_int8", "gemv", "gemv_int4", "gemv_int8", "pairs_available", "rms_norm",
+           "rotary"]
 
 # The kernels are offered (by both calibrations) for the decoding buckets only: past 8 rows a
 # BLAS GEMM reuses each weight better.
@@ -49,6 +50,9 @@ MAX_ROWS = 8
 _SOURCES = tuple(Path(__file__).with_name(name)
                  for name in ("native_gemv.cpp", "native_decode.cpp"))
 _ENV = "ATTNLAB_NATIVE"
+# -ffp-contract=off: a * b + c stays two roundings unless the source asks for a fused
+# multiply-add, so the kernels round as the formulas they replace do.
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 _LOG = logging.getLogger("attnlab.kernels")
 _BUILT: list[ModuleType | None] = []  # the loaded extension, or None when it cannot be had
 
@@ -135,6 +139,15 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool = False) -
     return _require().rms_norm(x, weight, float(eps), bool(unit_offset))
 
 
+def rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
+    """RoPE: x ``B x L x H x D`` (float32 or bfloat16, last dim contiguous), cos and sin
+    ``(B or 1) x L x R`` contiguous in x's dtype (``R`` even, ``<= D``) -> ``x_r * cos +
+    turn(x_r) * sin`` on the first ``R`` features of each head, the rest passed through, as
+    ``attnlab.layers.rotary.apply_rotary`` computes and rounds it; ``turn`` is ``(a, b) ->
+    (-b, a)`` on the halves, or on neighbours when ``interleaved``. A new contiguous tensor."""
+    return _require().rotary(x, cos, sin, bool(interleaved))
+
+
 def _bfloat16(name: str, dtype: torch.dtype) -> bool:
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"{name}: expected torch.float32 or torch.bfloat16, got {dtype}")
@@ -161,7 +174,7 @@ def _build() -> ModuleType | None:
     """The compiled extension, from the build folder when this source was built there."""
     # -march=native: a build is for this CPU model only (a home folder shared between
     # machines must not hand one CPU's instructions to another).
-    key = f"{torch.__version__} | {cache.cpu_model()}".encode()
+    key = f"{torch.__version__} | {cache.cpu_model()} | {' '.join(_FLAGS)}".encode()
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + key).hexdigest()[:16]
     folder = Path(os.environ.get("ATTNLAB_CACHE_DIR") or Path.home() / ".cache" / "attnlab")
     build = folder / "native" / digest
@@ -176,7 +189,7 @@ def _build() -> ModuleType | None:
         with _only_builder(build):
             return cpp_extension.load(
                 name=f"attnlab_native_{digest}", sources=[str(p) for p in _SOURCES],
-                build_directory=str(build), extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                build_directory=str(build), extra_cflags=list(_FLAGS),
                 extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # a missing compiler or ninja, a failed build: not fatal
         lines = str(error).strip().splitlines()

@@ -4,6 +4,7 @@
 //                     (grouped-query heads read each key once for the whole group)
 //   argmax_rows       the greedy choice: the first index of each row's maximum (NaN first)
 //   rms_norm          x / sqrt(mean(x^2) + eps) * w, rounded as the written-out formula rounds
+//   rotary            x * cos + turn(x) * sin on the first R features of each head (RoPE)
 //
 // A decoding step calls each of them once per layer or once per token on small tensors, where
 // PyTorch's general kernels cost more than the arithmetic: its CPU attention sets up tiles for
@@ -17,6 +18,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -154,7 +156,57 @@ void rms_rows(const T* x, const W* w, T* y, int64_t E, float eps, bool unit_offs
   }
 }
 
+// Rows [begin, end) of (b, l, h): out = x * cos + turn(x) * sin on the first R features, each
+// product and the sum rounded to T as the written-out formula in T rounds them.
+template <typename T>
+void rotary_rows(const at::Tensor& x, const T* cos, const T* sin, int64_t cos_rows, bool interleaved,
+                 int64_t R, T* out, int64_t begin, int64_t end) {
+  const int64_t L = x.size(1), H = x.size(2), D = x.size(3);
+  const auto xs = x.strides();
+  const T* xp = x.data_ptr<T>();
+  const int64_t half = R / 2;
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t b = t / (L * H), l = (t / H) % L, h = t % H;
+    const T* row = xp + b * xs[0] + l * xs[1] + h * xs[2];
+    const int64_t at = ((cos_rows == 1 ? 0 : b) * L + l) * R;
+    const T *c = cos + at, *s = sin + at;
+    T* o = out + t * D;
+    for (int64_t i = 0; i < R; ++i) {
+      const float turned = interleaved ? (i % 2 ? to_float(row[i - 1]) : -to_float(row[i + 1]))
+                                       : (i < half ? -to_float(row[i + half]) : to_float(row[i - half]));
+      const float a = to_float(T(to_float(row[i]) * to_float(c[i])));
+      const float z = to_float(T(turned * to_float(s[i])));
+      o[i] = T(a + z);
+    }
+    for (int64_t i = R; i < D; ++i) o[i] = row[i];
+  }
+}
+
 }  // namespace
+
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                  bool interleaved) {
+  TORCH_CHECK(x.dim() == 4 && x.is_cpu() && x.stride(3) == 1 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x: expected a B x L x H x D CPU float32 or bfloat16 tensor, last dim contiguous");
+  const int64_t B = x.size(0), L = x.size(1), H = x.size(2), D = x.size(3);
+  TORCH_CHECK(cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.is_contiguous() &&
+                  sin.is_contiguous() && (cos.size(0) == 1 || cos.size(0) == B) &&
+                  cos.size(1) == L && cos.size(2) % 2 == 0 && cos.size(2) <= D &&
+                  cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "cos, sin: expected contiguous (B or 1) x L x R tensors in x's dtype, R even <= D");
+  auto out = at::empty({B, L, H, D}, x.options());
+  const int64_t R = cos.size(2), rows = cos.size(0);
+  auto run = [&](auto* op) {
+    using T = std::remove_pointer_t<decltype(op)>;
+    at::parallel_for(0, B * L * H, std::max<int64_t>(1, 8192 / D), [&](int64_t b, int64_t e) {
+      rotary_rows<T>(x, cos.data_ptr<T>(), sin.data_ptr<T>(), rows, interleaved, R, op, b, e);
+    });
+  };
+  if (x.scalar_type() == at::kFloat) run(out.data_ptr<float>());
+  else run(out.data_ptr<at::BFloat16>());
+  return out;
+}
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool unit_offset) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.is_cpu() &&

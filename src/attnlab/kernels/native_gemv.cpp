@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -563,8 +564,9 @@ void int4_rows_out(const uint8_t* q, const S* s, const S* z, F* out, int64_t K, 
     for (int64_t j = 0; j < groups; ++j) {
       const float sj = load(s[o * groups + j]), zj = load(z[o * groups + j]);
       for (int64_t i = j * g / 2; i < (j + 1) * g / 2; ++i) {
-        w[2 * i] = F(zj + static_cast<float>((row[i] & 15) - 8) * sj);
-        w[2 * i + 1] = F(zj + static_cast<float>((row[i] >> 4) - 8) * sj);
+        // One fused multiply-add, as torch's addcmul (the formula) computes it.
+        w[2 * i] = F(std::fma(static_cast<float>((row[i] & 15) - 8), sj, zj));
+        w[2 * i + 1] = F(std::fma(static_cast<float>((row[i] >> 4) - 8), sj, zj));
       }
     }
   }
@@ -642,6 +644,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
                                const std::optional<torch::Tensor>& mask, double scale, bool causal);
 torch::Tensor argmax_rows(const torch::Tensor& x);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps, bool unit_offset);
+torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                     bool interleaved);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_pairs", &has_pairs, "whether this build has the bfloat16 pair-product loops");
@@ -653,4 +657,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "softmax(q k^T scale + mask) v for a few queries");
   m.def("argmax_rows", &argmax_rows, "the first index of each row's maximum");
   m.def("rms_norm", &rms_norm, "x / sqrt(mean(x^2) + eps) * w per row");
+  m.def("rotary", &rotary, "x * cos + turn(x) * sin on the first R features of each head");
 }
