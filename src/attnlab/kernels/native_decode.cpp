@@ -73,9 +73,14 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       }
       for (int64_t r = 0; r < R; ++r) {
         float* row = scores.data() + r * S;
-        const float top = *std::max_element(row, row + S);
-        total[r] = 0.f;
-        if (!(top > kNegInf)) continue;  // nothing to attend to: a zero output
+        float top = kNegInf;
+        bool nan = false;
+        for (int64_t j = 0; j < S; ++j) {
+          nan |= row[j] != row[j];
+          top = row[j] > top ? row[j] : top;
+        }
+        total[r] = nan ? std::numeric_limits<float>::quiet_NaN() : 0.f;  // NaN in, NaN out
+        if (nan || !(top > kNegInf)) continue;  // nothing to attend to: a zero output
         float sum = 0.f;
         for (int64_t j = 0; j < S; ++j) {
           row[j] = std::exp(row[j] - top);
@@ -89,7 +94,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         for (int64_t d = 0; d < Dv; ++d) vf[d] = to_float(value[d]);
         for (int64_t r = 0; r < R; ++r) {
           const float p = scores[r * S + j];
-          if (total[r] == 0.f || p == 0.f) continue;
+          if (!(total[r] > 0.f) || p == 0.f) continue;  // empty or NaN rows: set below
           float* a = acc.data() + r * Dv;
 #pragma omp simd
           for (int64_t d = 0; d < Dv; ++d) a[d] += p * vf[d];
@@ -97,7 +102,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t h = g * per + r / L, i = r % L;
-        const float inv = total[r] > 0.f ? 1.f / total[r] : 0.f;
+        const float inv = total[r] != total[r] ? total[r] : total[r] > 0.f ? 1.f / total[r] : 0.f;
         T* o = op + ((b * L + i) * H + h) * Dv;
         for (int64_t d = 0; d < Dv; ++d) o[d] = T(acc[r * Dv + d] * inv);
       }
@@ -254,6 +259,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                     mask.size(3) == S &&
                     (mask.scalar_type() == at::kBool || mask.scalar_type() == at::kFloat),
                 "mask: expected a bool or float32 B x H x L x S tensor");
+  if (S == 0) return at::zeros({B, L, H, v.size(3)}, q.options()).transpose(1, 2);  // no key
   auto out = at::empty({B, L, H, v.size(3)}, q.options());
   if (q.scalar_type() == at::kFloat) attend<float>(q, k, v, mask, scale, causal, out);
   else attend<at::BFloat16>(q, k, v, mask, scale, causal, out);
