@@ -100,13 +100,11 @@ def _native_decoding(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | N
     step, at most ``native.MAX_ROWS``), float32 or bfloat16, no dropout, no gradient needed,
     the kernels built here. PyTorch's fused kernel spends more on setting up its tiles than
     on the arithmetic of so few queries."""
-    if (query.dim() != 4 or query.shape[-2] > native.MAX_ROWS or not query.is_cpu
-            or query.dtype not in _NATIVE_DTYPES or dropout_p > 0):
+    if query.dim() != 4 or query.shape[-2] > native.MAX_ROWS or dropout_p > 0:
         return False
-    if torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (query, key, value, mask)):
+    if mask is not None and mask.requires_grad and torch.is_grad_enabled():
         return False
-    return native.available()
+    return native.takes(query, key, value)
 
 
 def _native_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
@@ -124,8 +122,6 @@ def _native_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | 
                          for t in (query, key, value))
     return native.decode_attention(query, key, value, mask, scale, is_causal)
 
-
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _broadcast_shapes(*shapes: torch.Size) -> torch.Size:

@@ -62,8 +62,7 @@ def greedy_tokens(logits: Tensor) -> Tensor:
     ids ``N..`` (long). On a CPU, attnlab's C++ argmax when built (PyTorch's reduces a row on
     one thread without vector loads: ~0.25 ms for 150k entries); else 16-bit logits are
     widened first, which is exact (PyTorch has no vectorised 16-bit argmax)."""
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) \
-            and logits.dim() > 0 and logits.shape[-1] > 0 and native.available():
+    if logits.dim() > 0 and logits.shape[-1] > 0 and native.takes(logits.detach()):
         flat = logits.reshape(-1, logits.shape[-1]).contiguous()
         return native.argmax_rows(flat).view(logits.shape[:-1])
     if logits.dtype in (torch.bfloat16, torch.float16) and logits.device.type == "cpu":

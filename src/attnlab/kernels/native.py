@@ -39,13 +39,14 @@ from torch import Tensor
 
 from attnlab.kernels import cache
 
-__all__ = ["MAX_ROWS", "argmax_rows", "available", "decode_attention", "dequantize_int4",
+__all__ = ["DTYPES", "MAX_ROWS", "argmax_rows", "available", "decode_attention", "dequantize_int4",
            "dequantize_int8", "gemv", "gemv_int4", "gemv_int8", "pairs_available", "rms_norm",
-           "rotary"]
+           "rotary", "takes"]
 
 # The kernels are offered (by both calibrations) for the decoding buckets only: past 8 rows a
 # BLAS GEMM reuses each weight better.
 MAX_ROWS = 8
+DTYPES = (torch.float32, torch.bfloat16)  # the activations' dtypes the kernels take
 
 _SOURCES = tuple(Path(__file__).with_name(name)
                  for name in ("native_gemv.cpp", "native_decode.cpp"))
@@ -55,6 +56,17 @@ _ENV = "ATTNLAB_NATIVE"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 _LOG = logging.getLogger("attnlab.kernels")
 _BUILT: list[ModuleType | None] = []  # the loaded extension, or None when it cannot be had
+
+
+def takes(*tensors: Tensor) -> bool:
+    """Whether the kernels can stand in for a formula on ``tensors``: each on the CPU in
+    float32 or bfloat16, no gradient needed (grad mode off, or none requires one), and the
+    build present (:func:`available`)."""
+    if not all(t.is_cpu and t.dtype in DTYPES for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return available()
 
 
 def available() -> bool:

@@ -10,8 +10,6 @@ from attnlab.kernels import native
 
 __all__ = ["RMSNorm"]
 
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-
 
 class RMSNorm(nn.Module):
     """``RMSNorm(x) = x / sqrt(mean(x^2) + eps) * weight`` over the last dim (Zhang & Sennrich).
@@ -37,9 +35,7 @@ class RMSNorm(nn.Module):
         if x.shape[-1:] != (self.dim,):
             raise ValueError(f"x: expected shape N.. x {self.dim}, got {tuple(x.shape)}")
         weight = self.weight
-        if (x.is_cpu and x.dtype in _NATIVE_DTYPES and weight.dtype in _NATIVE_DTYPES
-                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-                and native.available()):
+        if native.takes(x, weight):
             # The same formula in one C++ pass (a decoding step calls this twice per layer on
             # one row, where the eight ATen calls below cost more than the arithmetic).
             flat = x.reshape(-1, self.dim).contiguous()

@@ -28,7 +28,6 @@ __all__ = ["RopeScaling", "RotaryEmbedding", "apply_rotary", "rope_inverse_frequ
 
 # The scalings whose frequencies are chosen by the sequence length, read from the positions.
 _BY_LENGTH = ("dynamic", "longrope")
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class RotaryEmbedding(nn.Module):
@@ -187,10 +186,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = Fal
                          f"<= {dim} (x is {tuple(x.shape)}), got {tuple(cos.shape)}")
     if cos.dtype != x.dtype:
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    if (x.is_cpu and x.dtype in _NATIVE_DTYPES and x.stride(-1) == 1
-            and not (torch.is_grad_enabled()
-                     and (x.requires_grad or cos.requires_grad or sin.requires_grad))
-            and native.available()):
+    if x.stride(-1) == 1 and native.takes(x, cos, sin):
         # The same products and roundings in one C++ pass, not eight ATen calls per tensor.
         return native.rotary(x, cos.contiguous(), sin.contiguous(), interleaved)
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # B x L x 1 x R: the same for every head

@@ -273,13 +273,12 @@ def _int4_takes(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
 
 
 def _native_takes(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
-    return (weight.data.is_cpu and dtype in _NATIVE_DTYPES
-            and weight.scales.dtype in _NATIVE_DTYPES
+    return (weight.data.is_cpu and dtype in native.DTYPES
+            and weight.scales.dtype in native.DTYPES
             and (weight.bits == 8 or weight.group_size % 32 == 0) and native.available())
 
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 _BLOCKED_CHECKED: list[bool] = []
 
 
