@@ -101,12 +101,11 @@ def backend_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
     calls = dict.fromkeys(("math", "fused", "flash", "native"), 0)
     for kind in calls:
-        real = getattr(sdpa, f"{kind}_attention" if kind != "native" else "_native_attention")
+        real = getattr(sdpa, f"{kind}_attention")
 
         def counted(*args, _real=real, _kind=kind, **kwargs):
             calls[_kind] += 1
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(sdpa, f"{kind}_attention" if kind != "native"
-                            else "_native_attention", counted)
+        monkeypatch.setattr(sdpa, f"{kind}_attention", counted)
     return calls

@@ -75,6 +75,9 @@ def scaled_dot_product_attention(
     rank = max(query.dim(), key.dim(), value.dim())
     query, key, value = _broadcast(query, key, value, enable_gqa)
     _check_mask(mask, query, key, rank)
+    if backend == "auto" and chosen == "fused" and _native_decoding(query, key, value, mask,
+                                                                    dropout_p):
+        chosen = "native"
     if chosen == "math":
         out, weights = math_attention(
             query, key, value, mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
@@ -85,8 +88,8 @@ def scaled_dot_product_attention(
         return (out, weights) if return_weights else out
     if chosen == "flash":
         out = flash_attention(query, key, value, mask, is_causal=is_causal, scale=scale)
-    elif backend == "auto" and _native_decoding(query, key, value, mask, dropout_p):
-        out = _native_attention(query, key, value, mask, is_causal, scale)
+    elif chosen == "native":
+        out = native_attention(query, key, value, mask, is_causal=is_causal, scale=scale)
     else:
         out = fused_attention(
             query, key, value, mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p
@@ -107,8 +110,8 @@ def _native_decoding(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | N
     return native.takes(query, key, value)
 
 
-def _native_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
-                      is_causal: bool, scale: float) -> Tensor:
+def native_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *,
+                     is_causal: bool, scale: float) -> Tensor:
     """The C++ decoding kernel on ``_broadcast``'s views: key/value rows that broadcast
     become stride-0 views, the mask an expanded bool or float32 view."""
     B, H, L, _ = query.shape

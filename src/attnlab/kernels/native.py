@@ -161,7 +161,7 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Te
 
 
 def _bfloat16(name: str, dtype: torch.dtype) -> bool:
-    if dtype not in (torch.float32, torch.bfloat16):
+    if dtype not in DTYPES:
         raise ValueError(f"{name}: expected torch.float32 or torch.bfloat16, got {dtype}")
     return dtype == torch.bfloat16
 

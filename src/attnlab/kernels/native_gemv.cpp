@@ -49,7 +49,6 @@ inline float from_bf16(uint16_t bits) {
 inline float load(float v) { return v; }
 inline float load(uint16_t v) { return from_bf16(v); }
 inline float load(int8_t v) { return static_cast<float>(v); }
-inline float load(at::BFloat16 v) { return static_cast<float>(v); }
 
 constexpr int64_t kGrain = 64;  // output rows per task, at least
 constexpr int64_t kAhead = 4;   // rows read ahead (a prefetch is a hint: past the end is harmless)
@@ -617,7 +616,7 @@ torch::Tensor dequantize_int4(const torch::Tensor& q, const torch::Tensor& s, co
       });
     };
     if (s.scalar_type() == torch::kFloat32) run(ptr<float>(s), ptr<float>(z));
-    else run(ptr<at::BFloat16>(s), ptr<at::BFloat16>(z));
+    else run(ptr<uint16_t>(s), ptr<uint16_t>(z));
   });
   return out;
 }
@@ -634,7 +633,7 @@ torch::Tensor dequantize_int8(const torch::Tensor& q, const torch::Tensor& s, bo
       at::parallel_for(0, O, 16, [&](int64_t b, int64_t e) { int8_rows_out(qp, sp, op, K, b, e); });
     };
     if (s.scalar_type() == torch::kFloat32) run(ptr<float>(s));
-    else run(ptr<at::BFloat16>(s));
+    else run(ptr<uint16_t>(s));
   });
   return out;
 }
