@@ -48,7 +48,7 @@ def test_the_cache_key_separates_dtypes_shapes_buckets_and_threads(own_cache):
     measure(torch.float32, *SHAPE, "1")
     measure(torch.bfloat16, *SHAPE, "1")
     measure(torch.float32, 16, 24, "1")
-    measure(torch.float32, *SHAPE, "65+")
+    measure(torch.float32, *SHAPE, "33+")
     keys = set(json.loads(own_cache.read_text())["entries"])
     assert len(keys) == 4
     threads = torch.get_num_threads()
@@ -86,7 +86,7 @@ def test_a_corrupt_cache_file_is_ignored_with_a_warning_and_rewritten(own_cache,
 ])
 def test_a_hostile_entry_is_never_trusted(own_cache, entry):
     key = entry_key(torch.float32, *SHAPE, "1")
-    good = entry_key(torch.float32, *SHAPE, "65+")
+    good = entry_key(torch.float32, *SHAPE, "33+")
     own_cache.parent.mkdir(parents=True)
     text = json.dumps({"version": 3, "entries": {key: entry, good: {"formula": 5.0}}})
     own_cache.write_text(text)  # NaN written as JSON's NaN extension, as Python reads it
@@ -100,12 +100,12 @@ def test_a_hostile_entry_is_never_trusted(own_cache, entry):
 def test_a_cached_winner_decides_without_measuring(own_cache, monkeypatch):
     """The cache is what choose reads: a planted (valid) timing table decides."""
     own_cache.parent.mkdir(parents=True)
-    key = entry_key(torch.float32, *SHAPE, "9-64")
+    key = entry_key(torch.float32, *SHAPE, "9-32")
     own_cache.write_text(json.dumps({"version": 3, "entries": {
         key: dict.fromkeys(KERNELS, 100.0) | {"columns": 1.0, "rows_gemv": 50.0}}}))
     monkeypatch.setattr(calibration, "measure_rows", lambda *a, **k: pytest.fail("measured"))
-    assert choose(torch.float32, *SHAPE, "9-64") == "columns"
-    assert choose(torch.float32, *SHAPE, "9-64", kernels=["formula", "rows_gemv"]) == "rows_gemv"
+    assert choose(torch.float32, *SHAPE, "9-32") == "columns"
+    assert choose(torch.float32, *SHAPE, "9-32", kernels=["formula", "rows_gemv"]) == "rows_gemv"
 
 
 def test_an_unwritable_cache_folder_warns_and_calibration_still_works(tmp_path, monkeypatch):
@@ -197,8 +197,8 @@ def test_a_dtype_only_the_formula_runs_is_planned_on_the_formula():
 
 
 def test_buckets_cover_every_row_count():
-    assert [bucket_of(m) for m in (1, 2, 8, 9, 64, 65, 10**6)] == [
-        "1", "2-8", "2-8", "9-64", "9-64", "65+", "65+"]
+    assert [bucket_of(m) for m in (1, 2, 8, 9, 32, 33, 10**6)] == [
+        "1", "2-8", "2-8", "9-32", "9-32", "33+", "33+"]
     with pytest.raises(ValueError, match="rows: expected a positive int, got 0"):
         bucket_of(0)
 

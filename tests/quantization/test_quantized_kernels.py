@@ -37,7 +37,7 @@ def test_each_kernel_equals_the_formula(kernel: str, bits: int, dtype: torch.dty
     most = QUANTIZED_KERNELS[kernel].max_rows
     assert {b: k.name for b, k in module.calibrate(dtype).items()} == {
         b: kernel if most is None or most >= top else "dequantize"
-        for b, top in (("1", 1), ("2-8", 8), ("9-64", 64), ("65+", 512))}
+        for b, top in (("1", 1), ("2-8", 8), ("9-32", 16), ("33+", 512))}
     x = torch.randn(2, rows, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
     with torch.inference_mode():
         y = module(x)
@@ -55,7 +55,7 @@ def test_measured_plan_is_cached_per_scheme(monkeypatch: pytest.MonkeyPatch,
     qkernels._TIMINGS.clear()
     weight = quantize(torch.randn(64, 128), 4, 32)
     picks = qkernels.plan(weight, torch.bfloat16)
-    assert set(picks) == {"1", "2-8", "9-64", "65+"}
+    assert set(picks) == {"1", "2-8", "9-32", "33+"}
     assert set(picks.values()) <= set(QUANTIZED_KERNELS)
     entries = json.loads((tmp_path / "kernels-quantized.json").read_text())["entries"]
     keys = [k for k in entries if k.startswith("int4 g32 | ")]
@@ -102,8 +102,8 @@ def test_the_plan_keeps_the_codes_in_one_layout(monkeypatch: pytest.MonkeyPatch,
 
     timings = {"1": {"dequantize": 100.0, "int4_native": native_one_row, "int4_mm": 30.0},
                "2-8": {"dequantize": 100.0, "int4_native": 50.0, "int4_mm": 20.0},
-               "9-64": {"dequantize": 100.0, "int4_mm": 150.0},
-               "65+": {"dequantize": 100.0, "int4_mm": 300.0}}
+               "9-32": {"dequantize": 100.0, "int4_mm": 150.0},
+               "33+": {"dequantize": 100.0, "int4_mm": 300.0}}
     every = {n: dataclasses.replace(k, available=lambda w, d: True)
              for n, k in QUANTIZED_KERNELS.items()}
     monkeypatch.setattr(qkernels, "QUANTIZED_KERNELS", every)
@@ -111,4 +111,4 @@ def test_the_plan_keeps_the_codes_in_one_layout(monkeypatch: pytest.MonkeyPatch,
         n: timings[b][n] for n in names if n in timings[b]})
     monkeypatch.delenv("ATTNLAB_QUANTIZED_KERNELS", raising=False)
     picks = qkernels.plan(quantize(torch.randn(128, 256), 4, 64), torch.bfloat16)
-    assert picks == {**expected, "9-64": "dequantize", "65+": "dequantize"}
+    assert picks == {**expected, "9-32": "dequantize", "33+": "dequantize"}

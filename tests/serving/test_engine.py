@@ -251,3 +251,21 @@ def test_decode_rows_are_not_padded_to_a_prefill_chunk(monkeypatch):
                         lambda ids: shapes.append(tuple(ids.shape)) or real(ids))
     engine.step()
     assert shapes == [(2, 1), (1, 18)]  # the two decode tokens, then the chunk: 20 in all
+
+
+def test_one_lm_head_call_a_step_for_the_requests_that_need_a_token(monkeypatch):
+    """A prefill chunk that does not end its prompt needs no logits; the rows that do (decode
+    tokens, last chunks) share one ``lm_head`` call: the tokens are the same."""
+    model = _model()
+    engine = Engine(model, max_batch=3, max_tokens_per_step=20, page_size=4)
+    prompts = [_prompts()[0], _prompts()[1], _prompts()[4]]  # 3, 17 and 26 tokens
+    rows, real = [], model.lm_head.forward
+    monkeypatch.setattr(model.lm_head, "forward",
+                        lambda x: rows.append(tuple(x.shape)) or real(x))
+    results = _run(engine, [(0, list(p), GREEDY) for p in prompts])
+    # step 1: both short prompts whole; 2: two decodes + 18 of the long prompt (no logits);
+    # 3: two decodes + its last 8 tokens; then three decodes a step
+    assert rows[:3] == [(2, 32), (2, 32), (3, 32)]
+    assert all(shape == (3, 32) for shape in rows[3:NEW - 1])
+    for prompt, events in zip(prompts, results.values()):
+        assert _tokens(events) == _reference(prompt)

@@ -289,3 +289,26 @@ def test_a_second_stepping_thread_is_refused(monkeypatch):
     release.set()
     thread.join()
     assert engine.stats()["tokens_generated"] == 1
+
+
+def test_a_failing_lm_head_ends_the_requests_it_was_for_only(monkeypatch):
+    """The step's one ``lm_head`` call raising ends the requests that needed a token then; a
+    request still prefilling (no logits that step) goes on, and so does the engine."""
+    model = _model()
+    engine = Engine(model, max_batch=2, max_tokens_per_step=6, page_size=4)
+    short = engine.add_request([4, 5, 6], GREEDY)
+    long = engine.add_request(list(range(1, 21)), GREEDY)  # 20 tokens: several chunks
+    real = model.lm_head.forward
+
+    def failing(x):
+        raise RuntimeError("head down")
+
+    monkeypatch.setattr(model.lm_head, "forward", failing)
+    events = engine.step()  # the short prompt whole, 3 tokens of the long one
+    monkeypatch.setattr(model.lm_head, "forward", real)
+    assert [(e.request_id, e.finish_reason, e.error) for e in events] == [
+        (short, "abort", "RuntimeError: head down")]
+    tokens = [e.token_id for e in _drain(engine) if e.request_id == long]
+    expected = generate(model, torch.tensor([list(range(1, 21))]), GREEDY.max_tokens)
+    assert tokens == expected[0, 20:].tolist()
+    assert engine.stats()["pages_used"] == 0

@@ -1,8 +1,10 @@
 """Choosing a kernel by measuring: which of :data:`~attnlab.kernels.catalog.KERNELS` computes
 ``x W^T + b`` fastest for a dtype, a shape ``O x I`` and a row count, on this machine.
 
-Rows come in buckets (``1`` for one-sequence decoding, ``2-8`` for batched decoding,
-``9-64`` and ``65+`` for prefill), each measured at one representative row count. A
+Rows come in buckets (``1`` for one-sequence decoding, ``2-8`` for batched decoding, ``9-32``
+for a serving engine's batch of decoding requests, ``33+`` for prefill), each measured at one
+representative row count (16 for ``9-32``: the batch a server decodes, where oneDNN's
+packed weights win; a 64-row batch ranks the kernels like prefill). A
 measurement times every candidate kernel on random data under ``torch.inference_mode()``,
 a few interleaved repeats each (median, a few milliseconds per candidate for decoder
 shapes), after checking its result against the formula's; the timings are cached on disk
@@ -38,8 +40,8 @@ __all__ = [
 ]
 
 # name -> (smallest row count, representative row count measured for it)
-BUCKETS: dict[str, tuple[int, int]] = {"1": (1, 1), "2-8": (2, 8), "9-64": (9, 64),
-                                       "65+": (65, 128)}
+BUCKETS: dict[str, tuple[int, int]] = {"1": (1, 1), "2-8": (2, 8), "9-32": (9, 16),
+                                       "33+": (33, 128)}
 _ENV = "ATTNLAB_KERNELS"
 _MIN_REPEATS, _MAX_REPEATS = 3, 9
 _BUDGET_US = 10_000  # per candidate, once it has _MIN_REPEATS timings

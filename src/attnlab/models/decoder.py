@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnlab._checks import check_token_ids
 from attnlab.attention.kv_cache import KVCache, LayerKVCache
 from attnlab.generation import generate
 from attnlab.hook_point import HookPoint
@@ -130,14 +131,36 @@ class DecoderLM(PreTrainedModel):
             labels=labels, use_cache=use_cache, past_key_values=past_key_values, cache=cache,
             return_dict=return_dict, logits_to_keep=logits_to_keep)
         cache = past_key_values if past_key_values is not None else cache
-        B, L, offset, key_mask, positions = decoder_inputs(
+        if labels is not None or (use_cache and cache is None):
+            B, L = check_token_ids("input_ids", input_ids, c.vocab_size)
+            if labels is not None:
+                check_labels(labels, (B, L), c.vocab_size)
+            if use_cache and cache is None:
+                cache = self.make_cache(B, L, grow=True)
+        logits = self.lm_head(self.final_hidden(
+            input_ids, attention_mask, cache=cache, position_ids=position_ids,
+            logits_to_keep=logits_to_keep))
+        if not as_output:
+            return logits
+        loss = None if labels is None else next_token_loss(logits, labels)
+        return CausalLMOutput(logits=logits, loss=loss, past_key_values=cache)
+
+    def final_hidden(self, input_ids: Tensor, attention_mask: Tensor | None = None, *,
+                     cache: KVCache | None = None, position_ids: Tensor | None = None,
+                     logits_to_keep: int = 0) -> Tensor:
+        """The last layer's output after the final norm, what ``lm_head`` turns into logits:
+        input_ids ``B x L`` -> ``B x L x H`` (``B x min(k, L) x H`` for ``logits_to_keep=k >
+        0``).
+
+        The arguments are ``forward``'s. A caller that wants logits for only some rows (a
+        serving engine's prefill chunk that does not end its prompt wants none) projects
+        them itself, in one ``lm_head`` call for every row of a step.
+        """
+        c = self.config
+        _, L, offset, key_mask, positions = decoder_inputs(
             input_ids, attention_mask, cache, position_ids, logits_to_keep,
             vocab_size=c.vocab_size, max_len=c.max_len,
             num_layers=c.num_layers)
-        if labels is not None:
-            check_labels(labels, (B, L), c.vocab_size)
-        if use_cache and cache is None:
-            cache = self.make_cache(B, L, grow=True)
         mask = self._attention_mask(key_mask, L, offset)
         x = self.embed_tokens(input_ids)
         if c.embedding_scale is not None:  # in x's dtype, as Gemma rounds it
@@ -156,11 +179,7 @@ class DecoderLM(PreTrainedModel):
                       cache=None if cache is None else cache[i])
         if logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
-        logits = self.lm_head(self.norm(x))
-        if not as_output:
-            return logits
-        loss = None if labels is None else next_token_loss(logits, labels)
-        return CausalLMOutput(logits=logits, loss=loss, past_key_values=cache)
+        return self.norm(x)
 
     def _attention_mask(self, key_mask: Tensor | None, L: int, offset: int) -> Tensor | None:
         """``B x 1 x L x S`` (or ``L x S``) bool, True = may attend, or ``None`` for the plain

@@ -42,9 +42,9 @@ _COLD_BYTES, _MAX_COPIES = 128 * 2**20, 64
 _MIN_REPEATS, _MAX_REPEATS, _BUDGET_US = 3, 9, 10_000
 _TIMINGS: dict[str, dict[str, float]] = {}
 # Rows timed per bucket. A quantized kernel's cost grows with the rows while the formula's
-# dequantization is paid once, so "65+" is timed at a prefill chunk's 512 rows, not at 128:
+# dequantization is paid once, so "33+" is timed at a prefill chunk's 512 rows, not at 128:
 # a kernel that wins at 128 rows can lose 2x at 512.
-_ROWS = {"1": 1, "2-8": 8, "9-64": 64, "65+": 512}
+_ROWS = {"1": 1, "2-8": 8, "9-32": 16, "33+": 512}
 
 
 @dataclass(frozen=True)

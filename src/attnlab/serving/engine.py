@@ -3,7 +3,8 @@
     add_request(prompt ids, SamplingParams) -> id      checked, queued (QueueFull past max_queue)
     step():  plan (scheduler)  ->  forwards over the pages of the planned requests
              (paged_attention: the decode tokens together, each prefill chunk alone)
-             ->  sample each request whose prompt is done
+             ->  one lm_head call for the requests whose prompt is done (a prefill chunk
+             that does not end its prompt needs no logits)  ->  sample each of them
              ->  [TokenEvent(id, token, finish_reason)], pages released on finish
 
 Everything a request holds is in a ``PagePool`` (``paged_cache``) and the ``Scheduler``;
@@ -27,7 +28,7 @@ from torch import Tensor
 from attnlab._checks import check_positive, is_int
 from attnlab.generation import check_logits, greedy_tokens, sample_logits, unusable_rows
 from attnlab.models import DecoderLM
-from attnlab.serving.paged_attention import PagedRow, paged_forward
+from attnlab.serving.paged_attention import PagedRow, paged_hidden
 from attnlab.serving.paged_cache import PagePool
 from attnlab.serving.params import QueueFull, SamplingParams, TokenEvent
 from attnlab.serving.scheduler import Request, Scheduler
@@ -185,29 +186,50 @@ class Engine:
             plan = self.scheduler.schedule()
             rows = [PagedRow(list(r.table), r.computed, r.tokens[r.computed:r.computed + n])
                     for r, n in plan]
+        ready: list[Request] = []
+        hidden: list[Tensor] = []
         for group in _forward_groups(plan):
-            events += self._run([plan[i] for i in group], [rows[i] for i in group])
+            events += self._run([plan[i] for i in group], [rows[i] for i in group], ready,
+                                hidden)
+        if ready:
+            events += self._sample(ready, hidden)
         return events
 
-    def _run(self, plan: list[tuple[Request, int]], rows: list[PagedRow]) -> list[TokenEvent]:
-        """One forward over ``rows``; record it and sample where a prompt is done. A failure
-        ends these requests (with the error), not the engine."""
+    def _run(self, plan: list[tuple[Request, int]], rows: list[PagedRow],
+             ready: list[Request], hidden: list[Tensor]) -> list[TokenEvent]:
+        """One forward over ``rows``; record it; add each request whose prompt is now done to
+        ``ready`` and its last hidden state ``H`` to ``hidden``. A failure ends these
+        requests (with the error), not the engine."""
         try:
             with torch.inference_mode():
-                logits = paged_forward(self.model, self.pool, rows)[:, -1]
+                last = paged_hidden(self.model, self.pool, rows)
         except Exception as error:
             with self._lock:
                 return [self._end(request, f"{type(error).__name__}: {error}")
                         for request, _ in plan]
-        # One pass and one read-back for the whole batch, not a check and an argmax per row.
-        unusable, best = unusable_rows(logits).tolist(), greedy_tokens(logits).tolist()
-        events = []
         with self._lock:
-            for i, ((request, n), row) in enumerate(zip(plan, logits)):
+            for i, (request, n) in enumerate(plan):
                 self.scheduler.advance(request, n)
                 if request.pending == 0:
-                    events.append(self._next_token(request, row, unusable[i], best[i]))
-        return events
+                    ready.append(request)
+                    hidden.append(last[i])
+        return []
+
+    def _sample(self, ready: list[Request], hidden: list[Tensor]) -> list[TokenEvent]:
+        """The next token of each of ``ready`` from its last hidden state: one ``lm_head``
+        call (the largest weight, read once a step) and one read-back for them all. A failure
+        ends these requests, not the engine."""
+        try:
+            with torch.inference_mode():
+                logits = self.model.lm_head(torch.stack(hidden))
+            unusable, best = unusable_rows(logits).tolist(), greedy_tokens(logits).tolist()
+        except Exception as error:
+            with self._lock:
+                return [self._end(request, f"{type(error).__name__}: {error}")
+                        for request in ready]
+        with self._lock:
+            return [self._next_token(request, row, unusable[i], best[i])
+                    for i, (request, row) in enumerate(zip(ready, logits))]
 
     def _take_aborts(self) -> list[TokenEvent]:
         events = [self._end(request, None) for request in dict.fromkeys(self._aborts)
