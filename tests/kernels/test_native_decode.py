@@ -213,3 +213,71 @@ def test_decode_attention_edge_cases_match_the_formula(dtype) -> None:
     out = native.decode_attention(q, k3, k3, plus, 0.5, False)
     expected = _reference(q, k3, k3, plus, 0.5, False)
     assert torch.equal(out.isnan(), expected.isnan()) and bool(out[0, 1, 0].isnan().all())
+
+
+def _paged(B, G, P, S, D, Dv, dtype, g):
+    """A pool of pages in random order holding rows of S, S - 3, 1 and 0 keys (left-padded to
+    S); returns the pages, tables, first and the dense B x G x S x D keys/values (zeros
+    where a row has none)."""
+    lengths = [S, max(S - 3, 0), min(1, S), 0][:B]
+    pages_needed = [-(-n // P) for n in lengths]
+    order = torch.randperm(sum(pages_needed) + 3, generator=g).tolist()
+    kp = torch.randn(len(order), G, P, D, generator=g).to(dtype)
+    vp = torch.randn(len(order), G, P, Dv + 3, generator=g).to(dtype)[..., :Dv]  # strided
+    tables = torch.zeros(B, max([*pages_needed, 1]), dtype=torch.long)
+    k = torch.zeros(B, G, S, D, dtype=dtype)
+    v = torch.zeros(B, G, S, Dv, dtype=dtype)
+    for b, n in enumerate(lengths):
+        tables[b, :pages_needed[b]] = torch.tensor(
+            [order.pop() for _ in range(pages_needed[b])], dtype=torch.long)
+        for t in range(n):
+            page, slot = int(tables[b, t // P]), t % P
+            k[b, :, S - n + t], v[b, :, S - n + t] = kp[page, :, slot], vp[page, :, slot]
+    first = torch.tensor([S - n for n in lengths])
+    return kp, vp, tables, first, k, v, lengths
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("B", "H", "G", "L", "S", "P"), [
+    (4, 14, 2, 1, 37, 16), (3, 4, 4, 3, 9, 2), (2, 6, 1, 8, 20, 4), (4, 2, 2, 1, 1, 16)])
+@pytest.mark.parametrize("mask_kind", [None, "bool"])
+def test_paged_attention_equals_the_formula_on_gathered_keys(dtype, B, H, G, L, S, P,
+                                                             mask_kind) -> None:
+    """Keys read in their pages through the block tables give the formula over the dense,
+    left-padded keys that a gather would make (padding masked out); a row with no key gives
+    zeros."""
+    g = torch.Generator().manual_seed(S + L)
+    D, Dv = 16, 8
+    kp, vp, tables, first, k, v, lengths = _paged(B, G, P, S, D, Dv, dtype, g)
+    q = torch.randn(B, L, H, D, generator=g).to(dtype).transpose(1, 2)
+    real = torch.arange(S)[None, :] >= first[:, None]  # B x S
+    mask = real[:, None, None, :] & (torch.rand(B, 1, L, S, generator=g) > 0.2
+                                     if mask_kind == "bool" else True)
+    is_causal = L > 1
+    with thread_count(2):
+        out = native.paged_attention(q, kp, vp, tables, first, S,
+                                     None if mask_kind is None else mask.expand(B, H, L, S),
+                                     0.25, is_causal)
+    assert out.shape == (B, H, L, Dv) and out.dtype == dtype
+    expected = _reference(q, k, v, mask, 0.25, is_causal)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected.nan_to_num(0.0), rtol=tol, atol=tol)
+    for b, n in enumerate(lengths):
+        if n == 0:
+            assert bool((out[b] == 0).all())
+
+
+def test_paged_attention_refuses_tables_outside_the_pool() -> None:
+    """A hostile block table (a page past the pool, a negative one, too few pages, a first key
+    past S) is refused by name instead of reading outside the pool."""
+    kp, q = torch.randn(4, 2, 4, 8), torch.randn(1, 2, 1, 8)
+    good, first = torch.tensor([[1, 3]]), torch.tensor([1])
+    assert native.paged_attention(q, kp, kp, good, first, 8, None, 1.0, False).shape == (
+        1, 2, 1, 8)
+    for tables, first_key, keys in (([[1, 4]], 1, 8), ([[-1, 0]], 1, 8), ([[1, 3]], 0, 9),
+                                    ([[1, 3]], 9, 8), ([[1, 3]], -1, 8)):
+        with pytest.raises(RuntimeError, match=r"tables|first"):
+            native.paged_attention(q, kp, kp, torch.tensor(tables), torch.tensor([first_key]),
+                                   keys, None, 1.0, False)
+    with pytest.raises(RuntimeError, match="tables, first: expected contiguous int64"):
+        native.paged_attention(q, kp, kp, good.int(), first, 8, None, 1.0, False)

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from attnlab.kernels import native
 from attnlab.models import DecoderLM, DecoderLMConfig
 from attnlab.serving import PagedKVCache, PagedRow, PagePool, paged_forward
 from conftest import assert_close
@@ -108,3 +109,35 @@ def test_update_refuses_keys_of_the_wrong_shape():
         layer.update(torch.zeros(1, 1, 2, 4), good)
     with pytest.raises(ValueError, match=r"v: expected shape .* got \(1, 2, 3, 4\)"):
         layer.update(good, torch.zeros(1, 2, 3, 4))
+
+
+@pytest.mark.skipif(not native.available(), reason="the native kernels are not built here")
+def test_a_decoding_step_reads_keys_in_their_pages_and_a_hook_sees_them_gathered(monkeypatch):
+    """A decoding step runs ``native.paged_attention`` in every layer (no gather); a hook on
+    the attention pattern gets its layer's keys gathered and attended by
+    ``scaled_dot_product_attention``, which calls it; the logits are the same."""
+    model, rng = _model("llama-gqa"), random.Random(0)
+    c, ps = model.config, 4
+    seqs = [[rng.randrange(V) for _ in range(n)] for n in (3, 9, 14)]
+    calls, real = [], native.paged_attention
+    monkeypatch.setattr(native, "paged_attention", lambda *a: calls.append(1) or real(*a))
+    patterns = []
+    results = []
+    for hooked in (False, True):
+        pool = PagePool(c.num_layers, 16, ps, c.kv_heads, c.head_dim)
+        tables = [list(range(5 * i, 5 * i + 4)) for i in range(3)]
+        handle = model.layers[0].self_attn.pattern.register_forward_hook(
+            lambda module, args, out: patterns.append(tuple(out.shape))) if hooked else None
+        with torch.no_grad():
+            paged_forward(model, pool, [PagedRow(t, 0, s[:-1]) for t, s in zip(tables, seqs)])
+            calls.clear()
+            results.append(paged_forward(model, pool, [PagedRow(t, len(s) - 1, s[-1:])
+                                                       for t, s in zip(tables, seqs)]))
+        if handle is not None:
+            handle.remove()
+        assert len(calls) == c.num_layers - hooked
+    assert patterns[-1] == (3, c.num_heads, 1, 14)
+    assert_close(results[1], results[0])
+    with torch.no_grad():
+        for b, s in enumerate(seqs):
+            assert_close(results[0][b, -1], model(torch.tensor([s]))[0, -1], what=f"row {b}")

@@ -40,8 +40,8 @@ from torch import Tensor
 from attnlab.kernels import cache
 
 __all__ = ["DTYPES", "MAX_ROWS", "argmax_rows", "available", "decode_attention", "dequantize_int4",
-           "dequantize_int8", "gemv", "gemv_int4", "gemv_int8", "pairs_available", "rms_norm",
-           "rotary", "takes"]
+           "dequantize_int8", "gemv", "gemv_int4", "gemv_int8", "paged_attention",
+           "pairs_available", "rms_norm", "rotary", "takes"]
 
 # The kernels are offered (by both calibrations) for the decoding buckets only: past 8 rows a
 # BLAS GEMM reuses each weight better.
@@ -134,6 +134,19 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | N
     ``B x L x H x Dv`` tensor. ``is_causal``: query ``i`` sees keys up to ``S - L + i``. A
     query with no key to attend to gets zeros. Scores, softmax and sums in float32."""
     return _require().decode_attention(query, key, value, mask, float(scale), bool(is_causal))
+
+
+def paged_attention(query: Tensor, key_pages: Tensor, value_pages: Tensor, tables: Tensor,
+                    first: Tensor, keys: int, mask: Tensor | None, scale: float,
+                    is_causal: bool) -> Tensor:
+    """``decode_attention`` over ``keys = S`` keys kept in pages, read where they lie: key
+    ``j >= first[b]`` of row ``b`` is its token ``t = j - first[b]``, in slot ``t % P`` of page
+    ``tables[b, t // P]`` of key_pages ``N x G x P x D`` (value_pages ``N x G x P x Dv``);
+    keys ``j < first[b]`` do not exist for the row (left padding). query ``B x H x L x D``,
+    tables ``B x pages`` and first ``B`` contiguous int64, mask as ``decode_attention``'s over
+    the ``S`` keys -> ``B x H x L x Dv``."""
+    return _require().paged_attention(query, key_pages, value_pages, tables, first, int(keys),
+                                      mask, float(scale), bool(is_causal))
 
 
 def argmax_rows(x: Tensor) -> Tensor:

@@ -2,6 +2,8 @@
 //
 //   decode_attention  z = softmax(q k^T scale + mask) v for a few queries over the cached keys
 //                     (grouped-query heads read each key once for the whole group)
+//   paged_attention   the same over keys kept in fixed-size pages (a serving engine's cache),
+//                     read through each row's block table where they lie: no gather
 //   argmax_rows       the greedy choice: the first index of each row's maximum (NaN first)
 //   rms_norm          x / sqrt(mean(x^2) + eps) * w, rounded as the written-out formula rounds
 //   rotary            x * cos + turn(x) * sin on the first R features of each head (RoPE)
@@ -28,16 +30,43 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 
+// Keys and values of a dense cache: B x G x S x D views with any strides, every key present.
+template <typename T>
+struct DenseKeys {
+  const T *kp, *vp;
+  at::IntArrayRef ks, vs;
+  int64_t first(int64_t) const { return 0; }
+  const T* key(int64_t b, int64_t g, int64_t j) const { return kp + b * ks[0] + g * ks[1] + j * ks[2]; }
+  const T* value(int64_t b, int64_t g, int64_t j) const { return vp + b * vs[0] + g * vs[1] + j * vs[2]; }
+};
+
+// Keys and values in pages (N x G x P x D): row b's key j (j >= first[b]) is its token
+// t = j - first[b], slot t % P of page tables[b][t / P]; keys before first[b] do not exist.
+template <typename T>
+struct PagedKeys {
+  const T *kp, *vp;
+  at::IntArrayRef ks, vs;
+  const int64_t *tables, *firsts;
+  int64_t table_stride, page_size;
+  int64_t first(int64_t b) const { return firsts[b]; }
+  const T* key(int64_t b, int64_t g, int64_t j) const { return at(kp, ks, b, g, j); }
+  const T* value(int64_t b, int64_t g, int64_t j) const { return at(vp, vs, b, g, j); }
+  const T* at(const T* base, at::IntArrayRef st, int64_t b, int64_t g, int64_t j) const {
+    const int64_t t = j - firsts[b];
+    return base + tables[b * table_stride + t / page_size] * st[0] + g * st[1] + (t % page_size) * st[2];
+  }
+};
+
 // One (batch row, key/value head) per task: its H/G query heads times L queries are the rows
 // r = hh * L + i, all scored against each key as it is read.
-template <typename T>
-void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-            float scale, bool causal, at::Tensor& out) {
+template <typename T, typename Keys>
+void attend(const at::Tensor& q, const Keys& keys, int64_t G, int64_t S, int64_t Dv,
+            const at::Tensor& mask, float scale, bool causal, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
-  const int64_t G = k.size(1), S = k.size(2), Dv = v.size(3), per = H / G, R = per * L;
-  const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
+  const int64_t per = H / G, R = per * L;
+  const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();  // B x L x H x Dv
-  const auto qs = q.strides(), ks = k.strides(), vs = v.strides();
+  const auto qs = q.strides();
   const bool has_mask = mask.defined(), bool_mask = has_mask && mask.scalar_type() == at::kBool;
   const bool* mb = bool_mask ? mask.data_ptr<bool>() : nullptr;
   const float* mf = has_mask && !bool_mask ? mask.data_ptr<float>() : nullptr;
@@ -45,13 +74,13 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   at::parallel_for(0, B * G, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(R * D), kf(D), vf(Dv), scores(R * S), acc(R * Dv), total(R);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / G, g = t % G;
+      const int64_t b = t / G, g = t % G, lo = keys.first(b);
       for (int64_t r = 0; r < R; ++r) {
         const T* row = qp + b * qs[0] + (g * per + r / L) * qs[1] + (r % L) * qs[2];
         for (int64_t d = 0; d < D; ++d) qf[r * D + d] = to_float(row[d]);
       }
-      for (int64_t j = 0; j < S; ++j) {
-        const T* key = kp + b * ks[0] + g * ks[1] + j * ks[2];
+      for (int64_t j = lo; j < S; ++j) {
+        const T* key = keys.key(b, g, j);
         for (int64_t d = 0; d < D; ++d) kf[d] = to_float(key[d]);
         for (int64_t r = 0; r < R; ++r) {
           const int64_t h = g * per + r / L, i = r % L;
@@ -75,22 +104,22 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         float* row = scores.data() + r * S;
         float top = kNegInf;
         bool nan = false;
-        for (int64_t j = 0; j < S; ++j) {
+        for (int64_t j = lo; j < S; ++j) {
           nan |= row[j] != row[j];
           top = row[j] > top ? row[j] : top;
         }
         total[r] = nan ? std::numeric_limits<float>::quiet_NaN() : 0.f;  // NaN in, NaN out
         if (nan || !(top > kNegInf)) continue;  // nothing to attend to: a zero output
         float sum = 0.f;
-        for (int64_t j = 0; j < S; ++j) {
+        for (int64_t j = lo; j < S; ++j) {
           row[j] = std::exp(row[j] - top);
           sum += row[j];
         }
         total[r] = sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < S; ++j) {
-        const T* value = vp + b * vs[0] + g * vs[1] + j * vs[2];
+      for (int64_t j = lo; j < S; ++j) {
+        const T* value = keys.value(b, g, j);
         for (int64_t d = 0; d < Dv; ++d) vf[d] = to_float(value[d]);
         for (int64_t r = 0; r < R; ++r) {
           const float p = scores[r * S + j];
@@ -237,32 +266,84 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool u
   return y;
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const std::optional<at::Tensor>& mask_or_none, double scale,
-                            bool causal) {
-  const at::Tensor mask = mask_or_none.value_or(at::Tensor());
+// The checks both attention entry points share: query B x H x L x D, G kv heads dividing H, S
+// keys, values of Dv features, the mask B x H x L x S.
+static void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& mask, int64_t G, int64_t S) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "query, key, value: expected B x H x L x D, B x G x S x D, B x G x S x Dv");
   TORCH_CHECK(q.is_cpu() && k.is_cpu() && v.is_cpu(), "query, key, value: expected CPU tensors");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "query, key, value: expected one dtype, float32 or bfloat16");
-  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
-  const int64_t G = k.size(1), S = k.size(2);
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == G && v.size(2) == S &&
-                  k.size(3) == D && G > 0 && H % G == 0,
+  TORCH_CHECK(k.size(3) == q.size(3) && G > 0 && q.size(1) % G == 0,
               "key, value: expected B x G x S x D and B x G x S x Dv with G dividing H");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
               "query, key, value: expected a contiguous last dim");
   if (mask.defined())
-    TORCH_CHECK(mask.dim() == 4 && mask.size(0) == B && mask.size(1) == H && mask.size(2) == L &&
-                    mask.size(3) == S &&
+    TORCH_CHECK(mask.dim() == 4 && mask.size(0) == q.size(0) && mask.size(1) == q.size(1) &&
+                    mask.size(2) == q.size(2) && mask.size(3) == S &&
                     (mask.scalar_type() == at::kBool || mask.scalar_type() == at::kFloat),
                 "mask: expected a bool or float32 B x H x L x S tensor");
-  if (S == 0) return at::zeros({B, L, H, v.size(3)}, q.options()).transpose(1, 2);  // no key
-  auto out = at::empty({B, L, H, v.size(3)}, q.options());
-  if (q.scalar_type() == at::kFloat) attend<float>(q, k, v, mask, scale, causal, out);
-  else attend<at::BFloat16>(q, k, v, mask, scale, causal, out);
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& mask_or_none, double scale,
+                            bool causal) {
+  const at::Tensor mask = mask_or_none.value_or(at::Tensor());
+  check_attention(q, k, v, mask, k.dim() == 4 ? k.size(1) : 0, k.dim() == 4 ? k.size(2) : 0);
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
+  const int64_t G = k.size(1), S = k.size(2), Dv = v.size(3);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == G && v.size(2) == S,
+              "key, value: expected B x G x S x D and B x G x S x Dv with G dividing H");
+  if (S == 0) return at::zeros({B, L, H, Dv}, q.options()).transpose(1, 2);  // no key
+  auto out = at::empty({B, L, H, Dv}, q.options());
+  if (q.scalar_type() == at::kFloat)
+    attend<float>(q, DenseKeys<float>{k.data_ptr<float>(), v.data_ptr<float>(), k.strides(),
+                                      v.strides()}, G, S, Dv, mask, scale, causal, out);
+  else
+    attend<at::BFloat16>(q, DenseKeys<at::BFloat16>{k.data_ptr<at::BFloat16>(),
+                                                    v.data_ptr<at::BFloat16>(), k.strides(),
+                                                    v.strides()},
+                         G, S, Dv, mask, scale, causal, out);
+  return out.transpose(1, 2);
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& tables, const at::Tensor& first, int64_t S,
+                           const std::optional<at::Tensor>& mask_or_none, double scale,
+                           bool causal) {
+  const at::Tensor mask = mask_or_none.value_or(at::Tensor());
+  check_attention(q, k, v, mask, k.dim() == 4 ? k.size(1) : 0, S);
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
+  const int64_t G = k.size(1), P = k.size(2), Dv = v.size(3);
+  TORCH_CHECK(v.size(0) == k.size(0) && v.size(1) == G && v.size(2) == P && P > 0,
+              "key_pages, value_pages: expected N x G x P x D and N x G x P x Dv");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && tables.scalar_type() == at::kLong &&
+                  tables.is_contiguous() && first.dim() == 1 && first.size(0) == B &&
+                  first.scalar_type() == at::kLong && first.is_contiguous(),
+              "tables, first: expected contiguous int64 B x pages and B tensors");
+  const int64_t* fp = first.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t pages = k.size(0), per_row = tables.size(1);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(fp[b] >= 0 && fp[b] <= S && (S - fp[b]) <= per_row * P,
+                "first: expected 0 <= first[b] <= S with the row's keys in its table");
+    for (int64_t p = 0; p < (S - fp[b] + P - 1) / P; ++p)
+      TORCH_CHECK(tp[b * per_row + p] >= 0 && tp[b * per_row + p] < pages,
+                  "tables: expected page numbers in [0, ", pages, ")");
+  }
+  if (S == 0) return at::zeros({B, L, H, Dv}, q.options()).transpose(1, 2);  // no key
+  auto out = at::empty({B, L, H, Dv}, q.options());
+  if (q.scalar_type() == at::kFloat)
+    attend<float>(q, PagedKeys<float>{k.data_ptr<float>(), v.data_ptr<float>(), k.strides(),
+                                      v.strides(), tp, fp, per_row, P},
+                  G, S, Dv, mask, scale, causal, out);
+  else
+    attend<at::BFloat16>(q, PagedKeys<at::BFloat16>{k.data_ptr<at::BFloat16>(),
+                                                    v.data_ptr<at::BFloat16>(), k.strides(),
+                                                    v.strides(), tp, fp, per_row, P},
+                         G, S, Dv, mask, scale, causal, out);
   return out.transpose(1, 2);
 }
 

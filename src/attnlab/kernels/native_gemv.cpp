@@ -641,6 +641,9 @@ torch::Tensor dequantize_int8(const torch::Tensor& q, const torch::Tensor& s, bo
 // The other kernels of a decoding step, in native_decode.cpp.
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const std::optional<torch::Tensor>& mask, double scale, bool causal);
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              const torch::Tensor& tables, const torch::Tensor& first, int64_t S,
+                              const std::optional<torch::Tensor>& mask, double scale, bool causal);
 torch::Tensor argmax_rows(const torch::Tensor& x);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps, bool unit_offset);
 torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -654,6 +657,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_int4", &dequantize_int4, "W' = (q - 8) s + z per group");
   m.def("dequantize_int8", &dequantize_int8, "W' = q s per row");
   m.def("decode_attention", &decode_attention, "softmax(q k^T scale + mask) v for a few queries");
+  m.def("paged_attention", &paged_attention, "decode_attention over keys kept in pages");
   m.def("argmax_rows", &argmax_rows, "the first index of each row's maximum");
   m.def("rms_norm", &rms_norm, "x / sqrt(mean(x^2) + eps) * w per row");
   m.def("rotary", &rotary, "x * cos + turn(x) * sin on the first R features of each head");

@@ -86,17 +86,24 @@ class SelfAttention(nn.Module):
             q = apply_rotary(q, cos, sin, interleaved=self.rope_interleaved)
             k = apply_rotary(k, cos, sin, interleaved=self.rope_interleaved)
         q, k, v = self.q(q.transpose(1, 2)), self.k(k.transpose(1, 2)), self.v(v.transpose(1, 2))
-        if cache is not None:
-            offset = cache.length
-            k, v = cache.update(k, v)
-            if L + offset != k.shape[-2]:
-                raise ValueError(f"cache: expected query length + offset = {L} + {offset} "
-                                 f"keys, got {k.shape[-2]}")
         hooked = self.scores.has_hooks or self.pattern.has_hooks
-        z = scaled_dot_product_attention(
-            q, k, v, mask, is_causal=is_causal, scale=self.scale,
-            dropout_p=self.dropout if self.training else 0.0, enable_gqa=G != H,
-            backend=self.backend, hook=self._score_hook if hooked else None)
+        # A cache may attend over its own storage (the serving engine's pages, read where
+        # they lie); with score hooks or dropout its keys are read out and attended here.
+        attend = None if hooked or self.training else getattr(cache, "attention", None)
+        if attend is not None:
+            z = attend(q, k, v, mask, is_causal=is_causal, scale=self.scale,
+                       backend=self.backend)
+        else:
+            if cache is not None:
+                offset = cache.length
+                k, v = cache.update(k, v)
+                if L + offset != k.shape[-2]:
+                    raise ValueError(f"cache: expected query length + offset = {L} + {offset} "
+                                     f"keys, got {k.shape[-2]}")
+            z = scaled_dot_product_attention(
+                q, k, v, mask, is_causal=is_causal, scale=self.scale,
+                dropout_p=self.dropout if self.training else 0.0, enable_gqa=G != H,
+                backend=self.backend, hook=self._score_hook if hooked else None)
         z = self.z(z)
         return self.o_proj(z.transpose(1, 2).reshape(B, L, H * D))
 

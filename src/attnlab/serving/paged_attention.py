@@ -20,6 +20,7 @@ model code is copied.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -27,6 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.attention.kv_cache import KVCache
+from attnlab.attention.sdpa import scaled_dot_product_attention
+from attnlab.kernels import native
 from attnlab.serving.paged_cache import PagePool
 
 __all__ = ["PagedKVCache", "PagedRow", "paged_forward", "paged_hidden"]
@@ -114,6 +117,7 @@ class PagedKVCache(KVCache):
         self.key_mask = real.to(device)
         self.position_ids = t[:, self.offset:].to(device)
         self.page_index, self.slot_index = page_index.to(device), slot_index.to(device)
+        self.tables, self.first = tables.to(device), (S - total).to(device)
         self.fresh = (fresh_b.to(device), (fresh_j - self.offset).to(device),
                       page_index[fresh_b, fresh_j].to(device),
                       slot_index[fresh_b, fresh_j].to(device))
@@ -162,8 +166,37 @@ class PagedLayerCache:
         """Write the real new keys/values of ``k``, ``v`` (``B x G x L x D``) into their
         pages; return every row's keys and values ``B x G x S x D``, left-padded."""
         c = self.cache
+        self._write(k, v)
+        # advanced indices on dims 0 and 2 come first: B x S x G x D
+        return tuple(store[c.page_index, :, c.slot_index].transpose(1, 2)
+                     for store in (c.pool.k[self.index], c.pool.v[self.index]))
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *,
+                  is_causal: bool, scale: float | None, backend: str = "auto") -> Tensor:
+        """``update(k, v)``, then ``scaled_dot_product_attention`` of q ``B x H x L x D`` over
+        the returned keys (``mask``, ``is_causal``, ``scale``, ``backend`` as there) -> ``B x
+        H x L x Dv``. For a few queries on the CPU (``backend="auto"``) the keys are not
+        gathered: ``attnlab.kernels.native.paged_attention`` reads them in their pages."""
+        c = self.cache
+        keys, values = c.pool.k[self.index], c.pool.v[self.index]
+        B, H, L, _ = q.shape
+        S = c.offset + c.query_length
+        if (backend == "auto" and L <= native.MAX_ROWS and native.takes(q, k, v, keys)
+                and q.dtype == keys.dtype and (mask is None or mask.dtype == torch.bool)):
+            self._write(k, v)
+            return native.paged_attention(
+                q if q.stride(-1) == 1 else q.contiguous(), keys, values, c.tables, c.first, S,
+                None if mask is None else mask.expand(B, H, L, S),
+                1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, is_causal)
+        k, v = self.update(k, v)
+        return scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, scale=scale,
+                                            enable_gqa=k.shape[1] != H, backend=backend)
+
+    def _write(self, k: Tensor, v: Tensor) -> None:
+        """Store the real new keys and values of ``k``, ``v`` ``B x G x L x D`` in their
+        pages."""
+        c = self.cache
         rows, queries, pages, slots = c.fresh
-        out = []
         for name, new, store in (("k", k, c.pool.k[self.index]), ("v", v, c.pool.v[self.index])):
             if new.dim() != 4 or new.shape[0] != c.batch_size or new.shape[2] != c.query_length \
                     or new.shape[1:2] + new.shape[3:] != store.shape[1:2] + store.shape[3:]:
@@ -171,6 +204,3 @@ class PagedLayerCache:
                                  f"{store.shape[1]}, {c.query_length}, {store.shape[3]}), got "
                                  f"{tuple(new.shape)}")
             store[pages, :, slots] = new[rows, :, queries].to(store.dtype)
-            # advanced indices on dims 0 and 2 come first: B x S x G x D
-            out.append(store[c.page_index, :, c.slot_index].transpose(1, 2))
-        return out[0], out[1]
