@@ -70,13 +70,17 @@ def test_missing_folder_is_named(tmp_path) -> None:
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("load", [{"quantize": "int8"}, {"dtype": "bfloat16"}])
+@pytest.mark.parametrize("load", [{"quantize": "int8"}, {"dtype": "bfloat16"},
+                                  {"extra_memory": True}])
 def test_quantized_or_cast_serving_equals_the_model_loaded_so(qwen2_folder, load: dict) -> None:
     tok = Tokenizer.from_pretrained(qwen2_folder)
     ids = tok.encode("once upon a time")
     model = from_pretrained(qwen2_folder, **load)
     expected = generate(model, torch.tensor([ids]), 8, eos_token_id=tok.eos_token_id)
-    with live(create_app(qwen2_folder, kv_pages=64, **load)) as url:
+    app = create_app(qwen2_folder, kv_pages=64, **load)
+    head = app.state.serving.model.lm_head
+    assert getattr(head, "_extra_memory", False) == load.get("extra_memory", False)
+    with live(app) as url:
         out = client(url).completions.create(model=qwen2_folder.name, prompt="once upon a time",
                                              max_tokens=8, temperature=0)
     assert out.choices[0].text == tok.decode(expected[0, len(ids):], skip_special_tokens=True)
@@ -84,5 +88,6 @@ def test_quantized_or_cast_serving_equals_the_model_loaded_so(qwen2_folder, load
 
 def test_a_pair_takes_no_dtype(qwen2_folder) -> None:
     model, tok = from_pretrained(qwen2_folder), Tokenizer.from_pretrained(qwen2_folder)
-    with pytest.raises(ValueError, match="quantize, dtype: only for a folder"):
-        create_app((model, tok), dtype="float32")
+    for load in ({"dtype": "float32"}, {"extra_memory": True}):
+        with pytest.raises(ValueError, match="quantize, dtype, extra_memory: only for a folder"):
+            create_app((model, tok), **load)

@@ -127,6 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the server's --max-tokens-per-step (prefill chunks + decodes)")
     parser.add_argument("--dtype", choices=sorted(SUPPORTED_DTYPES), default="float32",
                         help="the served model's dtype (the checkpoint is written in float32)")
+    parser.add_argument("--extra-memory", action="store_true",
+                        help="the server's --extra-memory: oneDNN's packed copies beside the "
+                        "weights where they win (batched decoding; up to twice the memory)")
     parser.add_argument("--page-size", type=positive_int, default=16,
                         help="the server's --page-size: tokens per KV cache page")
     parser.add_argument("--layers", type=_layers, default=FULL["num_hidden_layers"],
@@ -148,7 +151,7 @@ def run(args: argparse.Namespace) -> Path:
     engine = {"max_batch": args.max_batch, "max_tokens_per_step": args.max_tokens_per_step,
               "page_size": args.page_size}
     _check_options(engine, work, sizes["max_position_embeddings"])
-    engine["dtype"] = args.dtype
+    engine["dtype"], engine["extra_memory"] = args.dtype, args.extra_memory
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out: expected a folder (made if missing), got the file {out}")

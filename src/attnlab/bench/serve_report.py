@@ -52,8 +52,9 @@ def markdown(r: dict, info: dict[str, str]) -> str:
         f"key-value heads, intermediate {s['intermediate_size']}, vocabulary "
         f"{s['vocab_size']}; a word-level tokenizer covering the vocabulary. `attnlab serve` "
         f"(`create_app`, uvicorn on 127.0.0.1) with --max-batch {e['max_batch']} "
-        f"--max-tokens-per-step {e['max_tokens_per_step']} --page-size {e['page_size']}, a "
-        f"fresh server per row, warmed up by one request. {w['requests']} streamed greedy "
+        f"--max-tokens-per-step {e['max_tokens_per_step']} --page-size {e['page_size']}"
+        f"{' --extra-memory' if e.get('extra_memory') else ''}, a fresh server per row, "
+        f"warmed up by one request. {w['requests']} streamed greedy "
         f"completion requests (token-id prompts of {w['prompt'][0]}-{w['prompt'][1]} tokens, "
         f"{w['output'][0]}-{w['output'][1]} new tokens, seed {r['seed']}), the same ones in "
         f"every row, sent by C client threads (`http.client`), each sending the next request "
@@ -164,4 +165,5 @@ def _command(r: dict) -> str:
             f"--max-tokens-per-step {r['engine']['max_tokens_per_step']} --page-size "
             f"{r['engine']['page_size']} --layers {r['sizes']['num_hidden_layers']} "
             f"--system-tokens {r['workload']['system']} --time-limit {r['time_limit_s']:g} "
-            f"--seed {r['seed']} --dtype {r['engine'].get('dtype', 'float32')}")
+            f"--seed {r['seed']} --dtype {r['engine'].get('dtype', 'float32')}"
+            f"{' --extra-memory' if r['engine'].get('extra_memory') else ''}")

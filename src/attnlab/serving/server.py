@@ -62,13 +62,14 @@ ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/
 
 def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
                served_name: str | None = None, quantize: str | None = None,
-               dtype: str | None = None, max_batch: int = 8, max_tokens_per_step: int = 512,
-               kv_pages: int | None = None,
-               page_size: int = 16, max_queue: int = 64, prefix_caching: bool = True,
+               dtype: str | None = None, extra_memory: bool = False, max_batch: int = 8,
+               max_tokens_per_step: int = 512, kv_pages: int | None = None, page_size: int = 16,
+               max_queue: int = 64, prefix_caching: bool = True,
                max_body_bytes: int = 8 * 2**20) -> FastAPI:
     """The FastAPI app serving ``model``: a checkpoint folder (read by ``from_pretrained``,
     weights in ``dtype`` (default the stored one) and quantized when ``quantize`` is
-    ``"int8"``/``"int4"``; its tokenizer, and its
+    ``"int8"``/``"int4"``, with oneDNN's packed copies beside them where they win when
+    ``extra_memory``, as ``from_pretrained``'s; its tokenizer, and its
     ``generation_config.json`` end ids) or a ``(model, tokenizer)`` pair. ``served_name`` is
     the model id of ``/v1/models`` (default: the folder's name, ``"attnlab"`` for a pair); the
     engine options are ``Engine``'s. The engine thread starts with the app's lifespan (a server
@@ -77,7 +78,8 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
     check_positive("max_body_bytes", max_body_bytes)
     if served_name is not None and (not isinstance(served_name, str) or not served_name):
         raise TypeError(f"served_name: expected a non-empty str or None, got {served_name!r}")
-    state = ServerState.load(model, served_name=served_name, quantize=quantize, dtype=dtype)
+    state = ServerState.load(model, served_name=served_name, quantize=quantize, dtype=dtype,
+                             extra_memory=extra_memory)
     engine = Engine(state.model, max_batch=max_batch, max_tokens_per_step=max_tokens_per_step,
                     kv_pages=kv_pages, page_size=page_size, max_queue=max_queue,
                     prefix_caching=prefix_caching)
@@ -114,19 +116,21 @@ class ServerState:
     @classmethod
     def load(cls, model: str | Path | tuple[DecoderLM, Tokenizer], *,
              served_name: str | None, quantize: str | None,
-             dtype: str | None = None) -> ServerState:
+             dtype: str | None = None, extra_memory: bool = False) -> ServerState:
         if isinstance(model, tuple):
             if len(model) != 2 or not isinstance(model[0], DecoderLM) \
                     or not isinstance(model[1], Tokenizer):
                 raise TypeError(f"model: expected a folder or a (DecoderLM, Tokenizer) pair, "
                                 f"got {tuple(type(m).__name__ for m in model)}")
-            if quantize is not None or dtype is not None:
-                raise ValueError(f"quantize, dtype: only for a folder (cast or quantize the "
-                                 f"DecoderLM yourself), got {quantize!r}, {dtype!r}")
+            if quantize is not None or dtype is not None or extra_memory:
+                raise ValueError(f"quantize, dtype, extra_memory: only for a folder (cast, "
+                                 f"quantize or load the DecoderLM yourself), got {quantize!r}, "
+                                 f"{dtype!r}, {extra_memory!r}")
             net, tokenizer = model
             file_eos, name = None, served_name or "attnlab"
         elif isinstance(model, (str, Path)):
-            net = from_pretrained(model, dtype=dtype, quantize=quantize)
+            net = from_pretrained(model, dtype=dtype, quantize=quantize,
+                                  extra_memory=extra_memory)
             if not isinstance(net, DecoderLM):
                 raise ValueError(f"model: {model} holds a {type(net).__name__}; expected a "
                                  "decoder-only language model folder")
