@@ -48,7 +48,7 @@ from attnlab.serving.api import (
     usage,
 )
 from attnlab.serving.choice_text import ChoiceText
-from attnlab.serving.engine_thread import EngineError, EngineThread
+from attnlab.serving.engine_thread import EngineError, EngineThread, release_openmp_threads
 from attnlab.serving.metrics import CONTENT_TYPE, Metrics
 from attnlab.tokenizer import Tokenizer
 
@@ -84,6 +84,9 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
                     kv_pages=kv_pages, page_size=page_size, max_queue=max_queue,
                     prefix_caching=prefix_caching)
     state.engine = EngineThread(engine)
+    # Loading ran OpenMP work on this thread; its idle worker threads would share the cores
+    # with the engine thread's (see release_openmp_threads).
+    release_openmp_threads()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
