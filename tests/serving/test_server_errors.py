@@ -351,7 +351,7 @@ def test_create_app_refuses_bad_arguments_by_name(qwen2_folder) -> None:
         ({"model": 3}, TypeError, "model: expected a folder"),
         ({"model": (tok, model)}, TypeError, "model: expected a folder or a (DecoderLM"),
         ({"model": (model, tok), "quantize": "int8"}, ValueError,
-         "quantize, dtype: only for a folder"),
+         "quantize, dtype, extra_memory: only for a folder"),
         ({"model": qwen2_folder, "max_body_bytes": 0}, ValueError, "max_body_bytes: expected a "
          "positive int, got 0"),
         ({"model": qwen2_folder, "served_name": ""}, TypeError, "served_name"),
