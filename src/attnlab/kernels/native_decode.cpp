@@ -15,6 +15,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -29,6 +31,47 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+
+#if defined(__AVX512F__)
+// exp(x) for 16 floats: 2^n p(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts),
+// p Cephes' expf polynomial (within 2 ulp of expf); below -87.3 (where expf underflows) 0,
+// so a -inf score weighs exactly nothing.
+inline __m512 exp16(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                        5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+#endif
+
+// row[j] = exp(row[j] - top) for j in [lo, S); returns their sum.
+inline float exp_shifted(float* row, int64_t lo, int64_t S, float top) {
+  float sum = 0.f;
+  int64_t j = lo;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  const __m512 shift = _mm512_set1_ps(top);
+  for (; j + 16 <= S; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift));
+    _mm512_storeu_ps(row + j, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; j < S; ++j) {
+    row[j] = std::exp(row[j] - top);
+    sum += row[j];
+  }
+  return sum;
+}
 
 // Keys and values of a dense cache: B x G x S x D views with any strides, every key present.
 template <typename T>
@@ -110,12 +153,7 @@ void attend(const at::Tensor& q, const Keys& keys, int64_t G, int64_t S, int64_t
         }
         total[r] = nan ? std::numeric_limits<float>::quiet_NaN() : 0.f;  // NaN in, NaN out
         if (nan || !(top > kNegInf)) continue;  // nothing to attend to: a zero output
-        float sum = 0.f;
-        for (int64_t j = lo; j < S; ++j) {
-          row[j] = std::exp(row[j] - top);
-          sum += row[j];
-        }
-        total[r] = sum;
+        total[r] = exp_shifted(row, lo, S, top);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = lo; j < S; ++j) {
