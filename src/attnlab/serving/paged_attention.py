@@ -16,6 +16,10 @@ bottom-right causal mask (query ``i`` sees keys up to ``offset + i``) is then ex
 ``t`` sees tokens ``0 .. t``" in every row. Padding queries write nothing and are not read.
 The model's own mask, RoPE and sliding window code run as they do for a dense cache: no
 model code is copied.
+
+The gather is the formula; for a few queries on the CPU a layer's ``attention`` skips it:
+``attnlab.kernels.native.paged_attention`` reads key ``j >= S - T_b`` of row ``b`` in its
+page, through the row's block table, under the same mask.
 """
 
 from __future__ import annotations
