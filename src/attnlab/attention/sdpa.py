@@ -75,8 +75,8 @@ def scaled_dot_product_attention(
     rank = max(query.dim(), key.dim(), value.dim())
     query, key, value = _broadcast(query, key, value, enable_gqa)
     _check_mask(mask, query, key, rank)
-    if backend == "auto" and chosen == "fused" and _native_decoding(query, key, value, mask,
-                                                                    dropout_p):
+    if backend == "auto" and chosen == "fused" and native_decoding(query, key, value, mask,
+                                                                   dropout_p):
         chosen = "native"
     if chosen == "math":
         out, weights = math_attention(
@@ -97,8 +97,8 @@ def scaled_dot_product_attention(
     return out.squeeze(0) if rank == 2 else out
 
 
-def _native_decoding(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
-                     dropout_p: float) -> bool:
+def native_decoding(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+                    dropout_p: float = 0.0) -> bool:
     """Whether ``auto`` runs attnlab's C++ decoding kernel: a few CPU queries (a decoding
     step, at most ``native.MAX_ROWS``), float32 or bfloat16, no dropout, no gradient needed,
     the kernels built here. PyTorch's fused kernel spends more on setting up its tiles than
@@ -114,17 +114,36 @@ def native_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | N
                      is_causal: bool, scale: float) -> Tensor:
     """The C++ decoding kernel on ``_broadcast``'s views: key/value rows that broadcast
     become stride-0 views, the mask an expanded bool or float32 view."""
-    B, H, L, _ = query.shape
-    S = key.shape[-2]
-    key, value = key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1)
-    if mask is not None:
-        if mask.dtype != torch.bool:
-            mask = mask.float()
-        mask = mask.expand(B, H, L, S)
-    query, key, value = (t if t.stride(-1) == 1 else t.contiguous()
-                         for t in (query, key, value))
+    B = query.shape[0]
+    key, value = (t.expand(B, -1, -1, -1) for t in (key, value))
+    key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (key, value))
+    query, mask = _native_query_mask(query, mask, key.shape[-2])
     return native.decode_attention(query, key, value, mask, scale, is_causal)
 
+
+def paged_native_attention(query: Tensor, key_pages: Tensor, value_pages: Tensor,
+                           tables: Tensor, first: Tensor, keys: int, mask: Tensor | None, *,
+                           is_causal: bool, scale: float | None = None) -> Tensor:
+    """``native_attention`` over ``keys`` keys kept in pages, read where they lie
+    (``attnlab.kernels.native.paged_attention``: its arguments); ``scale`` None: ``1 /
+    sqrt(D)``. For queries that ``native_decoding`` accepts."""
+    query, mask = _native_query_mask(query, mask, keys)
+    return native.paged_attention(query, key_pages, value_pages, tables, first, keys, mask,
+                                  _default_scale(query) if scale is None else scale, is_causal)
+
+
+def _native_query_mask(query: Tensor, mask: Tensor | None,
+                       keys: int) -> tuple[Tensor, Tensor | None]:
+    """The query with a contiguous last dim and the mask as the kernels take it: an expanded
+    ``B x H x L x S`` view, bool or float32."""
+    B, H, L, _ = query.shape
+    if mask is not None:
+        mask = (mask if mask.dtype == torch.bool else mask.float()).expand(B, H, L, keys)
+    return (query if query.stride(-1) == 1 else query.contiguous()), mask
+
+
+def _default_scale(query: Tensor) -> float:
+    return 1.0 / math.sqrt(query.shape[-1])
 
 
 def _broadcast_shapes(*shapes: torch.Size) -> torch.Size:
@@ -270,7 +289,7 @@ def _check_inputs(
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p}")
     if scale is None:
-        return 1.0 / math.sqrt(query.shape[-1])
+        return _default_scale(query)
     if not is_number(scale):
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
     if not is_number(scale, finite=True):

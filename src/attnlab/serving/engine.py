@@ -186,50 +186,50 @@ class Engine:
             plan = self.scheduler.schedule()
             rows = [PagedRow(list(r.table), r.computed, r.tokens[r.computed:r.computed + n])
                     for r, n in plan]
-        ready: list[Request] = []
-        hidden: list[Tensor] = []
+        ready: list[tuple[Request, Tensor]] = []
         for group in _forward_groups(plan):
-            events += self._run([plan[i] for i in group], [rows[i] for i in group], ready,
-                                hidden)
+            ended, done = self._run([plan[i] for i in group], [rows[i] for i in group])
+            events += ended
+            ready += done
         if ready:
-            events += self._sample(ready, hidden)
+            events += self._sample(ready)
         return events
 
-    def _run(self, plan: list[tuple[Request, int]], rows: list[PagedRow],
-             ready: list[Request], hidden: list[Tensor]) -> list[TokenEvent]:
-        """One forward over ``rows``; record it; add each request whose prompt is now done to
-        ``ready`` and its last hidden state ``H`` to ``hidden``. A failure ends these
-        requests (with the error), not the engine."""
+    def _run(self, plan: list[tuple[Request, int]], rows: list[PagedRow]
+             ) -> tuple[list[TokenEvent], list[tuple[Request, Tensor]]]:
+        """One forward over ``rows``; record it. Returns the events of the requests it ended
+        (a failure ends these requests, with the error, not the engine) and, for each request
+        whose prompt is now done, the request and its last hidden state ``H``."""
         try:
             with torch.inference_mode():
                 last = paged_hidden(self.model, self.pool, rows)
         except Exception as error:
             with self._lock:
                 return [self._end(request, f"{type(error).__name__}: {error}")
-                        for request, _ in plan]
+                        for request, _ in plan], []
+        done = []
         with self._lock:
             for i, (request, n) in enumerate(plan):
                 self.scheduler.advance(request, n)
                 if request.pending == 0:
-                    ready.append(request)
-                    hidden.append(last[i])
-        return []
+                    done.append((request, last[i]))
+        return [], done
 
-    def _sample(self, ready: list[Request], hidden: list[Tensor]) -> list[TokenEvent]:
-        """The next token of each of ``ready`` from its last hidden state: one ``lm_head``
-        call (the largest weight, read once a step) and one read-back for them all. A failure
-        ends these requests, not the engine."""
+    def _sample(self, ready: list[tuple[Request, Tensor]]) -> list[TokenEvent]:
+        """The next token of each request of ``ready`` from its last hidden state: one
+        ``lm_head`` call (the largest weight, read once a step) and one read-back for them
+        all. A failure ends these requests, not the engine."""
         try:
             with torch.inference_mode():
-                logits = self.model.lm_head(torch.stack(hidden))
+                logits = self.model.lm_head(torch.stack([h for _, h in ready]))
             unusable, best = unusable_rows(logits).tolist(), greedy_tokens(logits).tolist()
         except Exception as error:
             with self._lock:
                 return [self._end(request, f"{type(error).__name__}: {error}")
-                        for request in ready]
+                        for request, _ in ready]
         with self._lock:
             return [self._next_token(request, row, unusable[i], best[i])
-                    for i, (request, row) in enumerate(zip(ready, logits))]
+                    for i, ((request, _), row) in enumerate(zip(ready, logits))]
 
     def _take_aborts(self) -> list[TokenEvent]:
         events = [self._end(request, None) for request in dict.fromkeys(self._aborts)

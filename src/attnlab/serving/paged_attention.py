@@ -24,7 +24,6 @@ page, through the row's block table, under the same mask.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -32,8 +31,11 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.attention.kv_cache import KVCache
-from attnlab.attention.sdpa import scaled_dot_product_attention
-from attnlab.kernels import native
+from attnlab.attention.sdpa import (
+    native_decoding,
+    paged_native_attention,
+    scaled_dot_product_attention,
+)
 from attnlab.serving.paged_cache import PagePool
 
 __all__ = ["PagedKVCache", "PagedRow", "paged_forward", "paged_hidden"]
@@ -179,22 +181,17 @@ class PagedLayerCache:
                   is_causal: bool, scale: float | None, backend: str = "auto") -> Tensor:
         """``update(k, v)``, then ``scaled_dot_product_attention`` of q ``B x H x L x D`` over
         the returned keys (``mask``, ``is_causal``, ``scale``, ``backend`` as there) -> ``B x
-        H x L x Dv``. For a few queries on the CPU (``backend="auto"``) the keys are not
-        gathered: ``attnlab.kernels.native.paged_attention`` reads them in their pages."""
+        H x L x Dv``. Where ``auto`` would run the native decoding kernel, the keys are not
+        gathered: ``paged_native_attention`` reads them in their pages."""
         c = self.cache
         keys, values = c.pool.k[self.index], c.pool.v[self.index]
-        B, H, L, _ = q.shape
-        S = c.offset + c.query_length
-        if (backend == "auto" and L <= native.MAX_ROWS and native.takes(q, k, v, keys)
-                and q.dtype == keys.dtype and (mask is None or mask.dtype == torch.bool)):
+        if backend == "auto" and q.dtype == keys.dtype and native_decoding(q, k, v, mask):
             self._write(k, v)
-            return native.paged_attention(
-                q if q.stride(-1) == 1 else q.contiguous(), keys, values, c.tables, c.first, S,
-                None if mask is None else mask.expand(B, H, L, S),
-                1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, is_causal)
+            return paged_native_attention(q, keys, values, c.tables, c.first, c.max_len, mask,
+                                          is_causal=is_causal, scale=scale)
         k, v = self.update(k, v)
         return scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, scale=scale,
-                                            enable_gqa=k.shape[1] != H, backend=backend)
+                                            enable_gqa=k.shape[1] != q.shape[1], backend=backend)
 
     def _write(self, k: Tensor, v: Tensor) -> None:
         """Store the real new keys and values of ``k``, ``v`` ``B x G x L x D`` in their
