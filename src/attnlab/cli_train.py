@@ -145,7 +145,7 @@ def _run(
         elif saved is not None:
             raise ValueError(f"--out: {str(out)!r} already holds a run; pass --resume to "
                              "continue it or choose another folder")
-        trainer = Trainer(
+        with Trainer(
             model,
             task,
             _train_config(args),
@@ -156,35 +156,35 @@ def _run(
             d_model=args.d_model,
             progress=not args.no_progress,
             device=device,
-        )
-        if args.resume:
-            trainer.resume()
+        ) as trainer:
+            if args.resume:
+                trainer.resume()
+                if trainer.is_main:
+                    print(f"resumed from {saved} at step {trainer.step}")
+            if trainer.step >= args.steps:
+                if trainer.is_main:
+                    print(f"the run in {out} is already at step {trainer.step} of --steps "
+                          f"{args.steps}: nothing to do (a larger --steps trains further)")
+                return 0
             if trainer.is_main:
-                print(f"resumed from {saved} at step {trainer.step}")
-        if trainer.step >= args.steps:
+                print(_time_estimate(trainer.estimate_step_seconds(), args.steps - trainer.step))
+            try:
+                result = trainer.fit()
+            except TrainingInterrupted as stop:
+                if trainer.is_main:
+                    print(f"stopped after step {stop.step}: checkpoint saved in {stop.saved}; "
+                          "continue with --resume", file=sys.stderr)
+                return stop.exit_code
+            except KeyboardInterrupt:
+                if trainer.is_main:
+                    print("stopped at once: nothing saved since the last checkpoint in "
+                          f"{out / 'last'}; continue with --resume", file=sys.stderr)
+                return 130
             if trainer.is_main:
-                print(f"the run in {out} is already at step {trainer.step} of --steps "
-                      f"{args.steps}: nothing to do (a larger --steps trains further)")
+                how = "stopped early at" if result.stopped_early else "reached"
+                print(f"{how} step {result.step}: loss {result.final_loss:.4f}, best {metric} "
+                      f"{result.best_metric}; outputs in {out}")
             return 0
-        if trainer.is_main:
-            print(_time_estimate(trainer.estimate_step_seconds(), args.steps - trainer.step))
-        try:
-            result = trainer.fit()
-        except TrainingInterrupted as stop:
-            if trainer.is_main:
-                print(f"stopped after step {stop.step}: checkpoint saved in {stop.saved}; "
-                      "continue with --resume", file=sys.stderr)
-            return stop.exit_code
-        except KeyboardInterrupt:
-            if trainer.is_main:
-                print("stopped at once: nothing saved since the last checkpoint in "
-                      f"{out / 'last'}; continue with --resume", file=sys.stderr)
-            return 130
-        if trainer.is_main:
-            how = "stopped early at" if result.stopped_early else "reached"
-            print(f"{how} step {result.step}: loss {result.final_loss:.4f}, best {metric} "
-                  f"{result.best_metric}; outputs in {out}")
-        return 0
     finally:
         cleanup_distributed()
 

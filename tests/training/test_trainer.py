@@ -214,3 +214,26 @@ def test_out_dir_without_usable_save_info_is_refused_before_training(tmp_path, i
     with pytest.raises(TypeError, match=r"save_info: expected a dict .* got list"):
         Trainer(model, task, TrainConfig(steps=3, batch_size=4, eval_every=3),
                 out_dir=tmp_path, save_info=["model_type", "model_config"], progress=False)
+
+
+def test_close_frees_the_ddp_wrapper_and_fit_is_refused_after(tmp_path, task, monkeypatch):
+    """A DistributedDataParallel wrapper that outlives ``destroy_process_group`` aborts the
+    process at exit (gloo, about 1 run in 7): closing frees it."""
+    import weakref
+
+    import torch.distributed as dist
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(29400 + os.getpid() % 500))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        with make_trainer(tmp_path, task, steps=1) as trainer:
+            trainer.ddp = torch.nn.parallel.DistributedDataParallel(trainer.model)
+            wrapper = weakref.ref(trainer.ddp)
+            trainer.fit()
+            assert wrapper() is not None
+        assert wrapper() is None and trainer.ddp is None
+        with pytest.raises(RuntimeError, match="fit: this Trainer is closed"):
+            trainer.fit()
+    finally:
+        dist.destroy_process_group()

@@ -28,6 +28,7 @@ def init_distributed() -> torch.device:
 
 
 def cleanup_distributed() -> None:
-    """Leave the process group (if any)."""
+    """Leave the process group (if any). Close every ``Trainer`` first (``Trainer.close``):
+    a ``DistributedDataParallel`` wrapper must not outlive the group."""
     if dist.is_initialized():
         dist.destroy_process_group()
