@@ -79,11 +79,13 @@ def test_int8_equals_dequantize_then_linear(dtype, scale_dtype, rows, threads) -
 @pytest.mark.parametrize(("dtype", "pairs"), GEMV_CASES)
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("group_size", "in_features"), [(32, 512), (64, 512), (128, 512),
-                                                         (256, 512), (32, 1088)])
+                                                         (256, 512), (32, 1088), (64, 1088),
+                                                         (128, 1152)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 6])
 def test_int4_equals_dequantize_then_linear(dtype, pairs, scale_dtype, group_size,
                                             in_features, rows) -> None:
-    """1088 / 32 = 34 groups: more than the 16 whose scales the pair loop reads at once."""
+    """1088 / 32 = 34 groups: more than the 16 whose scales the pair loop reads at once;
+    1088 = 8 x 128 + 64: the pair loop's last block is 64 codes (its blocks are 128)."""
     _skip_without_pairs(pairs)
     g = torch.Generator().manual_seed(group_size + rows)
     weight = quantize(torch.randn(67, in_features, generator=g), 4, group_size, scale_dtype)

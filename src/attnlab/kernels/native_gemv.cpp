@@ -339,13 +339,27 @@ inline __m512bh int4_as_bf16(const uint8_t* p) {
                                            _mm512_set1_epi32(0x43004300), 0xEA));  // (a & b) | c
 }
 
-// 32 bytes -> their 64 codes as the bfloat16 numbers 128 + q: `even` the low nibbles (inputs
-// 2i of the 64), `odd` the high ones (inputs 2i + 1); x is read in the same order.
-inline void int4x64_as_bf16(const uint8_t* p, __m512bh& even, __m512bh& odd) {
-  const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  const __m512i high = _mm512_set1_epi16(0x4300);
-  even = as_bf16(_mm512_ternarylogic_epi32(words, _mm512_set1_epi16(0x000F), high, 0xEA));  // (a & b) | c
-  odd = as_bf16(_mm512_or_si512(_mm512_srli_epi16(words, 4), high));
+// 64 bytes (128 codes) -> four vectors of 32 codes as the bfloat16 numbers 128 + q, by masks
+// and shifts inside each 16-bit word (no shuffle): code[t] holds nibble t of every word, i.e.
+// input 4i + t of the 128 in lane i; x is read in the same order (`nibble_order`).
+inline void int4x128_as_bf16(const uint8_t* p, __m512bh code[4]) {
+  const __m512i w = _mm512_loadu_si512(p);
+  const __m512i low = _mm512_set1_epi16(0x000F), high = _mm512_set1_epi16(0x4300);
+  code[0] = as_bf16(_mm512_ternarylogic_epi32(w, low, high, 0xEA));  // (a & b) | c
+  code[1] = as_bf16(_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), low, high, 0xEA));
+  code[2] = as_bf16(_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), low, high, 0xEA));
+  code[3] = as_bf16(_mm512_or_si512(_mm512_srli_epi16(w, 12), high));
+}
+
+// The same for 32 bytes (64 codes, a row's last block when K is an odd multiple of 64).
+inline void int4x64_as_bf16(const uint8_t* p, __m256bh code[4]) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i low = _mm256_set1_epi16(0x000F), high = _mm256_set1_epi16(0x4300);
+  auto bh = [](__m256i v) { return reinterpret_cast<__m256bh&>(v); };
+  code[0] = bh(_mm256_ternarylogic_epi32(w, low, high, 0xEA));
+  code[1] = bh(_mm256_ternarylogic_epi32(_mm256_srli_epi16(w, 4), low, high, 0xEA));
+  code[2] = bh(_mm256_ternarylogic_epi32(_mm256_srli_epi16(w, 8), low, high, 0xEA));
+  code[3] = bh(_mm256_or_si256(_mm256_srli_epi16(w, 12), high));
 }
 
 // 16 scales (or zeros) from position p as float32, the lanes past n zero.
@@ -355,9 +369,9 @@ inline __m512 load_scales(const uint16_t* p, __mmask16 n) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// Blocks of 64 codes (group sizes that are multiples of 64) take half the instructions to
-// turn into bfloat16 (int4x64_as_bf16) when x is read de-interleaved: per block of 64 inputs,
-// the 32 even ones, then the 32 odd ones (`deinterleaved`).
+// Group sizes that are multiples of 64 read 128 codes at a time (int4x128_as_bf16: a quarter
+// of the instructions of int4_as_bf16 a code, none of them a shuffle) with x in `nibble_order`;
+// such a block covers groups k / g and (k + 64) / g, in the sums' lanes 0-7 and 8-15.
 template <int MB, bool BY64, typename S>
 void int4_bf16_rows(const Int4Args& a, const S* s, const S* z, const uint16_t* x,
                     int64_t begin, int64_t end) {
@@ -367,7 +381,7 @@ void int4_bf16_rows(const Int4Args& a, const S* s, const S* z, const uint16_t* x
     __m512 acc[2][MB], shift[MB];
     for (int m = 0; m < MB; ++m) acc[0][m] = acc[1][m] = shift[m] = _mm512_setzero_ps();
     // Groups 16 at a time: their scales and zeros read as vectors, the shift term summed in
-    // vectors, each scale then broadcast from its lane.
+    // vectors, each scale then moved to its lanes (a shuffle; a store and reload can stall).
     for (int64_t j0 = 0; j0 < groups; j0 += 16) {
       const int64_t n = std::min<int64_t>(16, groups - j0);
       const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1u);
@@ -376,28 +390,54 @@ void int4_bf16_rows(const Int4Args& a, const S* s, const S* z, const uint16_t* x
       const __m512 shift16 = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), s16, z16);  // z - 136 s
       for (int m = 0; m < MB; ++m)
         shift[m] = _mm512_fmadd_ps(shift16, _mm512_maskz_loadu_ps(lanes, a.xsum + m * groups + j0), shift[m]);
-      for (int64_t j = j0; j < j0 + n; ++j) {
-        __m512 dot[MB], dot2[MB];
-        for (int m = 0; m < MB; ++m) dot[m] = dot2[m] = _mm512_setzero_ps();
-        if constexpr (BY64) {
-          for (int64_t k = j * a.g; k < (j + 1) * a.g; k += 64) {
-            __m512bh even, odd;
-            int4x64_as_bf16(row + k / 2, even, odd);
-            for (int m = 0; m < MB; ++m) {
-              dot[m] = _mm512_dpbf16_ps(dot[m], even, load32_bf16(x + m * a.K + k));
-              dot2[m] = _mm512_dpbf16_ps(dot2[m], odd, load32_bf16(x + m * a.K + k + 32));
-            }
+      if constexpr (BY64) {
+        const int64_t stop = (j0 + n) * a.g;
+        int64_t k = j0 * a.g, inside = 0;  // k's offset in group j0 + first
+        int first = 0;
+        for (; k + 128 <= stop; k += 128) {
+          __m512bh code[4];
+          int4x128_as_bf16(row + k / 2, code);
+          const int second = inside + 64 < a.g ? first : first + 1;
+          const __m512 sk = _mm512_permutexvar_ps(
+              _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(first), _mm512_set1_epi32(second)), s16);
+          for (int m = 0; m < MB; ++m) {
+            const uint16_t* xm = x + m * a.K + k;
+            __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), code[0], load32_bf16(xm));
+            __m512 e = _mm512_dpbf16_ps(_mm512_setzero_ps(), code[1], load32_bf16(xm + 32));
+            d = _mm512_dpbf16_ps(d, code[2], load32_bf16(xm + 64));
+            e = _mm512_dpbf16_ps(e, code[3], load32_bf16(xm + 96));
+            acc[0][m] = _mm512_fmadd_ps(sk, _mm512_add_ps(d, e), acc[0][m]);
           }
-          for (int m = 0; m < MB; ++m) dot[m] = _mm512_add_ps(dot[m], dot2[m]);
-        } else {
+          for (inside += 128; inside >= a.g; inside -= a.g) ++first;
+        }
+        if (k < stop) {  // the last 64 codes of the row
+          __m256bh code[4];
+          int4x64_as_bf16(row + k / 2, code);
+          const __m512 sk = _mm512_permutexvar_ps(_mm512_set1_epi32(first), s16);
+          for (int m = 0; m < MB; ++m) {
+            const uint16_t* xm = x + m * a.K + k;
+            auto xbh = [](const uint16_t* p) {
+              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+              return reinterpret_cast<const __m256bh&>(v);
+            };
+            __m256 d = _mm256_dpbf16_ps(_mm256_setzero_ps(), code[0], xbh(xm));
+            __m256 e = _mm256_dpbf16_ps(_mm256_setzero_ps(), code[1], xbh(xm + 16));
+            d = _mm256_dpbf16_ps(d, code[2], xbh(xm + 32));
+            e = _mm256_dpbf16_ps(e, code[3], xbh(xm + 48));
+            acc[0][m] = _mm512_fmadd_ps(sk, _mm512_zextps256_ps512(_mm256_add_ps(d, e)), acc[0][m]);
+          }
+        }
+      } else {
+        for (int64_t j = j0; j < j0 + n; ++j) {
+          __m512 dot[MB];
+          for (int m = 0; m < MB; ++m) dot[m] = _mm512_setzero_ps();
           for (int64_t k = j * a.g; k < (j + 1) * a.g; k += 32) {
             const __m512bh codes = int4_as_bf16(row + k / 2);
             for (int m = 0; m < MB; ++m) dot[m] = _mm512_dpbf16_ps(dot[m], codes, load32_bf16(x + m * a.K + k));
           }
+          const __m512 sj = _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(j - j0)), s16);
+          for (int m = 0; m < MB; ++m) acc[j & 1][m] = _mm512_fmadd_ps(sj, dot[m], acc[j & 1][m]);
         }
-        // The scale broadcast from its lane (a shuffle; a store and reload can stall).
-        const __m512 sj = _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(j - j0)), s16);
-        for (int m = 0; m < MB; ++m) acc[j & 1][m] = _mm512_fmadd_ps(sj, dot[m], acc[j & 1][m]);
       }
     }
     for (int m = 0; m < MB; ++m)
@@ -405,18 +445,18 @@ void int4_bf16_rows(const Int4Args& a, const S* s, const S* z, const uint16_t* x
   }
 }
 
-// x (M x K bfloat16, K a multiple of 64) with each block of 64 inputs reordered: its 32 even
-// inputs, then its 32 odd ones.
-std::vector<uint16_t> deinterleaved(const torch::Tensor& x) {
+// x (M x K bfloat16, K a multiple of 64) in the order int4x128_as_bf16 reads the codes: per
+// block of 128 inputs (of 64 for a last one), input 4i + t at position t * 32 + i (t * 16 + i).
+std::vector<uint16_t> nibble_order(const torch::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1);
   const uint16_t* xp = ptr<uint16_t>(x);
   std::vector<uint16_t> out(M * K);
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < K; b += 64)
-      for (int64_t i = 0; i < 32; ++i) {
-        out[m * K + b + i] = xp[m * K + b + 2 * i];
-        out[m * K + b + 32 + i] = xp[m * K + b + 2 * i + 1];
-      }
+    for (int64_t b = 0; b < K; b += 128) {
+      const int64_t lanes = std::min<int64_t>(128, K - b) / 4;
+      for (int64_t t = 0; t < 4; ++t)
+        for (int64_t i = 0; i < lanes; ++i) out[m * K + b + t * lanes + i] = xp[m * K + b + 4 * i + t];
+    }
   return out;
 }
 #endif
@@ -514,7 +554,7 @@ torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const to
 #ifdef ATTNLAB_AVX512BF16
     if (pairs) {
       const bool by64 = group_size % 64 == 0;
-      const std::vector<uint16_t> xs = by64 ? deinterleaved(x) : std::vector<uint16_t>();
+      const std::vector<uint16_t> xs = by64 ? nibble_order(x) : std::vector<uint16_t>();
       const uint16_t* xp = by64 ? xs.data() : ptr<uint16_t>(x);
       at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
         in_row_blocks<4>(M, [&](auto mb, int64_t m0) {
