@@ -81,7 +81,7 @@ def test_int8_equals_dequantize_then_linear(dtype, scale_dtype, rows, threads) -
 @pytest.mark.parametrize(("group_size", "in_features"), [(32, 512), (64, 512), (128, 512),
                                                          (256, 512), (32, 1088), (64, 1088),
                                                          (128, 1152)])
-@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 8, 11])
 def test_int4_equals_dequantize_then_linear(dtype, pairs, scale_dtype, group_size,
                                             in_features, rows) -> None:
     """1088 / 32 = 34 groups: more than the 16 whose scales the pair loop reads at once;
