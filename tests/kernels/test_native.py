@@ -177,6 +177,8 @@ def test_bad_input_is_refused_naming_it() -> None:
 
 
 def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read when the kernels are first asked for (a fresh process: no extension loaded)."""
+    monkeypatch.setattr(native, "_BUILT", [])
     monkeypatch.setenv("ATTNLAB_NATIVE", "0")
     assert not native.available()
     with pytest.raises(RuntimeError, match="not available"):

@@ -45,6 +45,10 @@ _TIMINGS: dict[str, dict[str, float]] = {}
 # dequantization is paid once, so "33+" is timed at a prefill chunk's 512 rows, not at 128:
 # a kernel that wins at 128 rows can lose 2x at 512.
 _ROWS = {"1": 1, "2-8": 8, "9-32": 16, "33+": 512}
+# The native GEMVs take any row count at a cost linear in it; offered up to the "9-32"
+# bucket, so that the layout they need is not lost for decoding to a bucket that no kernel
+# on it was offered (one layout is kept for every bucket: see ``plan``).
+_NATIVE_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -308,11 +312,11 @@ QUANTIZED_KERNELS: dict[str, QuantizedKernel] = {
         QuantizedKernel("native_dequantize", "plain", _native_dequantize_prepare,
                         _native_dequantize_run, _native_takes),
         QuantizedKernel("int8_native", None, _int8_native_prepare, _int8_native_run,
-                        lambda w, d: w.bits == 8 and _native_takes(w, d), native.MAX_ROWS),
+                        lambda w, d: w.bits == 8 and _native_takes(w, d), _NATIVE_ROWS),
         QuantizedKernel("int4_native", "plain", _int4_native_prepare, _int4_native_run,
-                        lambda w, d: w.bits == 4 and _native_takes(w, d), native.MAX_ROWS),
+                        lambda w, d: w.bits == 4 and _native_takes(w, d), _NATIVE_ROWS),
         QuantizedKernel("int4_native_pairs", "plain", _int4_native_prepare, _int4_pairs_run,
                         lambda w, d: (w.bits == 4 and d == torch.bfloat16 and _native_takes(w, d)
-                                      and native.pairs_available()), native.MAX_ROWS),
+                                      and native.pairs_available()), _NATIVE_ROWS),
     )
 }
