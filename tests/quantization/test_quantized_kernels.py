@@ -118,9 +118,10 @@ def test_one_row_decoding_keeps_the_pair_kernel_when_it_loses_only_at_16_rows(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """One layout is kept for every bucket. Timings (microseconds) shaped on those measured
     for the 151936 x 896 int4 table on a 2-core EPYC: PyTorch's blocked-layout kernel is 2x
-    slower for one row but 1.4x faster at 16 rows; the pair kernel must be offered at 16 rows for the plain layout (and
-    it, for decoding) to win - offered up to 8 rows, the formula alone stood for the plain
-    layout there, 3.9x slower, and pulled the weight to the blocked layout."""
+    slower for one row but 1.4x faster at 16 rows; the pair kernel must be offered at 16 rows
+    for the plain layout (and it, for decoding) to win - offered up to 8 rows, the formula
+    alone stood for the plain layout there, 3.9x slower, and pulled the weight to the blocked
+    layout."""
     weight = quantize(torch.randn(128, 256), 4, 64, torch.bfloat16)
     if not QUANTIZED_KERNELS["int4_native_pairs"].available(weight, torch.bfloat16):
         pytest.skip("no native pair kernel on this machine")
