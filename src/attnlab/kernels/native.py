@@ -43,8 +43,9 @@ __all__ = ["DTYPES", "MAX_ROWS", "argmax_rows", "available", "decode_attention",
            "dequantize_int8", "gemv", "gemv_int4", "gemv_int8", "paged_attention",
            "pairs_available", "rms_norm", "rotary", "takes"]
 
-# The kernels are offered (by both calibrations) for the decoding buckets only: past 8 rows a
-# BLAS GEMM reuses each weight better.
+# The float GEMVs and the attention kernel are offered for the decoding buckets only: past 8
+# rows a BLAS GEMM reuses each weight better. (The quantized plan offers its GEMVs further, for
+# the layout they need: attnlab.quantization.kernels._NATIVE_ROWS.)
 MAX_ROWS = 8
 DTYPES = (torch.float32, torch.bfloat16)  # the activations' dtypes the kernels take
 

@@ -198,6 +198,10 @@ void rows_times_x(const W* w, const float* x, float* y, int64_t M, int64_t O, in
 #ifdef ATTNLAB_AVX512BF16
 inline __m512bh as_bf16(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 inline __m512bh load32_bf16(const uint16_t* p) { return as_bf16(_mm512_loadu_si512(p)); }
+inline __m256bh as_bf16(__m256i v) { return reinterpret_cast<__m256bh&>(v); }
+inline __m256bh load16_bf16(const uint16_t* p) {
+  return as_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 // y[m, o] = sum_k W[o, k] x[m, k] with W and x bfloat16: products of pairs summed in float32
 // by vdpbf16ps, 32 inputs an instruction.
@@ -355,11 +359,10 @@ inline void int4x128_as_bf16(const uint8_t* p, __m512bh code[4]) {
 inline void int4x64_as_bf16(const uint8_t* p, __m256bh code[4]) {
   const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   const __m256i low = _mm256_set1_epi16(0x000F), high = _mm256_set1_epi16(0x4300);
-  auto bh = [](__m256i v) { return reinterpret_cast<__m256bh&>(v); };
-  code[0] = bh(_mm256_ternarylogic_epi32(w, low, high, 0xEA));
-  code[1] = bh(_mm256_ternarylogic_epi32(_mm256_srli_epi16(w, 4), low, high, 0xEA));
-  code[2] = bh(_mm256_ternarylogic_epi32(_mm256_srli_epi16(w, 8), low, high, 0xEA));
-  code[3] = bh(_mm256_or_si256(_mm256_srli_epi16(w, 12), high));
+  code[0] = as_bf16(_mm256_ternarylogic_epi32(w, low, high, 0xEA));
+  code[1] = as_bf16(_mm256_ternarylogic_epi32(_mm256_srli_epi16(w, 4), low, high, 0xEA));
+  code[2] = as_bf16(_mm256_ternarylogic_epi32(_mm256_srli_epi16(w, 8), low, high, 0xEA));
+  code[3] = as_bf16(_mm256_or_si256(_mm256_srli_epi16(w, 12), high));
 }
 
 // 16 scales (or zeros) from position p as float32, the lanes past n zero.
@@ -416,14 +419,10 @@ void int4_bf16_rows(const Int4Args& a, const S* s, const S* z, const uint16_t* x
           const __m512 sk = _mm512_permutexvar_ps(_mm512_set1_epi32(first), s16);
           for (int m = 0; m < MB; ++m) {
             const uint16_t* xm = x + m * a.K + k;
-            auto xbh = [](const uint16_t* p) {
-              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-              return reinterpret_cast<const __m256bh&>(v);
-            };
-            __m256 d = _mm256_dpbf16_ps(_mm256_setzero_ps(), code[0], xbh(xm));
-            __m256 e = _mm256_dpbf16_ps(_mm256_setzero_ps(), code[1], xbh(xm + 16));
-            d = _mm256_dpbf16_ps(d, code[2], xbh(xm + 32));
-            e = _mm256_dpbf16_ps(e, code[3], xbh(xm + 48));
+            __m256 d = _mm256_dpbf16_ps(_mm256_setzero_ps(), code[0], load16_bf16(xm));
+            __m256 e = _mm256_dpbf16_ps(_mm256_setzero_ps(), code[1], load16_bf16(xm + 16));
+            d = _mm256_dpbf16_ps(d, code[2], load16_bf16(xm + 32));
+            e = _mm256_dpbf16_ps(e, code[3], load16_bf16(xm + 48));
             acc[0][m] = _mm512_fmadd_ps(sk, _mm512_zextps256_ps512(_mm256_add_ps(d, e)), acc[0][m]);
           }
         }

@@ -229,9 +229,11 @@ def _int8_native_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
     return native.gemv_int8(x, *state, bias)
 
 
-def _int4_native_prepare(weight: QuantizedWeight, dtype: torch.dtype) -> tuple:
-    return (weight.data.contiguous(), weight.scales.contiguous(), weight.zeros.contiguous(),
-            weight.group_size)
+def _native_codes(weight: QuantizedWeight, dtype: torch.dtype | None = None) -> tuple:
+    """What the C++ kernels read: codes, scales, zeros (None for int8), group size; the same
+    for every activation dtype."""
+    zeros = None if weight.zeros is None else weight.zeros.contiguous()
+    return (weight.data.contiguous(), weight.scales.contiguous(), zeros, weight.group_size)
 
 
 def _int4_native_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
@@ -245,9 +247,7 @@ def _int4_pairs_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
 
 
 def _native_dequantize_prepare(weight: QuantizedWeight, dtype: torch.dtype) -> tuple:
-    zeros = None if weight.zeros is None else weight.zeros.contiguous()
-    return (weight.data.contiguous(), weight.scales.contiguous(), zeros, weight.group_size,
-            dtype)
+    return (*_native_codes(weight), dtype)
 
 
 def _native_dequantize_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
@@ -313,9 +313,9 @@ QUANTIZED_KERNELS: dict[str, QuantizedKernel] = {
                         _native_dequantize_run, _native_takes),
         QuantizedKernel("int8_native", None, _int8_native_prepare, _int8_native_run,
                         lambda w, d: w.bits == 8 and _native_takes(w, d), _NATIVE_ROWS),
-        QuantizedKernel("int4_native", "plain", _int4_native_prepare, _int4_native_run,
+        QuantizedKernel("int4_native", "plain", _native_codes, _int4_native_run,
                         lambda w, d: w.bits == 4 and _native_takes(w, d), _NATIVE_ROWS),
-        QuantizedKernel("int4_native_pairs", "plain", _int4_native_prepare, _int4_pairs_run,
+        QuantizedKernel("int4_native_pairs", "plain", _native_codes, _int4_pairs_run,
                         lambda w, d: (w.bits == 4 and d == torch.bfloat16 and _native_takes(w, d)
                                       and native.pairs_available()), _NATIVE_ROWS),
     )
