@@ -123,15 +123,21 @@ class LayerKVCache:
             raise ValueError(f"v: expected k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
         L = k.shape[2]
         end = self.length + L
-        if end > self.max_len and self.grow:
-            self._reallocate(max(end, 2 * self.max_len))
-        if end > self.max_len:
-            raise ValueError(f"k: the cache holds {self.length} of max_len={self.max_len} "
-                             f"positions and cannot take {L} more")
+        self.reserve(L)
         self.k[:, :, self.length:end] = k
         self.v[:, :, self.length:end] = v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
+
+    def reserve(self, count: int) -> None:
+        """Make room for ``count`` more positions after ``length`` (a growing cache
+        reallocates); raise a ``ValueError`` when a fixed cache cannot take them."""
+        end = self.length + count
+        if end > self.max_len and self.grow:
+            self._reallocate(max(end, 2 * self.max_len))
+        if end > self.max_len:
+            raise ValueError(f"k: the cache holds {self.length} of max_len={self.max_len} "
+                             f"positions and cannot take {count} more")
 
     @property
     def nbytes(self) -> int:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.functional import linear
+from attnlab.kernels import native
 from attnlab.kernels.calibration import bucket_of, forced_kernel, plan
 from attnlab.kernels.catalog import KERNELS, Kernel, to_layout
 
@@ -127,6 +128,22 @@ class InferenceLinear(nn.Linear):
         flat = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
         y = kernel.run(flat, stored, bias)
         return y if flat is x else y.view(*x.shape[:-1], self.out_features)
+
+    def native_spec(self, rows: int, dtype: torch.dtype) -> tuple | None:
+        """What ``forward`` runs for ``rows`` rows of ``dtype`` on the CPU with no gradient,
+        when that is one of attnlab's C++ GEMVs: ``(kind, weight, None, None, 0, bias)`` as
+        ``attnlab.kernels.native.decode_layers`` takes a product; otherwise None."""
+        weight, bias = self._parameters["weight"], self._parameters["bias"]
+        if (dtype != weight.dtype or not weight.is_cpu
+                or (bias is not None and bias.dtype != dtype)
+                or (weight.is_inference() and not torch.is_inference_mode_enabled())):
+            return None
+        kernels = self._kernels.get((dtype, torch.get_num_threads())) or self._calibrate()
+        kernel = kernels[bucket_of(rows)]
+        kind = native.STEP_KINDS.get(kernel.name)
+        if kind is None or not _has_layout(weight, kernel.layout):
+            return None
+        return (kind, weight, None, None, 0, bias)
 
     def extra_repr(self) -> str:
         plans = ", ".join(f"{str(dtype).removeprefix('torch.')}, {threads} threads: "

@@ -39,18 +39,22 @@ from torch import Tensor
 
 from attnlab.kernels import cache
 
-__all__ = ["DTYPES", "MAX_ROWS", "argmax_rows", "available", "decode_attention", "dequantize_int4",
-           "dequantize_int8", "gemv", "gemv_int4", "gemv_int8", "paged_attention",
-           "pairs_available", "rms_norm", "rotary", "takes"]
+__all__ = ["DTYPES", "MAX_ROWS", "STEP_KINDS", "argmax_rows", "available", "decode_attention",
+           "decode_layers", "dequantize_int4", "dequantize_int8", "gemv", "gemv_int4", "gemv_int8",
+           "paged_attention", "pairs_available", "rms_norm", "rotary", "takes"]
 
 # The float GEMVs and the attention kernel are offered for the decoding buckets only: past 8
 # rows a BLAS GEMM reuses each weight better. (The quantized plan offers its GEMVs further, for
 # the layout they need: attnlab.quantization.kernels._NATIVE_ROWS.)
 MAX_ROWS = 8
 DTYPES = (torch.float32, torch.bfloat16)  # the activations' dtypes the kernels take
+# The products that decode_layers runs, by the name of the calibrated kernel that a Linear
+# module runs them with (the C++ `Kind` in native_step.cpp).
+STEP_KINDS = {"native_gemv": 0, "native_pairs": 1, "int8_native": 2, "int4_native": 3,
+              "int4_native_pairs": 4}
 
 _SOURCES = tuple(Path(__file__).with_name(name)
-                 for name in ("native_gemv.cpp", "native_decode.cpp"))
+                 for name in ("native_gemv.cpp", "native_decode.cpp", "native_step.cpp"))
 _ENV = "ATTNLAB_NATIVE"
 # -ffp-contract=off: a * b + c stays two roundings unless the source asks for a fused
 # multiply-add, so the kernels round as the formulas they replace do.
@@ -173,6 +177,21 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Te
     ``attnlab.layers.rotary.apply_rotary`` computes and rounds it; ``turn`` is ``(a, b) ->
     (-b, a)`` on the halves, or on neighbours when ``interleaved``. A new contiguous tensor."""
     return _require().rotary(x, cos, sin, bool(interleaved))
+
+
+def decode_layers(x: Tensor, layers: list[tuple], config: tuple, cos: Tensor | None,
+                  sin: Tensor | None, mask: Tensor | None) -> Tensor:
+    """One decoding step through every block of a pre-norm decoder: x ``B x E`` (one new
+    position a row) -> the last block's output ``B x E``, each block's keys and values written
+    into its cache at ``offset``. ``layers``: per block ``(norm1 weight, norm1 bias, q, k, v,
+    o, q_norm weight, k_norm weight, norm2 weight, norm2 bias, mlp, key cache, value cache)``,
+    a product ``(kind, weight or codes, scales, zeros, group size, bias)`` with ``kind`` from
+    ``STEP_KINDS``, ``mlp`` ``(gate, up, down)`` or ``(linear1, linear2)``, the caches ``B x G
+    x max_len x D``; ``config``: ``(norm 0 rms / 1 rms 1 + w / 2 layer, activation 0 silu /
+    1 gelu tanh / 2 gelu / 3 relu, H, G, D, offset, eps, scale, gated, interleaved)``; cos and
+    sin ``(B or 1) x 1 x R`` in x's dtype or None; mask ``B x H x 1 x (offset + 1)`` bool or
+    None. ``attnlab.models.fused_decode`` builds these from a model's modules."""
+    return _require().decode_layers(x, layers, config, cos, sin, mask)
 
 
 def _bfloat16(name: str, dtype: torch.dtype) -> bool:

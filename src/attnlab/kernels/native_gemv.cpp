@@ -687,6 +687,11 @@ torch::Tensor argmax_rows(const torch::Tensor& x);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps, bool unit_offset);
 torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                      bool interleaved);
+// A decoding step through every block, in native_step.cpp.
+torch::Tensor decode_layers(const torch::Tensor& x, const pybind11::list& layers,
+                            const pybind11::tuple& config, const std::optional<torch::Tensor>& cos,
+                            const std::optional<torch::Tensor>& sin,
+                            const std::optional<torch::Tensor>& mask);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_pairs", &has_pairs, "whether this build has the bfloat16 pair-product loops");
@@ -700,4 +705,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "the first index of each row's maximum");
   m.def("rms_norm", &rms_norm, "x / sqrt(mean(x^2) + eps) * w per row");
   m.def("rotary", &rotary, "x * cos + turn(x) * sin on the first R features of each head");
+  m.def("decode_layers", &decode_layers, "one decoding step through every block of a decoder");
 }

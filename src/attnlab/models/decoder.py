@@ -40,6 +40,7 @@ from attnlab.layers.self_attention import SelfAttention
 from attnlab.masks import causal_mask, sliding_window_mask
 from attnlab.models.decoder_config import GATED, DecoderLMConfig, make_rotary
 from attnlab.models.families.loading import load_family, save_family
+from attnlab.models.fused_decode import fused_layers
 from attnlab.models.hf_loading import (
     CONFIG_NAME,
     check_folder,
@@ -173,10 +174,14 @@ class DecoderLM(PreTrainedModel):
                 positions = torch.arange(positions, positions + L, device=input_ids.device)
             rotary = tuple(t.to(x.dtype) for t in self.rotary(positions))
         x = _dropped(self.drop, x)
-        is_causal = mask is None and L > 1
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rotary=rotary, mask=mask, is_causal=is_causal,
-                      cache=None if cache is None else cache[i])
+        fused = fused_layers(self.layers, DecoderBlock, x, rotary, mask, cache)
+        if fused is not None:
+            x = fused
+        else:
+            is_causal = mask is None and L > 1
+            for i, layer in enumerate(self.layers):
+                x = layer(x, rotary=rotary, mask=mask, is_causal=is_causal,
+                          cache=None if cache is None else cache[i])
         if logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
         return self.norm(x)

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from attnlab.kernels import bucket_of
+from attnlab.kernels import bucket_of, native
 from attnlab.quantization.formats import QuantizedWeight, pack_int4, quantize, unblocked_int4
 from attnlab.quantization.kernels import QUANTIZED_KERNELS, QuantizedKernel, plan
 
@@ -106,15 +106,39 @@ class QuantizedLinear(nn.Module):
         if (x.numel() == 0 or not (x.is_cpu and self.qweight.is_cpu) or (torch.is_grad_enabled()
                 and (x.requires_grad or (bias is not None and bias.requires_grad)))):
             return torch.nn.functional.linear(x, self.dequantize(x.dtype), bias)
-        kernels = self._plans.get(x.dtype) or self.calibrate(x.dtype)
         flat = x.reshape(-1, self.in_features).contiguous()
-        kernel = kernels[bucket_of(flat.shape[0])]
-        key = (kernel.name, x.dtype, self.qweight.data_ptr(), self.scales.data_ptr())
+        kernel, state = self._planned(flat.shape[0], x.dtype)
+        return kernel.run(flat, state, bias).view(*x.shape[:-1], self.out_features)
+
+    def native_spec(self, rows: int, dtype: torch.dtype) -> tuple | None:
+        """What ``forward`` runs for ``rows`` rows of ``dtype`` activations on the CPU with no
+        gradient, when that is one of attnlab's C++ GEMVs: ``(kind, codes, scales, zeros,
+        group size, bias)`` as ``attnlab.kernels.native.decode_layers`` takes a product;
+        otherwise None."""
+        # _buffers directly: nn.Module's __getattr__ costs ~0.6 us a name.
+        if not self._buffers["qweight"].is_cpu:
+            return None
+        kernel, state = self._planned(rows, dtype)
+        kind = native.STEP_KINDS.get(kernel.name)
+        if kind is None:
+            return None
+        bias = None if self.bias is None else self.bias.to(dtype)
+        if self.bits == 8:
+            return (kind, *state, None, 0, bias)
+        return (kind, *state, bias)
+
+    def _planned(self, rows: int, dtype: torch.dtype) -> tuple[QuantizedKernel, tuple]:
+        """The planned kernel for ``rows`` rows of ``dtype`` and its prepared state (made once
+        per kernel, dtype and weight storage)."""
+        kernels = self._plans.get(dtype) or self.calibrate(dtype)
+        kernel = kernels[bucket_of(rows)]
+        buffers = self._buffers
+        key = (kernel.name, dtype, buffers["qweight"].data_ptr(), buffers["scales"].data_ptr())
         state = self._states.get(key)
         if state is None:
             self._states = {k: v for k, v in self._states.items() if k[0] != kernel.name}
-            state = self._states[key] = kernel.prepare(self.weight_format, x.dtype)
-        return kernel.run(flat, state, bias).view(*x.shape[:-1], self.out_features)
+            state = self._states[key] = kernel.prepare(self.weight_format, dtype)
+        return kernel, state
 
     def extra_repr(self) -> str:
         scheme = "int8" if self.bits == 8 else f"int4, group_size={self.group_size}"
