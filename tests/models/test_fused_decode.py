@@ -40,10 +40,12 @@ FAMILIES = {
 
 def model_of(model_type: str, dtype: torch.dtype, weights: str) -> DecoderLM:
     torch.manual_seed(0)
+    # PyTorch's int4 op takes weights of whole 64-row blocks: 4 key/value heads of 16.
+    heads = {"num_key_value_heads": 4} if weights == "int4:int4_mm" else {}
     config = family_for(model_type).config_from_hf(
-        {"model_type": model_type, **SIZES, **FAMILIES[model_type]})
+        {"model_type": model_type, **SIZES, **heads, **FAMILIES[model_type]})
     model = DecoderLM(config).to(dtype).eval()
-    if weights in ("native_gemv", "native_pairs"):
+    if ":" not in weights:
         return optimize_for_inference(model, kernel=weights)
     bits, kernel = weights.split(":")
     return model.quantize(bits, 32 if bits == "int4" else None, kernel=kernel)
@@ -82,8 +84,8 @@ def decode(model: DecoderLM, steps: int = 6) -> tuple[list[torch.Tensor], KVCach
     return out, cache
 
 
-WEIGHTS = ["native_gemv", "native_pairs", "int8:int8_native", "int4:int4_native",
-           "int4:int4_native_pairs"]
+WEIGHTS = ["native_gemv", "native_pairs", "formula", "int8:int8_native", "int8:int8_mm",
+           "int4:int4_native", "int4:int4_native_pairs", "int4:int4_mm"]
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))

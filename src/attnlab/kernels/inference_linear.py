@@ -131,8 +131,9 @@ class InferenceLinear(nn.Linear):
 
     def native_spec(self, rows: int, dtype: torch.dtype) -> tuple | None:
         """What ``forward`` runs for ``rows`` rows of ``dtype`` on the CPU with no gradient,
-        when that is one of attnlab's C++ GEMVs: ``(kind, weight, None, None, 0, bias)`` as
-        ``attnlab.kernels.native.decode_layers`` takes a product; otherwise None."""
+        when that is one of attnlab's C++ GEMVs or the formula: ``(kind, weight, None, None,
+        0, bias)`` as ``attnlab.kernels.native.decode_layers`` takes a product; otherwise
+        None."""
         weight, bias = self._parameters["weight"], self._parameters["bias"]
         if (dtype != weight.dtype or not weight.is_cpu
                 or (bias is not None and bias.dtype != dtype)

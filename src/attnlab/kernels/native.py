@@ -49,9 +49,10 @@ __all__ = ["DTYPES", "MAX_ROWS", "STEP_KINDS", "argmax_rows", "available", "deco
 MAX_ROWS = 8
 DTYPES = (torch.float32, torch.bfloat16)  # the activations' dtypes the kernels take
 # The products that decode_layers runs, by the name of the calibrated kernel that a Linear
-# module runs them with (the C++ `Kind` in native_step.cpp).
+# module runs them with (the C++ `Kind` in native_step.cpp): attnlab's GEMVs, PyTorch's
+# packed int8/int4 ops, the formula (``linear``).
 STEP_KINDS = {"native_gemv": 0, "native_pairs": 1, "int8_native": 2, "int4_native": 3,
-              "int4_native_pairs": 4}
+              "int4_native_pairs": 4, "int8_mm": 5, "int4_mm": 6, "formula": 7, "columns": 7}
 
 _SOURCES = tuple(Path(__file__).with_name(name)
                  for name in ("native_gemv.cpp", "native_decode.cpp", "native_step.cpp"))
@@ -184,13 +185,14 @@ def decode_layers(x: Tensor, layers: list[tuple], config: tuple, cos: Tensor | N
     """One decoding step through every block of a pre-norm decoder: x ``B x E`` (one new
     position a row) -> the last block's output ``B x E``, each block's keys and values written
     into its cache at ``offset``. ``layers``: per block ``(norm1 weight, norm1 bias, q, k, v,
-    o, q_norm weight, k_norm weight, norm2 weight, norm2 bias, mlp, key cache, value cache)``,
-    a product ``(kind, weight or codes, scales, zeros, group size, bias)`` with ``kind`` from
-    ``STEP_KINDS``, ``mlp`` ``(gate, up, down)`` or ``(linear1, linear2)``, the caches ``B x G
-    x max_len x D``; ``config``: ``(norm 0 rms / 1 rms 1 + w / 2 layer, activation 0 silu /
-    1 gelu tanh / 2 gelu / 3 relu, H, G, D, offset, eps, scale, gated, interleaved)``; cos and
-    sin ``(B or 1) x 1 x R`` in x's dtype or None; mask ``B x H x 1 x (offset + 1)`` bool or
-    None. ``attnlab.models.fused_decode`` builds these from a model's modules."""
+    o, q_norm weight, k_norm weight, norm2 weight, norm2 bias, mlp, key cache, value cache)``;
+    a product is ``(kind, weight or codes, scales (int4_mm: its scale/zero pairs), zeros,
+    group size, bias)`` with ``kind`` from ``STEP_KINDS``; ``mlp`` is ``(gate, up, down)`` or
+    ``(linear1, linear2)``; the caches ``B x G x max_len x D``. ``config``: ``(norm 0 rms /
+    1 rms 1 + w / 2 layer, activation 0 silu / 1 gelu tanh / 2 gelu / 3 relu, H, G, D,
+    offset, eps, scale, gated, interleaved)``; cos and sin ``(B or 1) x 1 x R`` in x's dtype
+    or None; mask ``B x H x 1 x (offset + 1)`` bool or None. ``attnlab.models.fused_decode``
+    builds these from a model's modules."""
     return _require().decode_layers(x, layers, config, cos, sin, mask)
 
 

@@ -37,8 +37,13 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const tor
 
 namespace {
 
-// The kinds of product, as attnlab.models.fused_decode names them.
-enum Kind : int64_t { kFloat = 0, kFloatPairs = 1, kInt8 = 2, kInt4 = 3, kInt4Pairs = 4 };
+// The kinds of product, as attnlab.kernels.native.STEP_KINDS names them: attnlab's GEMVs,
+// PyTorch's packed int8/int4 ops (then the bias added after, as the Python kernels add it),
+// and the formula (linear).
+enum Kind : int64_t {
+  kFloat = 0, kFloatPairs = 1, kInt8 = 2, kInt4 = 3, kInt4Pairs = 4, kInt8Mm = 5, kInt4Mm = 6,
+  kFormula = 7
+};
 // The norms and activations, likewise.
 enum Norm : int64_t { kRms = 0, kRmsUnitOffset = 1, kLayerNorm = 2 };
 enum Act : int64_t { kSilu = 0, kGeluTanh = 1, kGelu = 2, kRelu = 3 };
@@ -66,6 +71,8 @@ struct Linear {
     bias = optional_tensor(t[5]);
   }
 
+  torch::Tensor biased(const torch::Tensor& y) const { return bias ? at::add(y, *bias) : y; }
+
   torch::Tensor operator()(const torch::Tensor& x) const {
     switch (kind) {
       case kFloat: return gemv(x, w, bias, false);
@@ -73,6 +80,9 @@ struct Linear {
       case kInt8: return gemv_int8(x, w, s.value(), bias);
       case kInt4: return gemv_int4(x, w, s.value(), z.value(), group, bias, false);
       case kInt4Pairs: return gemv_int4(x, w, s.value(), z.value(), group, bias, true);
+      case kInt8Mm: return biased(at::_weight_int8pack_mm(x, w, s.value()));
+      case kInt4Mm: return biased(at::_weight_int4pack_mm_for_cpu(x, w, group, s.value()));
+      case kFormula: return at::linear(x, w, bias);
     }
     TORCH_CHECK(false, "a linear: unknown kind ", kind);
   }

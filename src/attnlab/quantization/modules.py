@@ -112,9 +112,9 @@ class QuantizedLinear(nn.Module):
 
     def native_spec(self, rows: int, dtype: torch.dtype) -> tuple | None:
         """What ``forward`` runs for ``rows`` rows of ``dtype`` activations on the CPU with no
-        gradient, when that is one of attnlab's C++ GEMVs: ``(kind, codes, scales, zeros,
-        group size, bias)`` as ``attnlab.kernels.native.decode_layers`` takes a product;
-        otherwise None."""
+        gradient, when that is one of attnlab's C++ GEMVs or PyTorch's packed ops: ``(kind,
+        codes, scales, zeros, group size, bias)`` as ``attnlab.kernels.native.decode_layers``
+        takes a product; otherwise None."""
         # _buffers directly: nn.Module's __getattr__ costs ~0.6 us a name.
         if not self._buffers["qweight"].is_cpu:
             return None
@@ -123,9 +123,11 @@ class QuantizedLinear(nn.Module):
         if kind is None:
             return None
         bias = None if self.bias is None else self.bias.to(dtype)
-        if self.bits == 8:
+        if kernel.name == "int4_mm":  # (codes, group size, scale/zero pairs)
+            return (kind, state[0], state[2], None, state[1], bias)
+        if self.bits == 8:  # (codes, scales)
             return (kind, *state, None, 0, bias)
-        return (kind, *state, bias)
+        return (kind, *state, bias)  # (codes, scales, zeros, group size)
 
     def _planned(self, rows: int, dtype: torch.dtype) -> tuple[QuantizedKernel, tuple]:
         """The planned kernel for ``rows`` rows of ``dtype`` and its prepared state (made once
