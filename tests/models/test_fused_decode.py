@@ -110,8 +110,10 @@ def test_fused_step_equals_the_modules_bit_for_bit(monkeypatch, model_type, dtyp
         assert torch.equal(a.v[:, :, :15], b.v[:, :, :15])
 
 
-def test_generate_takes_the_fused_step_and_gives_the_same_tokens(monkeypatch) -> None:
-    model = model_of("qwen2", torch.bfloat16, "native_gemv")
+@pytest.mark.parametrize("model_type", ["qwen2", "mistral"])
+def test_generate_takes_the_fused_step_and_gives_the_same_tokens(monkeypatch,
+                                                                  model_type) -> None:
+    model = model_of(model_type, torch.bfloat16, "native_gemv")  # mistral: window 6 < 13
     ids = torch.randint(3, 96, (2, 5), generator=torch.Generator().manual_seed(2))
     calls = counted(monkeypatch)
     fused = model.generate(ids, 8)
@@ -151,6 +153,10 @@ def test_not_taken_with_gradients_another_backend_or_kernel(monkeypatch) -> None
     decode(model, steps=2)
     assert calls[0] == 0
     model.layers[0].self_attn.backend = "auto"
+    model.layers[1].self_attn.train()  # its dropout (p = 0 here) would be the modules' to run
+    decode(model, steps=2)
+    assert calls[0] == 0
+    model.layers[1].self_attn.eval()
     model.layers[1].mlp.down_proj = torch.nn.Linear(128, 64).eval()  # the formula's module
     decode(model, steps=2)
     assert calls[0] == 0

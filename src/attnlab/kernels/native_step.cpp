@@ -8,11 +8,12 @@
 //   x = x + (attention(q, cache[:, :, :offset + 1]) Wo^T)  softmax(q k^T scale + mask) v
 //   x = x + mlp(norm2(x))                                    down(act(gate h) * up h) or W2 act(W1 h)
 //
-// Each product runs the native GEMV that the module itself would run for these rows (the
-// module's plan names it; the caller passes its kind and stored tensors); norms, RoPE and the
-// attention are native_decode.cpp's kernels, the residual adds and activations ATen's. A
-// decoding step spends ~2 ms in Python frames and small ATen calls around 7 GEMVs per block
-// otherwise, which is what this file saves.
+// Each product runs the kernel that the module itself would run for these rows (the module's
+// plan names it; the caller passes its kind and stored tensors): attnlab's GEMVs, PyTorch's
+// packed int8/int4 ops or linear; norms, RoPE and the attention are native_decode.cpp's
+// kernels, the residual adds and activations ATen's. A decoding step spends ~1-2 ms in
+// Python frames and small ATen calls around 7 products per block otherwise (4 layers, 2
+// cores), which is what this file saves.
 #include <torch/extension.h>
 
 #include <cstdint>

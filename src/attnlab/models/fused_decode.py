@@ -9,10 +9,11 @@ attention the native kernels that the modules call, the residual adds and activa
 ATen's. So the result is the modules' result, bit for bit (the tests compare them).
 
 It is taken only where that holds, and the modules run otherwise: one new position a row,
-no gradient, eval mode, a plain ``KVCache`` in the model's dtype, the blocks and their
-submodules of the stock classes with no hooks (a hook must see its tensor), attention on the
-``auto`` backend, every product planned on a native GEMV (``native_spec``), the native
-kernels built (``attnlab.kernels.native``).
+no gradient, the blocks and their parts that drop out in eval mode, a plain ``KVCache`` in
+the model's dtype, the blocks and their submodules of the stock classes with no hooks (a hook
+must see its tensor), attention on the ``auto`` backend, every product planned on a kernel
+that ``decode_layers`` runs (``native_spec``: attnlab's GEMVs, PyTorch's packed int8/int4
+ops, the formula), the native kernels built (``attnlab.kernels.native``).
 """
 
 from __future__ import annotations
@@ -41,43 +42,39 @@ def fused_layers(blocks: nn.ModuleList, block_type: type, x: Tensor,
     """``blocks`` (a ``DecoderLM``'s ``layers``, each exactly a ``block_type``) on x ``B x 1
     x E`` with each block's ``LayerKVCache``, as their forward calls would compute it, in one
     native call -> ``B x 1 x E``; or None, with nothing changed, when the modules must run
-    (module docstring).
-    ``rotary``: ``(cos, sin)`` ``(B or 1) x 1 x R`` in x's dtype; ``mask`` ``B x 1 x 1 x S``
-    bool or None."""
+    (module docstring). ``rotary``: ``(cos, sin)`` ``(B or 1) x 1 x R`` in x's dtype;
+    ``mask`` ``B x 1 x 1 x S`` (or ``1 x S``) bool or None."""
     B, L, E = x.shape
     if (L != 1 or type(cache) is not KVCache or len(cache) != len(blocks) or not blocks
-            or torch.is_grad_enabled() or blocks.training or not native.takes(x)
-            or _global_hooks()):
+            or torch.is_grad_enabled() or not native.takes(x) or _global_hooks()
+            or (mask is not None and mask.dtype != torch.bool)
+            or (rotary is not None and not native.takes(*rotary))):
         return None
-    if mask is not None and mask.dtype != torch.bool:
+    dtype, layer_caches = x.dtype, cache.layers
+    offset = layer_caches[0].length
+    shape = _shape(blocks[0])
+    if shape is None:
         return None
-    if rotary is not None and not native.takes(*rotary):
-        return None
-    first = blocks[0]
-    config = _config(first, x.dtype)
-    if config is None:
-        return None
-    layers = []
-    for block, layer_cache in zip(blocks, cache.layers):
-        if (layer_cache.k.dtype != x.dtype or layer_cache.k.shape[0] != B
-                or layer_cache.length != cache.layers[0].length):
+    entries = []
+    for block, layer_cache in zip(blocks, layer_caches):
+        if (layer_cache.k.dtype != dtype or layer_cache.k.shape[0] != B
+                or layer_cache.length != offset):
             return None
-        entry = _block(block, block_type, first, B, x.dtype)
+        entry = _block(block, block_type, shape, B, dtype)
         if entry is None:
             return None
-        layers.append(entry)
-    offset = cache.layers[0].length
-    for layer_cache in cache.layers:
+        entries.append(entry)
+    for layer_cache in layer_caches:  # may reallocate: the buffers are read after
         layer_cache.reserve(1)
-    for entry, layer_cache in zip(layers, cache.layers):
-        entry.extend((layer_cache.k, layer_cache.v))
-    attn = first.self_attn
+    layers = [(*entry, c.k, c.v) for entry, c in zip(entries, layer_caches)]
     if mask is not None:
-        mask = mask.expand(B, attn.num_heads, 1, offset + 1)
+        mask = mask.expand(B, shape[2], 1, offset + 1)
     cos, sin = (None, None) if rotary is None else (t.contiguous() for t in rotary)
-    out = native.decode_layers(x.reshape(B, E).contiguous(), [tuple(e) for e in layers],
-                               (*config, offset, *_scales(first, attn)), cos, sin, mask)
-    for layer_cache in cache.layers:
+    norm, activation, H, G, D, eps, scale, gated, interleaved = shape
+    out = native.decode_layers(
+        x.reshape(B, E).contiguous(), layers,
+        (norm, activation, H, G, D, offset, eps, scale, gated, interleaved), cos, sin, mask)
+    for layer_cache in layer_caches:
         layer_cache.length = offset + 1
     return out.view(B, 1, E)
 
@@ -87,76 +84,72 @@ def _global_hooks() -> bool:
     return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
 
 
-def _config(block: nn.Module, dtype: torch.dtype) -> tuple | None:
-    """``(norm kind, activation, H, G, D)`` of the first block, or None when the blocks are
-    not what ``decode_layers`` computes."""
-    attn, mlp = block.self_attn, block.mlp
-    norm = _norm_kind(block.input_layernorm)
-    if norm is None or type(attn) is not SelfAttention or attn.backend != "auto":
+# Submodules, Parameters and buffers are read from the modules' dicts below: nn.Module's
+# __getattr__ costs ~0.5 us a name, ~100 names a step.
+
+def _shape(block: nn.Module) -> tuple | None:
+    """``(norm kind, activation, H, G, D, eps, attention scale, gated, interleaved)`` of a
+    block that ``decode_layers`` computes, or None."""
+    parts = block._modules
+    attn, mlp, norm = parts.get("self_attn"), parts.get("mlp"), parts.get("input_layernorm")
+    if type(attn) is not SelfAttention or type(mlp) not in (GatedMLP, FeedForward):
         return None
-    if type(mlp) is GatedMLP or type(mlp) is FeedForward:
-        activation = _ACTIVATIONS.get(mlp.activation)
-    else:
+    kind, activation = _norm_kind(norm), _ACTIVATIONS.get(mlp.activation)
+    if kind is None or activation is None or attn.backend != "auto":
         return None
-    if activation is None:
-        return None
-    return (norm, activation, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+    D = attn.head_dim
+    scale = 1.0 / math.sqrt(D) if attn.scale is None else float(attn.scale)
+    return (kind, activation, attn.num_heads, attn.num_kv_heads, D, float(norm.eps), scale,
+            type(mlp) is GatedMLP, bool(attn.rope_interleaved))
 
 
-def _scales(block: nn.Module, attn: SelfAttention) -> tuple:
-    """``(eps, attention scale, gated, interleaved)``."""
-    scale = 1.0 / math.sqrt(attn.head_dim) if attn.scale is None else float(attn.scale)
-    return (float(block.input_layernorm.eps), scale, type(block.mlp) is GatedMLP,
-            bool(attn.rope_interleaved))
-
-
-def _norm_kind(norm: nn.Module) -> int | None:
+def _norm_kind(norm: nn.Module | None) -> int | None:
     """0 RMSNorm, 1 RMSNorm with ``1 + w``, 2 LayerNorm (with a weight), or None."""
     if type(norm) is RMSNorm:
         return 1 if norm.unit_offset else 0
-    if type(norm) is nn.LayerNorm and norm.weight is not None and len(norm.normalized_shape) == 1:
+    if (type(norm) is nn.LayerNorm and norm._parameters.get("weight") is not None
+            and len(norm.normalized_shape) == 1):
         return 2
     return None
 
 
-def _block(block: nn.Module, block_type: type, first: nn.Module, rows: int,
-           dtype: torch.dtype) -> list | None:
-    """One block's entry of ``decode_layers``'s ``layers`` (without its caches), or None."""
-    if type(block) is not block_type:
+def _block(block: nn.Module, block_type: type, shape: tuple, rows: int,
+           dtype: torch.dtype) -> tuple | None:
+    """One block's entry of ``decode_layers``'s ``layers`` (without its caches), or None
+    when it is not a ``block_type`` of the first block's ``shape`` that it computes."""
+    if type(block) is not block_type or _shape(block) != shape:
         return None
-    attn, mlp = block.self_attn, block.mlp
+    parts = block._modules
+    attn, mlp = parts["self_attn"], parts["mlp"]
     # The modules that the block's forward calls: a hook on any of them must see its call.
-    called = [*block._modules.values(), *attn._modules.values(), *mlp._modules.values()]
+    called = [block, *parts.values(), *attn._modules.values(), *mlp._modules.values()]
     if any(m is not None and (m._forward_hooks or m._forward_pre_hooks) for m in called):
         return None
-    if (type(attn) is not SelfAttention or attn.backend != "auto"
-            or (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
-                attn.rope_interleaved) != (first.self_attn.num_heads,
-                                           first.self_attn.num_kv_heads,
-                                           first.self_attn.head_dim, first.self_attn.scale,
-                                           first.self_attn.rope_interleaved)
-            or type(mlp) is not type(first.mlp) or mlp.activation != first.mlp.activation):
+    # Those that drop out in training mode (the others' forward ignores the mode).
+    if block.training or attn.training or mlp.training or parts["drop"].training:
         return None
-    norms = [block.input_layernorm, block.post_attention_layernorm]
-    if attn.q_norm is not None:
-        norms += [attn.q_norm, attn.k_norm]
-    kind, eps = _norm_kind(first.input_layernorm), first.input_layernorm.eps
+    n1, n2 = parts["input_layernorm"], parts["post_attention_layernorm"]
+    q_norm, k_norm = attn._modules.get("q_norm"), attn._modules.get("k_norm")
+    kind, eps = shape[0], shape[5]
+    norms = (n1, n2) if q_norm is None else (n1, n2, q_norm, k_norm)
     for norm in norms:
-        if _norm_kind(norm) != kind or norm.eps != eps or not native.takes(norm.weight):
+        weight = norm._parameters["weight"]
+        if (_norm_kind(norm) != kind or norm.eps != eps or weight.dtype not in native.DTYPES
+                or not weight.is_cpu):
             return None
-    if attn.q_norm is not None and (kind == 2 or attn.q_norm.dim != attn.head_dim):
+    if q_norm is not None and (kind == 2 or q_norm.dim != shape[4]):
         return None
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
-    linears = projections + ((mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-                             if type(mlp) is GatedMLP else (mlp.linear1, mlp.linear2))
+    names = (("gate_proj", "up_proj", "down_proj") if shape[7]
+             else ("linear1", "linear2"))
+    linears = [attn._modules[n] for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    linears += [mlp._modules[n] for n in names]
     specs = []
     for linear in linears:
         spec = linear.native_spec(rows, dtype) if type(linear) in _LINEARS else None
         if spec is None:
             return None
         specs.append(spec)
-    n1, n2 = block.input_layernorm, block.post_attention_layernorm
-    return [n1.weight, getattr(n1, "bias", None), *specs[:4],
-            None if attn.q_norm is None else attn.q_norm.weight,
-            None if attn.k_norm is None else attn.k_norm.weight,
-            n2.weight, getattr(n2, "bias", None), tuple(specs[4:])]
+    return (n1._parameters["weight"], n1._parameters.get("bias"), *specs[:4],
+            None if q_norm is None else q_norm._parameters["weight"],
+            None if k_norm is None else k_norm._parameters["weight"],
+            n2._parameters["weight"], n2._parameters.get("bias"), tuple(specs[4:]))
