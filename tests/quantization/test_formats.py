@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from attnlab.kernels import native
 from attnlab.quantization.formats import (
     QuantizedWeight,
     blocked_int4,
@@ -112,12 +113,20 @@ def test_blocked_layout_is_torchs_int4_cpu_packing() -> None:
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("layout", ["plain", "blocked"])
-def test_rows_equal_the_dequantized_table(bits: int, layout: str) -> None:
-    weight = quantize(_weight(128, 64), bits, 32 if bits == 4 else None).with_layout(layout)
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kernels", ["native", "formula"])
+def test_rows_equal_the_dequantized_table(monkeypatch, bits: int, layout: str,
+                                          scale_dtype: torch.dtype, kernels: str) -> None:
+    if kernels == "formula":
+        monkeypatch.setattr(native, "takes", lambda *tensors: False)
+    weight = quantize(_weight(128, 64), bits, 32 if bits == 4 else None,
+                      scale_dtype).with_layout(layout)
     assert weight.layout == (layout if bits == 4 else "plain")
     ids = torch.tensor([[0, 127, 64], [31, 32, 63]])
-    table = weight.dequantize()
-    torch.testing.assert_close(weight.rows(ids), table[ids])
+    for dtype in (None, torch.float32, torch.bfloat16):
+        rows = weight.rows(ids, dtype)
+        assert rows.dtype == (dtype or scale_dtype)
+        assert torch.equal(rows, weight.dequantize(dtype)[ids])
     assert weight.shape == (128, 64)
     assert weight.group_size == (64 if bits == 8 else 32)
 
