@@ -179,3 +179,12 @@ def test_a_growing_cache_grows() -> None:
         model(torch.tensor([[5, 6, 7]]), cache=cache)
         model(torch.tensor([[8]]), cache=cache)
     assert cache.length == 4 and cache.max_len == 6
+
+
+def test_a_cache_of_another_shape_gets_the_modules_error(monkeypatch) -> None:
+    model = model_of("qwen2", torch.float32, "native_gemv")
+    calls = counted(monkeypatch)
+    cache = KVCache(2, 1, 1, 8, 16)  # 1 key/value head where the model has 2
+    with torch.inference_mode(), pytest.raises(ValueError, match="expected shape B x G x L"):
+        model(torch.tensor([[5]]), cache=cache)
+    assert calls[0] == 0 and cache.length == 0

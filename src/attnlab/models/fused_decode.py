@@ -56,8 +56,10 @@ def fused_layers(blocks: nn.ModuleList, block_type: type, x: Tensor,
     if shape is None:
         return None
     entries = []
+    buffer_shape = (B, shape[3], shape[4])  # B x G x . x D: the modules refuse another
     for block, layer_cache in zip(blocks, layer_caches):
-        if (layer_cache.k.dtype != dtype or layer_cache.k.shape[0] != B
+        k = layer_cache.k
+        if (k.dtype != dtype or (k.shape[0], k.shape[1], k.shape[3]) != buffer_shape
                 or layer_cache.length != offset):
             return None
         entry = _block(block, block_type, shape, B, dtype)
