@@ -84,8 +84,10 @@ def decode(model: DecoderLM, steps: int = 6) -> tuple[list[torch.Tensor], KVCach
     return out, cache
 
 
+# The kernels that decode_layers runs itself, and some that it calls back in Python.
 WEIGHTS = ["native_gemv", "native_pairs", "formula", "int8:int8_native", "int8:int8_mm",
-           "int4:int4_native", "int4:int4_native_pairs", "int4:int4_mm"]
+           "int4:int4_native", "int4:int4_native_pairs", "int4:int4_mm",
+           "rows_gemv", "onednn", "int8:dequantize", "int4:native_dequantize"]
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
@@ -188,3 +190,13 @@ def test_a_cache_of_another_shape_gets_the_modules_error(monkeypatch) -> None:
     with torch.inference_mode(), pytest.raises(ValueError, match="expected shape B x G x L"):
         model(torch.tensor([[5]]), cache=cache)
     assert calls[0] == 0 and cache.length == 0
+
+
+def test_one_row_with_a_kernel_called_back_in_python(monkeypatch) -> None:
+    model = model_of("llama", torch.float32, "blocks_gemv")  # one row over the threads
+    ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(3))
+    calls = counted(monkeypatch)
+    fused = model.generate(ids, 6)
+    assert calls[0] == 5
+    monkeypatch.setattr(decoder_module, "fused_layers", lambda *args: None)
+    assert torch.equal(fused, model.generate(ids, 6))

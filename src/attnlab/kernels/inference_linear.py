@@ -130,10 +130,11 @@ class InferenceLinear(nn.Linear):
         return y if flat is x else y.view(*x.shape[:-1], self.out_features)
 
     def native_spec(self, rows: int, dtype: torch.dtype) -> tuple | None:
-        """What ``forward`` runs for ``rows`` rows of ``dtype`` on the CPU with no gradient,
-        when that is one of attnlab's C++ GEMVs or the formula: ``(kind, weight, None, None,
-        0, bias)`` as ``attnlab.kernels.native.decode_layers`` takes a product; otherwise
-        None."""
+        """What ``forward`` runs for ``rows`` rows of ``dtype`` on the CPU with no gradient, as
+        ``attnlab.kernels.native.decode_layers`` takes a product: ``(kind, weight, None, None,
+        0, bias)`` for a kernel it runs itself, ``(STEP_CALL, x -> y, None, None, 0, None)``
+        for another; None when ``forward`` would not run the plan (another dtype, an
+        inference weight outside inference mode, a weight not in its kernel's layout)."""
         weight, bias = self._parameters["weight"], self._parameters["bias"]
         if (dtype != weight.dtype or not weight.is_cpu
                 or (bias is not None and bias.dtype != dtype)
@@ -141,10 +142,17 @@ class InferenceLinear(nn.Linear):
             return None
         kernels = self._kernels.get((dtype, torch.get_num_threads())) or self._calibrate()
         kernel = kernels[bucket_of(rows)]
-        kind = native.STEP_KINDS.get(kernel.name)
-        if kind is None or not _has_layout(weight, kernel.layout):
+        if kernel.layout == "packed":
+            stored = self._packed_weight(weight)
+        elif _has_layout(weight, kernel.layout):
+            stored = weight
+        else:
             return None
-        return (kind, weight, None, None, 0, bias)
+        kind = native.STEP_KINDS.get(kernel.name)
+        if kind is not None:
+            return (kind, weight, None, None, 0, bias)
+        return (native.STEP_CALL, lambda x: kernel.run(x, stored, bias),
+                None, None, 0, None)
 
     def extra_repr(self) -> str:
         plans = ", ".join(f"{str(dtype).removeprefix('torch.')}, {threads} threads: "

@@ -39,9 +39,10 @@ from torch import Tensor
 
 from attnlab.kernels import cache
 
-__all__ = ["DTYPES", "MAX_ROWS", "STEP_KINDS", "argmax_rows", "available", "decode_attention",
-           "decode_layers", "dequantize_int4", "dequantize_int8", "gemv", "gemv_int4", "gemv_int8",
-           "paged_attention", "pairs_available", "rms_norm", "rotary", "takes"]
+__all__ = ["DTYPES", "MAX_ROWS", "STEP_CALL", "STEP_KINDS", "argmax_rows", "available",
+           "decode_attention", "decode_layers", "dequantize_int4", "dequantize_int8", "gemv",
+           "gemv_int4", "gemv_int8", "paged_attention", "pairs_available", "rms_norm", "rotary",
+           "takes"]
 
 # The float GEMVs and the attention kernel are offered for the decoding buckets only: past 8
 # rows a BLAS GEMM reuses each weight better. (The quantized plan offers its GEMVs further, for
@@ -53,6 +54,8 @@ DTYPES = (torch.float32, torch.bfloat16)  # the activations' dtypes the kernels 
 # packed int8/int4 ops, the formula (``linear``).
 STEP_KINDS = {"native_gemv": 0, "native_pairs": 1, "int8_native": 2, "int4_native": 3,
               "int4_native_pairs": 4, "int8_mm": 5, "int4_mm": 6, "formula": 7, "columns": 7}
+# Any other kernel: ``(STEP_CALL, x -> y, None, None, 0, None)``, called back in Python.
+STEP_CALL = 8
 
 _SOURCES = tuple(Path(__file__).with_name(name)
                  for name in ("native_gemv.cpp", "native_decode.cpp", "native_step.cpp"))
@@ -187,8 +190,9 @@ def decode_layers(x: Tensor, layers: list[tuple], config: tuple, cos: Tensor | N
     into its cache at ``offset``. ``layers``: per block ``(norm1 weight, norm1 bias, q, k, v,
     o, q_norm weight, k_norm weight, norm2 weight, norm2 bias, mlp, key cache, value cache)``;
     a product is ``(kind, weight or codes, scales (int4_mm: its scale/zero pairs), zeros,
-    group size, bias)`` with ``kind`` from ``STEP_KINDS``; ``mlp`` is ``(gate, up, down)`` or
-    ``(linear1, linear2)``; the caches ``B x G x max_len x D``. ``config``: ``(norm 0 rms /
+    group size, bias)`` with ``kind`` from ``STEP_KINDS``, or ``(STEP_CALL, x -> y, None, None,
+    0, None)``; ``mlp`` is ``(gate, up, down)`` or ``(linear1, linear2)``; the caches ``B x G
+    x max_len x D``. ``config``: ``(norm 0 rms /
     1 rms 1 + w / 2 layer, activation 0 silu / 1 gelu tanh / 2 gelu / 3 relu, H, G, D,
     offset, eps, scale, gated, interleaved)``; cos and sin ``(B or 1) x 1 x R`` in x's dtype
     or None; mask ``B x H x 1 x (offset + 1)`` bool or None. ``attnlab.models.fused_decode``

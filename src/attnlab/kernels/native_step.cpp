@@ -10,7 +10,7 @@
 //
 // Each product runs the kernel that the module itself would run for these rows (the module's
 // plan names it; the caller passes its kind and stored tensors): attnlab's GEMVs, PyTorch's
-// packed int8/int4 ops or linear; norms, RoPE and the attention are native_decode.cpp's
+// packed int8/int4 ops or linear here, any other kernel called back in Python; norms, RoPE and the attention are native_decode.cpp's
 // kernels, the residual adds and activations ATen's. A decoding step spends ~1-2 ms in
 // Python frames and small ATen calls around 7 products per block otherwise (4 layers, 2
 // cores), which is what this file saves.
@@ -41,9 +41,10 @@ namespace {
 // The kinds of product, as attnlab.kernels.native.STEP_KINDS names them: attnlab's GEMVs,
 // PyTorch's packed int8/int4 ops (then the bias added after, as the Python kernels add it),
 // and the formula (linear).
+// kCall: any other kernel, called back in Python (the weight slot holds the callable).
 enum Kind : int64_t {
   kFloat = 0, kFloatPairs = 1, kInt8 = 2, kInt4 = 3, kInt4Pairs = 4, kInt8Mm = 5, kInt4Mm = 6,
-  kFormula = 7
+  kFormula = 7, kCall = 8
 };
 // The norms and activations, likewise.
 enum Norm : int64_t { kRms = 0, kRmsUnitOffset = 1, kLayerNorm = 2 };
@@ -54,10 +55,12 @@ std::optional<torch::Tensor> optional_tensor(py::handle h) {
   return py::cast<torch::Tensor>(h);
 }
 
-// (kind, weight or codes, scales or None, zeros or None, group size, bias or None).
+// (kind, weight or codes (kCall: the callable x -> y), scales or None, zeros or None, group
+// size, bias or None).
 struct Linear {
   int64_t kind;
   torch::Tensor w;
+  py::object call;
   std::optional<torch::Tensor> s, z, bias;
   int64_t group;
 
@@ -65,7 +68,8 @@ struct Linear {
     auto t = py::cast<py::tuple>(h);
     TORCH_CHECK(t.size() == 6, "a linear: expected (kind, weight, scales, zeros, group, bias)");
     kind = py::cast<int64_t>(t[0]);
-    w = py::cast<torch::Tensor>(t[1]);
+    if (kind == kCall) call = py::reinterpret_borrow<py::object>(t[1]);
+    else w = py::cast<torch::Tensor>(t[1]);
     s = optional_tensor(t[2]);
     z = optional_tensor(t[3]);
     group = py::cast<int64_t>(t[4]);
@@ -84,6 +88,7 @@ struct Linear {
       case kInt8Mm: return biased(at::_weight_int8pack_mm(x, w, s.value()));
       case kInt4Mm: return biased(at::_weight_int4pack_mm_for_cpu(x, w, group, s.value()));
       case kFormula: return at::linear(x, w, bias);
+      case kCall: return py::cast<torch::Tensor>(call(x));
     }
     TORCH_CHECK(false, "a linear: unknown kind ", kind);
   }

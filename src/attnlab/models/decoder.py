@@ -16,6 +16,10 @@ the position ``(number of real tokens before it)``, so a left-padded prompt star
 Hugging Face's ``generate`` does; without a mask the positions are ``offset .. offset + L - 1``.
 The rotary ``(cos, sin)`` and the attention mask are computed once per forward.
 
+Decoding: a one-token step with a ``KVCache`` runs every block in one C++ call
+(``attnlab.models.fused_decode``: the modules' own kernels in their order, bit-equal), unless
+a hook, a gradient or anything else asks for the modules' forward.
+
 Hook points (``HookPoint`` modules, see ``attnlab.analysis.hooks``): ``layers.{i}.resid_pre``,
 ``attn_out``, ``resid_mid``, ``mlp_out``, ``resid_post`` (``B x L x E``) and, inside
 ``layers.{i}.self_attn``, ``q``, ``k``, ``v``, ``scores``, ``pattern``, ``z``.

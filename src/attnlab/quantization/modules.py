@@ -112,17 +112,19 @@ class QuantizedLinear(nn.Module):
 
     def native_spec(self, rows: int, dtype: torch.dtype) -> tuple | None:
         """What ``forward`` runs for ``rows`` rows of ``dtype`` activations on the CPU with no
-        gradient, when that is one of attnlab's C++ GEMVs or PyTorch's packed ops: ``(kind,
-        codes, scales, zeros, group size, bias)`` as ``attnlab.kernels.native.decode_layers``
-        takes a product; otherwise None."""
+        gradient, as ``attnlab.kernels.native.decode_layers`` takes a product: ``(kind,
+        codes, scales, zeros, group size, bias)`` for a kernel it runs itself (attnlab's C++
+        GEMVs, PyTorch's packed ops), ``(STEP_CALL, x -> y, None, None, 0, None)`` for
+        another; None off the CPU."""
         # _buffers directly: nn.Module's __getattr__ costs ~0.6 us a name.
         if not self._buffers["qweight"].is_cpu:
             return None
         kernel, state = self._planned(rows, dtype)
+        bias = None if self.bias is None else self.bias.to(dtype)
         kind = native.STEP_KINDS.get(kernel.name)
         if kind is None:
-            return None
-        bias = None if self.bias is None else self.bias.to(dtype)
+            return (native.STEP_CALL, lambda x: kernel.run(x, state, bias),
+                    None, None, 0, None)
         if kernel.name == "int4_mm":  # (codes, group size, scale/zero pairs)
             return (kind, state[0], state[2], None, state[1], bias)
         if self.bits == 8:  # (codes, scales)
