@@ -110,21 +110,12 @@ class InferenceLinear(nn.Linear):
             # A weight made under inference mode cannot even be viewed outside it (no
             # version counter), which the kernels and our formula do; torch's linear can.
             return torch.nn.functional.linear(x, weight, bias)
-        kernels = self._kernels.get((weight.dtype, torch.get_num_threads()))
-        if kernels is None:
-            kernels = self._calibrate()
-        # Each bucket's kernel runs every row count of the bucket: the plan checked that.
-        kernel = kernels[bucket_of(x.numel() // self.in_features)]
+        kernel = self._kernel_for(x.numel() // self.in_features, weight.dtype)
         if kernel is _FORMULA:
             # The same formula in one C++ call (addmm), without this file's reshapes; it
             # takes the weight in any layout, so no re-storing.
             return torch.nn.functional.linear(x, weight, bias)
-        if kernel.layout == "packed":
-            stored = self._packed_weight(weight)
-        elif _has_layout(weight, kernel.layout):
-            stored = weight
-        else:
-            stored = self._restore(kernel.layout)
+        stored = self._stored(kernel, weight)
         flat = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
         y = kernel.run(flat, stored, bias)
         return y if flat is x else y.view(*x.shape[:-1], self.out_features)
@@ -134,25 +125,20 @@ class InferenceLinear(nn.Linear):
         ``attnlab.kernels.native.decode_layers`` takes a product: ``(kind, weight, None, None,
         0, bias)`` for a kernel it runs itself, ``(STEP_CALL, x -> y, None, None, 0, None)``
         for another; None when ``forward`` would not run the plan (another dtype, an
-        inference weight outside inference mode, a weight not in its kernel's layout)."""
+        inference weight outside inference mode)."""
         weight, bias = self._parameters["weight"], self._parameters["bias"]
         if (dtype != weight.dtype or not weight.is_cpu
                 or (bias is not None and bias.dtype != dtype)
                 or (weight.is_inference() and not torch.is_inference_mode_enabled())):
             return None
-        kernels = self._kernels.get((dtype, torch.get_num_threads())) or self._calibrate()
-        kernel = kernels[bucket_of(rows)]
-        if kernel.layout == "packed":
-            stored = self._packed_weight(weight)
-        elif _has_layout(weight, kernel.layout):
-            stored = weight
-        else:
-            return None
+        kernel = self._kernel_for(rows, dtype)
         kind = native.STEP_KINDS.get(kernel.name)
-        if kind is not None:
+        if kernel is _FORMULA:  # as forward: the formula on the weight in any layout
             return (kind, weight, None, None, 0, bias)
-        return (native.STEP_CALL, lambda x: kernel.run(x, stored, bias),
-                None, None, 0, None)
+        stored = self._stored(kernel, weight)
+        if kind is not None:
+            return (kind, stored, None, None, 0, bias)
+        return (native.STEP_CALL, lambda x: kernel.run(x, stored, bias), None, None, 0, None)
 
     def extra_repr(self) -> str:
         plans = ", ".join(f"{str(dtype).removeprefix('torch.')}, {threads} threads: "
@@ -178,6 +164,19 @@ class InferenceLinear(nn.Linear):
         kernels = {bucket: KERNELS[name] for bucket, name in picks.items()}
         self._kernels[weight.dtype, torch.get_num_threads()] = kernels
         return kernels
+
+    def _kernel_for(self, rows: int, dtype: torch.dtype) -> Kernel:
+        """The planned kernel for ``rows`` rows of ``dtype`` (calibrated on first need). Each
+        bucket's kernel runs every row count of the bucket: the plan checked that."""
+        kernels = self._kernels.get((dtype, torch.get_num_threads())) or self._calibrate()
+        return kernels[bucket_of(rows)]
+
+    def _stored(self, kernel: Kernel, weight: Tensor) -> Tensor:
+        """``weight`` as ``kernel`` reads it: its packed copy, or itself, re-stored in the
+        kernel's layout when it is not in it."""
+        if kernel.layout == "packed":
+            return self._packed_weight(weight)
+        return weight if _has_layout(weight, kernel.layout) else self._restore(kernel.layout)
 
     def _restore(self, layout: str) -> Tensor:
         """The weight Parameter re-stored in ``layout`` (same object and values); done outside

@@ -19,6 +19,7 @@ ops, the formula), the native kernels built (``attnlab.kernels.native``).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +35,21 @@ __all__ = ["fused_layers"]
 
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}
 _LINEARS = (InferenceLinear, QuantizedLinear)
+
+
+class _Shape(NamedTuple):
+    """What ``decode_layers`` needs to know of a block besides its tensors (every block of
+    the step has the same)."""
+
+    norm: int  # 0 RMSNorm, 1 RMSNorm with 1 + w, 2 LayerNorm
+    activation: int  # _ACTIVATIONS
+    H: int
+    G: int
+    D: int
+    eps: float
+    scale: float
+    gated: bool
+    interleaved: bool
 
 
 def fused_layers(blocks: nn.ModuleList, block_type: type, x: Tensor,
@@ -56,7 +72,7 @@ def fused_layers(blocks: nn.ModuleList, block_type: type, x: Tensor,
     if shape is None:
         return None
     entries = []
-    buffer_shape = (B, shape[3], shape[4])  # B x G x . x D: the modules refuse another
+    buffer_shape = (B, shape.G, shape.D)  # B x G x . x D: the modules refuse another
     for block, layer_cache in zip(blocks, layer_caches):
         k = layer_cache.k
         if (k.dtype != dtype or (k.shape[0], k.shape[1], k.shape[3]) != buffer_shape
@@ -70,12 +86,10 @@ def fused_layers(blocks: nn.ModuleList, block_type: type, x: Tensor,
         layer_cache.reserve(1)
     layers = [(*entry, c.k, c.v) for entry, c in zip(entries, layer_caches)]
     if mask is not None:
-        mask = mask.expand(B, shape[2], 1, offset + 1)
+        mask = mask.expand(B, shape.H, 1, offset + 1)
     cos, sin = (None, None) if rotary is None else (t.contiguous() for t in rotary)
-    norm, activation, H, G, D, eps, scale, gated, interleaved = shape
-    out = native.decode_layers(
-        x.reshape(B, E).contiguous(), layers,
-        (norm, activation, H, G, D, offset, eps, scale, gated, interleaved), cos, sin, mask)
+    out = native.decode_layers(x.reshape(B, E).contiguous(), layers,
+                               (*shape[:5], offset, *shape[5:]), cos, sin, mask)
     for layer_cache in layer_caches:
         layer_cache.length = offset + 1
     return out.view(B, 1, E)
@@ -89,9 +103,8 @@ def _global_hooks() -> bool:
 # Submodules, Parameters and buffers are read from the modules' dicts below: nn.Module's
 # __getattr__ costs ~0.5 us a name, ~100 names a step.
 
-def _shape(block: nn.Module) -> tuple | None:
-    """``(norm kind, activation, H, G, D, eps, attention scale, gated, interleaved)`` of a
-    block that ``decode_layers`` computes, or None."""
+def _shape(block: nn.Module) -> _Shape | None:
+    """The ``_Shape`` of a block that ``decode_layers`` computes, or None."""
     parts = block._modules
     attn, mlp, norm = parts.get("self_attn"), parts.get("mlp"), parts.get("input_layernorm")
     if type(attn) is not SelfAttention or type(mlp) not in (GatedMLP, FeedForward):
@@ -101,8 +114,8 @@ def _shape(block: nn.Module) -> tuple | None:
         return None
     D = attn.head_dim
     scale = 1.0 / math.sqrt(D) if attn.scale is None else float(attn.scale)
-    return (kind, activation, attn.num_heads, attn.num_kv_heads, D, float(norm.eps), scale,
-            type(mlp) is GatedMLP, bool(attn.rope_interleaved))
+    return _Shape(kind, activation, attn.num_heads, attn.num_kv_heads, D, float(norm.eps),
+                  scale, type(mlp) is GatedMLP, bool(attn.rope_interleaved))
 
 
 def _norm_kind(norm: nn.Module | None) -> int | None:
@@ -115,7 +128,7 @@ def _norm_kind(norm: nn.Module | None) -> int | None:
     return None
 
 
-def _block(block: nn.Module, block_type: type, shape: tuple, rows: int,
+def _block(block: nn.Module, block_type: type, shape: _Shape, rows: int,
            dtype: torch.dtype) -> tuple | None:
     """One block's entry of ``decode_layers``'s ``layers`` (without its caches), or None
     when it is not a ``block_type`` of the first block's ``shape`` that it computes."""
@@ -132,17 +145,15 @@ def _block(block: nn.Module, block_type: type, shape: tuple, rows: int,
         return None
     n1, n2 = parts["input_layernorm"], parts["post_attention_layernorm"]
     q_norm, k_norm = attn._modules.get("q_norm"), attn._modules.get("k_norm")
-    kind, eps = shape[0], shape[5]
     norms = (n1, n2) if q_norm is None else (n1, n2, q_norm, k_norm)
     for norm in norms:
         weight = norm._parameters["weight"]
-        if (_norm_kind(norm) != kind or norm.eps != eps or weight.dtype not in native.DTYPES
-                or not weight.is_cpu):
+        if (_norm_kind(norm) != shape.norm or norm.eps != shape.eps
+                or weight.dtype not in native.DTYPES or not weight.is_cpu):
             return None
-    if q_norm is not None and (kind == 2 or q_norm.dim != shape[4]):
+    if q_norm is not None and (shape.norm == 2 or q_norm.dim != shape.D):
         return None
-    names = (("gate_proj", "up_proj", "down_proj") if shape[7]
-             else ("linear1", "linear2"))
+    names = ("gate_proj", "up_proj", "down_proj") if shape.gated else ("linear1", "linear2")
     linears = [attn._modules[n] for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     linears += [mlp._modules[n] for n in names]
     specs = []

@@ -34,7 +34,7 @@ from attnlab.kernels import cache as kernel_cache
 from attnlab.quantization.formats import BLOCK_ROWS, QuantizedWeight, blocked_int4, quantize
 
 __all__ = ["QUANTIZED_KERNELS", "QuantizedKernel", "forced_quantized_kernel", "measure",
-           "plan"]
+           "plan", "step_product"]
 
 _ENV = "ATTNLAB_QUANTIZED_KERNELS"
 _MARGIN = 1.1  # how much faster than the formula a kernel must measure to be chosen
@@ -259,6 +259,20 @@ def _native_dequantize_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tens
     else:
         weight = native.dequantize_int4(data, scales, zeros, group_size, dtype)
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def step_product(kernel: QuantizedKernel, state: tuple, bias: Tensor | None) -> tuple:
+    """``kernel`` with its prepared ``state`` as ``attnlab.kernels.native.decode_layers``
+    takes a product: ``(kind, codes, scales, zeros, group size, bias)`` for a kernel it runs
+    itself, ``(STEP_CALL, x -> y, None, None, 0, None)`` for another."""
+    kind = native.STEP_KINDS.get(kernel.name)
+    if kind is None:
+        return (native.STEP_CALL, lambda x: kernel.run(x, state, bias), None, None, 0, None)
+    if kernel.name == "int4_mm":  # _int4_prepare: (codes, group size, scale/zero pairs)
+        return (kind, state[0], state[2], None, state[1], bias)
+    if len(state) == 2:  # int8: (codes, scales)
+        return (kind, *state, None, 0, bias)
+    return (kind, *state, bias)  # _native_codes: (codes, scales, zeros, group size)
 
 
 def _any(weight: QuantizedWeight, dtype: torch.dtype) -> bool:

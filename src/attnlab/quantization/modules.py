@@ -15,9 +15,9 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from attnlab.kernels import bucket_of, native
+from attnlab.kernels import bucket_of
 from attnlab.quantization.formats import QuantizedWeight, pack_int4, quantize, unblocked_int4
-from attnlab.quantization.kernels import QUANTIZED_KERNELS, QuantizedKernel, plan
+from attnlab.quantization.kernels import QUANTIZED_KERNELS, QuantizedKernel, plan, step_product
 
 __all__ = ["QuantizedEmbedding", "QuantizedLinear"]
 
@@ -120,16 +120,7 @@ class QuantizedLinear(nn.Module):
         if not self._buffers["qweight"].is_cpu:
             return None
         kernel, state = self._planned(rows, dtype)
-        bias = None if self.bias is None else self.bias.to(dtype)
-        kind = native.STEP_KINDS.get(kernel.name)
-        if kind is None:
-            return (native.STEP_CALL, lambda x: kernel.run(x, state, bias),
-                    None, None, 0, None)
-        if kernel.name == "int4_mm":  # (codes, group size, scale/zero pairs)
-            return (kind, state[0], state[2], None, state[1], bias)
-        if self.bits == 8:  # (codes, scales)
-            return (kind, *state, None, 0, bias)
-        return (kind, *state, bias)  # (codes, scales, zeros, group size)
+        return step_product(kernel, state, None if self.bias is None else self.bias.to(dtype))
 
     def _planned(self, rows: int, dtype: torch.dtype) -> tuple[QuantizedKernel, tuple]:
         """The planned kernel for ``rows`` rows of ``dtype`` and its prepared state (made once
