@@ -63,6 +63,30 @@ def test_quantized_model_equals_the_float_model_with_dequantized_weights(
     assert 0 < gap < (0.03 if method == "int8" else 0.3), gap
 
 
+@pytest.mark.parametrize("training", [False, True])
+def test_quantized_modules_keep_the_mode_of_the_modules_they_replace(training: bool) -> None:
+    model = quantize_model(_Tiny().train(training), "int4", 64)
+    assert {m.training for m in model.modules()} == {training}
+
+
+def test_forward_hooks_move_to_the_quantized_modules() -> None:
+    model, seen = _Tiny(), []
+    handles = [model.get_submodule(name).register_forward_hook(
+        lambda m, args, out, name=name: seen.append((name, type(m).__name__, out.shape)))
+        for name in ("embed", "body.0", "head")]
+    quantize_model(model, "int8")
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2]]))
+    assert seen == [("embed", "QuantizedEmbedding", (1, 2, 64)),
+                    ("body.0", "QuantizedLinear", (1, 2, 128)),
+                    ("head", "QuantizedLinear", (1, 2, 128))]
+    for handle in handles:  # the handles from before the swap still remove them
+        handle.remove()
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2]]))
+    assert len(seen) == 3
+
+
 def test_tied_head_and_embedding_share_one_table() -> None:
     model = quantize_model(_Tiny(), "int4", 64)
     assert model.embed.source is model.head

@@ -88,7 +88,8 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int | Non
     returned for chaining. ``method`` ``"int8"`` or ``"int4"``; ``group_size`` (int4 only,
     default 64) must divide every quantized layer's input size (an embedding's dim); a layer
     that it does not divide is refused by name before anything changes. ``kernel`` forces one
-    of ``attnlab.quantization.kernels.QUANTIZED_KERNELS``."""
+    of ``attnlab.quantization.kernels.QUANTIZED_KERNELS``. A swapped module keeps the replaced
+    one's train/eval mode and forward hooks (their handles still remove them)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if method == "int4" and group_size is None:
@@ -143,8 +144,22 @@ def _replace(model: nn.Module, config: QuantizationConfig, *, kernel: str | None
             made[name] = QuantizedEmbedding.from_embedding(m, bits=bits, group_size=group_size)
     for name, new in made.items():
         parent, _, child = name.rpartition(".")
+        _take_over(chosen[name], new)
         model.get_submodule(parent)._modules[child] = new
     model.quantization = config
+
+
+# The dicts that hold a module's forward hooks (nn.Module.register_forward_(pre_)hook).
+_FORWARD_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                  "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
+
+
+def _take_over(old: nn.Module, new: nn.Module) -> None:
+    """``new`` in ``old``'s place: its train/eval mode, and its forward hooks (the same dicts,
+    so that a handle from before the swap still removes its hook)."""
+    new.train(old.training)
+    for name in _FORWARD_HOOKS:
+        new.__dict__[name] = old.__dict__[name]
 
 
 def weight_bytes(model: nn.Module) -> int:
