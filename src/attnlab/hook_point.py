@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-__all__ = ["HookPoint"]
+__all__ = ["HookPoint", "share_forward_hooks"]
 
 
 class HookPoint(nn.Module):
@@ -27,3 +27,16 @@ class HookPoint(nn.Module):
         (``torch.nn.modules.module.register_module_forward_hook``) do not count: they see
         every point, but ``scores`` and ``pattern`` are formed only for a hook on them."""
         return bool(self._forward_hooks or self._forward_pre_hooks)
+
+
+# The dicts that hold a module's forward hooks (register_forward_hook / _pre_hook).
+_FORWARD_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                  "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
+
+
+def share_forward_hooks(source: nn.Module, target: nn.Module) -> None:
+    """Give ``target``, a module swapped in for ``source``, ``source``'s forward and pre-forward
+    hooks: the same dicts, so that a handle returned before the swap still removes its hook
+    (a hook registered later on either module is then on both)."""
+    for name in _FORWARD_HOOKS:
+        target.__dict__[name] = source.__dict__[name]

@@ -66,6 +66,17 @@ def test_it_is_an_nn_linear_with_the_same_parameters_hooks_and_state_dict():
     assert "kernels=(float32" in repr(module)
 
 
+def test_a_hook_handle_from_before_the_swap_still_removes_its_hook():
+    model, calls = nn.Sequential(reference()), []
+    handle = model[0].register_forward_hook(lambda m, args, out: calls.append(type(m).__name__))
+    optimize_for_inference(model, kernel="columns")
+    with torch.no_grad():
+        model(torch.randn(2, 24))
+        handle.remove()
+        model(torch.randn(2, 24))
+    assert calls == ["InferenceLinear"]
+
+
 def test_gradients_equal_nn_linear_s_with_a_column_major_weight():
     expected_module = reference()
     module = InferenceLinear.from_linear(copy.deepcopy(expected_module), kernel="rows_gemv")

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from attnlab._checks import is_int
+from attnlab.hook_point import share_forward_hooks
 from attnlab.kernels import InferenceLinear
 from attnlab.quantization.formats import GROUP_SIZES
 from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
@@ -149,17 +150,10 @@ def _replace(model: nn.Module, config: QuantizationConfig, *, kernel: str | None
     model.quantization = config
 
 
-# The dicts that hold a module's forward hooks (nn.Module.register_forward_(pre_)hook).
-_FORWARD_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                  "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
-
-
 def _take_over(old: nn.Module, new: nn.Module) -> None:
-    """``new`` in ``old``'s place: its train/eval mode, and its forward hooks (the same dicts,
-    so that a handle from before the swap still removes its hook)."""
+    """``new`` in ``old``'s place: its train/eval mode and its forward hooks."""
     new.train(old.training)
-    for name in _FORWARD_HOOKS:
-        new.__dict__[name] = old.__dict__[name]
+    share_forward_hooks(old, new)
 
 
 def weight_bytes(model: nn.Module) -> int:
