@@ -28,6 +28,7 @@ from attnlab.cli_viz import add_commands as add_viz_commands
 BENCHMARKS = {
     "attention": "attnlab.bench.attention",
     "families": "attnlab.bench.families",
+    "gemv": "attnlab.bench.gemv",
     "generate": "attnlab.bench.generate",
     "mha": "attnlab.bench.mha",
     "qwen2": "attnlab.bench.qwen2",

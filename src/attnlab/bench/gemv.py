@@ -1,0 +1,231 @@
+"""Decoding's matrix-vector products: bound by memory or by the kernels' arithmetic, here?
+
+One decoded token multiplies one row ``x`` by every weight once, so its speed is weight
+bytes / read bandwidth only while a kernel turns bytes into sums faster than memory brings
+them. For each weight scheme (float32, bfloat16, int8, int4 in groups of ``--group-size``)
+and each kernel that can run it on this CPU (``attnlab.kernels.KERNELS``, and
+``attnlab.quantization.kernels.QUANTIZED_KERNELS`` with bfloat16 activations), two
+measures, against the read bandwidth measured in the same rounds (``sum`` over a float32
+buffer of 1 GiB, timed in turns with the streamed passes):
+
+- resident: one ``--resident`` matrix called over and over (it stays in the caches): the
+  rate the kernel's instructions sustain, as GB/s of its own bytes;
+- streamed: the ``--shapes`` of a decoder block, copied until the copies exceed
+  ``--stream-mib`` (several times the caches), each read once per pass as a decoding step
+  reads them: GB/s from memory, and the speed-up of one set of the shapes over the fastest
+  bfloat16 kernel's (what fewer bytes per weight buy: ~2x for int8, ~3.5x for int4 with
+  its scales, were both bound by memory alone).
+
+A kernel whose resident rate is not well above the bandwidth cannot stream at it. Kernels are
+timed in turns (``harness.time_medians``); medians of ``--repeats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from attnlab.arg_types import positive_int
+from attnlab.bench.harness import machine_info, machine_section, time_medians, write_with_history
+from attnlab.kernels import KERNELS
+from attnlab.kernels.catalog import Kernel
+from attnlab.quantization import quantize
+from attnlab.quantization.formats import GROUP_SIZES, QuantizedWeight
+from attnlab.quantization.kernels import QUANTIZED_KERNELS, QuantizedKernel
+
+__all__ = ["add_arguments", "run"]
+
+# One Qwen2-0.5B block: q, k, v, o, gate, up, down (O x K).
+DEFAULT_SHAPES = "896x896,128x896,128x896,896x896,4864x896,4864x896,896x4864"
+SCHEMES = ("float32", "bfloat16", "int8", "int4")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``attnlab bench gemv``."""
+    parser.add_argument("--shapes", type=_shape_list, default=DEFAULT_SHAPES,
+                        help="comma-separated OxK weight shapes read by one streamed pass")
+    parser.add_argument("--resident", type=_shape, default="4096x1024",
+                        help="OxK of the matrix timed while it stays in the caches")
+    parser.add_argument("--stream-mib", type=positive_int, default=128,
+                        help="the streamed copies' bytes per kernel, at least (MiB): every "
+                        "kernel's copies are held at once, timed in turns")
+    parser.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=64,
+                        help="int4 group size")
+    parser.add_argument("--repeats", type=positive_int, default=7,
+                        help="timed rounds (median)")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="torch threads (default: torch's)")
+
+
+def run(args: argparse.Namespace) -> Path:
+    """Run the benchmark and write ``gemv.md`` and ``gemv.json`` into ``args.out``."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shapes = ((64, 128), (32, 128)) if args.quick else args.shapes
+    resident = (64, 128) if args.quick else args.resident
+    stream_bytes = 2**20 if args.quick else args.stream_mib * 2**20
+    repeats = 2 if args.quick else args.repeats
+    probe = torch.ones(2**18 if args.quick else 2**28)  # float32: 1 GiB in a full run
+    with torch.inference_mode():
+        runs = {(scheme, name): run for scheme in tqdm(SCHEMES, desc="bench gemv", unit="scheme")
+                for name, run in _prepared(scheme, shapes, resident, stream_bytes,
+                                           args.group_size).items()}
+        # Every kernel of every scheme in turns: the ratios across schemes see one machine.
+        hot = time_medians({key: run["hot"] for key, run in runs.items()}, repeats=repeats)
+        streamed = time_medians({**{key: run["streamed"] for key, run in runs.items()},
+                                 "probe": probe.sum}, repeats=repeats)
+    bandwidth = probe.numel() * 4 / streamed.pop("probe")
+    rows = [{"scheme": scheme, "kernel": name, "bytes_resident": run["bytes_resident"],
+             "resident_s": hot[scheme, name], "bytes_layer": run["bytes_layer"],
+             "layer_s": streamed[scheme, name] / run["layers"]}
+            for (scheme, name), run in runs.items()]
+    best = min((r["layer_s"] for r in rows if r["scheme"] == "bfloat16"), default=None)
+    for r in rows:
+        r["resident_gbs"] = r["bytes_resident"] / r["resident_s"] / 1e9
+        r["streamed_gbs"] = r["bytes_layer"] / r["layer_s"] / 1e9
+        r["speedup_vs_bfloat16"] = None if best is None else best / r["layer_s"]
+    r = {"shapes": [list(s) for s in shapes], "resident": list(resident),
+         "group_size": args.group_size, "threads": torch.get_num_threads(),
+         "bandwidth_gbs": bandwidth / 1e9, "rows": rows, "machine": machine_info()}
+    (out / "gemv.json").write_text(json.dumps(r, indent=2))
+    md = write_with_history(out / "gemv.md", _markdown(r))
+    print(md.read_text().split("\n## History\n")[0])
+    return md
+
+
+def _prepared(scheme: str, shapes: tuple[tuple[int, int], ...], resident: tuple[int, int],
+              stream_bytes: int, group_size: int) -> dict[str, dict]:
+    """``{kernel: {"hot", "streamed": timed functions, "bytes_resident", "bytes_layer",
+    "layers"}}`` for each kernel that runs ``scheme`` here (checked by one call per shape)."""
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, k, generator=g) / k**0.5 for o, k in (*shapes, resident)]
+    xs = {k: torch.randn(1, k, generator=g).to(_DTYPES.get(scheme, torch.bfloat16))
+          for _, k in (*shapes, resident)}
+    ks = [k for _, k in shapes]
+    runs = {}
+    for name, (prepare, call) in _runners(scheme, group_size).items():
+        try:
+            stored = [prepare(w) for w in weights]
+            for (_, k), s in zip((*shapes, resident), stored, strict=True):
+                call(xs[k], s)
+            layer_bytes = sum(_bytes(s) for s in stored[:-1])
+            copies = [stored[:-1]] + [copy.deepcopy(stored[:-1])
+                                      for _ in range(-(-stream_bytes // layer_bytes) - 1)]
+        except (RuntimeError, ValueError):  # a kernel this CPU or shape cannot run
+            continue
+
+        def streamed(copies: list = copies, call: Callable = call) -> None:
+            for layer in copies:
+                for k, s in zip(ks, layer, strict=True):
+                    call(xs[k], s)
+
+        def hot(last: object = stored[-1], call: Callable = call) -> None:
+            for _ in range(_CALLS):
+                call(xs[resident[1]], last)
+
+        runs[name] = {"hot": hot, "streamed": streamed, "layers": len(copies),
+                      "bytes_resident": _CALLS * _bytes(stored[-1]), "bytes_layer": layer_bytes}
+    return runs
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_CALLS = 20  # resident calls per timed run
+
+
+def _runners(scheme: str, group_size: int
+             ) -> dict[str, tuple[Callable[[Tensor], object], Callable[[Tensor, object], Tensor]]]:
+    """``{kernel: (prepare(float weight) -> stored, call(x, stored) -> y)}`` for ``scheme``."""
+    if scheme in _DTYPES:
+        dtype = _DTYPES[scheme]
+
+        def stored(w: Tensor, k: Kernel) -> Tensor:
+            if not k.available(dtype, 1, w.shape[0]):
+                raise ValueError(f"{k.name} does not run {scheme} {tuple(w.shape)}")
+            return k.prepare(w.to(dtype))
+
+        return {name: (lambda w, k=k: stored(w, k), lambda x, s, k=k: k.run(x, s, None))
+                for name, k in KERNELS.items()}
+    bits = 8 if scheme == "int8" else 4
+
+    def prepare(w: Tensor, k: QuantizedKernel) -> tuple:
+        q = quantize(w, bits, group_size if bits == 4 else None, torch.bfloat16)
+        if not k.available(q, torch.bfloat16):
+            raise ValueError(f"{k.name} does not run {scheme}")
+        return k.prepare(q.with_layout(k.layout or q.layout), torch.bfloat16)
+
+    return {name: (lambda w, k=k: prepare(w, k), lambda x, s, k=k: k.run(x, s, None))
+            for name, k in QUANTIZED_KERNELS.items()}
+
+
+def _bytes(stored: object) -> int:
+    """Bytes of the tensors a kernel reads (a state tuple's, a QuantizedWeight's)."""
+    if isinstance(stored, Tensor):
+        return stored.numel() * stored.element_size()
+    if isinstance(stored, QuantizedWeight):
+        return sum(_bytes(t) for t in (stored.data, stored.scales, stored.zeros)
+                   if t is not None)
+    if isinstance(stored, (tuple, list)):
+        seen = {}
+        for item in stored:
+            if isinstance(item, Tensor):
+                seen[item.data_ptr()] = _bytes(item)
+            elif isinstance(item, (QuantizedWeight, tuple, list)):
+                seen[id(item)] = _bytes(item)
+        return sum(seen.values())
+    return 0
+
+
+def _markdown(r: dict) -> str:
+    shapes = ", ".join(f"{o}x{k}" for o, k in r["shapes"])
+    o, k = r["resident"]
+    lines = [
+        "# Decoding's matrix-vector products: memory or arithmetic",
+        "",
+        f"Measured on {r['machine']['cpu']} ({r['threads']} torch threads); read bandwidth "
+        f"{r['bandwidth_gbs']:.1f} GB/s (`sum` over 1 GiB of float32, timed in turns with the "
+        "streamed passes). One row x. Resident: "
+        f"a {o}x{k} weight called 20 times in a row (it stays in the caches): the rate of the "
+        f"kernel's instructions, as GB/s of its own bytes. Streamed: the shapes {shapes} "
+        "copied until the copies exceed the caches several times, each read once per pass: GB/s "
+        "from memory, and the speed-up of one set of the shapes over the fastest bfloat16 "
+        "kernel (bound by memory alone: ~2x int8, ~3.5x int4 with its scales). int8/int4 "
+        "take bfloat16 activations, int4 in groups of "
+        f"{r['group_size']}. A kernel whose resident rate is not well above the bandwidth "
+        "cannot stream at it: its decoding is bound by arithmetic. Regenerate with "
+        "`attnlab bench gemv`.",
+        "",
+        "| scheme | kernel | resident GB/s | resident / bandwidth | streamed GB/s "
+        "| streamed / bandwidth | speed-up vs bfloat16 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    bw = r["bandwidth_gbs"]
+    for row in r["rows"]:
+        vs = ("—" if row["speedup_vs_bfloat16"] is None
+              else f"{row['speedup_vs_bfloat16']:.2f}x")
+        lines.append(f"| {row['scheme']} | {row['kernel']} | {row['resident_gbs']:.1f} "
+                     f"| {row['resident_gbs'] / bw:.2f} | {row['streamed_gbs']:.1f} "
+                     f"| {row['streamed_gbs'] / bw:.0%} | {vs} |")
+    lines += machine_section(r["machine"])
+    return "\n".join(lines)
+
+
+def _shape(text: str) -> tuple[int, int]:
+    """``argparse`` type for ``OxK``: two positive ints."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected OxK with two positive ints, got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def _shape_list(text: str) -> tuple[tuple[int, int], ...]:
+    """``argparse`` type for comma-separated ``OxK`` shapes."""
+    return tuple(_shape(p) for p in text.split(","))

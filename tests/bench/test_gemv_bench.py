@@ -1,0 +1,38 @@
+"""``attnlab bench gemv``: every scheme's kernels timed resident and streamed in one run, the
+table written with its machine and the ratios computed from the timings it saved."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from attnlab.bench.gemv import _shape_list
+from attnlab.cli import main
+
+
+def test_quick_run_writes_the_table_and_the_json(tmp_path, capsys):
+    assert main(["bench", "gemv", "--quick", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "gemv.json").read_text())
+    kernels = {(row["scheme"], row["kernel"]) for row in r["rows"]}
+    # The formulas run everywhere; each scheme has at least them.
+    assert {("float32", "formula"), ("bfloat16", "formula"), ("int8", "dequantize"),
+            ("int4", "dequantize")} <= kernels
+    best = min(row["layer_s"] for row in r["rows"] if row["scheme"] == "bfloat16")
+    md = (tmp_path / "gemv.md").read_text()
+    for row in r["rows"]:
+        assert row["resident_s"] > 0 and row["layer_s"] > 0
+        assert row["streamed_gbs"] == pytest.approx(row["bytes_layer"] / row["layer_s"] / 1e9)
+        assert row["speedup_vs_bfloat16"] == pytest.approx(best / row["layer_s"])
+        assert (f"| {row['scheme']} | {row['kernel']} | {row['resident_gbs']:.1f} |" in md)
+    int4 = next(row for row in r["rows"] if row["kernel"] == "dequantize"
+                and row["scheme"] == "int4")
+    # 64 x 128 + 32 x 128 codes at half a byte, plus a bfloat16 scale and zero per 64.
+    assert int4["bytes_layer"] == 96 * 128 // 2 + 96 * 2 * 2 * 2
+    assert "## Machine" in md and "resident GB/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text", ["896", "0x896", "896x-1", "axb", "896x896,"])
+def test_bad_shapes_are_refused_naming_the_form(text):
+    with pytest.raises(Exception, match="OxK"):
+        _shape_list(text)
