@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from attnlab.bench import versus
+from attnlab.bench.harness import BandwidthProbe
 from attnlab.bench.versus import MEASURES, Workload, compare, weight_bytes
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 from attnlab.models.io import from_pretrained
@@ -59,6 +60,28 @@ def test_rates_are_tokens_over_median_seconds(monkeypatch) -> None:
     assert cells["decode batched"]["ours"] == pytest.approx(3 * 4 / 1.6)
     assert all(c["transformers"] is None for c in cells.values())
     assert calls == [["ours"], ["ours"], ["ours 1", "ours N"], ["ours 1", "ours N"]]
+
+
+def test_the_bandwidth_is_timed_in_turns_with_each_decode_measure(monkeypatch) -> None:
+    seconds = {"ours": 0.5, "ours N": 2.0, "ours 1": 0.4, "bandwidth": 0.001}
+    calls = []
+
+    def time_medians(fns, **kwargs):
+        calls.append(sorted(fns))
+        return {name: seconds[name] for name in fns}
+
+    monkeypatch.setattr(versus, "time_medians", time_medians)
+    probe = BandwidthProbe(2**20)  # 4 MiB read in 1 ms: 4.19 GB/s
+    work = Workload(prefill=12, prompt=8, new_tokens=5, batch=3, repeats=1)
+    cells = compare(tiny(True), None, work, torch.device("cpu"), bandwidth=probe)
+    assert calls == [["ours"], ["ours"], ["bandwidth", "ours 1", "ours N"],
+                     ["bandwidth", "ours 1", "ours N"]]
+    assert cells["decode"]["bandwidth_gbs"] == pytest.approx(2**22 / 0.001 / 1e9)
+    assert "bandwidth_gbs" not in cells["prefill"]
+    versus._bound(cells, 2**20)  # rows x bandwidth / weight bytes
+    assert cells["decode batched"]["bound"] == pytest.approx(3 * 4 / 0.001)
+    assert "bound" not in cells["prefill"]
+    assert versus.bandwidth_range(list(cells.values())) == "4.2-4.2 GB/s"
 
 
 def test_batched_prompts_are_left_padded(monkeypatch) -> None:

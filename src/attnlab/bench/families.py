@@ -28,7 +28,9 @@ from attnlab.bench.versus import (
     MEASURES,
     Workload,
     add_workload_arguments,
+    bandwidth_range,
     measure_folder,
+    median_bandwidth,
     ours_label,
     random_checkpoint,
     start_run,
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> Path:
     r = {"sizes": sizes, "workload": vars(work), "lengths": work.lengths(),
          "threads": torch.get_num_threads(), "device": str(device),
          "extra_memory": args.extra_memory,
-         "bandwidth_gbs": bandwidth / 1e9, "families": []}
+         "families": []}
     for model_type in args.families or _one_per_family():
         with tempfile.TemporaryDirectory() as tmp:
             try:
@@ -90,6 +92,7 @@ def run(args: argparse.Namespace) -> Path:
                                             extra_memory=args.extra_memory))
         r["families"].append({"model_type": model_type, "checkpoint": written_by,
                               "runs": runs})
+    r["bandwidth_gbs"] = median_bandwidth(_cells(r))
     info = machine_info(device)
     r["machine"] = info
     (out / "families.json").write_text(json.dumps(r, indent=2))
@@ -112,6 +115,11 @@ def _one_per_family() -> list[str]:
     return list(first.values())
 
 
+def _cells(r: dict) -> list[dict]:
+    """Every cell of every family's runs."""
+    return [c for f in r["families"] for run in f["runs"] for c in run["cells"].values()]
+
+
 def _markdown(r: dict, info: dict[str, str]) -> str:
     s, w = r["sizes"], r["workload"]
     where = info.get("gpu", info["cpu"]) if r["device"] != "cpu" else info["cpu"]
@@ -130,8 +138,9 @@ def _markdown(r: dict, info: dict[str, str]) -> str:
         f"{w['batch']} left-padded prompts of lengths {r['lengths']}. Decode: greedy, "
         f"{w['new_tokens']} new tokens after a {w['prompt']}-token prompt and after the "
         f"{w['batch']} prompts (tokens/s over all rows). Medians of {w['repeats']} repeats, "
-        f"both models timed in turns. Ratio: ours / transformers tokens/s. Bound: rows x "
-        f"{r['bandwidth_gbs']:.1f} GB/s measured read bandwidth / weight bytes. "
+        f"both models timed in turns. Ratio: ours / transformers tokens/s. Bound: rows x read "
+        "bandwidth / weight bytes, the bandwidth (`sum` over 1 GiB) timed in turns with each "
+        f"decode cell's runs: {bandwidth_range(_cells(r))}. "
         f"{ours_label(r.get('extra_memory', False))}. Regenerate with "
         f"`attnlab bench families{' --extra-memory' if r.get('extra_memory') else ''}`.",
         "",

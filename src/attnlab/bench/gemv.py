@@ -33,7 +33,13 @@ from torch import Tensor
 from tqdm import tqdm
 
 from attnlab.arg_types import positive_int
-from attnlab.bench.harness import machine_info, machine_section, time_medians, write_with_history
+from attnlab.bench.harness import (
+    BandwidthProbe,
+    machine_info,
+    machine_section,
+    time_medians,
+    write_with_history,
+)
 from attnlab.kernels import KERNELS
 from attnlab.kernels.catalog import Kernel
 from attnlab.quantization import quantize
@@ -74,7 +80,7 @@ def run(args: argparse.Namespace) -> Path:
     resident = (64, 128) if args.quick else args.resident
     stream_bytes = 2**20 if args.quick else args.stream_mib * 2**20
     repeats = 2 if args.quick else args.repeats
-    probe = torch.ones(2**18 if args.quick else 2**28)  # float32: 1 GiB in a full run
+    probe = BandwidthProbe(2**18 if args.quick else 2**28)
     with torch.inference_mode():
         runs = {(scheme, name): run for scheme in tqdm(SCHEMES, desc="bench gemv", unit="scheme")
                 for name, run in _prepared(scheme, shapes, resident, stream_bytes,
@@ -82,8 +88,8 @@ def run(args: argparse.Namespace) -> Path:
         # Every kernel of every scheme in turns: the ratios across schemes see one machine.
         hot = time_medians({key: run["hot"] for key, run in runs.items()}, repeats=repeats)
         streamed = time_medians({**{key: run["streamed"] for key, run in runs.items()},
-                                 "probe": probe.sum}, repeats=repeats)
-    bandwidth = probe.numel() * 4 / streamed.pop("probe")
+                                 "probe": probe}, repeats=repeats)
+    bandwidth_gbs = probe.gbs(streamed.pop("probe"))
     rows = [{"scheme": scheme, "kernel": name, "bytes_resident": run["bytes_resident"],
              "resident_s": hot[scheme, name], "bytes_layer": run["bytes_layer"],
              "layer_s": streamed[scheme, name] / run["layers"]}
@@ -95,7 +101,7 @@ def run(args: argparse.Namespace) -> Path:
         r["speedup_vs_bfloat16"] = None if best is None else best / r["layer_s"]
     r = {"shapes": [list(s) for s in shapes], "resident": list(resident),
          "group_size": args.group_size, "threads": torch.get_num_threads(),
-         "bandwidth_gbs": bandwidth / 1e9, "rows": rows, "machine": machine_info()}
+         "bandwidth_gbs": bandwidth_gbs, "rows": rows, "machine": machine_info()}
     (out / "gemv.json").write_text(json.dumps(r, indent=2))
     md = write_with_history(out / "gemv.md", _markdown(r))
     print(md.read_text().split("\n## History\n")[0])

@@ -27,6 +27,7 @@ from attnlab._checks import check_positive
 from attnlab.durable import write_text_atomic
 
 __all__ = [
+    "BandwidthProbe",
     "Measurement",
     "available_memory",
     "device_arg",
@@ -115,6 +116,24 @@ def time_medians(
         if done >= 3 and time.perf_counter() - start > budget_s * len(fns):
             break
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+class BandwidthProbe:
+    """Memory read bandwidth: ``sum`` over a float32 buffer of ``numel`` elements (1 GiB by
+    default, well past the caches). Calling it reads the buffer once: time it in turns with
+    what it bounds (``time_medians``), so that both see the machine of the same moments;
+    ``gbs(seconds)`` turns such a time into GB/s."""
+
+    def __init__(self, numel: int = 2**28, device: torch.device | None = None) -> None:
+        check_positive("numel", numel)
+        self.buffer = torch.ones(numel, device=device)
+
+    def __call__(self) -> torch.Tensor:
+        return self.buffer.sum()
+
+    def gbs(self, seconds: float) -> float:
+        """GB/s of one call that took ``seconds``."""
+        return self.buffer.numel() * 4 / seconds / 1e9
 
 
 def peak_memory(fn: Callable[[], object], device: torch.device | None = None) -> int | None:

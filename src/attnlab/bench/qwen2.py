@@ -10,7 +10,8 @@ into a temporary folder, and both models are loaded from it for each dtype
 - prefill: a 512-token prompt, and 8 left-padded prompts of 32 tokens at most;
 - decode: 128 new tokens after a 32-token prompt, and after the 8 left-padded prompts;
 - bound: decoding reads every weight once per step, so tokens/s <= rows x read bandwidth /
-  weight bytes; the read bandwidth is measured here (``sum`` over a 1 GiB buffer);
+  weight bytes; the read bandwidth is measured (``sum`` over a 1 GiB buffer) in turns with
+  each decode measure's runs;
 - our bfloat16 model's next-token agreement with our float32 model on the same 128 tokens;
 - with ``--quantize int8,int4``: our model with quantized weights (activations in bfloat16)
   against our bfloat16 model, the same measures, each decode against the bound of its own
@@ -36,8 +37,10 @@ from attnlab.bench.versus import (
     MEASURES,
     Workload,
     add_workload_arguments,
+    bandwidth_range,
     measure_folder,
     measure_quantized,
+    median_bandwidth,
     ours_label,
     random_checkpoint,
     start_run,
@@ -100,7 +103,7 @@ def run(args: argparse.Namespace) -> Path:
     r = {"sizes": sizes, "workload": vars(work), "lengths": work.lengths(),
          "threads": torch.get_num_threads(), "device": str(device),
          "extra_memory": args.extra_memory,
-         "bandwidth_gbs": bandwidth / 1e9, "runs": []}
+         "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         _, r["checkpoint"] = random_checkpoint(tmp, "qwen2", sizes)
         for dtype in args.dtypes:
@@ -118,6 +121,7 @@ def run(args: argparse.Namespace) -> Path:
     if tokens.get("float32") and tokens.get("bfloat16"):
         same = [a == b for a, b in zip(tokens["float32"], tokens["bfloat16"], strict=True)]
         r["agreement"] = sum(same) / len(same)
+    r["bandwidth_gbs"] = median_bandwidth(_cells(r))
     info = machine_info(device)
     r["machine"] = info
     (out / "qwen2.json").write_text(json.dumps(r, indent=2))
@@ -147,8 +151,9 @@ def _markdown(r: dict, info: dict[str, str]) -> str:
         f"lengths {r['lengths']}; last-position logits. Decode: greedy, {w['new_tokens']} new "
         f"tokens after a {w['prompt']}-token prompt, and after the {w['batch']} prompts "
         f"(tokens/s over all rows). Medians of {w['repeats']} repeats, both models timed in "
-        f"turns. Measured read bandwidth {r['bandwidth_gbs']:.1f} GB/s; a decode step reads "
-        "every weight once, so its bound is rows x bandwidth / weight bytes. "
+        "turns. A decode step reads every weight once, so its bound is rows x read bandwidth "
+        "/ weight bytes, the bandwidth (`sum` over 1 GiB) timed in turns with the cell's runs: "
+        f"{bandwidth_range(_cells(r))}. "
         f"{ours_label(r.get('extra_memory', False))}. Regenerate with "
         f"`attnlab bench qwen2{' --extra-memory' if r.get('extra_memory') else ''}`.",
         "",
@@ -174,6 +179,11 @@ def _markdown(r: dict, info: dict[str, str]) -> str:
     lines += _quantized_markdown(r.get("quantized", []))
     lines += machine_section(info)
     return "\n".join(lines)
+
+
+def _cells(r: dict) -> list[dict]:
+    """Every cell of the run, the quantized ones included."""
+    return [c for run in (*r["runs"], *r.get("quantized", [])) for c in run["cells"].values()]
 
 
 def _quantized_markdown(runs: list[dict]) -> list[str]:

@@ -11,7 +11,9 @@ the same folder: ours with ``attnlab.models.io.from_pretrained``, the reference 
   ``rows x (N - 1) / (t(N tokens) - t(1 token))``, so the prefill cancels out;
 - bandwidth bound of a decode step: it reads every weight once for all rows, so
   ``tokens/s <= rows x read bandwidth / weight bytes`` (the token embedding table is not
-  read in full, unless it is also the output head).
+  read in full, unless it is also the output head); the bandwidth is measured in turns with
+  each decode measure's runs (``harness.BandwidthProbe``), so that a machine whose speed
+  swings gives both the same moments.
 
 Out-of-memory is a result (``"OOM"``), not a crash.
 """
@@ -19,6 +21,7 @@ Out-of-memory is a result (``"OOM"``), not a crash.
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +31,14 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.arg_types import positive_int
-from attnlab.bench.harness import device_arg, is_oom, oom_as_error, time_median, time_medians
+from attnlab.bench.harness import (
+    BandwidthProbe,
+    device_arg,
+    is_oom,
+    oom_as_error,
+    time_median,
+    time_medians,
+)
 from attnlab.generation import generate
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.families import family_for
@@ -38,13 +48,14 @@ from attnlab.quantization import weight_bytes as held_bytes
 __all__ = [
     "MEASURES",
     "Workload",
+    "bandwidth_range",
     "compare",
     "load_reference",
     "measure_folder",
     "measure_quantized",
+    "median_bandwidth",
     "ours_label",
     "random_checkpoint",
-    "read_bandwidth",
     "weight_bytes",
 ]
 
@@ -105,10 +116,10 @@ def ours_label(extra_memory: bool) -> str:
 
 
 def start_run(args: argparse.Namespace, quick: Workload
-              ) -> tuple[torch.device, Workload, Path, float]:
-    """``(device, workload, output folder, read bandwidth in bytes/s)`` for a run: ``quick``
-    or the options' workload, the threads set, the folder made first (a bad ``--out``
-    fails before the measurement)."""
+              ) -> tuple[torch.device, Workload, Path, BandwidthProbe]:
+    """``(device, workload, output folder, bandwidth probe)`` for a run: ``quick`` or the
+    options' workload, the threads set, the folder made first (a bad ``--out`` fails before
+    the measurement)."""
     device = torch.device(args.device)
     work = quick if args.quick else Workload(
         prefill=args.prefill, prompt=args.prompt, new_tokens=args.new_tokens,
@@ -117,7 +128,7 @@ def start_run(args: argparse.Namespace, quick: Workload
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    return device, work, out, read_bandwidth(2**20 if args.quick else 2**28, device=device)
+    return device, work, out, BandwidthProbe(2**20 if args.quick else 2**28, device=device)
 
 
 def random_checkpoint(folder: str | Path, model_type: str, sizes: Mapping[str, Any], *,
@@ -171,24 +182,22 @@ def load_reference(folder: str | Path, dtype: torch.dtype,
 
 def measure_folder(folder: str | Path, dtype: str, device: torch.device, work: Workload, *,
                    reference: bool = True, probe: Tensor | None = None,
-                   bandwidth: float, extra_memory: bool = False) -> dict[str, Any]:
+                   bandwidth: BandwidthProbe, extra_memory: bool = False) -> dict[str, Any]:
     """Load ours (and, if ``reference``, transformers) from ``folder`` in ``dtype`` on
     ``device`` and ``compare`` them; each decode cell gets its ``bound`` tokens/s
-    (``rows x bandwidth / weight bytes``, ``bandwidth`` in bytes/s). ``probe`` (``1 x L``
-    ids): our greedy next tokens on it are returned too (``"next_tokens"``), to compare
-    dtypes. ``extra_memory`` goes to our ``from_pretrained``. The models are released before
-    it returns."""
+    (``rows x bandwidth / weight bytes``, the bandwidth timed in turns with the cell's
+    runs). ``probe`` (``1 x L`` ids): our greedy next tokens on it are returned too
+    (``"next_tokens"``), to compare dtypes. ``extra_memory`` goes to our
+    ``from_pretrained``. The models are released before it returns."""
     ours, error = oom_as_error(lambda: from_pretrained(folder, dtype=dtype, device=device,
                                                        extra_memory=extra_memory))
     if ours is None:
         return {"dtype": dtype, "error": f"ours: {error} while loading", "cells": {}}
     hf, note = (load_reference(folder, getattr(torch, dtype), device) if reference
                 else (None, "skipped (--no-reference)"))
-    cells = compare(ours, hf, work, device)
+    cells = compare(ours, hf, work, device, bandwidth=bandwidth)
     nbytes = weight_bytes(ours)
-    for measure, cell in cells.items():
-        if MEASURES[measure][0] == "decode":
-            cell["bound"] = cell["rows"] * bandwidth / nbytes
+    _bound(cells, nbytes)
     result = {"dtype": dtype, "reference": note, "weight_bytes": nbytes, "cells": cells}
     if probe is not None:
         with torch.inference_mode():
@@ -197,7 +206,7 @@ def measure_folder(folder: str | Path, dtype: str, device: torch.device, work: W
 
 
 def measure_quantized(folder: str | Path, method: str, group_size: int | None,
-                      device: torch.device, work: Workload, *, bandwidth: float
+                      device: torch.device, work: Workload, *, bandwidth: BandwidthProbe
                       ) -> dict[str, Any]:
     """Our model from ``folder`` quantized (``method``, ``group_size``; activations, norms and
     scales in bfloat16) against our bfloat16 model from the same folder, with ``compare``
@@ -209,24 +218,23 @@ def measure_quantized(folder: str | Path, method: str, group_size: int | None,
     if ours is None:
         return {"dtype": method, "error": f"ours: {error} while loading", "cells": {}}
     plain = from_pretrained(folder, dtype="bfloat16", device=device)
-    cells = compare(ours, plain, work, device, reference_is_ours=True)
+    cells = compare(ours, plain, work, device, reference_is_ours=True, bandwidth=bandwidth)
     nbytes = weight_bytes(ours)
-    for measure, cell in cells.items():
-        if MEASURES[measure][0] == "decode":
-            cell["bound"] = cell["rows"] * bandwidth / nbytes
+    _bound(cells, nbytes)
     return {"dtype": method, "group_size": group_size, "reference": "our bfloat16 model",
             "weight_bytes": nbytes, "held": held_bytes(ours), "held_bfloat16": held_bytes(plain),
             "cells": cells}
 
 
 def compare(ours: nn.Module, reference: nn.Module | None, work: Workload,
-            device: torch.device, *, seed: int = 0,
-            reference_is_ours: bool = False) -> dict[str, dict[str, Any]]:
+            device: torch.device, *, seed: int = 0, reference_is_ours: bool = False,
+            bandwidth: BandwidthProbe | None = None) -> dict[str, dict[str, Any]]:
     """Time each of ``MEASURES`` on both models: ``{measure: {"ours": tokens/s or None,
     "transformers": ..., "ours_error": "OOM" or None, "transformers_error": ..., "rows": B,
-    "prompt_tokens": real prompt tokens}}``. Both models get the same ids (``1 x prefill``,
-    ``1 x prompt``, ``batch x prompt`` left-padded). ``reference_is_ours``: the reference is
-    one of our models too (driven as ours are)."""
+    "prompt_tokens": real prompt tokens}}``, and for a decode measure with ``bandwidth``
+    its ``"bandwidth_gbs"``, the probe timed in turns with the models. Both models get the
+    same ids (``1 x prefill``, ``1 x prompt``, ``batch x prompt`` left-padded).
+    ``reference_is_ours``: the reference is one of our models too (driven as ours are)."""
     V = ours.config.vocab_size
     g = torch.Generator().manual_seed(seed)
     long_ids = torch.randint(0, V, (1, work.prefill), generator=g).to(device)
@@ -253,8 +261,13 @@ def compare(ours: nn.Module, reference: nn.Module | None, work: Workload,
                 else:
                     fns[f"{name} N"] = lambda gen=gen: gen(work.new_tokens)
                     fns[f"{name} 1"] = lambda gen=gen: gen(1)
+            if kind == "decode" and bandwidth is not None:
+                fns["bandwidth"] = bandwidth
             seconds = _timed(fns, work.repeats, device)
             cell: dict[str, Any] = {"rows": rows, "prompt_tokens": prompt_tokens}
+            probe_s = seconds.get("bandwidth", (None, None))[0]
+            if probe_s is not None:
+                cell["bandwidth_gbs"] = bandwidth.gbs(probe_s)
             for name in models:
                 if kind == "prefill":
                     s, error = seconds.get(name, (None, None))
@@ -288,12 +301,27 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(read.values())
 
 
-def read_bandwidth(numel: int = 2**28, repeats: int = 5,
-                   device: torch.device | None = None) -> float:
-    """Memory read bandwidth in bytes/s: a float32 buffer of ``numel`` elements summed."""
-    buf = torch.ones(numel, device=device)
-    seconds = time_median(lambda: buf.sum(), repeats=repeats, warmup=1, device=device)
-    return numel * 4 / seconds
+def bandwidth_range(cells: list[dict[str, Any]]) -> str:
+    """``"lo-hi GB/s"`` over the bandwidths measured beside ``cells`` ("—" without any)."""
+    found = _bandwidths(cells)
+    return f"{min(found):.1f}-{max(found):.1f} GB/s" if found else "—"
+
+
+def median_bandwidth(cells: list[dict[str, Any]]) -> float | None:
+    """The median of the bandwidths (GB/s) measured beside ``cells``, None without any."""
+    found = _bandwidths(cells)
+    return statistics.median(found) if found else None
+
+
+def _bandwidths(cells: list[dict[str, Any]]) -> list[float]:
+    return [c["bandwidth_gbs"] for c in cells if c.get("bandwidth_gbs")]
+
+
+def _bound(cells: dict[str, dict[str, Any]], nbytes: int) -> None:
+    """Each decode cell's ``bound`` tokens/s: rows x its bandwidth / weight bytes."""
+    for measure, cell in cells.items():
+        if MEASURES[measure][0] == "decode" and cell.get("bandwidth_gbs"):
+            cell["bound"] = cell["rows"] * cell["bandwidth_gbs"] * 1e9 / nbytes
 
 
 def _transformers() -> Any:
