@@ -32,6 +32,19 @@ def test_quick_run_writes_the_table_and_the_json(tmp_path, capsys):
     assert "## Machine" in md and "resident GB/s" in capsys.readouterr().out
 
 
+def test_a_kernel_that_cannot_run_a_shape_is_listed_with_the_reason(tmp_path):
+    # 96 inputs: groups of 64 do not divide them, so no int4 kernel runs these shapes.
+    assert main(["bench", "gemv", "--shapes", "64x96,32x96", "--resident", "64x96",
+                 "--stream-mib", "1", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "gemv.json").read_text())
+    assert not [row for row in r["rows"] if row["scheme"] == "int4"]
+    int4 = [s for s in r["skipped"] if s["scheme"] == "int4"]
+    assert int4 and all("group_size" in s["reason"] for s in int4)
+    md = (tmp_path / "gemv.md").read_text()
+    assert f"int4 {int4[0]['kernel']} ({int4[0]['reason']})" in md
+    assert {row["scheme"] for row in r["rows"]} == {"float32", "bfloat16", "int8"}
+
+
 @pytest.mark.parametrize("text", ["896", "0x896", "896x-1", "axb", "896x896,"])
 def test_bad_shapes_are_refused_naming_the_form(text):
     with pytest.raises(Exception, match="OxK"):

@@ -81,10 +81,11 @@ def run(args: argparse.Namespace) -> Path:
     stream_bytes = 2**20 if args.quick else args.stream_mib * 2**20
     repeats = 2 if args.quick else args.repeats
     probe = BandwidthProbe(2**18 if args.quick else 2**28)
+    skipped: list[dict] = []
     with torch.inference_mode():
         runs = {(scheme, name): run for scheme in tqdm(SCHEMES, desc="bench gemv", unit="scheme")
                 for name, run in _prepared(scheme, shapes, resident, stream_bytes,
-                                           args.group_size).items()}
+                                           args.group_size, skipped).items()}
         # Every kernel of every scheme in turns: the ratios across schemes see one machine.
         hot = time_medians({key: run["hot"] for key, run in runs.items()}, repeats=repeats)
         streamed = time_medians({**{key: run["streamed"] for key, run in runs.items()},
@@ -101,7 +102,8 @@ def run(args: argparse.Namespace) -> Path:
         r["speedup_vs_bfloat16"] = None if best is None else best / r["layer_s"]
     r = {"shapes": [list(s) for s in shapes], "resident": list(resident),
          "group_size": args.group_size, "threads": torch.get_num_threads(),
-         "bandwidth_gbs": bandwidth_gbs, "rows": rows, "machine": machine_info()}
+         "bandwidth_gbs": bandwidth_gbs, "rows": rows, "skipped": skipped,
+         "machine": machine_info()}
     (out / "gemv.json").write_text(json.dumps(r, indent=2))
     md = write_with_history(out / "gemv.md", _markdown(r))
     print(md.read_text().split("\n## History\n")[0])
@@ -109,9 +111,10 @@ def run(args: argparse.Namespace) -> Path:
 
 
 def _prepared(scheme: str, shapes: tuple[tuple[int, int], ...], resident: tuple[int, int],
-              stream_bytes: int, group_size: int) -> dict[str, dict]:
+              stream_bytes: int, group_size: int, skipped: list[dict]) -> dict[str, dict]:
     """``{kernel: {"hot", "streamed": timed functions, "bytes_resident", "bytes_layer",
-    "layers"}}`` for each kernel that runs ``scheme`` here (checked by one call per shape)."""
+    "layers"}}`` for each kernel that runs ``scheme`` here (checked by one call per shape);
+    the others are added to ``skipped`` with the reason."""
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, k, generator=g) / k**0.5 for o, k in (*shapes, resident)]
     xs = {k: torch.randn(1, k, generator=g).to(_DTYPES.get(scheme, torch.bfloat16))
@@ -124,9 +127,11 @@ def _prepared(scheme: str, shapes: tuple[tuple[int, int], ...], resident: tuple[
             for (_, k), s in zip((*shapes, resident), stored, strict=True):
                 call(xs[k], s)
             layer_bytes = sum(_bytes(s) for s in stored[:-1])
-            copies = [stored[:-1]] + [copy.deepcopy(stored[:-1])
+            copies = [stored[:-1]] + [_copy(stored[:-1], weights[:-1], prepare)
                                       for _ in range(-(-stream_bytes // layer_bytes) - 1)]
-        except (RuntimeError, ValueError):  # a kernel this CPU or shape cannot run
+        except (RuntimeError, ValueError) as error:  # a kernel this CPU or shape cannot run
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else "failed"
+            skipped.append({"scheme": scheme, "kernel": name, "reason": reason})
             continue
 
         def streamed(copies: list = copies, call: Callable = call) -> None:
@@ -149,7 +154,9 @@ _CALLS = 20  # resident calls per timed run
 
 def _runners(scheme: str, group_size: int
              ) -> dict[str, tuple[Callable[[Tensor], object], Callable[[Tensor, object], Tensor]]]:
-    """``{kernel: (prepare(float weight) -> stored, call(x, stored) -> y)}`` for ``scheme``."""
+    """``{kernel: (prepare(float weight) -> stored, call(x, stored) -> y)}`` for the kernels
+    that run ``scheme`` on this CPU (asked on a 64 x 128 weight; ``prepare`` refuses a shape
+    that a kernel does not run)."""
     if scheme in _DTYPES:
         dtype = _DTYPES[scheme]
 
@@ -159,17 +166,28 @@ def _runners(scheme: str, group_size: int
             return k.prepare(w.to(dtype))
 
         return {name: (lambda w, k=k: stored(w, k), lambda x, s, k=k: k.run(x, s, None))
-                for name, k in KERNELS.items()}
+                for name, k in KERNELS.items() if k.available(dtype, 1, 64)}
     bits = 8 if scheme == "int8" else 4
+    g = group_size if bits == 4 else None
 
     def prepare(w: Tensor, k: QuantizedKernel) -> tuple:
-        q = quantize(w, bits, group_size if bits == 4 else None, torch.bfloat16)
+        q = quantize(w, bits, g, torch.bfloat16)
         if not k.available(q, torch.bfloat16):
-            raise ValueError(f"{k.name} does not run {scheme}")
+            raise ValueError(f"{k.name} does not run {scheme} {tuple(w.shape)}")
         return k.prepare(q.with_layout(k.layout or q.layout), torch.bfloat16)
 
+    like = quantize(torch.ones(64, 128), bits, g, torch.bfloat16)
     return {name: (lambda w, k=k: prepare(w, k), lambda x, s, k=k: k.run(x, s, None))
-            for name, k in QUANTIZED_KERNELS.items()}
+            for name, k in QUANTIZED_KERNELS.items() if k.available(like, torch.bfloat16)}
+
+
+def _copy(stored: list, weights: list[Tensor], prepare: Callable[[Tensor], object]) -> list:
+    """Another copy of ``stored`` in memory of its own: copied, or prepared again from the
+    weights where it cannot be copied (oneDNN's packed, opaque tensors)."""
+    try:
+        return copy.deepcopy(stored)
+    except RuntimeError:
+        return [prepare(w) for w in weights]
 
 
 def _bytes(stored: object) -> int:
@@ -220,6 +238,9 @@ def _markdown(r: dict) -> str:
         lines.append(f"| {row['scheme']} | {row['kernel']} | {row['resident_gbs']:.1f} "
                      f"| {row['resident_gbs'] / bw:.2f} | {row['streamed_gbs']:.1f} "
                      f"| {row['streamed_gbs'] / bw:.0%} | {vs} |")
+    if r["skipped"]:
+        lines += ["", "Not run here: " + "; ".join(
+            f"{s['scheme']} {s['kernel']} ({s['reason']})" for s in r["skipped"]) + "."]
     lines += machine_section(r["machine"])
     return "\n".join(lines)
 
