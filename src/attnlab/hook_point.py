@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-__all__ = ["HookPoint", "share_forward_hooks"]
+__all__ = ["HookPoint", "share_hooks"]
 
 
 class HookPoint(nn.Module):
@@ -29,14 +29,18 @@ class HookPoint(nn.Module):
         return bool(self._forward_hooks or self._forward_pre_hooks)
 
 
-# The dicts that hold a module's forward hooks (register_forward_hook / _pre_hook).
-_FORWARD_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                  "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
+# The dicts that hold a module's forward and backward hooks (register_forward_hook,
+# register_forward_pre_hook, register_full_backward_hook, ...). State-dict hooks are not
+# among them: a swapped-in module's state dict has other entries.
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+               "_backward_pre_hooks")
 
 
-def share_forward_hooks(source: nn.Module, target: nn.Module) -> None:
-    """Give ``target``, a module swapped in for ``source``, ``source``'s forward and pre-forward
+def share_hooks(source: nn.Module, target: nn.Module) -> None:
+    """Give ``target``, a module swapped in for ``source``, ``source``'s forward and backward
     hooks: the same dicts, so that a handle returned before the swap still removes its hook
     (a hook registered later on either module is then on both)."""
-    for name in _FORWARD_HOOKS:
+    for name in _HOOK_DICTS:
         target.__dict__[name] = source.__dict__[name]
+    target.__dict__["_is_full_backward_hook"] = source.__dict__["_is_full_backward_hook"]

@@ -87,6 +87,16 @@ def test_forward_hooks_move_to_the_quantized_modules() -> None:
     assert len(seen) == 3
 
 
+def test_backward_hooks_move_to_the_quantized_modules() -> None:
+    model, grads = _Tiny(), []
+    model.body[2].register_full_backward_hook(
+        lambda m, grad_in, grad_out: grads.append((type(m).__name__, grad_out[0].shape)))
+    quantize_model(model, "int4", 64)
+    x = torch.randn(3, 128, requires_grad=True)
+    model.body[2](x).sum().backward()
+    assert grads == [("QuantizedLinear", (3, 64))] and x.grad is not None
+
+
 def test_tied_head_and_embedding_share_one_table() -> None:
     model = quantize_model(_Tiny(), "int4", 64)
     assert model.embed.source is model.head

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.functional import linear
-from attnlab.hook_point import share_forward_hooks
+from attnlab.hook_point import share_hooks
 from attnlab.kernels import native
 from attnlab.kernels.calibration import bucket_of, forced_kernel, plan
 from attnlab.kernels.catalog import KERNELS, Kernel, to_layout
@@ -86,11 +86,11 @@ class InferenceLinear(nn.Linear):
         forced_kernel(kernel)
         new = cls.__new__(cls)
         # Dicts copied (not shared), so the two modules can diverge; Parameters, buffers,
-        # submodules and hooks are the same objects. The forward hooks' dicts are shared: a
-        # handle from before the swap must still remove its hook.
+        # submodules and hooks are the same objects. The hooks' dicts are shared: a handle
+        # from before the swap must still remove its hook.
         new.__dict__.update({k: v.copy() if isinstance(v, dict) else v
                              for k, v in module.__dict__.items()})
-        share_forward_hooks(module, new)
+        share_hooks(module, new)
         new._kernel, new._extra_memory, new._keep_layout = kernel, extra_memory, keep_layout
         new._kernels = {}
         new._packed, new._packed_of = None, None

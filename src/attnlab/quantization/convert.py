@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from attnlab._checks import is_int
-from attnlab.hook_point import share_forward_hooks
+from attnlab.hook_point import share_hooks
 from attnlab.kernels import InferenceLinear
 from attnlab.quantization.formats import GROUP_SIZES
 from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
@@ -90,7 +90,7 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int | Non
     default 64) must divide every quantized layer's input size (an embedding's dim); a layer
     that it does not divide is refused by name before anything changes. ``kernel`` forces one
     of ``attnlab.quantization.kernels.QUANTIZED_KERNELS``. A swapped module keeps the replaced
-    one's train/eval mode and forward hooks (their handles still remove them)."""
+    one's train/eval mode and forward and backward hooks (their handles still remove them)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if method == "int4" and group_size is None:
@@ -151,9 +151,9 @@ def _replace(model: nn.Module, config: QuantizationConfig, *, kernel: str | None
 
 
 def _take_over(old: nn.Module, new: nn.Module) -> None:
-    """``new`` in ``old``'s place: its train/eval mode and its forward hooks."""
+    """``new`` in ``old``'s place: its train/eval mode and its forward and backward hooks."""
     new.train(old.training)
-    share_forward_hooks(old, new)
+    share_hooks(old, new)
 
 
 def weight_bytes(model: nn.Module) -> int:
