@@ -95,11 +95,11 @@ def run(args: argparse.Namespace) -> Path:
              "resident_s": hot[scheme, name], "bytes_layer": run["bytes_layer"],
              "layer_s": streamed[scheme, name] / run["layers"]}
             for (scheme, name), run in runs.items()]
-    best = min((r["layer_s"] for r in rows if r["scheme"] == "bfloat16"), default=None)
-    for r in rows:
-        r["resident_gbs"] = r["bytes_resident"] / r["resident_s"] / 1e9
-        r["streamed_gbs"] = r["bytes_layer"] / r["layer_s"] / 1e9
-        r["speedup_vs_bfloat16"] = None if best is None else best / r["layer_s"]
+    best = min((row["layer_s"] for row in rows if row["scheme"] == "bfloat16"), default=None)
+    for row in rows:
+        row["resident_gbs"] = row["bytes_resident"] / row["resident_s"] / 1e9
+        row["streamed_gbs"] = row["bytes_layer"] / row["layer_s"] / 1e9
+        row["speedup_vs_bfloat16"] = None if best is None else best / row["layer_s"]
     r = {"shapes": [list(s) for s in shapes], "resident": list(resident),
          "group_size": args.group_size, "threads": torch.get_num_threads(),
          "bandwidth_gbs": bandwidth_gbs, "rows": rows, "skipped": skipped,
@@ -216,9 +216,9 @@ def _markdown(r: dict) -> str:
         "",
         f"Measured on {r['machine']['cpu']} ({r['threads']} torch threads); read bandwidth "
         f"{r['bandwidth_gbs']:.1f} GB/s (`sum` over 1 GiB of float32, timed in turns with the "
-        "streamed passes). One row x. Resident: "
-        f"a {o}x{k} weight called 20 times in a row (it stays in the caches): the rate of the "
-        f"kernel's instructions, as GB/s of its own bytes. Streamed: the shapes {shapes} "
+        f"streamed passes). One row x. Resident: a {o}x{k} weight called {_CALLS} times in a "
+        "row (it stays in the caches): the rate of the kernel's instructions, as GB/s of its "
+        f"own bytes. Streamed: the shapes {shapes} "
         "copied until the copies exceed the caches several times, each read once per pass: GB/s "
         "from memory, and the speed-up of one set of the shapes over the fastest bfloat16 "
         "kernel (bound by memory alone: ~2x int8, ~3.5x int4 with its scales). int8/int4 "
