@@ -11,17 +11,18 @@ import socket
 import statistics
 import threading
 import time
+from dataclasses import asdict
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnlab.bench import serve
+from attnlab.bench import serve, serve_report
 from attnlab.bench.qwen2 import QUICK
 from attnlab.bench.serve_report import targets
 from attnlab.bench.versus import random_checkpoint
-from attnlab.cli import main
+from attnlab.cli import build_parser, main
 from attnlab.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -236,6 +237,24 @@ def test_jobs_are_seeded_and_within_their_ranges() -> None:
         assert work.user[0] <= len(job.prompt) - work.system <= work.user[1]
 
 
+def test_request_lengths_are_options_and_in_the_regenerate_command() -> None:
+    args = build_parser().parse_args(["bench", "serve", "--prompt-tokens", "8,16",
+                                 "--output-tokens", "100,200"])
+    assert (args.prompt_tokens, args.output_tokens) == ((8, 16), (100, 200))
+    work = serve.Workload(requests=20, prompt=args.prompt_tokens, output=args.output_tokens,
+                          system=10, **serve.FULL_WORK)
+    jobs = serve.make_jobs(work, 1000, 0)
+    assert all(8 <= len(j.prompt) <= 16 and 100 <= j.max_tokens <= 200 for j in jobs)
+    r = {"quick": False, "runs": [{"clients": 1}], "workload": asdict(work), "seed": 0,
+         "engine": {"max_batch": 4, "max_tokens_per_step": 8, "page_size": 16},
+         "sizes": {"num_hidden_layers": 2}, "time_limit_s": 5.0}
+    assert serve_report._command(r).endswith(
+        "--dtype float32 --prompt-tokens 8,16 --output-tokens 100,200")
+    default = {**r, "workload": {**asdict(work), "prompt": [32, 512], "output": [16, 96]}}
+    command = serve_report._command(default)
+    assert "--prompt-tokens" not in command and "--output-tokens" not in command
+
+
 def test_targets_need_both_runs() -> None:
     r = {"runs": [{"clients": 4, "tokens_per_s": 10.0, "itl_p95_ms": 5.0}],
          "prefix": [], "workload": {"system": 1000}}
@@ -252,6 +271,9 @@ def test_targets_need_both_runs() -> None:
     (["--layers", "25"], "argument --layers: expected a number of layers in [1, 24]"),
     (["--max-batch", "-1"], "argument --max-batch: expected a positive int, got '-1'"),
     (["--seed", "-1"], "argument --seed: expected an int >= 0, got '-1'"),
+    (["--prompt-tokens", "64,32"], "argument --prompt-tokens: expected LO,HI with 1 <= LO <= HI"),
+    (["--output-tokens", "16"], "argument --output-tokens: expected LO,HI with 1 <= LO <= HI"),
+    (["--output-tokens", "0,8"], "argument --output-tokens: expected positive ints"),
 ])
 def test_bad_options_are_named(argv, named, capsys, tmp_path) -> None:
     with pytest.raises(SystemExit) as exit_:
@@ -269,6 +291,9 @@ def test_bad_options_are_named(argv, named, capsys, tmp_path) -> None:
      "tokens, got 5000"),
     (["--system-tokens", "4090"], "--system-tokens: a prompt of 4090 + 48 tokens and 4 new "
      "ones exceed the model's context of 4096 tokens; expected at most 4044"),
+    (["--prompt-tokens", "32,4000", "--output-tokens", "16,100"], "--prompt-tokens, "
+     "--output-tokens: the longest prompt (4000) and output (100) exceed the model's context "
+     "of 4096 tokens"),
 ])
 def test_options_the_server_would_refuse_are_named_first(argv, named, capsys,
                                                          tmp_path) -> None:

@@ -52,7 +52,7 @@ from attnlab._checks import check_positive, is_int, is_number
 from attnlab.arg_types import non_negative_int, number, positive_int
 from attnlab.bench.harness import int_list, machine_info, write_with_history
 from attnlab.bench.qwen2 import FULL, QUICK
-from attnlab.bench.serve_report import markdown, plot, targets
+from attnlab.bench.serve_report import OUTPUT_TOKENS, PROMPT_TOKENS, markdown, plot, targets
 from attnlab.bench.versus import random_checkpoint
 from attnlab.durable import write_text_atomic
 from attnlab.models.hf_loading import SUPPORTED_DTYPES
@@ -85,8 +85,7 @@ class Workload:
     prefix_output: int
 
 
-FULL_WORK = dict(prompt=(32, 512), output=(16, 96), user=(16, 48), prefix_requests=8,
-                 prefix_output=4)
+FULL_WORK = dict(user=(16, 48), prefix_requests=8, prefix_output=4)
 QUICK_WORK = Workload(requests=8, prompt=(4, 24), output=(2, 8), system=64, user=(2, 6),
                       prefix_requests=3, prefix_output=2)
 
@@ -121,6 +120,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the most clients with 1)")
     parser.add_argument("--requests", type=_requests, default=48,
                         help="requests per run (the same ones for every number of clients)")
+    parser.add_argument("--prompt-tokens", type=_token_range,
+                        default=",".join(map(str, PROMPT_TOKENS)),
+                        help="LO,HI: each request's prompt length, uniform in [LO, HI]")
+    parser.add_argument("--output-tokens", type=_token_range,
+                        default=",".join(map(str, OUTPUT_TOKENS)),
+                        help="LO,HI: each request's max_tokens, uniform in [LO, HI]")
     parser.add_argument("--max-batch", type=positive_int, default=16,
                         help="the server's --max-batch: requests decoded together at most")
     parser.add_argument("--max-tokens-per-step", type=positive_int, default=128,
@@ -147,7 +152,8 @@ def run(args: argparse.Namespace) -> Path:
     """Run the benchmark and write its files into ``args.out``; returns the markdown path."""
     sizes = QUICK if args.quick else {**FULL, "num_hidden_layers": args.layers}
     work = QUICK_WORK if args.quick else Workload(
-        requests=args.requests, system=args.system_tokens, **FULL_WORK)
+        requests=args.requests, prompt=args.prompt_tokens, output=args.output_tokens,
+        system=args.system_tokens, **FULL_WORK)
     engine = {"max_batch": args.max_batch, "max_tokens_per_step": args.max_tokens_per_step,
               "page_size": args.page_size}
     _check_options(engine, work, sizes["max_position_embeddings"])
@@ -400,6 +406,14 @@ def _clients(text: str) -> tuple[int, ...]:
 
 
 _requests = number(int, lambda v: 1 <= v <= MAX_REQUESTS, f"an int in [1, {MAX_REQUESTS}]")
+
+
+def _token_range(text: str) -> tuple[int, int]:
+    """``argparse`` type for ``LO,HI``: two positive ints, LO <= HI."""
+    values = int_list(text)
+    if len(values) != 2 or not 1 <= values[0] <= values[1]:
+        raise argparse.ArgumentTypeError(f"expected LO,HI with 1 <= LO <= HI, got {text!r}")
+    return values[0], values[1]
 _layers = number(int, lambda v: 1 <= v <= 24, "a number of layers in [1, 24] (Qwen2-0.5B's)")
 _seconds = number(float, lambda v: 0 < v <= MAX_SECONDS,
                   f"a number of seconds in (0, {MAX_SECONDS:g}]")
@@ -414,9 +428,11 @@ def _check_options(engine: dict[str, int], work: Workload, context: int) -> None
     if engine["page_size"] > context:
         raise ValueError(f"--page-size: expected at most the model's context of {context} "
                          f"tokens, got {engine['page_size']}")
-    longest = max(work.prompt[1] + work.output[1],
-                  work.system + work.user[1] + work.prefix_output)
-    if longest > context:
+    if work.prompt[1] + work.output[1] > context:
+        raise ValueError(f"--prompt-tokens, --output-tokens: the longest prompt "
+                         f"({work.prompt[1]}) and output ({work.output[1]}) exceed the "
+                         f"model's context of {context} tokens")
+    if work.system + work.user[1] + work.prefix_output > context:
         raise ValueError(f"--system-tokens: a prompt of {work.system} + {work.user[1]} tokens "
                          f"and {work.prefix_output} new ones exceed the model's context of "
                          f"{context} tokens; expected at most "

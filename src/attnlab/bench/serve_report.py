@@ -13,6 +13,9 @@ from attnlab.bench.harness import machine_section
 
 __all__ = ["ITL_RATIO", "PREFIX_SPEEDUP", "SPEEDUP", "markdown", "plot", "targets"]
 
+# The requests' lengths by default (attnlab bench serve --prompt-tokens, --output-tokens).
+PROMPT_TOKENS, OUTPUT_TOKENS = (32, 512), (16, 96)
+
 SPEEDUP, ITL_RATIO, PREFIX_SPEEDUP = 5.0, 3.0, 3.0
 LATENCIES = ("ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p95_ms")
 
@@ -166,4 +169,12 @@ def _command(r: dict) -> str:
             f"{r['engine']['page_size']} --layers {r['sizes']['num_hidden_layers']} "
             f"--system-tokens {r['workload']['system']} --time-limit {r['time_limit_s']:g} "
             f"--seed {r['seed']} --dtype {r['engine'].get('dtype', 'float32')}"
+            f"{_lengths(r['workload'])}"
             f"{' --extra-memory' if r['engine'].get('extra_memory') else ''}")
+
+
+def _lengths(work: dict) -> str:
+    """The request length options, where they are not the defaults."""
+    prompt, output = tuple(work["prompt"]), tuple(work["output"])
+    return ((f" --prompt-tokens {prompt[0]},{prompt[1]}" if prompt != PROMPT_TOKENS else "")
+            + (f" --output-tokens {output[0]},{output[1]}" if output != OUTPUT_TOKENS else ""))
