@@ -32,6 +32,7 @@ from attnlab.bench.harness import (
     time_median,
     time_medians,
 )
+from attnlab.durable import write_text_atomic
 
 __all__ = ["add_arguments", "run"]
 
@@ -67,9 +68,9 @@ def run(args: argparse.Namespace) -> Path:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info(device)
-    (out / "attention.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=2))
+    write_text_atomic(out / "attention.json", json.dumps({"machine": info, "rows": rows}, indent=2))
     md = out / "attention.md"
-    md.write_text(_markdown(rows, info, H, D))
+    write_text_atomic(md, _markdown(rows, info, H, D))
     _plot(rows, out / "attention.png")
     print(md.read_text())
     return md

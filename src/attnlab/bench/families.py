@@ -36,6 +36,7 @@ from attnlab.bench.versus import (
     start_run,
 )
 from attnlab.bench.versus_report import plot_ratios, rate, ratio, ratio_value, share
+from attnlab.durable import write_text_atomic
 from attnlab.models.families import FAMILIES
 
 __all__ = ["FULL", "QUICK", "add_arguments", "family_list", "run"]
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> Path:
     r["bandwidth_gbs"] = median_bandwidth(_cells(r))
     info = machine_info(device)
     r["machine"] = info
-    (out / "families.json").write_text(json.dumps(r, indent=2))
+    write_text_atomic(out / "families.json", json.dumps(r, indent=2))
     md = write_with_history(out / "families.md", _markdown(r, info))
     pairs = [(f["model_type"], run) for f in r["families"] for run in f["runs"]]
     plot_ratios(out / "families.png",

@@ -40,6 +40,7 @@ from attnlab.bench.harness import (
     time_medians,
     write_with_history,
 )
+from attnlab.durable import write_text_atomic
 from attnlab.kernels import KERNELS
 from attnlab.kernels.catalog import Kernel
 from attnlab.quantization import quantize
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> Path:
          "group_size": args.group_size, "threads": torch.get_num_threads(),
          "bandwidth_gbs": bandwidth_gbs, "rows": rows, "skipped": skipped,
          "machine": machine_info()}
-    (out / "gemv.json").write_text(json.dumps(r, indent=2))
+    write_text_atomic(out / "gemv.json", json.dumps(r, indent=2))
     md = write_with_history(out / "gemv.md", _markdown(r))
     print(md.read_text().split("\n## History\n")[0])
     return md
@@ -198,14 +199,8 @@ def _bytes(stored: object) -> int:
         return sum(_bytes(t) for t in (stored.data, stored.scales, stored.zeros)
                    if t is not None)
     if isinstance(stored, (tuple, list)):
-        seen = {}
-        for item in stored:
-            if isinstance(item, Tensor):
-                seen[item.data_ptr()] = _bytes(item)
-            elif isinstance(item, (QuantizedWeight, tuple, list)):
-                seen[id(item)] = _bytes(item)
-        return sum(seen.values())
-    return 0
+        return sum(_bytes(item) for item in stored)
+    return 0  # a dtype, a group size
 
 
 def _markdown(r: dict) -> str:

@@ -35,6 +35,7 @@ from attnlab.bench.harness import (
     oom_as_error,
     time_median,
 )
+from attnlab.durable import write_text_atomic
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 
 __all__ = ["add_arguments", "run"]
@@ -95,9 +96,9 @@ def run(args: argparse.Namespace) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info(device)
     results["machine"] = info
-    (out / "generate.json").write_text(json.dumps(results, indent=2))
+    write_text_atomic(out / "generate.json", json.dumps(results, indent=2))
     md = out / "generate.md"
-    md.write_text(_markdown(results, info))
+    write_text_atomic(md, _markdown(results, info))
     _plot(results, out / "generate.png")
     print(md.read_text())
     return md

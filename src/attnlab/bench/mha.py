@@ -26,6 +26,7 @@ from attnlab.bench.harness import (
     oom_as_error,
     time_medians,
 )
+from attnlab.durable import write_text_atomic
 
 __all__ = ["add_arguments", "run"]
 
@@ -59,9 +60,9 @@ def run(args: argparse.Namespace) -> Path:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info(device)
-    (out / "mha.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=2))
+    write_text_atomic(out / "mha.json", json.dumps({"machine": info, "rows": rows}, indent=2))
     md = out / "mha.md"
-    md.write_text(_markdown(rows, info, E, H))
+    write_text_atomic(md, _markdown(rows, info, E, H))
     _plot(rows, out / "mha.png")
     print(md.read_text())
     return md

@@ -46,6 +46,7 @@ from attnlab.bench.versus import (
     start_run,
 )
 from attnlab.bench.versus_report import plot_ratios, rate, ratio, ratio_value, share
+from attnlab.durable import write_text_atomic
 from attnlab.quantization import METHODS
 from attnlab.quantization.formats import GROUP_SIZES
 
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> Path:
     r["bandwidth_gbs"] = median_bandwidth(_cells(r))
     info = machine_info(device)
     r["machine"] = info
-    (out / "qwen2.json").write_text(json.dumps(r, indent=2))
+    write_text_atomic(out / "qwen2.json", json.dumps(r, indent=2))
     md = write_with_history(out / "qwen2.md", _markdown(r, info))
     groups = [f"{run['dtype']}" for run in r["runs"]]
     plot_ratios(out / "qwen2.png", f"Qwen2 (4 layers of Qwen2-0.5B's shape) on {info['cpu']}"

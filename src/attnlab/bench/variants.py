@@ -39,6 +39,7 @@ from attnlab.bench.harness import (
     time_median,
 )
 from attnlab.bench.variants_report import markdown, plot
+from attnlab.durable import write_text_atomic
 
 __all__ = ["VARIANTS", "add_arguments", "run"]
 
@@ -90,12 +91,12 @@ def run(args: argparse.Namespace) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info(device)
     gqa = gqa_table(4096, 32, head_dim=128, seq_len=4096, num_layers=32, dtype=torch.float16)
-    (out / "variants.json").write_text(
+    write_text_atomic(out / "variants.json",
         json.dumps({"machine": info, "config": cfg, "rows": rows,
                     "gqa": gqa}, indent=2, default=str)
     )
     md = out / "variants.md"
-    md.write_text(markdown(rows, cfg, info, gqa))
+    write_text_atomic(md, markdown(rows, cfg, info, gqa))
     plot(rows, cfg, out / "variants.png")
     print(md.read_text())
     return md

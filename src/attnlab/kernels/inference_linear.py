@@ -85,9 +85,9 @@ class InferenceLinear(nn.Linear):
                             f"{keep_layout!r}")
         forced_kernel(kernel)
         new = cls.__new__(cls)
-        # Dicts copied (not shared), so the two modules can diverge; Parameters, buffers,
-        # submodules and hooks are the same objects. The hooks' dicts are shared: a handle
-        # from before the swap must still remove its hook.
+        # Dicts copied (not shared), so the two modules can diverge, with the same
+        # Parameters, buffers and submodules; but the hooks' dicts are shared: a handle from
+        # before the swap must still remove its hook.
         new.__dict__.update({k: v.copy() if isinstance(v, dict) else v
                              for k, v in module.__dict__.items()})
         share_hooks(module, new)
