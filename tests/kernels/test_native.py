@@ -63,6 +63,40 @@ def test_gemv_equals_the_formula(dtype, pairs, rows, out_features, in_features,
     _close(y, x.double() @ w.double().t(), dtype)
 
 
+# rows: one and two B tiles (16 each) and a second pass past 32; out_features: whole blocks of
+# 32 weight rows and a zero-padded last block; in_features: whole tiles of 32 and a tail.
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33])
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 64), (37, 70), (96, 160),
+                                                            (5, 33), (9, 31)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemv_tiles_equals_the_formula(rows, out_features, in_features, bias, threads) -> None:
+    if not native.tiles_available():
+        pytest.skip("this CPU (or its kernel) lends no AMX-BF16 tiles")
+    g = torch.Generator().manual_seed(rows * out_features + in_features)
+    w = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=g).to(torch.bfloat16) if bias else None
+    with thread_count(threads):
+        y = native.gemv_tiles(x, w, b)
+    expected = x.double() @ w.double().t() + (b.double() if bias else 0)
+    _close(y, expected, torch.bfloat16)
+
+
+def test_gemv_tiles_refuses_what_it_cannot_run() -> None:
+    if not native.tiles_available():
+        with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
+            native.gemv_tiles(torch.randn(1, 64).bfloat16(), torch.randn(8, 64).bfloat16())
+        return
+    x, w = torch.randn(2, 64).bfloat16(), torch.randn(8, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="x: expected a contiguous 2-D bfloat16"):
+        native.gemv_tiles(x.float(), w)
+    with pytest.raises(RuntimeError, match="weight: expected a contiguous bfloat16 O x 64"):
+        native.gemv_tiles(x, w[:, :32])
+    with pytest.raises(RuntimeError, match="bias: expected 8 contiguous bfloat16"):
+        native.gemv_tiles(x, w, torch.ones(8))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 4, 9])

@@ -126,6 +126,12 @@ def _native_pairs(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return native.gemv(x, weight, bias, pairs=True)
 
 
+def _native_tiles(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x W^T + b`` by attnlab's C++ kernel on AMX matrix tiles: the row-major weight read
+    once for up to 32 rows of ``x``, 16 x 16 x 32 multiply-adds a tile product."""
+    return native.gemv_tiles(x, weight, bias)
+
+
 def _onednn_takes(dtype: torch.dtype, ops: tuple[str, ...]) -> bool:
     """Whether this torch build has oneDNN's private ``ops`` and runs ``dtype`` through them
     on this CPU (bfloat16 needs CPU support, which torch reports)."""
@@ -151,6 +157,10 @@ def _native_few_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
 
 def _native_pairs_few_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
     return dtype == torch.bfloat16 and rows <= native.MAX_ROWS and native.pairs_available()
+
+
+def _native_tiles_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
+    return dtype == torch.bfloat16 and rows <= native.TILES_MAX_ROWS and native.tiles_available()
 
 
 def _onednn_any_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
@@ -189,5 +199,6 @@ KERNELS: dict[str, Kernel] = {
         Kernel("blocks_gemv", "rows", _rows, _blocks_gemv, _one_row_over_threads),
         Kernel("native_gemv", "rows", _rows, _native_gemv, _native_few_rows),
         Kernel("native_pairs", "rows", _rows, _native_pairs, _native_pairs_few_rows),
+        Kernel("native_tiles", "rows", _rows, _native_tiles, _native_tiles_rows),
     )
 }

@@ -39,26 +39,31 @@ from torch import Tensor
 
 from attnlab.kernels import cache
 
-__all__ = ["DTYPES", "MAX_ROWS", "STEP_CALL", "STEP_KINDS", "argmax_rows", "available",
-           "decode_attention", "decode_layers", "dequantize_int4", "dequantize_int8", "gemv",
-           "gemv_int4", "gemv_int8", "paged_attention", "pairs_available", "rms_norm", "rotary",
-           "takes"]
+__all__ = ["DTYPES", "MAX_ROWS", "STEP_CALL", "STEP_KINDS", "TILES_MAX_ROWS", "argmax_rows",
+           "available", "decode_attention", "decode_layers", "dequantize_int4",
+           "dequantize_int8", "gemv", "gemv_int4", "gemv_int8", "gemv_tiles", "paged_attention",
+           "pairs_available", "rms_norm", "rotary", "takes", "tiles_available"]
 
 # The float GEMVs and the attention kernel are offered for the decoding buckets only: past 8
 # rows a BLAS GEMM reuses each weight better. (The quantized plan offers its GEMVs further, for
 # the layout they need: attnlab.quantization.kernels._NATIVE_ROWS.)
 MAX_ROWS = 8
+# The tile kernel does not run out of arithmetic before memory up to a serving batch: it is
+# offered for the decoding and serving buckets (prefill belongs to oneDNN's GEMMs).
+TILES_MAX_ROWS = 32
 DTYPES = (torch.float32, torch.bfloat16)  # the activations' dtypes the kernels take
 # The products that decode_layers runs, by the name of the calibrated kernel that a Linear
 # module runs them with (the C++ `Kind` in native_step.cpp): attnlab's GEMVs, PyTorch's
 # packed int8/int4 ops, the formula (``linear``).
 STEP_KINDS = {"native_gemv": 0, "native_pairs": 1, "int8_native": 2, "int4_native": 3,
-              "int4_native_pairs": 4, "int8_mm": 5, "int4_mm": 6, "formula": 7, "columns": 7}
+              "int4_native_pairs": 4, "int8_mm": 5, "int4_mm": 6, "formula": 7, "columns": 7,
+              "native_tiles": 9}
 # Any other kernel: ``(STEP_CALL, x -> y, None, None, 0, None)``, called back in Python.
 STEP_CALL = 8
 
 _SOURCES = tuple(Path(__file__).with_name(name)
-                 for name in ("native_gemv.cpp", "native_decode.cpp", "native_step.cpp"))
+                 for name in ("native_gemv.cpp", "native_decode.cpp", "native_step.cpp",
+                              "native_tiles.cpp"))
 _ENV = "ATTNLAB_NATIVE"
 # -ffp-contract=off: a * b + c stays two roundings unless the source asks for a fused
 # multiply-add, so the kernels round as the formulas they replace do.
@@ -100,6 +105,22 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
     rounded once. For small ``M``. ``pairs``: bfloat16 products taken two at a time by
     ``vdpbf16ps`` instead of widening the weight to float32 (see :func:`pairs_available`)."""
     return _require().gemv(x, weight, bias, pairs)
+
+
+def tiles_available() -> bool:
+    """Whether :func:`gemv_tiles` runs here: the build targets a CPU with AMX-BF16 matrix
+    tiles and the operating system lends them to this process (asked once)."""
+    extension = _extension()
+    return extension is not None and extension.has_tiles()
+
+
+def gemv_tiles(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x W^T + b`` with x ``M x I`` and weight ``O x I`` bfloat16 (contiguous), bias ``O``
+    bfloat16 -> ``M x O`` bfloat16, on AMX tiles: each weight read once, where it lies, for
+    up to 32 rows of x at a time (16 x 16 x 32 multiply-adds a tile product, so arithmetic
+    never bounds a decoding step's rows); sums in float32, rounded once (see
+    :func:`tiles_available`)."""
+    return _require().gemv_tiles(x, weight, bias)
 
 
 def gemv_int8(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -30,6 +30,8 @@ torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& q, const to
 torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
                         const torch::Tensor& z, int64_t group_size, const std::optional<torch::Tensor>& bias,
                         bool pairs);
+torch::Tensor gemv_tiles(const torch::Tensor& x, const torch::Tensor& w,
+                         const std::optional<torch::Tensor>& bias);
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const std::optional<torch::Tensor>& mask, double scale, bool causal);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps, bool unit_offset);
@@ -40,11 +42,11 @@ namespace {
 
 // The kinds of product, as attnlab.kernels.native.STEP_KINDS names them: attnlab's GEMVs,
 // PyTorch's packed int8/int4 ops (then the bias added after, as the Python kernels add it),
-// and the formula (linear).
+// the formula (linear) and the AMX tile kernel.
 // kCall: any other kernel, called back in Python (the weight slot holds the callable).
 enum Kind : int64_t {
   kFloat = 0, kFloatPairs = 1, kInt8 = 2, kInt4 = 3, kInt4Pairs = 4, kInt8Mm = 5, kInt4Mm = 6,
-  kFormula = 7, kCall = 8
+  kFormula = 7, kCall = 8, kTiles = 9
 };
 // The norms and activations, likewise.
 enum Norm : int64_t { kRms = 0, kRmsUnitOffset = 1, kLayerNorm = 2 };
@@ -89,6 +91,7 @@ struct Linear {
       case kInt4Mm: return biased(at::_weight_int4pack_mm_for_cpu(x, w, group, s.value()));
       case kFormula: return at::linear(x, w, bias);
       case kCall: return py::cast<torch::Tensor>(call(x));
+      case kTiles: return gemv_tiles(x, w, bias);
     }
     TORCH_CHECK(false, "a linear: unknown kind ", kind);
   }
