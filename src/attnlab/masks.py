@@ -32,6 +32,7 @@ from attnlab._checks import check_positive, is_int
 __all__ = [
     "causal_mask",
     "combine_masks",
+    "decoder_mask",
     "from_hf_attention_mask",
     "from_key_padding_mask",
     "key_mask_to_attention_mask",
@@ -81,6 +82,22 @@ def sliding_window_mask(
     if causal:
         return (cols <= pos) & (cols > pos - window)
     return (cols - pos).abs() < window
+
+
+def decoder_mask(key_mask: Tensor | None, L: int, offset: int, window: int | None = None, *,
+                 device: torch.device | str | None = None) -> Tensor | None:
+    """A causal decoder's mask for ``L`` queries after ``offset`` cached positions (``S =
+    offset + L`` keys): real keys only (``key_mask`` ``B x S`` bool, or None for no padding),
+    bottom-right causal, within a sliding ``window`` (None: none) -> bool ``B x 1 x L x S``
+    (``L x S`` without ``key_mask``), True = may attend; None for the plain causal case (no
+    padding and no window shorter than ``S``), which a kernel runs with ``is_causal``."""
+    S = offset + L
+    windowed = window is not None and window < S
+    if key_mask is None and not windowed:
+        return None
+    mask = (sliding_window_mask(L, S, window, device=device) if windowed
+            else causal_mask(L, S, device=device))
+    return mask if key_mask is None else key_mask[:, None, None, :] & mask
 
 
 def padding_mask(

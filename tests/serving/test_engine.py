@@ -4,6 +4,7 @@ sampling reproducible whatever else runs; every page returned."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import random
 
@@ -239,18 +240,28 @@ def test_a_model_on_the_gpu_serves_the_same_greedy_tokens_as_generate_there():
         assert _tokens(events) == expected[0, len(prompt):].tolist()
 
 
-def test_decode_rows_are_not_padded_to_a_prefill_chunk(monkeypatch):
-    model = _model()
+@pytest.mark.parametrize("hooked", [False, True])
+def test_decode_rows_are_not_padded_to_a_prefill_chunk(monkeypatch, hooked):
+    """One forward of the step's 20 tokens (2 decode + an 18-token chunk); with a hook on the
+    attention pattern (which needs each forward's keys), the decode rows together, then the
+    chunk. The tokens are generate's either way."""
+    model = copy.deepcopy(_model())  # the cached one stays without hooks
+    if hooked:
+        model.layers[0].self_attn.pattern.register_forward_hook(lambda *args: None)
     engine = Engine(model, max_batch=3, max_tokens_per_step=20, page_size=4)
-    for prompt in _prompts()[:2]:
-        engine.add_request(list(prompt), GREEDY)
-    engine.step()  # both prefilled
-    engine.add_request(list(_prompts()[4]), GREEDY)  # 26 tokens
+    prompts = [_prompts()[0], _prompts()[1], _prompts()[4]]  # 3, 17 and 26 tokens
+    ids = [engine.add_request(list(p), GREEDY) for p in prompts[:2]]
+    events = engine.step()  # both prefilled
+    ids.append(engine.add_request(list(prompts[2]), GREEDY))
     shapes, real = [], model.embed_tokens.forward
     monkeypatch.setattr(model.embed_tokens, "forward",
-                        lambda ids: shapes.append(tuple(ids.shape)) or real(ids))
-    engine.step()
-    assert shapes == [(2, 1), (1, 18)]  # the two decode tokens, then the chunk: 20 in all
+                        lambda x: shapes.append(tuple(x.shape)) or real(x))
+    events += engine.step()
+    assert shapes == ([(2, 1), (1, 18)] if hooked else [(1, 20)])
+    while engine.has_work():
+        events += engine.step()
+    for request_id, prompt in zip(ids, prompts):
+        assert [e.token_id for e in events if e.request_id == request_id] == _reference(prompt)
 
 
 def test_one_lm_head_call_a_step_for_the_requests_that_need_a_token(monkeypatch):

@@ -11,6 +11,7 @@ import torch
 from attnlab.kernels import native
 from attnlab.models import DecoderLM, DecoderLMConfig
 from attnlab.serving import PagedKVCache, PagedRow, PagePool, paged_forward
+from attnlab.serving.paged_attention import PackedPagedKVCache, packed_hidden
 from conftest import assert_close
 
 V = 53
@@ -55,6 +56,54 @@ def test_paged_logits_equal_the_plain_forward_for_ragged_chunked_batches(style, 
         for i, s in enumerate(seqs):
             expected = model(torch.tensor([s]))[0]
             assert_close(torch.cat(got[i]), expected, what=f"{style}: sequence {i}")
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_packed_step_gives_each_row_the_plain_forwards_last_logits(style, seed):
+    """Every row's new tokens in one sequence (one-token rows and chunks mixed, in any order):
+    each row's last hidden state gives the logits of the plain forward at that position, and
+    the pages fill as the plain cache would (later steps read them)."""
+    model, rng = _model(style), random.Random(seed)
+    c, ps = model.config, 4
+    pool = PagePool(c.num_layers, 40, ps, c.kv_heads, c.head_dim)
+    seqs = [[rng.randrange(V) for _ in range(n)] for n in (2, 6, 13, 23)]
+    order = list(range(pool.num_pages))
+    rng.shuffle(order)
+    tables = [[order.pop() for _ in range(-(-len(s) // ps))] for s in seqs]
+    done, steps = [0] * len(seqs), 0
+    with torch.no_grad():
+        expected = [model(torch.tensor([s]))[0] for s in seqs]
+        while any(d < len(s) for d, s in zip(done, seqs)):
+            live = [i for i, s in enumerate(seqs) if done[i] < len(s)]
+            rng.shuffle(live)
+            rows = [PagedRow(tables[i], done[i],
+                             seqs[i][done[i]:done[i] + rng.choice((1, 1, 3, 7))]) for i in live]
+            logits = model.lm_head(packed_hidden(model, pool, rows))
+            for b, i in enumerate(live):
+                done[i] += len(rows[b].new)
+                assert_close(logits[b], expected[i][done[i] - 1],
+                             what=f"{style}: sequence {i} at {done[i] - 1}")
+            steps += 1
+    assert steps > 3
+
+
+def test_a_packed_cache_orders_one_token_rows_first_and_refuses_what_it_cannot_do():
+    model = _model("llama-gqa")
+    c = model.config
+    pool = PagePool(c.num_layers, 8, 4, c.kv_heads, c.head_dim)
+    rows = [PagedRow([0, 1], 0, [5, 6, 7]), PagedRow([2], 2, [8]), PagedRow([3], 0, [9, 10])]
+    cache = PackedPagedKVCache(pool, rows, window=None)
+    assert cache.input_ids.tolist() == [[8, 5, 6, 7, 9, 10]]
+    assert cache.position_ids.tolist() == [[2, 0, 1, 2, 0, 1]]
+    assert cache.last.tolist() == [3, 0, 5]
+    assert (cache.batch_size, cache.length, cache.max_len) == (1, 0, 6)
+    with pytest.raises(NotImplementedError, match="attends in its cache"):
+        cache[0].update(torch.zeros(1, 1, 6, 8), torch.zeros(1, 1, 6, 8))
+    with pytest.raises(NotImplementedError, match="serves one forward"):
+        cache.reset()
+    with pytest.raises(ValueError, match="rows: expected at least one request"):
+        PackedPagedKVCache(pool, [], window=None)
 
 
 def test_the_pages_hold_the_dense_cache_keys():

@@ -41,7 +41,7 @@ from attnlab.hook_point import HookPoint
 from attnlab.kernels import optimize_for_inference
 from attnlab.layers import FeedForward, GatedMLP, LearnedPositionalEmbedding, RMSNorm
 from attnlab.layers.self_attention import SelfAttention
-from attnlab.masks import causal_mask, sliding_window_mask
+from attnlab.masks import decoder_mask
 from attnlab.models.decoder_config import GATED, DecoderLMConfig, make_rotary
 from attnlab.models.families.loading import load_family, save_family
 from attnlab.models.fused_decode import fused_layers
@@ -166,7 +166,7 @@ class DecoderLM(PreTrainedModel):
             input_ids, attention_mask, cache, position_ids, logits_to_keep,
             vocab_size=c.vocab_size, max_len=c.max_len,
             num_layers=c.num_layers)
-        mask = self._attention_mask(key_mask, L, offset)
+        mask = decoder_mask(key_mask, L, offset, c.sliding_window, device=self.device)
         x = self.embed_tokens(input_ids)
         if c.embedding_scale is not None:  # in x's dtype, as Gemma rounds it
             x = x * torch.tensor(c.embedding_scale, dtype=x.dtype)
@@ -189,18 +189,6 @@ class DecoderLM(PreTrainedModel):
         if logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
         return self.norm(x)
-
-    def _attention_mask(self, key_mask: Tensor | None, L: int, offset: int) -> Tensor | None:
-        """``B x 1 x L x S`` (or ``L x S``) bool, True = may attend, or ``None`` for the plain
-        causal case: real keys only, bottom-right causal, within the sliding window."""
-        S, window = offset + L, self.config.sliding_window
-        windowed = window is not None and window < S
-        if key_mask is None and not windowed:
-            return None
-        device = self.device
-        mask = (sliding_window_mask(L, S, window, device=device) if windowed
-                else causal_mask(L, S, device=device))
-        return mask if key_mask is None else key_mask[:, None, None, :] & mask
 
     def make_cache(self, batch_size: int, max_len: int | None = None, *,
                    grow: bool = False) -> KVCache:

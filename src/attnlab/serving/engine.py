@@ -1,8 +1,10 @@
 """The serving engine: requests in, one token per running request per ``step()`` out.
 
     add_request(prompt ids, SamplingParams) -> id      checked, queued (QueueFull past max_queue)
-    step():  plan (scheduler)  ->  forwards over the pages of the planned requests
-             (paged_attention: the decode tokens together, each prefill chunk alone)
+    step():  plan (scheduler)  ->  one forward over the pages of the planned requests
+             (paged_attention.packed_hidden: every new token in one sequence, attention
+             per request; with score hooks, the decode tokens together and each prefill
+             chunk alone)
              ->  one lm_head call for the requests whose prompt is done (a prefill chunk
              that does not end its prompt needs no logits)  ->  sample each of them
              ->  [TokenEvent(id, token, finish_reason)], pages released on finish
@@ -20,15 +22,16 @@ from __future__ import annotations
 import math
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from attnlab._checks import check_positive, is_int
 from attnlab.generation import check_logits, greedy_tokens, sample_logits, unusable_rows
+from attnlab.layers.self_attention import SelfAttention
 from attnlab.models import DecoderLM
-from attnlab.serving.paged_attention import PagedRow, paged_hidden
+from attnlab.serving.paged_attention import PagedRow, packed_hidden, paged_hidden
 from attnlab.serving.paged_cache import PagePool
 from attnlab.serving.params import QueueFull, SamplingParams, TokenEvent
 from attnlab.serving.scheduler import Request, Scheduler
@@ -82,6 +85,7 @@ class Engine:
             kv_pages = default_pages(model, max_batch, page_size)
         check_positive("kv_pages", kv_pages)
         self.model, self.max_queue = model, max_queue
+        self._attentions = [m for m in model.modules() if isinstance(m, SelfAttention)]
         self.pool = PagePool(c.num_layers, kv_pages, page_size, c.kv_heads, c.head_dim,
                              dtype=model.dtype, device=model.device)
         self.scheduler = Scheduler(self.pool, max_batch=max_batch,
@@ -187,22 +191,35 @@ class Engine:
             rows = [PagedRow(list(r.table), r.computed, r.tokens[r.computed:r.computed + n])
                     for r, n in plan]
         ready: list[tuple[Request, Tensor]] = []
-        for group in _forward_groups(plan):
-            ended, done = self._run([plan[i] for i in group], [rows[i] for i in group])
+        groups = _forward_groups(plan)
+        if len(groups) > 1 and not self._hooked():  # one forward for them all
+            groups, forward = [list(range(len(plan)))], packed_hidden
+        else:
+            forward = paged_hidden
+        for group in groups:
+            ended, done = self._run([plan[i] for i in group], [rows[i] for i in group],
+                                    forward)
             events += ended
             ready += done
         if ready:
             events += self._sample(ready)
         return events
 
-    def _run(self, plan: list[tuple[Request, int]], rows: list[PagedRow]
+    def _hooked(self) -> bool:
+        """Whether an attention layer has score or pattern hooks: it then asks its cache for
+        the keys, which a packed step does not gather."""
+        return any(a.scores.has_hooks or a.pattern.has_hooks for a in self._attentions)
+
+    def _run(self, plan: list[tuple[Request, int]], rows: list[PagedRow],
+             forward: Callable[[DecoderLM, PagePool, list[PagedRow]], Tensor]
              ) -> tuple[list[TokenEvent], list[tuple[Request, Tensor]]]:
-        """One forward over ``rows``; record it. Returns the events of the requests it ended
-        (a failure ends these requests, with the error, not the engine) and, for each request
-        whose prompt is now done, the request and its last hidden state ``H``."""
+        """One ``forward`` (``paged_hidden`` or ``packed_hidden``) over ``rows``; record it.
+        Returns the events of the requests it ended (a failure ends these requests, with the
+        error, not the engine) and, for each request whose prompt is now done, the request
+        and its last hidden state ``H``."""
         try:
             with torch.inference_mode():
-                last = paged_hidden(self.model, self.pool, rows)
+                last = forward(self.model, self.pool, rows)
         except Exception as error:
             with self._lock:
                 return [self._end(request, f"{type(error).__name__}: {error}")

@@ -20,6 +20,20 @@ model code is copied.
 The gather is the formula; for a few queries on the CPU a layer's ``attention`` skips it:
 ``attnlab.kernels.native.paged_attention`` reads key ``j >= S - T_b`` of row ``b`` in its
 page, through the row's block table, under the same mask.
+
+Padding a step's rows to ``L`` would run a 500-token prefill chunk's positions for every
+decode row; running each chunk alone reads every weight once more per chunk. ``packed_hidden``
+does neither (as vLLM's flattened batches): the new tokens of all rows as one sequence
+
+    input_ids     1 x T        the rows' new tokens one after another (T = sum n_b), the
+                               one-token rows first
+    position_ids  1 x T        token t of a row at position t
+    cache         PackedPagedKVCache  whose layer ``attention`` splits q, k, v back into the
+                               rows: the one-token rows together, over a ``PagedKVCache`` of
+                               them, each longer chunk alone, over its own; each under the mask
+                               the model would give it (``attnlab.masks.decoder_mask``)
+
+so the linear layers, norms and RoPE run once on ``T`` rows and attention never crosses rows.
 """
 
 from __future__ import annotations
@@ -36,9 +50,11 @@ from attnlab.attention.sdpa import (
     paged_native_attention,
     scaled_dot_product_attention,
 )
+from attnlab.masks import decoder_mask
 from attnlab.serving.paged_cache import PagePool
 
-__all__ = ["PagedKVCache", "PagedRow", "paged_forward", "paged_hidden"]
+__all__ = ["PackedPagedKVCache", "PagedKVCache", "PagedRow", "packed_hidden", "paged_forward",
+           "paged_hidden"]
 
 
 class PagedRow(NamedTuple):
@@ -69,6 +85,17 @@ def paged_hidden(model: nn.Module, pool: PagePool, rows: Sequence[PagedRow]) -> 
     ids, cache = _paged_inputs(pool, rows)
     return model.final_hidden(ids, attention_mask=cache.key_mask, cache=cache,
                               position_ids=cache.position_ids, logits_to_keep=1)[:, -1]
+
+
+def packed_hidden(model: nn.Module, pool: PagePool, rows: Sequence[PagedRow]) -> Tensor:
+    """As ``paged_hidden`` (the final hidden state of each row's last token, ``B x H``, in the
+    order of ``rows``), in one forward of the rows' new tokens as one sequence (module
+    docstring). The model must let its layers' caches attend (no score or pattern hooks: a
+    hooked attention asks for the keys, which a packed step does not gather)."""
+    cache = PackedPagedKVCache(pool, rows, window=model.config.sliding_window,
+                               device=pool.k[0].device)
+    hidden = model.final_hidden(cache.input_ids, cache=cache, position_ids=cache.position_ids)
+    return hidden[0, cache.last]
 
 
 def _paged_inputs(pool: PagePool, rows: Sequence[PagedRow]) -> tuple[Tensor, PagedKVCache]:
@@ -205,3 +232,103 @@ class PagedLayerCache:
                                  f"{store.shape[1]}, {c.query_length}, {store.shape[3]}), got "
                                  f"{tuple(new.shape)}")
             store[pages, :, slots] = new[rows, :, queries].to(store.dtype)
+
+
+class PackedPagedKVCache(KVCache):
+    """A ``KVCache`` of batch 1 (by type, so that ``DecoderLM.forward`` takes it) whose one
+    sequence is every new token of ``rows``: the one-token rows first (in their order), then
+    each longer chunk. ``input_ids`` and ``position_ids`` ``1 x T``; ``last[b]`` the index in
+    ``T`` of row ``b``'s last token. ``window``: the model's sliding window (None: none)."""
+
+    def __init__(self, pool: PagePool, rows: Sequence[PagedRow], *, window: int | None,
+                 device: torch.device | str | None = None) -> None:
+        # KVCache.__init__ would allocate dense buffers; this cache has its own layers.
+        if not rows:
+            raise ValueError("rows: expected at least one request, got none")
+        single = [b for b, row in enumerate(rows) if len(row.new) == 1]
+        chunks = [b for b, row in enumerate(rows) if len(row.new) != 1]
+        order = single + chunks
+        self.decoding = PagedKVCache(pool, [rows[b] for b in single], device=device) \
+            if single else None
+        self.chunks = [PagedKVCache(pool, [rows[b]], device=device) for b in chunks]
+        tokens = [t for b in order for t in rows[b].new]
+        positions = [row.start + j for row in (rows[b] for b in order)
+                     for j in range(len(row.new))]
+        ends = torch.tensor([len(rows[b].new) for b in order]).cumsum(0) - 1
+        self.last = torch.empty(len(rows), dtype=torch.long)
+        self.last[torch.tensor(order)] = ends
+        self.input_ids = torch.tensor([tokens], dtype=torch.long, device=device)
+        self.position_ids = torch.tensor([positions], dtype=torch.long, device=device)
+        self.query_length, self.window, self.pool = len(tokens), window, pool
+        self.layers = [PackedLayerCache(self, i) for i in range(len(pool.k))]
+
+    @property
+    def length(self) -> int:
+        return 0
+
+    @property
+    def max_len(self) -> int:
+        return self.query_length
+
+    @property
+    def batch_size(self) -> int:
+        return 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.pool.k, *self.pool.v))
+
+    def reset(self, *args: object) -> None:
+        """Refused, as ``truncate`` and ``reorder``: the pages belong to the engine."""
+        raise NotImplementedError("a PackedPagedKVCache serves one forward; its pages belong "
+                                  "to the engine, which frees them")
+
+    truncate = reorder = reset
+
+    def __repr__(self) -> str:
+        rows = (0 if self.decoding is None else self.decoding.batch_size) + len(self.chunks)
+        return (f"PackedPagedKVCache(rows={rows}, T={self.query_length}, "
+                f"layers={len(self.layers)})")
+
+
+class PackedLayerCache:
+    """Layer ``index`` of a ``PackedPagedKVCache``: ``attention`` only (see the class)."""
+
+    def __init__(self, cache: PackedPagedKVCache, index: int) -> None:
+        self.cache, self.index = cache, index
+
+    @property
+    def length(self) -> int:
+        return 0
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Refused: the rows of a packed step have no common keys to return (a hooked or
+        training attention asks for them; run such a step with ``paged_hidden``)."""
+        raise NotImplementedError("a packed step attends in its cache (cache.attention); an "
+                                  "attention with score hooks needs paged_hidden's rows")
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *,
+                  is_causal: bool, scale: float | None, backend: str = "auto") -> Tensor:
+        """q ``1 x H x T x D``, k, v ``1 x G x T x D`` of the packed tokens -> ``1 x H x T x
+        Dv``: each row's queries over its own pages, its new keys and values written there
+        (the model's ``mask`` and ``is_causal``, made for one sequence, are not used)."""
+        c, i, parts, start = self.cache, self.index, [], 0
+        if c.decoding is not None:
+            n = c.decoding.batch_size
+            one = [t[:, :, start:start + n].transpose(0, 2) for t in (q, k, v)]  # n x . x 1 x D
+            key_mask = c.decoding.key_mask
+            key_mask = None if bool(key_mask.all()) else key_mask
+            rows_mask = decoder_mask(key_mask, 1, c.decoding.offset, c.window,
+                                     device=q.device)
+            parts.append(c.decoding.layers[i].attention(
+                *one, rows_mask, is_causal=False, scale=scale, backend=backend).transpose(0, 2))
+            start += n
+        for chunk in c.chunks:
+            n = chunk.query_length
+            part = [t[:, :, start:start + n] for t in (q, k, v)]
+            chunk_mask = decoder_mask(None, n, chunk.offset, c.window, device=q.device)
+            parts.append(chunk.layers[i].attention(
+                *part, chunk_mask, is_causal=chunk_mask is None and n > 1, scale=scale,
+                backend=backend))
+            start += n
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
