@@ -83,6 +83,25 @@ def test_gemv_tiles_equals_the_formula(rows, out_features, in_features, bias, th
     _close(y, expected, torch.bfloat16)
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 16, 17, 33])
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 64), (37, 70), (9, 31)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_tiles_equal_dequantize_then_linear(scale_dtype, rows, out_features, in_features,
+                                                 threads) -> None:
+    if not native.tiles_available():
+        pytest.skip("this CPU (or its kernel) lends no AMX-BF16 tiles")
+    g = torch.Generator().manual_seed(rows + out_features)
+    weight = quantize(torch.randn(out_features, in_features, generator=g), 8,
+                      scale_dtype=scale_dtype)
+    x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=g).to(torch.bfloat16)
+    with thread_count(threads):
+        y = native.gemv_int8_tiles(x, weight.data, weight.scales, b)
+    expected = x.double() @ weight.dequantize(torch.float64).t() + b.double()
+    _close(y, expected, torch.bfloat16)
+
+
 def test_gemv_tiles_refuses_what_it_cannot_run() -> None:
     if not native.tiles_available():
         with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
@@ -95,6 +114,11 @@ def test_gemv_tiles_refuses_what_it_cannot_run() -> None:
         native.gemv_tiles(x, w[:, :32])
     with pytest.raises(RuntimeError, match="bias: expected 8 contiguous bfloat16"):
         native.gemv_tiles(x, w, torch.ones(8))
+    q = torch.zeros(8, 64, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="q: expected contiguous int8 codes O x 64"):
+        native.gemv_int8_tiles(x, q.float(), torch.ones(8))
+    with pytest.raises(RuntimeError, match="scales: expected 8 float32 or bfloat16"):
+        native.gemv_int8_tiles(x, q, torch.ones(7))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -10,8 +10,14 @@ import torch
 
 from attnlab.kernels import native
 from attnlab.models import DecoderLM, DecoderLMConfig
-from attnlab.serving import PagedKVCache, PagedRow, PagePool, paged_forward
-from attnlab.serving.paged_attention import PackedPagedKVCache, packed_hidden
+from attnlab.serving import (
+    PackedPagedKVCache,
+    PagedKVCache,
+    PagedRow,
+    PagePool,
+    packed_hidden,
+    paged_forward,
+)
 from conftest import assert_close
 
 V = 53

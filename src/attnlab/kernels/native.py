@@ -41,8 +41,9 @@ from attnlab.kernels import cache
 
 __all__ = ["DTYPES", "MAX_ROWS", "STEP_CALL", "STEP_KINDS", "TILES_MAX_ROWS", "argmax_rows",
            "available", "decode_attention", "decode_layers", "dequantize_int4",
-           "dequantize_int8", "gemv", "gemv_int4", "gemv_int8", "gemv_tiles", "paged_attention",
-           "pairs_available", "rms_norm", "rotary", "takes", "tiles_available"]
+           "dequantize_int8", "gemv", "gemv_int4", "gemv_int8", "gemv_int8_tiles", "gemv_tiles",
+           "paged_attention", "pairs_available", "rms_norm", "rotary", "takes",
+           "tiles_available"]
 
 # The float GEMVs and the attention kernel are offered for the decoding buckets only: past 8
 # rows a BLAS GEMM reuses each weight better. (The quantized plan offers its GEMVs further, for
@@ -57,7 +58,7 @@ DTYPES = (torch.float32, torch.bfloat16)  # the activations' dtypes the kernels 
 # packed int8/int4 ops, the formula (``linear``).
 STEP_KINDS = {"native_gemv": 0, "native_pairs": 1, "int8_native": 2, "int4_native": 3,
               "int4_native_pairs": 4, "int8_mm": 5, "int4_mm": 6, "formula": 7, "columns": 7,
-              "native_tiles": 9}
+              "native_tiles": 9, "int8_tiles": 10}
 # Any other kernel: ``(STEP_CALL, x -> y, None, None, 0, None)``, called back in Python.
 STEP_CALL = 8
 
@@ -121,6 +122,13 @@ def gemv_tiles(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     never bounds a decoding step's rows); sums in float32, rounded once (see
     :func:`tiles_available`)."""
     return _require().gemv_tiles(x, weight, bias)
+
+
+def gemv_int8_tiles(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x (q s)^T + b`` as :func:`gemv_int8` (q ``O x I`` int8, scales ``O``), x bfloat16, on
+    AMX tiles as :func:`gemv_tiles`: each 32 codes widened to bfloat16 (exactly) just before
+    their tile product, the scale applied to each row's float32 sum."""
+    return _require().gemv_int8_tiles(x, q, scales, bias)
 
 
 def gemv_int8(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -709,6 +709,8 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const tor
 bool has_tiles();
 torch::Tensor gemv_tiles(const torch::Tensor& x, const torch::Tensor& w,
                          const std::optional<torch::Tensor>& bias);
+torch::Tensor gemv_int8_tiles(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
+                              const std::optional<torch::Tensor>& bias);
 // A decoding step through every block, in native_step.cpp.
 torch::Tensor decode_layers(const torch::Tensor& x, const pybind11::list& layers,
                             const pybind11::tuple& config, const std::optional<torch::Tensor>& cos,
@@ -720,6 +722,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_tiles", &has_tiles, "whether this process may run the AMX-BF16 tile kernel");
   m.def("gemv", &gemv, "y = x W^T + b, W float32 or bfloat16");
   m.def("gemv_tiles", &gemv_tiles, "y = x W^T + b, bfloat16, on AMX tiles");
+  m.def("gemv_int8_tiles", &gemv_int8_tiles, "y = x (q s)^T + b, q int8, on AMX tiles");
   m.def("gemv_int8", &gemv_int8, "y = x (q s)^T + b, q int8 with per-row scales s");
   m.def("gemv_int4", &gemv_int4, "y = x ((q - 8) s + z)^T + b, 4-bit codes in groups");
   m.def("dequantize_int4", &dequantize_int4, "W' = (q - 8) s + z per group");

@@ -32,6 +32,8 @@ torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const to
                         bool pairs);
 torch::Tensor gemv_tiles(const torch::Tensor& x, const torch::Tensor& w,
                          const std::optional<torch::Tensor>& bias);
+torch::Tensor gemv_int8_tiles(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
+                              const std::optional<torch::Tensor>& bias);
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const std::optional<torch::Tensor>& mask, double scale, bool causal);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps, bool unit_offset);
@@ -42,11 +44,11 @@ namespace {
 
 // The kinds of product, as attnlab.kernels.native.STEP_KINDS names them: attnlab's GEMVs,
 // PyTorch's packed int8/int4 ops (then the bias added after, as the Python kernels add it),
-// the formula (linear) and the AMX tile kernel.
+// the formula (linear) and the AMX tile kernels.
 // kCall: any other kernel, called back in Python (the weight slot holds the callable).
 enum Kind : int64_t {
   kFloat = 0, kFloatPairs = 1, kInt8 = 2, kInt4 = 3, kInt4Pairs = 4, kInt8Mm = 5, kInt4Mm = 6,
-  kFormula = 7, kCall = 8, kTiles = 9
+  kFormula = 7, kCall = 8, kTiles = 9, kInt8Tiles = 10
 };
 // The norms and activations, likewise.
 enum Norm : int64_t { kRms = 0, kRmsUnitOffset = 1, kLayerNorm = 2 };
@@ -92,6 +94,7 @@ struct Linear {
       case kFormula: return at::linear(x, w, bias);
       case kCall: return py::cast<torch::Tensor>(call(x));
       case kTiles: return gemv_tiles(x, w, bias);
+      case kInt8Tiles: return gemv_int8_tiles(x, w, s.value(), bias);
     }
     TORCH_CHECK(false, "a linear: unknown kind ", kind);
   }

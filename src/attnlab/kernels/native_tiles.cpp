@@ -1,5 +1,7 @@
 // y = x W^T + b for a few bfloat16 rows x on the CPU's matrix tiles (Intel AMX), reading the
-// row-major weight where it lies: no packed copy.
+// row-major weight where it lies: no packed copy. W bfloat16, or int8 codes with a scale per
+// row (y = (x q^T) s + b), each 32 codes widened to bfloat16 (exact) just before its tile
+// product.
 //
 // A tile product C += A B (TDPBF16PS) takes A 16 x 32 bfloat16, B 16 x 16 pairs of bfloat16
 // and C 16 x 16 float32, C[i][j] += sum_p A[i][2p] B[p][j][0] + A[i][2p + 1] B[p][j][1]. With
@@ -25,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
@@ -86,21 +89,45 @@ std::vector<uint32_t> pack_x(const uint16_t* x, int64_t K, int64_t m0, int64_t m
   return packed;
 }
 
-// C tiles for 32 rows of W starting at `w` (row stride K), x as `b` packed B tiles, into
-// sums[i][m] (32 x 32 float32).
-template <int B>
-void block_sums(const uint16_t* w, int64_t K, const uint32_t* xb, float* sums) {
+// 32 rows of int8 codes (row stride K), inputs 32j .. 32j + 31, as two A tiles of bfloat16
+// in `buffer` (2 x 16 x 32): every int8 is a bfloat16 number exactly.
+inline void widen_int8(const int8_t* q, int64_t K, int64_t j, uint16_t* buffer) {
+  for (int64_t r = 0; r < kBlock; ++r) {
+    const int8_t* p = q + r * K + j * kInputs;
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+    const __m512bh both = _mm512_cvtne2ps_pbh(hi, lo);  // lo's 16 first
+    std::memcpy(buffer + r * kInputs, &both, 64);
+  }
+}
+
+// C tiles for 32 rows of W starting at `w` (row stride K; bfloat16, or int8 codes widened
+// through `buffer`, two of 32 x 32), x as `b` packed B tiles, into sums[i][m] (32 x 32 float32).
+template <int B, typename W>
+void block_sums(const W* w, int64_t K, const uint32_t* xb, float* sums, uint16_t* buffer) {
   _tile_zero(0);
   _tile_zero(2);
   if constexpr (B == 2) {
     _tile_zero(1);
     _tile_zero(3);
   }
-  const int64_t stride = K * 2, steps = K / kInputs;
+  const int64_t steps = K / kInputs;
+  // int8: step j + 1 widened while step j's tiles load (a tile load waits for the stores
+  // that wrote its bytes; two buffers give them a step to land)
+  if constexpr (std::is_same_v<W, int8_t>) {
+    if (steps > 0) widen_int8(w, K, 0, buffer);
+  }
   for (int64_t j = 0; j < steps; ++j) {
-    const uint16_t* a = w + j * kInputs;
-    _tile_loadd(4, a, stride);
-    _tile_loadd(5, a + kRows * K, stride);
+    if constexpr (std::is_same_v<W, int8_t>) {
+      const uint16_t* ready = buffer + (j & 1) * kBlock * kInputs;
+      if (j + 1 < steps) widen_int8(w, K, j + 1, buffer + ((j + 1) & 1) * kBlock * kInputs);
+      _tile_loadd(4, ready, 64);
+      _tile_loadd(5, ready + kRows * kInputs, 64);
+    } else {
+      const W* a = w + j * kInputs;
+      _tile_loadd(4, a, K * 2);
+      _tile_loadd(5, a + kRows * K, K * 2);
+    }
     _tile_loadd(6, xb + j * B * kRows * kRows, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(2, 5, 6);
@@ -118,6 +145,64 @@ void block_sums(const uint16_t* w, int64_t K, const uint32_t* xb, float* sums) {
     _tile_stored(3, sums + kRows * kMaxX + kRows, kMaxX * 4);
   }
 }
+
+inline float as_float(uint16_t v) { return from_bf16(v); }
+inline float as_float(int8_t v) { return static_cast<float>(v); }
+
+// y = (x W^T) * scale(o) + b for x (M x K bfloat16) and W (O x K, bfloat16 or int8 codes):
+// the blocks of 32 rows of W split between the threads, x in passes of 32 rows.
+template <typename W, typename Scale>
+void tiles_product(const torch::Tensor& x, const W* wp, int64_t O, Scale scale,
+                   const uint16_t* bp, torch::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t K32 = K - K % kInputs, blocks = (O + kBlock - 1) / kBlock;
+  // The last block's rows, zero-padded to 32 (only when O is not a multiple of 32).
+  std::vector<W> tail;
+  if (O % kBlock) {
+    tail.assign(kBlock * K, W(0));
+    std::memcpy(tail.data(), wp + (blocks - 1) * kBlock * K, (O % kBlock) * K * sizeof(W));
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxX) {
+    const int64_t mb = std::min<int64_t>(kMaxX, M - m0);
+    const int b = mb > kRows ? 2 : 1;
+    const std::vector<uint32_t> xb = pack_x(xp, K, m0, mb, b);
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      static const TileConfig config;
+      _tile_loadconfig(&config);
+      alignas(64) float sums[kBlock * kMaxX];
+      alignas(64) uint16_t buffer[2 * kBlock * kInputs];
+      for (int64_t blk = begin; blk < end; ++blk) {
+        const int64_t n0 = blk * kBlock, rows = std::min<int64_t>(kBlock, O - n0);
+        const W* a = rows < kBlock ? tail.data() : wp + n0 * K;
+        if (b == 2) block_sums<2>(a, K, xb.data(), sums, buffer);
+        else block_sums<1>(a, K, xb.data(), sums, buffer);
+        for (int64_t i = 0; i < rows; ++i) {
+          const W* row = wp + (n0 + i) * K;
+          const float si = scale(n0 + i);
+          for (int64_t m = 0; m < mb; ++m) {
+            float s = sums[i * kMaxX + m];
+            for (int64_t k = K32; k < K; ++k) s += as_float(row[k]) * from_bf16(xp[(m0 + m) * K + k]);
+            s *= si;
+            if (bp) s += from_bf16(bp[n0 + i]);
+            const at::BFloat16 rounded(s);
+            std::memcpy(yp + (m0 + m) * O + n0 + i, &rounded, sizeof(uint16_t));
+          }
+        }
+      }
+      _tile_release();
+    });
+  }
+}
+
+void check_x_bias(const torch::Tensor& x, const torch::Tensor& bias, int64_t O) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.is_cpu() && x.scalar_type() == torch::kBFloat16,
+              "x: expected a contiguous 2-D bfloat16 CPU tensor");
+  TORCH_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == O && bias.is_contiguous() &&
+                                  bias.scalar_type() == torch::kBFloat16),
+              "bias: expected ", O, " contiguous bfloat16 values");
+}
 #endif
 
 }  // namespace
@@ -134,55 +219,42 @@ bool has_tiles() {
 torch::Tensor gemv_tiles(const torch::Tensor& x, const torch::Tensor& w,
                          const std::optional<torch::Tensor>& bias_or_none) {
   TORCH_CHECK(has_tiles(), "gemv_tiles: this CPU, build or kernel gives no AMX-BF16 tiles");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.is_cpu() && x.scalar_type() == torch::kBFloat16,
-              "x: expected a contiguous 2-D bfloat16 CPU tensor");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.is_cpu() && w.scalar_type() == torch::kBFloat16 &&
-                  w.size(1) == x.size(1),
-              "weight: expected a contiguous bfloat16 O x ", x.size(1), " CPU tensor");
   const torch::Tensor bias = bias_or_none.value_or(torch::Tensor());
-  const int64_t M = x.size(0), K = x.size(1), O = w.size(0);
-  TORCH_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == O && bias.is_contiguous() &&
-                                  bias.scalar_type() == torch::kBFloat16),
-              "bias: expected ", O, " contiguous bfloat16 values");
-  auto out = torch::empty({M, O}, x.options());
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.is_cpu() && w.scalar_type() == torch::kBFloat16 &&
+                  x.dim() == 2 && w.size(1) == x.size(1),
+              "weight: expected a contiguous bfloat16 O x ", x.size(-1), " CPU tensor");
+  check_x_bias(x, bias, w.size(0));
+  auto out = torch::empty({x.size(0), w.size(0)}, x.options());
 #ifdef ATTNLAB_TILES
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  tiles_product(x, reinterpret_cast<const uint16_t*>(w.data_ptr()), w.size(0),
+                [](int64_t) { return 1.f; },
+                bias.defined() ? reinterpret_cast<const uint16_t*>(bias.data_ptr()) : nullptr, out);
+#endif
+  return out;
+}
+
+torch::Tensor gemv_int8_tiles(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
+                              const std::optional<torch::Tensor>& bias_or_none) {
+  TORCH_CHECK(has_tiles(), "gemv_int8_tiles: this CPU, build or kernel gives no AMX-BF16 tiles");
+  const torch::Tensor bias = bias_or_none.value_or(torch::Tensor());
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.is_cpu() && q.scalar_type() == torch::kChar &&
+                  x.dim() == 2 && q.size(1) == x.size(1),
+              "q: expected contiguous int8 codes O x ", x.size(-1), " on the CPU");
+  const int64_t O = q.size(0);
+  TORCH_CHECK(s.is_contiguous() && s.numel() == O &&
+                  (s.scalar_type() == torch::kFloat32 || s.scalar_type() == torch::kBFloat16),
+              "scales: expected ", O, " float32 or bfloat16 values");
+  check_x_bias(x, bias, O);
+  auto out = torch::empty({x.size(0), O}, x.options());
+#ifdef ATTNLAB_TILES
   const auto* bp = bias.defined() ? reinterpret_cast<const uint16_t*>(bias.data_ptr()) : nullptr;
-  auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t K32 = K - K % kInputs, blocks = (O + kBlock - 1) / kBlock;
-  // The last block's rows, zero-padded to 32 (only when O is not a multiple of 32).
-  std::vector<uint16_t> tail;
-  if (O % kBlock) {
-    tail.assign(kBlock * K, 0);
-    std::memcpy(tail.data(), wp + (blocks - 1) * kBlock * K, (O % kBlock) * K * sizeof(uint16_t));
-  }
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxX) {
-    const int64_t mb = std::min<int64_t>(kMaxX, M - m0);
-    const int b = mb > kRows ? 2 : 1;
-    const std::vector<uint32_t> xb = pack_x(xp, K, m0, mb, b);
-    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      static const TileConfig config;
-      _tile_loadconfig(&config);
-      alignas(64) float sums[kBlock * kMaxX];
-      for (int64_t blk = begin; blk < end; ++blk) {
-        const int64_t n0 = blk * kBlock, rows = std::min<int64_t>(kBlock, O - n0);
-        const uint16_t* a = rows < kBlock ? tail.data() : wp + n0 * K;
-        if (b == 2) block_sums<2>(a, K, xb.data(), sums);
-        else block_sums<1>(a, K, xb.data(), sums);
-        for (int64_t i = 0; i < rows; ++i) {
-          const uint16_t* row = wp + (n0 + i) * K;
-          for (int64_t m = 0; m < mb; ++m) {
-            float s = sums[i * kMaxX + m];
-            for (int64_t k = K32; k < K; ++k) s += from_bf16(row[k]) * from_bf16(xp[(m0 + m) * K + k]);
-            if (bp) s += from_bf16(bp[n0 + i]);
-            const at::BFloat16 rounded(s);
-            std::memcpy(yp + (m0 + m) * O + n0 + i, &rounded, sizeof(uint16_t));
-          }
-        }
-      }
-      _tile_release();
-    });
+  const auto* qp = reinterpret_cast<const int8_t*>(q.data_ptr());
+  if (s.scalar_type() == torch::kFloat32) {
+    const float* sp = s.data_ptr<float>();
+    tiles_product(x, qp, O, [sp](int64_t o) { return sp[o]; }, bp, out);
+  } else {
+    const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr());
+    tiles_product(x, qp, O, [sp](int64_t o) { return from_bf16(sp[o]); }, bp, out);
   }
 #endif
   return out;

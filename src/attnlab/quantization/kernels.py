@@ -6,7 +6,8 @@ case and is the reference the others are tested against. ``int8_mm`` is PyTorch'
 ``_weight_int4pack_mm_for_cpu`` on the blocked layout (``attnlab.quantization.formats``);
 ``native_dequantize`` the formula with ``W'`` made by attnlab's C++ dequantization, and
 ``int8_native``, ``int4_native``, ``int4_native_pairs`` attnlab's C++ GEMVs
-(:mod:`attnlab.kernels.native`) for a few rows.
+(:mod:`attnlab.kernels.native`) for a few rows, and ``int8_tiles`` its AMX tile kernel (on a
+CPU that has AMX-BF16) for up to 32.
 Reading 1-2 bytes less per weight matters when a weight is read once per token (decoding);
 with many rows (prefill) the formula's one dequantization and a BLAS GEMM usually win, so the
 choice is made per rows bucket, by timing the candidates on this machine as
@@ -229,6 +230,11 @@ def _int8_native_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
     return native.gemv_int8(x, *state, bias)
 
 
+def _int8_tiles_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
+    """``x (q s)^T`` on AMX tiles: the codes widened to bfloat16 beside each tile product."""
+    return native.gemv_int8_tiles(x, *state, bias)
+
+
 def _native_codes(weight: QuantizedWeight, dtype: torch.dtype | None = None) -> tuple:
     """What the C++ kernels read: codes, scales, zeros (None for int8), group size; the same
     for every activation dtype."""
@@ -327,6 +333,9 @@ QUANTIZED_KERNELS: dict[str, QuantizedKernel] = {
                         _native_dequantize_run, _native_takes),
         QuantizedKernel("int8_native", None, _int8_native_prepare, _int8_native_run,
                         lambda w, d: w.bits == 8 and _native_takes(w, d), _NATIVE_ROWS),
+        QuantizedKernel("int8_tiles", None, _int8_native_prepare, _int8_tiles_run,
+                        lambda w, d: (w.bits == 8 and d == torch.bfloat16 and _native_takes(w, d)
+                                      and native.tiles_available()), _NATIVE_ROWS),
         QuantizedKernel("int4_native", "plain", _native_codes, _int4_native_run,
                         lambda w, d: w.bits == 4 and _native_takes(w, d), _NATIVE_ROWS),
         QuantizedKernel("int4_native_pairs", "plain", _native_codes, _int4_pairs_run,
