@@ -238,7 +238,8 @@ class PackedPagedKVCache(KVCache):
     """A ``KVCache`` of batch 1 (by type, so that ``DecoderLM.forward`` takes it) whose one
     sequence is every new token of ``rows``: the one-token rows first (in their order), then
     each longer chunk. ``input_ids`` and ``position_ids`` ``1 x T``; ``last[b]`` the index in
-    ``T`` of row ``b``'s last token. ``window``: the model's sliding window (None: none)."""
+    ``T`` of row ``b``'s last token; ``masks`` each part's (one-token rows, then each chunk),
+    with the model's sliding ``window`` (None: none)."""
 
     def __init__(self, pool: PagePool, rows: Sequence[PagedRow], *, window: int | None,
                  device: torch.device | str | None = None) -> None:
@@ -259,7 +260,11 @@ class PackedPagedKVCache(KVCache):
         self.last[torch.tensor(order)] = ends
         self.input_ids = torch.tensor([tokens], dtype=torch.long, device=device)
         self.position_ids = torch.tensor([positions], dtype=torch.long, device=device)
-        self.query_length, self.window, self.pool = len(tokens), window, pool
+        self.query_length, self.pool = len(tokens), pool
+        # each part's mask, as the model makes it for that part alone (the same every layer)
+        self.masks = [decoder_mask(_padded(part.key_mask), part.query_length, part.offset,
+                                   window, device=device)
+                      for part in ([self.decoding] if single else []) + self.chunks]
         self.layers = [PackedLayerCache(self, i) for i in range(len(pool.k))]
 
     @property
@@ -313,22 +318,24 @@ class PackedLayerCache:
         Dv``: each row's queries over its own pages, its new keys and values written there
         (the model's ``mask`` and ``is_causal``, made for one sequence, are not used)."""
         c, i, parts, start = self.cache, self.index, [], 0
+        masks = iter(c.masks)
         if c.decoding is not None:
             n = c.decoding.batch_size
             one = [t[:, :, start:start + n].transpose(0, 2) for t in (q, k, v)]  # n x . x 1 x D
-            key_mask = c.decoding.key_mask
-            key_mask = None if bool(key_mask.all()) else key_mask
-            rows_mask = decoder_mask(key_mask, 1, c.decoding.offset, c.window,
-                                     device=q.device)
             parts.append(c.decoding.layers[i].attention(
-                *one, rows_mask, is_causal=False, scale=scale, backend=backend).transpose(0, 2))
+                *one, next(masks), is_causal=False, scale=scale, backend=backend
+            ).transpose(0, 2))
             start += n
-        for chunk in c.chunks:
+        for chunk, chunk_mask in zip(c.chunks, masks):
             n = chunk.query_length
             part = [t[:, :, start:start + n] for t in (q, k, v)]
-            chunk_mask = decoder_mask(None, n, chunk.offset, c.window, device=q.device)
             parts.append(chunk.layers[i].attention(
                 *part, chunk_mask, is_causal=chunk_mask is None and n > 1, scale=scale,
                 backend=backend))
             start += n
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def _padded(key_mask: Tensor) -> Tensor | None:
+    """``key_mask`` when it pads a key, else None (the model's plain causal case)."""
+    return None if bool(key_mask.all()) else key_mask
