@@ -109,7 +109,25 @@ def _paged_inputs(pool: PagePool, rows: Sequence[PagedRow]) -> tuple[Tensor, Pag
     return ids.to(cache.key_mask.device), cache
 
 
-class PagedKVCache(KVCache):
+class _OneForward(KVCache):
+    """What the caches of one forward over a ``PagePool`` share: their bytes are the pool's,
+    and its pages are the engine's to free, not the cache's to reset."""
+
+    pool: PagePool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.pool.k, *self.pool.v))
+
+    def reset(self, *args: object) -> None:
+        """Refused, as ``truncate`` and ``reorder``: the pages belong to the engine."""
+        raise NotImplementedError(f"a {type(self).__name__} serves one forward; its pages "
+                                  f"belong to the engine, which frees them")
+
+    truncate = reorder = reset
+
+
+class PagedKVCache(_OneForward):
     """A ``KVCache`` (by type, so that ``DecoderLM.forward`` takes it) over a ``PagePool``
     for one forward of ``rows``; ``length`` is the ``offset`` of the module docstring.
 
@@ -169,17 +187,6 @@ class PagedKVCache(KVCache):
     def batch_size(self) -> int:
         return self.key_mask.shape[0]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.pool.k, *self.pool.v))
-
-    def reset(self, *args: object) -> None:
-        """Refused, as ``truncate`` and ``reorder``: the pages belong to the engine."""
-        raise NotImplementedError("a PagedKVCache serves one forward; its pages belong to "
-                                  "the engine, which frees them")
-
-    truncate = reorder = reset
-
     def __repr__(self) -> str:
         return (f"PagedKVCache(rows={self.batch_size}, L={self.query_length}, "
                 f"offset={self.offset}, layers={len(self.layers)})")
@@ -234,7 +241,7 @@ class PagedLayerCache:
             store[pages, :, slots] = new[rows, :, queries].to(store.dtype)
 
 
-class PackedPagedKVCache(KVCache):
+class PackedPagedKVCache(_OneForward):
     """A ``KVCache`` of batch 1 (by type, so that ``DecoderLM.forward`` takes it) whose one
     sequence is every new token of ``rows``: the one-token rows first (in their order), then
     each longer chunk. ``input_ids`` and ``position_ids`` ``1 x T``; ``last[b]`` the index in
@@ -278,17 +285,6 @@ class PackedPagedKVCache(KVCache):
     @property
     def batch_size(self) -> int:
         return 1
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.pool.k, *self.pool.v))
-
-    def reset(self, *args: object) -> None:
-        """Refused, as ``truncate`` and ``reorder``: the pages belong to the engine."""
-        raise NotImplementedError("a PackedPagedKVCache serves one forward; its pages belong "
-                                  "to the engine, which frees them")
-
-    truncate = reorder = reset
 
     def __repr__(self) -> str:
         rows = (0 if self.decoding is None else self.decoding.batch_size) + len(self.chunks)
