@@ -196,6 +196,8 @@ void tiles_product(const torch::Tensor& x, const W* wp, int64_t O, Scale scale,
   }
 }
 
+#endif
+
 void check_x_bias(const torch::Tensor& x, const torch::Tensor& bias, int64_t O) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.is_cpu() && x.scalar_type() == torch::kBFloat16,
               "x: expected a contiguous 2-D bfloat16 CPU tensor");
@@ -203,7 +205,6 @@ void check_x_bias(const torch::Tensor& x, const torch::Tensor& bias, int64_t O) 
                                   bias.scalar_type() == torch::kBFloat16),
               "bias: expected ", O, " contiguous bfloat16 values");
 }
-#endif
 
 }  // namespace
 
