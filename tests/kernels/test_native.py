@@ -6,6 +6,7 @@ a C++ compiler is installed, a failed build fails these tests instead of skippin
 
 from __future__ import annotations
 
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -232,6 +233,31 @@ def test_bad_input_is_refused_naming_it() -> None:
     with pytest.raises(RuntimeError, match="group_size: expected a multiple of 32"):
         native.gemv_int4(x, torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 4),
                          torch.ones(8, 4), 16)
+
+
+def test_the_sources_build_for_a_cpu_without_avx512_or_amx(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AVX-512, bfloat16-pair and AMX loops are compiled only where the target has them:
+    a build for a plain x86-64-v2 CPU (what a user without them compiles) still builds, says
+    it has neither, and computes the GEMV by its fallback loops."""
+    import platform
+
+    from torch.utils import cpp_extension
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86-64 target")
+    flags = [f for f in native._FLAGS if not f.startswith("-march")] + ["-march=x86-64-v2"]
+    if shutil.which("ninja") is None:  # torch builds with ninja: the `ninja` wheel's copy
+        monkeypatch.setenv("PATH", os.pathsep.join((native._ninja_folder(), os.environ["PATH"])))
+    built = cpp_extension.load(name=f"attnlab_plain_{tmp_path.name}",
+                               sources=[str(p) for p in native._SOURCES],
+                               build_directory=str(tmp_path), extra_cflags=flags,
+                               extra_ldflags=["-fopenmp"], verbose=False)
+    assert not built.has_pairs() and not built.has_tiles()
+    x, w = torch.randn(3, 70, dtype=torch.float64).float(), torch.randn(37, 70).float()
+    _close(built.gemv(x, w, None, False), x.double() @ w.double().t(), torch.float32)
+    with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
+        built.gemv_tiles(x.bfloat16(), w.bfloat16(), None)
 
 
 def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
