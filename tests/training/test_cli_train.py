@@ -161,4 +161,12 @@ def test_torchrun_two_processes_reach_the_same_parameters_as_one(tmp_path):
     one = load_file(Path(tmp_path / "one" / "last" / "model.safetensors"))
     assert two.keys() == one.keys()
     for name in one:
-        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-5, msg=name)
+        a, b = two[name], one[name]
+        if name.endswith("in_proj_bias"):
+            # The key bias adds one amount to every score of a query, which softmax ignores:
+            # its gradient is rounding noise (summed in another order by two processes), and
+            # Adam's normalisation turns noise of either sign into steps of the learning
+            # rate's size (an Intel Xeon: 1.5e-5 apart, the q and v parts 3e-11).
+            E = b.numel() // 3
+            a, b = torch.cat((a[:E], a[2 * E:])), torch.cat((b[:E], b[2 * E:]))
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
