@@ -8,7 +8,10 @@ which the weight streams from memory; PyTorch's CPU GEMV for these shapes (and i
 ops, with one row) runs at a fraction of it, and its attention and argmax cost more in set-up
 than in arithmetic on a step's small tensors. ``native_gemv.cpp`` and ``native_decode.cpp``,
 beside this file, convert each weight to float32 in registers and accumulate in float32
-(AVX-512 where the compiler targets it, else plain loops that it vectorises). They are
+(AVX-512 where the compiler targets it, else plain loops that it vectorises);
+``native_tiles.cpp`` runs up to 32 bfloat16 rows on the matrix tiles of a CPU with AMX-BF16
+(:func:`gemv_tiles`, :func:`gemv_int8_tiles`), where the vector loops would run out of
+arithmetic before memory. They are
 compiled on first use with ``torch.utils.cpp_extension`` for this CPU (``-march=native``;
 under a minute, once: the build is kept under ``$ATTNLAB_CACHE_DIR/native``, else
 ``~/.cache/attnlab/native``, keyed by the sources, the torch version and the CPU model; ninja
