@@ -111,6 +111,8 @@ def test_gemv_tiles_refuses_what_it_cannot_run() -> None:
     x, w = torch.randn(2, 64).bfloat16(), torch.randn(8, 64).bfloat16()
     with pytest.raises(RuntimeError, match="x: expected a contiguous 2-D bfloat16"):
         native.gemv_tiles(x.float(), w)
+    with pytest.raises(RuntimeError, match="x: expected a contiguous 2-D bfloat16"):
+        native.gemv_tiles(x[0], w)  # a 1-D x is named, not the weight
     with pytest.raises(RuntimeError, match="weight: expected a contiguous bfloat16 O x 64"):
         native.gemv_tiles(x, w[:, :32])
     with pytest.raises(RuntimeError, match="bias: expected 8 contiguous bfloat16"):

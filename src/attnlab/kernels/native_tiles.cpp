@@ -64,13 +64,6 @@ bool request_tiles() {
   return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
 }
 
-inline float from_bf16(uint16_t bits) {
-  uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof value);
-  return value;
-}
-
 // x rows [m0, m0 + mb) as B tiles: for inputs 32j .. 32j + 31, tile j is 16 rows p of 16
 // pairs (x[m][32j + 2p], x[m][32j + 2p + 1]), rows of x past mb zero; `b` of them (b = 1, 2).
 std::vector<uint32_t> pack_x(const uint16_t* x, int64_t K, int64_t m0, int64_t mb, int b) {
@@ -146,7 +139,7 @@ void block_sums(const W* w, int64_t K, const uint32_t* xb, float* sums, uint16_t
   }
 }
 
-inline float as_float(uint16_t v) { return from_bf16(v); }
+inline float as_float(uint16_t v) { return c10::detail::f32_from_bits(v); }
 inline float as_float(int8_t v) { return static_cast<float>(v); }
 
 // y = (x W^T) * scale(o) + b for x (M x K bfloat16) and W (O x K, bfloat16 or int8 codes):
@@ -183,9 +176,9 @@ void tiles_product(const torch::Tensor& x, const W* wp, int64_t O, Scale scale,
           const float si = scale(n0 + i);
           for (int64_t m = 0; m < mb; ++m) {
             float s = sums[i * kMaxX + m];
-            for (int64_t k = K32; k < K; ++k) s += as_float(row[k]) * from_bf16(xp[(m0 + m) * K + k]);
+            for (int64_t k = K32; k < K; ++k) s += as_float(row[k]) * as_float(xp[(m0 + m) * K + k]);
             s *= si;
-            if (bp) s += from_bf16(bp[n0 + i]);
+            if (bp) s += as_float(bp[n0 + i]);
             const at::BFloat16 rounded(s);
             std::memcpy(yp + (m0 + m) * O + n0 + i, &rounded, sizeof(uint16_t));
           }
@@ -198,9 +191,13 @@ void tiles_product(const torch::Tensor& x, const W* wp, int64_t O, Scale scale,
 
 #endif
 
-void check_x_bias(const torch::Tensor& x, const torch::Tensor& bias, int64_t O) {
+// The tile products' x (checked first, so that a malformed x is named as such) and bias.
+void check_x(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.is_cpu() && x.scalar_type() == torch::kBFloat16,
               "x: expected a contiguous 2-D bfloat16 CPU tensor");
+}
+
+void check_bias(const torch::Tensor& bias, int64_t O) {
   TORCH_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == O && bias.is_contiguous() &&
                                   bias.scalar_type() == torch::kBFloat16),
               "bias: expected ", O, " contiguous bfloat16 values");
@@ -221,10 +218,11 @@ torch::Tensor gemv_tiles(const torch::Tensor& x, const torch::Tensor& w,
                          const std::optional<torch::Tensor>& bias_or_none) {
   TORCH_CHECK(has_tiles(), "gemv_tiles: this CPU, build or kernel gives no AMX-BF16 tiles");
   const torch::Tensor bias = bias_or_none.value_or(torch::Tensor());
+  check_x(x);
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.is_cpu() && w.scalar_type() == torch::kBFloat16 &&
-                  x.dim() == 2 && w.size(1) == x.size(1),
-              "weight: expected a contiguous bfloat16 O x ", x.size(-1), " CPU tensor");
-  check_x_bias(x, bias, w.size(0));
+                  w.size(1) == x.size(1),
+              "weight: expected a contiguous bfloat16 O x ", x.size(1), " CPU tensor");
+  check_bias(bias, w.size(0));
   auto out = torch::empty({x.size(0), w.size(0)}, x.options());
 #ifdef ATTNLAB_TILES
   tiles_product(x, reinterpret_cast<const uint16_t*>(w.data_ptr()), w.size(0),
@@ -238,14 +236,15 @@ torch::Tensor gemv_int8_tiles(const torch::Tensor& x, const torch::Tensor& q, co
                               const std::optional<torch::Tensor>& bias_or_none) {
   TORCH_CHECK(has_tiles(), "gemv_int8_tiles: this CPU, build or kernel gives no AMX-BF16 tiles");
   const torch::Tensor bias = bias_or_none.value_or(torch::Tensor());
+  check_x(x);
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.is_cpu() && q.scalar_type() == torch::kChar &&
-                  x.dim() == 2 && q.size(1) == x.size(1),
-              "q: expected contiguous int8 codes O x ", x.size(-1), " on the CPU");
+                  q.size(1) == x.size(1),
+              "q: expected contiguous int8 codes O x ", x.size(1), " on the CPU");
   const int64_t O = q.size(0);
   TORCH_CHECK(s.is_contiguous() && s.numel() == O &&
                   (s.scalar_type() == torch::kFloat32 || s.scalar_type() == torch::kBFloat16),
               "scales: expected ", O, " float32 or bfloat16 values");
-  check_x_bias(x, bias, O);
+  check_bias(bias, O);
   auto out = torch::empty({x.size(0), O}, x.options());
 #ifdef ATTNLAB_TILES
   const auto* bp = bias.defined() ? reinterpret_cast<const uint16_t*>(bias.data_ptr()) : nullptr;
@@ -255,7 +254,7 @@ torch::Tensor gemv_int8_tiles(const torch::Tensor& x, const torch::Tensor& q, co
     tiles_product(x, qp, O, [sp](int64_t o) { return sp[o]; }, bp, out);
   } else {
     const auto* sp = reinterpret_cast<const uint16_t*>(s.data_ptr());
-    tiles_product(x, qp, O, [sp](int64_t o) { return from_bf16(sp[o]); }, bp, out);
+    tiles_product(x, qp, O, [sp](int64_t o) { return as_float(sp[o]); }, bp, out);
   }
 #endif
   return out;

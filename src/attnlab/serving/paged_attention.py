@@ -114,6 +114,16 @@ class _OneForward(KVCache):
     and its pages are the engine's to free, not the cache's to reset."""
 
     pool: PagePool
+    offset: int  # keys stored before this forward, common to its rows (KVCache.length)
+    query_length: int  # new positions of this forward (L)
+
+    @property
+    def length(self) -> int:
+        return self.offset
+
+    @property
+    def max_len(self) -> int:
+        return self.offset + self.query_length
 
     @property
     def nbytes(self) -> int:
@@ -176,14 +186,6 @@ class PagedKVCache(_OneForward):
         self.layers = [PagedLayerCache(self, i) for i in range(len(pool.k))]
 
     @property
-    def length(self) -> int:
-        return self.offset
-
-    @property
-    def max_len(self) -> int:
-        return self.offset + self.query_length
-
-    @property
     def batch_size(self) -> int:
         return self.key_mask.shape[0]
 
@@ -192,15 +194,21 @@ class PagedKVCache(_OneForward):
                 f"offset={self.offset}, layers={len(self.layers)})")
 
 
-class PagedLayerCache:
-    """Layer ``index`` of a ``PagedKVCache``: ``update(k, v)`` as ``LayerKVCache.update``."""
+class _ForwardLayer:
+    """Layer ``index`` of a one-forward cache; its ``length`` is the cache's ``offset``."""
 
-    def __init__(self, cache: PagedKVCache, index: int) -> None:
+    def __init__(self, cache: _OneForward, index: int) -> None:
         self.cache, self.index = cache, index
 
     @property
     def length(self) -> int:
         return self.cache.offset
+
+
+class PagedLayerCache(_ForwardLayer):
+    """Layer ``index`` of a ``PagedKVCache``: ``update(k, v)`` as ``LayerKVCache.update``."""
+
+    cache: PagedKVCache
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write the real new keys/values of ``k``, ``v`` (``B x G x L x D``) into their
@@ -267,20 +275,12 @@ class PackedPagedKVCache(_OneForward):
         self.last[torch.tensor(order)] = ends
         self.input_ids = torch.tensor([tokens], dtype=torch.long, device=device)
         self.position_ids = torch.tensor([positions], dtype=torch.long, device=device)
-        self.query_length, self.pool = len(tokens), pool
+        self.query_length, self.offset, self.pool = len(tokens), 0, pool
         # each part's mask, as the model makes it for that part alone (the same every layer)
         self.masks = [decoder_mask(_padded(part.key_mask), part.query_length, part.offset,
                                    window, device=device)
                       for part in ([self.decoding] if single else []) + self.chunks]
         self.layers = [PackedLayerCache(self, i) for i in range(len(pool.k))]
-
-    @property
-    def length(self) -> int:
-        return 0
-
-    @property
-    def max_len(self) -> int:
-        return self.query_length
 
     @property
     def batch_size(self) -> int:
@@ -292,15 +292,10 @@ class PackedPagedKVCache(_OneForward):
                 f"layers={len(self.layers)})")
 
 
-class PackedLayerCache:
+class PackedLayerCache(_ForwardLayer):
     """Layer ``index`` of a ``PackedPagedKVCache``: ``attention`` only (see the class)."""
 
-    def __init__(self, cache: PackedPagedKVCache, index: int) -> None:
-        self.cache, self.index = cache, index
-
-    @property
-    def length(self) -> int:
-        return 0
+    cache: PackedPagedKVCache
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Refused: the rows of a packed step have no common keys to return (a hooked or
