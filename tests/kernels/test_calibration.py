@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,7 +64,7 @@ def test_the_cache_key_separates_dtypes_shapes_buckets_and_threads(own_cache):
     b"\x00\xff not json at all",
     b"[1, 2, 3]",
     b'{"version": 99, "entries": {}}',
-    b'{"version": 3, "entries": "everything"}',
+    b'{"version": 4, "entries": "everything"}',
 ])
 def test_a_corrupt_cache_file_is_ignored_with_a_warning_and_rewritten(own_cache, content):
     own_cache.parent.mkdir(parents=True)
@@ -71,7 +72,7 @@ def test_a_corrupt_cache_file_is_ignored_with_a_warning_and_rewritten(own_cache,
     with pytest.warns(UserWarning, match=f"kernel cache {own_cache}"):
         timings = measure(torch.float32, *SHAPE, "1")
     data = json.loads(own_cache.read_text())
-    assert data["version"] == 3
+    assert data["version"] == 4
     assert data["entries"] == {entry_key(torch.float32, *SHAPE, "1"): timings}
 
 
@@ -88,7 +89,7 @@ def test_a_hostile_entry_is_never_trusted(own_cache, entry):
     key = entry_key(torch.float32, *SHAPE, "1")
     good = entry_key(torch.float32, *SHAPE, "33+")
     own_cache.parent.mkdir(parents=True)
-    text = json.dumps({"version": 3, "entries": {key: entry, good: {"formula": 5.0}}})
+    text = json.dumps({"version": 4, "entries": {key: entry, good: {"formula": 5.0}}})
     own_cache.write_text(text)  # NaN written as JSON's NaN extension, as Python reads it
     with pytest.warns(UserWarning, match="1 invalid entries ignored"):
         timings = measure(torch.float32, *SHAPE, "1")
@@ -101,7 +102,7 @@ def test_a_cached_winner_decides_without_measuring(own_cache, monkeypatch):
     """The cache is what choose reads: a planted (valid) timing table decides."""
     own_cache.parent.mkdir(parents=True)
     key = entry_key(torch.float32, *SHAPE, "9-32")
-    own_cache.write_text(json.dumps({"version": 3, "entries": {
+    own_cache.write_text(json.dumps({"version": 4, "entries": {
         key: dict.fromkeys(KERNELS, 100.0) | {"columns": 1.0, "rows_gemv": 50.0}}}))
     monkeypatch.setattr(calibration, "measure_rows", lambda *a, **k: pytest.fail("measured"))
     assert choose(torch.float32, *SHAPE, "9-32") == "columns"
@@ -257,3 +258,25 @@ def test_a_choice_must_beat_the_formula_clearly(monkeypatch, onednn, columns, ex
     monkeypatch.setattr(calibration, "measure", planted(fast))
     layout, picks = plan(torch.float32, *SHAPE)
     assert (layout, *set(picks.values())) == expected
+
+
+def test_timings_cycle_through_copies_past_twice_the_last_level_cache(monkeypatch):
+    """A CPU may report hundreds of MB of L3: copies of a weight that fit there would be timed
+    warm, so the copies add up to twice the largest cache (at least 128 MiB, at most 2 GiB
+    and 4096 copies)."""
+    for llc in (32 * 2**20, 480 * 2**20):
+        monkeypatch.setattr(calibration, "_last_level_cache_bytes", lambda llc=llc: llc)
+        for bytes_each in (2**20, 136 * 2**20, 300 * 2**20):
+            count = calibration.cold_copies(bytes_each)
+            assert count * bytes_each >= max(2 * llc, 128 * 2**20)
+            assert (count - 1) * bytes_each < max(2 * llc, 128 * 2**20)
+    assert calibration.cold_copies(3 * 2**30) == 1
+    assert calibration.cold_copies(100) == 4096
+    with pytest.raises(ValueError, match="bytes_each"):
+        calibration.cold_copies(0)
+
+
+def test_the_last_level_cache_is_read_from_linux():
+    size = calibration._last_level_cache_bytes()
+    assert size >= 0 and (size > 0) == any(
+        Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"))

@@ -27,7 +27,8 @@ __all__ = ["cache_file", "cpu_model", "entry_key", "read_entries", "write_entrie
 
 # A cache of a few thousand shapes is well below this; a larger file is not ours.
 _MAX_BYTES = 4 * 2**20
-_VERSION = 3  # 2: timings on weights not in a cache; 3: blocks_gemv with up to 4 blocks a thread
+_VERSION = 4  # 2: timings on weights not in a cache; 3: blocks_gemv with up to 4 blocks a
+# thread; 4: copies past twice the last-level cache
 
 
 def cache_file() -> Path:

@@ -14,6 +14,7 @@ the measuring and forces one kernel everywhere.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -21,6 +22,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -33,6 +35,7 @@ __all__ = [
     "BUCKETS",
     "bucket_of",
     "choose",
+    "cold_copies",
     "forced_kernel",
     "measure",
     "measure_rows",
@@ -48,8 +51,10 @@ _BUDGET_US = 10_000  # per candidate, once it has _MIN_REPEATS timings
 _HOPELESS = 10  # times the fastest warm-up call: not worth repeating
 _MARGIN = 1.1  # how much faster than the formula (or row-major plan) a choice must measure
 # In a model each weight is read once per token from memory, not from a cache that the last
-# call warmed: timings cycle through copies of the weight that together exceed the caches.
-_COLD_BYTES, _MAX_COPIES = 128 * 2**20, 64
+# call warmed: timings cycle through copies of the weight that together exceed the caches
+# (twice the last-level cache, at least _COLD_BYTES; a CPU may report 480 MB of L3). The
+# copies' creation is what flushes the first ones read, so small weights need many.
+_COLD_BYTES, _MAX_COLD_BYTES, _MAX_COPIES = 128 * 2**20, 2 * 2**30, 4096
 # Timings read from or written to the cache file in this process, by cache key.
 _TIMINGS: dict[str, dict[str, float]] = {}
 
@@ -160,7 +165,7 @@ def measure_rows(dtype: torch.dtype, out_features: int, in_features: int, rows: 
                                                                   (out_features,)))
         expected = KERNELS["formula"].run(x, weight, bias)
         timings: dict[str, float] = {}
-        count = min(_MAX_COPIES, -(-_COLD_BYTES // (weight.numel() * weight.element_size())))
+        count = cold_copies(weight.numel() * weight.element_size())
         for layout in dict.fromkeys(KERNELS[n].layout for n in names):
             group = [n for n in names if KERNELS[n].layout == layout]
             copies = [KERNELS[group[0]].prepare(weight.clone() if i else weight)
@@ -169,6 +174,15 @@ def measure_rows(dtype: torch.dtype, out_features: int, in_features: int, rows: 
                                        min(timings.values(), default=math.inf)))
             del copies
     return timings
+
+
+def cold_copies(bytes_each: int) -> int:
+    """How many copies of a ``bytes_each`` weight a timing cycles through so that none is
+    still cached when it is read again: ``ceil(max(2 x last-level cache, 128 MiB) /
+    bytes_each)``, at most 4096 copies and 2 GiB in all (and at least one copy)."""
+    check_positive("bytes_each", bytes_each)
+    cold = min(_MAX_COLD_BYTES, max(_COLD_BYTES, 2 * _last_level_cache_bytes()))
+    return max(1, min(-(-cold // bytes_each), _MAX_COPIES))
 
 
 def forced_kernel(kernel: str | None = None) -> str | None:
@@ -188,6 +202,22 @@ def bucket_of(rows: int) -> str:
         if rows >= lowest:
             return name
     raise ValueError(f"rows: expected a positive int, got {rows!r}")
+
+
+@functools.cache
+def _last_level_cache_bytes() -> int:
+    """The largest cache that Linux reports for CPU 0 (0 where it reports none)."""
+    sizes = [0]
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = entry.read_text(encoding="ascii", errors="replace").strip().upper()
+        except OSError:
+            continue
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes)
 
 
 def _pick(names: list[str], timings: dict[str, float]) -> str:

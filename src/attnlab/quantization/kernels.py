@@ -32,6 +32,7 @@ from torch import Tensor
 
 from attnlab.kernels import BUCKETS, native
 from attnlab.kernels import cache as kernel_cache
+from attnlab.kernels.calibration import cold_copies
 from attnlab.quantization.formats import BLOCK_ROWS, QuantizedWeight, blocked_int4, quantize
 
 __all__ = ["QUANTIZED_KERNELS", "QuantizedKernel", "forced_quantized_kernel", "measure",
@@ -39,7 +40,6 @@ __all__ = ["QUANTIZED_KERNELS", "QuantizedKernel", "forced_quantized_kernel", "m
 
 _ENV = "ATTNLAB_QUANTIZED_KERNELS"
 _MARGIN = 1.1  # how much faster than the formula a kernel must measure to be chosen
-_COLD_BYTES, _MAX_COPIES = 128 * 2**20, 64
 _MIN_REPEATS, _MAX_REPEATS, _BUDGET_US = 3, 9, 10_000
 _TIMINGS: dict[str, dict[str, float]] = {}
 # Rows timed per bucket. A quantized kernel's cost grows with the rows while the formula's
@@ -149,11 +149,13 @@ def _time_kernels(like: QuantizedWeight, dtype: torch.dtype, rows: int,
         bias = torch.randn(n_out, generator=g).to(dtype)
         expected = QUANTIZED_KERNELS["dequantize"].run(x, _prepare("dequantize", base, dtype),
                                                        bias)
-        bytes_each = base.data.numel() * base.data.element_size()
-        count = min(_MAX_COPIES, -(-_COLD_BYTES // bytes_each))
+        count = cold_copies(base.data.numel() * base.data.element_size())
+        # One set of copies per layout, shared by the kernels that read it as it is.
+        copies: dict[str, list[QuantizedWeight]] = {}
         states: dict[str, list[tuple]] = {}
         for name in names:
-            weight = base.with_layout(QUANTIZED_KERNELS[name].layout or base.layout)
+            layout = QUANTIZED_KERNELS[name].layout or base.layout
+            weight = base.with_layout(layout)
             try:
                 first = _prepare(name, weight, dtype)
                 y = QUANTIZED_KERNELS[name].run(x, first, bias)
@@ -165,8 +167,9 @@ def _time_kernels(like: QuantizedWeight, dtype: torch.dtype, rows: int,
                 warnings.warn(f"quantized kernel {name}: left out, its result differs from "
                               "the formula's", stacklevel=4)
                 continue
-            states[name] = [first, *(_prepare(name, _copy(weight), dtype)
-                                     for _ in range(count - 1))]
+            if layout not in copies:
+                copies[layout] = [_copy(weight) for _ in range(count - 1)]
+            states[name] = [first, *(_prepare(name, copy, dtype) for copy in copies[layout])]
         samples: dict[str, list[float]] = {n: [] for n in states}
         turn = itertools.count()
         for repeat in range(_MAX_REPEATS):
