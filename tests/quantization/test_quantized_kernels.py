@@ -140,3 +140,20 @@ def test_one_row_decoding_keeps_the_pair_kernel_when_it_loses_only_at_16_rows(
     assert qkernels.plan(weight, torch.bfloat16) == {
         "1": "int4_native_pairs", "2-8": "int4_native_pairs", "9-32": "int4_native_pairs",
         "33+": "native_dequantize"}
+
+
+def test_an_exact_kernel_needs_no_margin_over_the_formula(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """``native_dequantize`` gives the formula's numbers bit for bit, so 5% faster is reason
+    enough to run it (the formula's two passes cost a quantized prefill ~2 ms a forward);
+    a kernel with other roundings must still win by the margin."""
+    weight = quantize(torch.randn(128, 256), 8)
+    for bucket_times, expected in (
+            ({"dequantize": 1000, "native_dequantize": 950, "int8_native": 990},
+             "native_dequantize"),
+            ({"dequantize": 1000, "native_dequantize": 1010, "int8_native": 950}, "dequantize")):
+        monkeypatch.delenv("ATTNLAB_QUANTIZED_KERNELS", raising=False)
+        monkeypatch.setattr(qkernels, "measure", lambda w, d, bucket, names, t=bucket_times: {
+            n: us for n, us in t.items() if n in names})
+        assert set(qkernels.plan(weight, torch.bfloat16).values()) == {expected}
+    assert [n for n, k in QUANTIZED_KERNELS.items() if k.exact] == ["native_dequantize"]

@@ -57,7 +57,8 @@ class QuantizedKernel:
     """One way to compute ``x W'^T + b``: ``prepare(weight, dtype) -> state`` (what it reads,
     made once per activation dtype), ``run(x M x I, state, bias O | None) -> M x O``,
     ``available(weight, dtype) -> bool``; ``layout`` the int4 layout it needs (None: any);
-    ``max_rows`` the most rows it is offered for (None: any)."""
+    ``max_rows`` the most rows it is offered for (None: any); ``exact`` whether it computes
+    the formula's numbers bit for bit (then it needs no margin over the formula)."""
 
     name: str
     layout: str | None
@@ -65,6 +66,7 @@ class QuantizedKernel:
     run: Callable[[Tensor, tuple, Tensor | None], Tensor]
     available: Callable[[QuantizedWeight, torch.dtype], bool]
     max_rows: int | None = None
+    exact: bool = False
 
 
 def forced_quantized_kernel(kernel: str | None = None) -> str | None:
@@ -83,7 +85,7 @@ def plan(weight: QuantizedWeight, dtype: torch.dtype, *, kernel: str | None = No
          ) -> dict[str, str]:
     """``{rows bucket: kernel name}`` for ``weight`` with activations in ``dtype``: the
     forced kernel where it can run, else the fastest measured (the formula unless another is
-    faster by ``_MARGIN``)."""
+    faster by ``_MARGIN``, or an exact kernel faster at all)."""
     forced = forced_quantized_kernel(kernel)
     names = [n for n, k in QUANTIZED_KERNELS.items() if k.available(weight, dtype)]
     if forced is not None:
@@ -94,14 +96,16 @@ def plan(weight: QuantizedWeight, dtype: torch.dtype, *, kernel: str | None = No
     best = {b: min(t.values()) for b, t in timings.items()}
     # The codes are kept in one layout: the layout whose kernels lose least against each
     # bucket's fastest, summed over the buckets (the one kept now unless another is better
-    # by _MARGIN); within it, per bucket, the formula unless a kernel beats it by _MARGIN.
+    # by _MARGIN); within it, per bucket, the formula unless a kernel beats it by _MARGIN
+    # (an exact kernel gives the same numbers, so any gain counts).
     options = {}
     for layout in dict.fromkeys((weight.layout, "plain", "blocked")):
         picks = {}
         for b, t in timings.items():
             fits = {n: us for n, us in t.items() if QUANTIZED_KERNELS[n].layout in (None, layout)}
             fastest = min(fits, key=fits.__getitem__)
-            picks[b] = fastest if _MARGIN * fits[fastest] <= fits["dequantize"] else "dequantize"
+            margin = 1.0 if QUANTIZED_KERNELS[fastest].exact else _MARGIN
+            picks[b] = fastest if margin * fits[fastest] <= fits["dequantize"] else "dequantize"
         options[layout] = (sum(timings[b][n] / best[b] for b, n in picks.items()), picks)
     chosen = min(options, key=lambda name: options[name][0])
     if options[weight.layout][0] <= _MARGIN * options[chosen][0]:
@@ -333,7 +337,7 @@ QUANTIZED_KERNELS: dict[str, QuantizedKernel] = {
         QuantizedKernel("int8_mm", None, _int8_prepare, _int8_run, _int8_takes),
         QuantizedKernel("int4_mm", "blocked", _int4_prepare, _int4_run, _int4_takes),
         QuantizedKernel("native_dequantize", "plain", _native_dequantize_prepare,
-                        _native_dequantize_run, _native_takes),
+                        _native_dequantize_run, _native_takes, exact=True),
         QuantizedKernel("int8_native", None, _int8_native_prepare, _int8_native_run,
                         lambda w, d: w.bits == 8 and _native_takes(w, d), _NATIVE_ROWS),
         QuantizedKernel("int8_tiles", None, _int8_native_prepare, _int8_tiles_run,
