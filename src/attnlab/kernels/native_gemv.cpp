@@ -394,6 +394,12 @@ template <int MB, bool BY64, typename S>
 void int4_bf16_rows(const Int4Args& a, const S* s, const S* z, const uint16_t* x,
                     int64_t begin, int64_t end) {
   const int64_t groups = a.K / a.g, stride = a.K / 2;
+  // Block i (128 codes) of a window of 16 groups takes its scales from the 16 loaded ones
+  // by one permute: lanes 0-7 the group of its first 64 codes, lanes 8-15 of its last 64.
+  std::vector<int32_t> pick(BY64 ? 16 * (a.g / 8) : 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(pick.size()) / 16; ++i)
+    for (int64_t lane = 0; lane < 16; ++lane)
+      pick[16 * i + lane] = static_cast<int32_t>((128 * i + (lane < 8 ? 0 : 64)) / a.g);
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* row = a.q + o * stride;
     __m512 acc[2][MB], shift[MB];
@@ -409,30 +415,27 @@ void int4_bf16_rows(const Int4Args& a, const S* s, const S* z, const uint16_t* x
       for (int m = 0; m < MB; ++m)
         shift[m] = _mm512_fmadd_ps(shift16, _mm512_maskz_loadu_ps(lanes, a.xsum + m * groups + j0), shift[m]);
       if constexpr (BY64) {
-        const int64_t stop = (j0 + n) * a.g;
-        int64_t k = j0 * a.g, inside = 0;  // k's offset in group j0 + first
-        int first = 0;
+        const int64_t start = j0 * a.g, stop = (j0 + n) * a.g;
+        int64_t k = start;
         for (; k + 128 <= stop; k += 128) {
           __m512bh code[4];
           ahead(row + k / 2);
           int4x128_as_bf16(row + k / 2, code);
-          const int second = inside + 64 < a.g ? first : first + 1;
           const __m512 sk = _mm512_permutexvar_ps(
-              _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(first), _mm512_set1_epi32(second)), s16);
+              _mm512_loadu_si512(pick.data() + 16 * ((k - start) / 128)), s16);
           for (int m = 0; m < MB; ++m) {
             const uint16_t* xm = x + m * a.K + k;
             __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), code[0], load32_bf16(xm));
-            __m512 e = _mm512_dpbf16_ps(_mm512_setzero_ps(), code[1], load32_bf16(xm + 32));
+            d = _mm512_dpbf16_ps(d, code[1], load32_bf16(xm + 32));
             d = _mm512_dpbf16_ps(d, code[2], load32_bf16(xm + 64));
-            e = _mm512_dpbf16_ps(e, code[3], load32_bf16(xm + 96));
-            acc[0][m] = _mm512_fmadd_ps(sk, _mm512_add_ps(d, e), acc[0][m]);
+            d = _mm512_dpbf16_ps(d, code[3], load32_bf16(xm + 96));
+            acc[0][m] = _mm512_fmadd_ps(sk, d, acc[0][m]);
           }
-          for (inside += 128; inside >= a.g; inside -= a.g) ++first;
         }
         if (k < stop) {  // the last 64 codes of the row
           __m256bh code[4];
           int4x64_as_bf16(row + k / 2, code);
-          const __m512 sk = _mm512_permutexvar_ps(_mm512_set1_epi32(first), s16);
+          const __m512 sk = _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>((k - start) / a.g)), s16);
           for (int m = 0; m < MB; ++m) {
             const uint16_t* xm = x + m * a.K + k;
             __m256 d = _mm256_dpbf16_ps(_mm256_setzero_ps(), code[0], load16_bf16(xm));
