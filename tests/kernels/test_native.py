@@ -260,6 +260,11 @@ def test_the_sources_build_for_a_cpu_without_avx512_or_amx(tmp_path: Path,
     _close(built.gemv(x, w, None, False), x.double() @ w.double().t(), torch.float32)
     with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
         built.gemv_tiles(x.bfloat16(), w.bfloat16(), None)
+    assert not built.has_vector_activation()
+    g, up = torch.randn(5, 33), torch.randn(5, 33)
+    for name, kind in native.ACTIVATIONS.items():  # the plain loop: the same formula
+        _close(built.activation(g, up, kind), _ACTS[name](g.double()) * up.double(),
+               torch.float32)
 
 
 def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -325,3 +330,69 @@ def test_a_build_killed_midway_does_not_hang_the_next_load() -> None:
                                             "ATTNLAB_CACHE_DIR": str(folder.parent.parent)})
     assert done.stdout.strip() == "True", done.stderr
     assert not (folder / "lock").exists()
+
+
+_ACTS = {"silu": torch.nn.functional.silu,
+         "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh")}
+_SPECIAL = [float("inf"), float("-inf"), float("nan"), 0.0, -0.0, -100.0, 100.0, 1e-30]
+
+
+def _stable(name: str, g: torch.Tensor) -> torch.Tensor:
+    a = g if name == "silu" else 2 * (2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3)
+    return torch.where(g == float("-inf"), float("nan"), g / (1 + torch.exp(-a)))
+
+
+@pytest.mark.parametrize("name", list(native.ACTIVATIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_equals_its_formula(name: str, dtype: torch.dtype) -> None:
+    """Within 2e-6 of the formula in float64 (written ``g / (1 + exp(-2a))``: PyTorch's
+    ``1 + tanh`` cancels for negative inputs, within 2e-4 in float32), 1e-9 absolute where it
+    is ~0; in bfloat16, the float64 value rounded, bar one unit in the last place (at most 1%
+    of them); the special values as PyTorch
+    gives them (-inf: silu and GELU are NaN, as -inf * 0). Odd sizes: the masked tail and
+    chunks that start mid-vector."""
+    if not native.activation_available():
+        pytest.skip("no AVX-512 activation loop in this build")
+    g = torch.randn(3, 1001, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 4
+    g.view(-1)[:len(_SPECIAL)] = torch.tensor(_SPECIAL, dtype=torch.float64)
+    x = g.to(dtype)
+    with thread_count(2):
+        got = native.activation(x, None, name)
+    expected = _stable(name, x.double())
+    finite = expected.isfinite()
+    assert torch.equal(got.isnan(), _ACTS[name](x).isnan())
+    assert torch.equal(got[~finite & ~got.isnan()], expected[~finite & ~expected.isnan()].to(dtype))
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double()[finite], expected[finite], rtol=2e-6, atol=1e-9)
+    else:
+        ulp = expected[finite].to(dtype).double().abs() * 2**-7
+        assert ((got.double()[finite] - expected[finite]).abs() <= ulp + 1e-9).all()
+        assert (got == expected.to(dtype)).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("name", list(native.ACTIVATIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gated_product_rounds_as_act_then_times_up(name: str, dtype: torch.dtype) -> None:
+    """``act(g) * up`` in one pass equals the two steps in ``dtype``: act rounded, then the
+    product rounded, bit for bit."""
+    if not native.activation_available():
+        pytest.skip("no AVX-512 activation loop in this build")
+    gen = torch.Generator().manual_seed(1)
+    g, up = (torch.randn(2, 7, 300, generator=gen).to(dtype) for _ in range(2))
+    assert torch.equal(native.activation(g, up, name), native.activation(g, None, name) * up)
+
+
+def test_activation_refuses_bad_input_by_name() -> None:
+    g = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="name: expected one of"):
+        native.activation(g, None, "gelu")
+    if not native.available():
+        pytest.skip("no native build")
+    with pytest.raises(RuntimeError, match="up: expected a contiguous tensor of gate's shape"):
+        native.activation(g, torch.randn(4, 9), "silu")
+    with pytest.raises(RuntimeError, match="up: expected"):
+        native.activation(g, torch.randn(4, 8).bfloat16(), "silu")
+    with pytest.raises(RuntimeError, match="gate: expected a contiguous CPU float32 or bfloat16"):
+        native.activation(g.t(), None, "silu")
+    with pytest.raises(RuntimeError, match="gate: expected"):
+        native.activation(g.double(), None, "silu")

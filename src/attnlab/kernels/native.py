@@ -42,11 +42,11 @@ from torch import Tensor
 
 from attnlab.kernels import cache
 
-__all__ = ["DTYPES", "MAX_ROWS", "STEP_CALL", "STEP_KINDS", "TILES_MAX_ROWS", "argmax_rows",
-           "available", "decode_attention", "decode_layers", "dequantize_int4",
-           "dequantize_int8", "gemv", "gemv_int4", "gemv_int8", "gemv_int8_tiles", "gemv_tiles",
-           "paged_attention", "pairs_available", "rms_norm", "rotary", "takes",
-           "tiles_available"]
+__all__ = ["ACTIVATIONS", "DTYPES", "MAX_ROWS", "STEP_CALL", "STEP_KINDS", "TILES_MAX_ROWS",
+           "activation", "activation_available", "argmax_rows", "available",
+           "decode_attention", "decode_layers", "dequantize_int4", "dequantize_int8", "gemv",
+           "gemv_int4", "gemv_int8", "gemv_int8_tiles", "gemv_tiles", "paged_attention",
+           "pairs_available", "rms_norm", "rotary", "takes", "tiles_available"]
 
 # The float GEMVs and the attention kernel are offered for the decoding buckets only: past 8
 # rows a BLAS GEMM reuses each weight better. (The quantized plan offers its GEMVs further, for
@@ -56,6 +56,8 @@ MAX_ROWS = 8
 # offered for the decoding and serving buckets (prefill belongs to oneDNN's GEMMs).
 TILES_MAX_ROWS = 32
 DTYPES = (torch.float32, torch.bfloat16)  # the activations' dtypes the kernels take
+# The activations that :func:`activation` computes, by their name in attnlab.layers.
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 # The products that decode_layers runs, by the name of the calibrated kernel that a Linear
 # module runs them with (the C++ `Kind` in native_step.cpp): attnlab's GEMVs, PyTorch's
 # packed int8/int4 ops, the formula (``linear``).
@@ -109,6 +111,25 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
     rounded once. For small ``M``. ``pairs``: bfloat16 products taken two at a time by
     ``vdpbf16ps`` instead of widening the weight to float32 (see :func:`pairs_available`)."""
     return _require().gemv(x, weight, bias, pairs)
+
+
+def activation_available() -> bool:
+    """Whether :func:`activation` has its vector loop here (a build for a CPU with AVX-512);
+    elsewhere PyTorch's kernels are faster than its plain loop."""
+    extension = _extension()
+    return extension is not None and extension.has_vector_activation()
+
+
+def activation(gate: Tensor, up: Tensor | None, name: str) -> Tensor:
+    """``act(gate)``, or ``act(gate) * up`` with ``act(gate)`` rounded to the dtype first as
+    that product rounds, in one pass: ``silu(g) = g / (1 + exp(-g))``, ``gelu_tanh(g) = 0.5 g
+    (1 + tanh(a)) = g / (1 + exp(-2a))`` with ``a = sqrt(2/pi) (g + 0.044715 g^3)``, in
+    float32 (within 2e-6 of float64; PyTorch's tanh GELU is within 2e-4, losing digits where
+    ``1 + tanh`` cancels). gate (and up, gate's shape) contiguous float32 or bfloat16 ->
+    gate's shape and dtype."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"name: expected one of {tuple(ACTIVATIONS)}, got {name!r}")
+    return _require().activation(gate, up, ACTIVATIONS[name])
 
 
 def tiles_available() -> bool:

@@ -705,6 +705,8 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k, co
                               const torch::Tensor& tables, const torch::Tensor& first, int64_t S,
                               const std::optional<torch::Tensor>& mask, double scale, bool causal);
 torch::Tensor argmax_rows(const torch::Tensor& x);
+torch::Tensor activation(const torch::Tensor& gate, const std::optional<torch::Tensor>& up, int64_t kind);
+bool has_vector_activation();
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps, bool unit_offset);
 torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                      bool interleaved);
@@ -733,6 +735,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "softmax(q k^T scale + mask) v for a few queries");
   m.def("paged_attention", &paged_attention, "decode_attention over keys kept in pages");
   m.def("argmax_rows", &argmax_rows, "the first index of each row's maximum");
+  m.def("activation", &activation, "silu(g) or tanh GELU(g), times up when given");
+  m.def("has_vector_activation", &has_vector_activation, "whether activation has its AVX-512 loop");
   m.def("rms_norm", &rms_norm, "x / sqrt(mean(x^2) + eps) * w per row");
   m.def("rotary", &rotary, "x * cos + turn(x) * sin on the first R features of each head");
   m.def("decode_layers", &decode_layers, "one decoding step through every block of a decoder");

@@ -37,6 +37,8 @@ torch::Tensor gemv_int8_tiles(const torch::Tensor& x, const torch::Tensor& q, co
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const std::optional<torch::Tensor>& mask, double scale, bool causal);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps, bool unit_offset);
+torch::Tensor activation(const torch::Tensor& gate, const std::optional<torch::Tensor>& up, int64_t kind);
+bool has_vector_activation();
 torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                      bool interleaved);
 
@@ -112,14 +114,21 @@ torch::Tensor normed(const Config& c, const torch::Tensor& x, const torch::Tenso
   return rms_norm(x, w, c.eps, c.norm == kRmsUnitOffset);
 }
 
-torch::Tensor activated(const Config& c, const torch::Tensor& x) {
+// act(x), times up when given, as attnlab.layers.feedforward.activated computes it: the
+// native kernel for silu and the tanh GELU where it has its vector loop, else ATen's.
+torch::Tensor activated(const Config& c, const torch::Tensor& x,
+                        const std::optional<torch::Tensor>& up = std::nullopt) {
+  if ((c.act == kSilu || c.act == kGeluTanh) && has_vector_activation())
+    return activation(x, up, c.act == kSilu ? 0 : 1);
+  torch::Tensor h;
   switch (c.act) {
-    case kSilu: return at::silu(x);
-    case kGeluTanh: return at::gelu(x, "tanh");
-    case kGelu: return at::gelu(x);
-    case kRelu: return at::relu(x);
+    case kSilu: h = at::silu(x); break;
+    case kGeluTanh: h = at::gelu(x, "tanh"); break;
+    case kGelu: h = at::gelu(x); break;
+    case kRelu: h = at::relu(x); break;
+    default: TORCH_CHECK(false, "act: unknown activation ", c.act);
   }
-  TORCH_CHECK(false, "act: unknown activation ", c.act);
+  return up ? at::mul(h, *up) : h;
 }
 
 // One block on x (B x E) whose cache holds c.offset positions; returns the new x.
@@ -162,7 +171,7 @@ torch::Tensor block(const Config& c, const torch::Tensor& x, const py::tuple& la
   if (c.gated) {
     TORCH_CHECK(mlp.size() == 3, "mlp: expected (gate, up, down)");
     const Linear gate(mlp[0]), up(mlp[1]), down(mlp[2]);
-    m = down(at::mul(activated(c, gate(h2)), up(h2)));
+    m = down(activated(c, gate(h2), up(h2)));
   } else {
     TORCH_CHECK(mlp.size() == 2, "mlp: expected (linear1, linear2)");
     const Linear first(mlp[0]), second(mlp[1]);

@@ -3,14 +3,19 @@
 
 Both map ``N.. x E`` -> ``N.. x E`` and act on every position independently. They call their
 ``nn.Linear`` submodules, so a hook, a LoRA wrapper or a quantized Linear swapped in for one
-of them takes effect.
+of them takes effect. On a CPU with AVX-512 and no gradient needed, ``silu`` and
+``gelu_tanh`` (and the gated product) run attnlab's C++ kernel
+(``attnlab.kernels.native.activation``): the same formula in one pass, its roundings
+within float32's (PyTorch's tanh GELU costs 5x its exact one).
 """
 
 from __future__ import annotations
 
 from torch import Tensor, nn
 
-__all__ = ["ACTIVATIONS", "FeedForward", "GatedMLP", "SwiGLU"]
+from attnlab.kernels import native
+
+__all__ = ["ACTIVATIONS", "FeedForward", "GatedMLP", "SwiGLU", "activated"]
 
 # "gelu" is exact (erf); "gelu_tanh" is the tanh approximation (GPT-2's gelu_new, Gemma's
 # gelu_pytorch_tanh).
@@ -41,7 +46,7 @@ class FeedForward(nn.Module):
         self.linear2 = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = ACTIVATIONS[self.activation](self.linear1(x))
+        h = activated(self.activation, self.linear1(x))
         if self.dropout:
             h = nn.functional.dropout(h, self.dropout, self.training)
         return self.linear2(h)
@@ -68,7 +73,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(ACTIVATIONS[self.activation](self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(activated(self.activation, self.gate_proj(x), self.up_proj(x)))
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"
@@ -80,6 +85,19 @@ class SwiGLU(GatedMLP):
 
     def __init__(self, d_model: int, d_ff: int, bias: bool = False) -> None:
         super().__init__(d_model, d_ff, bias=bias, activation="silu")
+
+
+def activated(name: str, gate: Tensor, up: Tensor | None = None) -> Tensor:
+    """``ACTIVATIONS[name](gate)``, times ``up`` when given (``up`` gate's shape): the
+    native kernel where it stands in (module docstring), else PyTorch's."""
+    if (name in native.ACTIVATIONS and gate.is_contiguous()
+            and (up is None or (up.is_contiguous() and up.shape == gate.shape
+                                and up.dtype == gate.dtype))
+            and native.takes(gate, *(() if up is None else (up,)))
+            and native.activation_available()):
+        return native.activation(gate, up, name)
+    h = ACTIVATIONS[name](gate)
+    return h if up is None else h * up
 
 
 def _check_activation(activation: str) -> None:
