@@ -167,13 +167,15 @@ def test_rms_norm_equals_the_formula(dtype, weight_dtype, unit_offset) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize(("rotary_dim", "cos_rows"), [(16, 1), (8, 2), (16, 2)])
+@pytest.mark.parametrize(("rotary_dim", "cos_rows"), [(16, 1), (8, 2), (16, 2), (40, 1),
+                                                    (24, 2), (36, 1)])
 def test_rotary_equals_the_formula_exactly(dtype, interleaved, rotary_dim, cos_rows) -> None:
     """The kernel against ``apply_rotary``'s written-out formula (taken with a gradient): the
     same products and roundings in x's dtype, so the same numbers; partial rotation (R < D)
-    passes the other features through; cos/sin per row or shared; x a strided view."""
+    passes the other features through; cos/sin per row or shared; x a strided view; halves
+    and rotated parts of one, two and a part of a 16-wide vector."""
     g = torch.Generator().manual_seed(rotary_dim + cos_rows)
-    x = torch.randn(2, 3, 10, 16, generator=g).to(dtype)[:, :, 1:6]  # B x L x H x D view
+    x = torch.randn(2, 3, 10, 40, generator=g).to(dtype)[:, :, 1:6]  # B x L x H x D view
     angles = torch.randn(cos_rows, 3, rotary_dim, generator=g)
     cos, sin = angles.cos(), angles.sin()
     formula = apply_rotary(x.clone().requires_grad_(), cos, sin,
