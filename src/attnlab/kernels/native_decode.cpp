@@ -330,7 +330,6 @@ void rotary_rows(const at::Tensor& x, const T* cos, const T* sin, int64_t cos_ro
   }
 }
 
-
 inline float activated1(float g, int64_t kind) {
   const float a = kind == 1 ? 1.5957691216057308f * g * (1.f + 0.044715f * g * g) : g;
   return g / (1.f + std::exp(-a));
