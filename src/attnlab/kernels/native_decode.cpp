@@ -330,28 +330,30 @@ void rotary_rows(const at::Tensor& x, const T* cos, const T* sin, int64_t cos_ro
   }
 }
 
+#if !(defined(__AVX512F__) && defined(__AVX512BW__))
 inline float activated1(float g, int64_t kind) {
   const float a = kind == 1 ? 1.5957691216057308f * g * (1.f + 0.044715f * g * g) : g;
   return g / (1.f + std::exp(-a));
 }
+#endif
 
 // out[i] = act(g[i]), times up[i] (after act is rounded to T) when up is given, i in [b, e).
 template <typename T>
 void activation_span(const T* g, const T* up, T* out, int64_t kind, int64_t b, int64_t e) {
-  int64_t i = b;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  for (; i < e; i += 16) {
+  for (int64_t i = b; i < e; i += 16) {
     const __mmask16 n = static_cast<__mmask16>(e - i >= 16 ? 0xFFFF : (1u << (e - i)) - 1u);
     __m512 y = activated16(load16f(g + i, n), kind);
     if (up != nullptr) y = _mm512_mul_ps(rounded(y, g), load16f(up + i, n));
     store16f(out + i, y, n);
   }
-#endif
-  for (; i < e; ++i) {
+#else
+  for (int64_t i = b; i < e; ++i) {
     const float y = activated1(static_cast<float>(g[i]), kind);
     out[i] = up == nullptr ? static_cast<T>(y)
                            : static_cast<T>(static_cast<float>(static_cast<T>(y)) * static_cast<float>(up[i]));
   }
+#endif
 }
 
 }  // namespace

@@ -119,7 +119,7 @@ torch::Tensor normed(const Config& c, const torch::Tensor& x, const torch::Tenso
 torch::Tensor activated(const Config& c, const torch::Tensor& x,
                         const std::optional<torch::Tensor>& up = std::nullopt) {
   if ((c.act == kSilu || c.act == kGeluTanh) && has_vector_activation())
-    return activation(x, up, c.act == kSilu ? 0 : 1);
+    return activation(x, up, c.act);  // the same codes as native.ACTIVATIONS
   torch::Tensor h;
   switch (c.act) {
     case kSilu: h = at::silu(x); break;

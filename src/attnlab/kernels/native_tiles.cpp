@@ -214,16 +214,28 @@ bool has_tiles() {
 #endif
 }
 
+namespace {
+
+// The checks the tile products share, in this order: tiles, x, the stored weight `w`
+// (`what`: its name and kind, `dtype`), bias; returns the output M x O.
+torch::Tensor checked_output(const char* kernel, const torch::Tensor& x, const torch::Tensor& w,
+                             torch::ScalarType dtype, const char* what, const torch::Tensor& bias) {
+  TORCH_CHECK(has_tiles(), kernel, ": this CPU, build or kernel gives no AMX-BF16 tiles");
+  check_x(x);
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.is_cpu() && w.scalar_type() == dtype &&
+                  w.size(1) == x.size(1),
+              what, " O x ", x.size(1), " on the CPU");
+  check_bias(bias, w.size(0));
+  return torch::empty({x.size(0), w.size(0)}, x.options());
+}
+
+}  // namespace
+
 torch::Tensor gemv_tiles(const torch::Tensor& x, const torch::Tensor& w,
                          const std::optional<torch::Tensor>& bias_or_none) {
-  TORCH_CHECK(has_tiles(), "gemv_tiles: this CPU, build or kernel gives no AMX-BF16 tiles");
   const torch::Tensor bias = bias_or_none.value_or(torch::Tensor());
-  check_x(x);
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.is_cpu() && w.scalar_type() == torch::kBFloat16 &&
-                  w.size(1) == x.size(1),
-              "weight: expected a contiguous bfloat16 O x ", x.size(1), " CPU tensor");
-  check_bias(bias, w.size(0));
-  auto out = torch::empty({x.size(0), w.size(0)}, x.options());
+  auto out = checked_output("gemv_tiles", x, w, torch::kBFloat16,
+                            "weight: expected a contiguous bfloat16", bias);
 #ifdef ATTNLAB_TILES
   tiles_product(x, reinterpret_cast<const uint16_t*>(w.data_ptr()), w.size(0),
                 [](int64_t) { return 1.f; },
@@ -234,18 +246,13 @@ torch::Tensor gemv_tiles(const torch::Tensor& x, const torch::Tensor& w,
 
 torch::Tensor gemv_int8_tiles(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
                               const std::optional<torch::Tensor>& bias_or_none) {
-  TORCH_CHECK(has_tiles(), "gemv_int8_tiles: this CPU, build or kernel gives no AMX-BF16 tiles");
   const torch::Tensor bias = bias_or_none.value_or(torch::Tensor());
-  check_x(x);
-  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.is_cpu() && q.scalar_type() == torch::kChar &&
-                  q.size(1) == x.size(1),
-              "q: expected contiguous int8 codes O x ", x.size(1), " on the CPU");
+  auto out = checked_output("gemv_int8_tiles", x, q, torch::kChar,
+                            "q: expected contiguous int8 codes", bias);
   const int64_t O = q.size(0);
   TORCH_CHECK(s.is_contiguous() && s.numel() == O &&
                   (s.scalar_type() == torch::kFloat32 || s.scalar_type() == torch::kBFloat16),
               "scales: expected ", O, " float32 or bfloat16 values");
-  check_bias(bias, O);
-  auto out = torch::empty({x.size(0), O}, x.options());
 #ifdef ATTNLAB_TILES
   const auto* bp = bias.defined() ? reinterpret_cast<const uint16_t*>(bias.data_ptr()) : nullptr;
   const auto* qp = reinterpret_cast<const int8_t*>(q.data_ptr());

@@ -159,9 +159,11 @@ def _time_kernels(like: QuantizedWeight, dtype: torch.dtype, rows: int,
         states: dict[str, list[tuple]] = {}
         for name in names:
             layout = QUANTIZED_KERNELS[name].layout or base.layout
-            weight = base.with_layout(layout)
+            if layout not in copies:
+                weight = base.with_layout(layout)
+                copies[layout] = [weight, *(_copy(weight) for _ in range(count - 1))]
             try:
-                first = _prepare(name, weight, dtype)
+                first = _prepare(name, copies[layout][0], dtype)
                 y = QUANTIZED_KERNELS[name].run(x, first, bias)
             except RuntimeError as error:
                 warnings.warn(f"quantized kernel {name}: left out, it raised {error}",
@@ -171,9 +173,7 @@ def _time_kernels(like: QuantizedWeight, dtype: torch.dtype, rows: int,
                 warnings.warn(f"quantized kernel {name}: left out, its result differs from "
                               "the formula's", stacklevel=4)
                 continue
-            if layout not in copies:
-                copies[layout] = [_copy(weight) for _ in range(count - 1)]
-            states[name] = [first, *(_prepare(name, copy, dtype) for copy in copies[layout])]
+            states[name] = [first, *(_prepare(name, copy, dtype) for copy in copies[layout][1:])]
         samples: dict[str, list[float]] = {n: [] for n in states}
         turn = itertools.count()
         for repeat in range(_MAX_REPEATS):
