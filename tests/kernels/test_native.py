@@ -137,6 +137,78 @@ def test_int8_equals_dequantize_then_linear(dtype, scale_dtype, rows, threads) -
     _close(y, x.double() @ weight.dequantize(torch.float64).t(), dtype)
 
 
+def _int8_integers_formula(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                           block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s sum_b 2^e sum_k q c`` in float64 (exact but for the scales' product): per row and
+    block, ``e = floor(log2 max|x|) - 14``, ``c = round(x 2^-e)`` (half to even); and the
+    bound on its distance from ``x (q s)^T``: ``sum_k |q s| 2^(e-1)``."""
+    y = torch.zeros(x.shape[0], q.shape[0], dtype=torch.float64)
+    bound = torch.zeros_like(y)
+    for k0 in range(0, x.shape[1], block):
+        xb, qb = x[:, k0:k0 + block].double(), q[:, k0:k0 + block].double()
+        top = xb.abs().amax(1, keepdim=True)
+        e = torch.frexp(top).exponent - 15  # frexp: top = f 2^p, f in [0.5, 1)
+        c = torch.round(torch.ldexp(xb, -e))
+        assert bool((c.abs() <= 32640).all())
+        unit = torch.where(top > 0, torch.ldexp(torch.ones_like(top), e), 0.0)
+        y += unit * (c @ qb.t())
+        bound += unit / 2 * qb.abs().sum(1)
+    return y * scales.double(), bound * scales.double()
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17])
+@pytest.mark.parametrize("in_features", [64, 70, 200, 256, 300, 600])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_integers_equal_their_formula(scale_dtype, rows, in_features, threads) -> None:
+    """The integer products: within one bfloat16 rounding of their own formula (exact
+    integers; only the float32 sum of the block sums is reordered), and that formula within
+    its bound of dequantize + linear. 70, 200, 300: a block's last 32 inputs ragged; 600: two
+    whole blocks of 256 and a third of 88; rows of x two at a time and past a block of 8."""
+    if not native.integers_available():
+        pytest.skip("this CPU has no AVX512-VNNI (no integer products)")
+    g = torch.Generator().manual_seed(rows * in_features)
+    weight = quantize(torch.randn(69, in_features, generator=g), 8, scale_dtype=scale_dtype)
+    x = torch.randn(rows, in_features, generator=g)
+    x[0, :64] *= 1e-3  # a quiet block next to loud ones
+    x[-1, -3:] *= 300
+    x = x.to(torch.bfloat16)
+    with thread_count(threads):
+        y = native.gemv_int8(x, weight.data, weight.scales, integers=True)
+    assert y.dtype == torch.bfloat16
+    exact, bound = _int8_integers_formula(x, weight.data, weight.scales)
+    assert bool(((y.double() - exact).abs() <= exact.abs() * 2.0**-8 * 1.01 + 1e-30).all())
+    formula = x.double() @ weight.dequantize(torch.float64).t()
+    assert bool(((exact - formula).abs() <= bound * (1 + 1e-9)).all())
+
+
+def test_int8_integers_take_any_scale_of_x() -> None:
+    """Blocks of zeros, of subnormal and of huge bfloat16 numbers scale by powers of two
+    exactly; an infinity or NaN in x gives what the float32 loop gives."""
+    if not native.integers_available():
+        with pytest.raises(RuntimeError, match="integers: expected a bfloat16 x and a build"):
+            native.gemv_int8(torch.ones(1, 32).bfloat16(), torch.ones(2, 32, dtype=torch.int8),
+                             torch.ones(2), integers=True)
+        return
+    g = torch.Generator().manual_seed(0)
+    weight = quantize(torch.randn(40, 768, generator=g), 8)
+    x = torch.randn(3, 768, generator=g)
+    x[0, :256] = 0
+    x[0, 256:512] *= 1e-39  # subnormal float32 (and bfloat16)
+    x[1, :256] *= 1e30
+    x[2, 512:] *= 2.0**-120
+    x = x.to(torch.bfloat16)
+    y = native.gemv_int8(x, weight.data, weight.scales, integers=True)
+    exact, _ = _int8_integers_formula(x, weight.data, weight.scales)
+    assert bool(((y.double() - exact).abs() <= exact.abs() * 2.0**-8 + 1e-38).all())
+    x[1, 7], x[2, 700] = float("inf"), float("nan")
+    torch.testing.assert_close(native.gemv_int8(x, weight.data, weight.scales, integers=True),
+                               native.gemv_int8(x, weight.data, weight.scales), rtol=0, atol=0,
+                               equal_nan=True)
+    with pytest.raises(RuntimeError, match="integers: expected a bfloat16 x"):
+        native.gemv_int8(x.float(), weight.data, weight.scales, integers=True)
+
+
 @pytest.mark.parametrize(("dtype", "pairs"), GEMV_CASES)
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("group_size", "in_features"), [(32, 512), (64, 512), (128, 512),

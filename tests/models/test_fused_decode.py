@@ -86,8 +86,8 @@ def decode(model: DecoderLM, steps: int = 6) -> tuple[list[torch.Tensor], KVCach
 
 # The kernels that decode_layers runs itself, and some that it calls back in Python.
 WEIGHTS = ["native_gemv", "native_pairs", "native_tiles", "formula", "int8:int8_native",
-           "int8:int8_tiles", "int8:int8_mm", "int4:int4_native", "int4:int4_native_pairs",
-           "int4:int4_mm",
+           "int8:int8_tiles", "int8:int8_integers", "int8:int8_mm", "int4:int4_native",
+           "int4:int4_native_pairs", "int4:int4_mm",
            "rows_gemv", "onednn", "int8:dequantize", "int4:native_dequantize"]
 
 
@@ -100,6 +100,8 @@ def test_fused_step_equals_the_modules_bit_for_bit(monkeypatch, model_type, dtyp
         pytest.skip("the pair kernels take bfloat16 on a CPU with vdpbf16ps")
     if "tiles" in weights and (dtype != torch.bfloat16 or not native.tiles_available()):
         pytest.skip("the tile kernel takes bfloat16 on a CPU that lends AMX-BF16 tiles")
+    if "integers" in weights and (dtype != torch.bfloat16 or not native.integers_available()):
+        pytest.skip("the integer products take bfloat16 on a CPU with AVX512-VNNI")
     model = model_of(model_type, dtype, weights)
     calls = counted(monkeypatch)
     fused, fused_cache = decode(model)

@@ -45,7 +45,8 @@ from attnlab.kernels import cache
 __all__ = ["ACTIVATIONS", "DTYPES", "MAX_ROWS", "STEP_CALL", "STEP_KINDS", "TILES_MAX_ROWS",
            "activation", "activation_available", "argmax_rows", "available",
            "decode_attention", "decode_layers", "dequantize_int4", "dequantize_int8", "gemv",
-           "gemv_int4", "gemv_int8", "gemv_int8_tiles", "gemv_tiles", "paged_attention",
+           "gemv_int4", "gemv_int8", "gemv_int8_tiles", "gemv_tiles", "integers_available",
+           "paged_attention",
            "pairs_available", "rms_norm", "rotary", "takes", "tiles_available"]
 
 # The float GEMVs and the attention kernel are offered for the decoding buckets only: past 8
@@ -63,7 +64,7 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 # packed int8/int4 ops, the formula (``linear``).
 STEP_KINDS = {"native_gemv": 0, "native_pairs": 1, "int8_native": 2, "int4_native": 3,
               "int4_native_pairs": 4, "int8_mm": 5, "int4_mm": 6, "formula": 7, "columns": 7,
-              "native_tiles": 9, "int8_tiles": 10}
+              "native_tiles": 9, "int8_tiles": 10, "int8_integers": 11}
 # Any other kernel: ``(STEP_CALL, x -> y, None, None, 0, None)``, called back in Python.
 STEP_CALL = 8
 
@@ -155,11 +156,25 @@ def gemv_int8_tiles(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None = 
     return _require().gemv_int8_tiles(x, q, scales, bias)
 
 
-def gemv_int8(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor:
+def gemv_int8(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None = None, *,
+              integers: bool = False) -> Tensor:
     """``x (q s)^T + b``: q ``O x I`` int8, scales ``O`` (float32 or bfloat16), x ``M x I``
     (float32 or bfloat16, contiguous) -> ``M x O`` in x's dtype; the scale applied to each
-    float32 dot product."""
-    return _require().gemv_int8(x, q, scales, bias)
+    float32 dot product. ``integers`` (bfloat16 x, see :func:`integers_available`): per row
+    and block of 256 inputs, x scaled by ``2^-e`` with ``e = floor(log2 a) - 14`` (``a`` the
+    block's largest ``|x|``) and rounded to integers ``c``, then ``y = s sum_b 2^e sum_k q c``
+    with the inner sums exact in int32 (``vpdpwssd``): an input is held to within ``2^(e-1)
+    <= 2^-15 a``, exactly if within ``2^7`` of ``a``; an x with an infinity or NaN runs the
+    float32 loop."""
+    return _require().gemv_int8(x, q, scales, bias, integers)
+
+
+def integers_available() -> bool:
+    """Whether the build has the integer-product loop that ``gemv_int8(..., integers=True)``
+    asks for (AVX512-VNNI's ``vpdpwssd``, built when the compiler targets a CPU that has
+    it)."""
+    extension = _extension()
+    return extension is not None and extension.has_integers()
 
 
 def gemv_int4(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor,

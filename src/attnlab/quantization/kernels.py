@@ -5,9 +5,10 @@ case and is the reference the others are tested against. ``int8_mm`` is PyTorch'
 ``_weight_int8pack_mm`` (int8 codes and per-row scales read directly), ``int4_mm`` its
 ``_weight_int4pack_mm_for_cpu`` on the blocked layout (``attnlab.quantization.formats``);
 ``native_dequantize`` the formula with ``W'`` made by attnlab's C++ dequantization, and
-``int8_native``, ``int4_native``, ``int4_native_pairs`` attnlab's C++ GEMVs
-(:mod:`attnlab.kernels.native`) for a few rows, and ``int8_tiles`` its AMX tile kernel (on a
-CPU that has AMX-BF16) for up to 32.
+``int8_native``, ``int8_integers`` (x rounded to 16-bit integers, exact integer products),
+``int4_native``, ``int4_native_pairs`` attnlab's C++ GEMVs (:mod:`attnlab.kernels.native`)
+for a few rows, and ``int8_tiles`` its AMX tile kernel (on a CPU that has AMX-BF16) for up
+to 32.
 Reading 1-2 bytes less per weight matters when a weight is read once per token (decoding);
 with many rows (prefill) the formula's one dequantization and a BLAS GEMM usually win, so the
 choice is made per rows bucket, by timing the candidates on this machine as
@@ -237,6 +238,12 @@ def _int8_native_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
     return native.gemv_int8(x, *state, bias)
 
 
+def _int8_integers_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
+    """``x (q s)^T`` with x rounded to 16-bit integers per block, multiplied with the codes
+    exactly in int32 (``vpdpwssd``): half the instructions of widening the codes to float."""
+    return native.gemv_int8(x, *state, bias, integers=True)
+
+
 def _int8_tiles_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
     """``x (q s)^T`` on AMX tiles: the codes widened to bfloat16 beside each tile product."""
     return native.gemv_int8_tiles(x, *state, bias)
@@ -340,6 +347,11 @@ QUANTIZED_KERNELS: dict[str, QuantizedKernel] = {
                         _native_dequantize_run, _native_takes, exact=True),
         QuantizedKernel("int8_native", None, _int8_native_prepare, _int8_native_run,
                         lambda w, d: w.bits == 8 and _native_takes(w, d), _NATIVE_ROWS),
+        # bfloat16 x only: its own rounding (2^-9) is far above the integers' 2^-16 of a
+        # block's largest input; a float32 x would lose digits it has.
+        QuantizedKernel("int8_integers", None, _int8_native_prepare, _int8_integers_run,
+                        lambda w, d: (w.bits == 8 and d == torch.bfloat16 and _native_takes(w, d)
+                                      and native.integers_available()), _NATIVE_ROWS),
         QuantizedKernel("int8_tiles", None, _int8_native_prepare, _int8_tiles_run,
                         lambda w, d: (w.bits == 8 and d == torch.bfloat16 and _native_takes(w, d)
                                       and native.tiles_available()), _NATIVE_ROWS),
