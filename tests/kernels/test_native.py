@@ -137,23 +137,23 @@ def test_int8_equals_dequantize_then_linear(dtype, scale_dtype, rows, threads) -
     _close(y, x.double() @ weight.dequantize(torch.float64).t(), dtype)
 
 
-def _int8_integers_formula(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
-                           block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """``s sum_b 2^e sum_k q c`` in float64 (exact but for the scales' product): per row and
-    block, ``e = floor(log2 max|x|) - 14``, ``c = round(x 2^-e)`` (half to even); and the
-    bound on its distance from ``x (q s)^T``: ``sum_k |q s| 2^(e-1)``."""
-    y = torch.zeros(x.shape[0], q.shape[0], dtype=torch.float64)
+def _integers_formula(x: torch.Tensor, w: torch.Tensor, block: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x' W^T`` in float64 with x rounded as the integer kernels round it: per row and
+    block, ``e = floor(log2 max|x|) - 14``, ``x' = round(x 2^-e) 2^e`` (half to even); and
+    the bound on its distance from ``x W^T``: ``sum_k |W[o, k]| 2^(e-1)``."""
+    y = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
     bound = torch.zeros_like(y)
     for k0 in range(0, x.shape[1], block):
-        xb, qb = x[:, k0:k0 + block].double(), q[:, k0:k0 + block].double()
+        xb, wb = x[:, k0:k0 + block].double(), w[:, k0:k0 + block].double()
         top = xb.abs().amax(1, keepdim=True)
         e = torch.frexp(top).exponent - 15  # frexp: top = f 2^p, f in [0.5, 1)
         c = torch.round(torch.ldexp(xb, -e))
         assert bool((c.abs() <= 32640).all())
         unit = torch.where(top > 0, torch.ldexp(torch.ones_like(top), e), 0.0)
-        y += unit * (c @ qb.t())
-        bound += unit / 2 * qb.abs().sum(1)
-    return y * scales.double(), bound * scales.double()
+        y += (c * unit) @ wb.t()
+        bound += unit / 2 * wb.abs().sum(1)
+    return y, bound
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
@@ -176,10 +176,10 @@ def test_int8_integers_equal_their_formula(scale_dtype, rows, in_features, threa
     with thread_count(threads):
         y = native.gemv_int8(x, weight.data, weight.scales, integers=True)
     assert y.dtype == torch.bfloat16
-    exact, bound = _int8_integers_formula(x, weight.data, weight.scales)
+    dense = weight.dequantize(torch.float64)
+    exact, bound = _integers_formula(x, dense, 256)
     assert bool(((y.double() - exact).abs() <= exact.abs() * 2.0**-8 * 1.01 + 1e-30).all())
-    formula = x.double() @ weight.dequantize(torch.float64).t()
-    assert bool(((exact - formula).abs() <= bound * (1 + 1e-9)).all())
+    assert bool(((exact - x.double() @ dense.t()).abs() <= bound * (1 + 1e-9)).all())
 
 
 def test_int8_integers_take_any_scale_of_x() -> None:
@@ -199,7 +199,7 @@ def test_int8_integers_take_any_scale_of_x() -> None:
     x[2, 512:] *= 2.0**-120
     x = x.to(torch.bfloat16)
     y = native.gemv_int8(x, weight.data, weight.scales, integers=True)
-    exact, _ = _int8_integers_formula(x, weight.data, weight.scales)
+    exact, _ = _integers_formula(x, weight.dequantize(torch.float64), 256)
     assert bool(((y.double() - exact).abs() <= exact.abs() * 2.0**-8 + 1e-38).all())
     x[1, 7], x[2, 700] = float("inf"), float("nan")
     torch.testing.assert_close(native.gemv_int8(x, weight.data, weight.scales, integers=True),
@@ -228,6 +228,47 @@ def test_int4_equals_dequantize_then_linear(dtype, pairs, scale_dtype, group_siz
                              pairs=pairs)
     # s (q . x - 8 sum x) + z sum x: the difference of two float32 sums cancels a little.
     _close(y, x.double() @ weight.dequantize(torch.float64).t(), dtype, float32_tol=1e-4)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("group_size", "in_features"), [(64, 512), (128, 512), (256, 512),
+                                                         (64, 1088), (64, 2112), (128, 1152)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_int4_integers_equal_their_formula(scale_dtype, group_size, in_features, rows) -> None:
+    """The formula on x rounded to integers a row (within bfloat16 rounding: the float32 sums
+    of the 128-code blocks and the shift term are reordered), and that formula within its
+    bound of dequantize + linear. 1088 and 2112: a last block of 64 codes, 2112 / 64 = 33
+    groups past two windows of 16."""
+    if not native.integers_available():
+        pytest.skip("this CPU has no AVX512-VNNI (no integer products)")
+    g = torch.Generator().manual_seed(group_size + rows + in_features)
+    weight = quantize(torch.randn(67, in_features, generator=g), 4, group_size, scale_dtype)
+    x = torch.randn(rows, in_features, generator=g)
+    x[-1, 5] = 40.0  # one loud input: the row's scale
+    x = x.to(torch.bfloat16)
+    with thread_count(2):
+        y = native.gemv_int4(x, weight.data, weight.scales, weight.zeros, group_size,
+                             integers=True)
+    dense = weight.dequantize(torch.float64)
+    exact, bound = _integers_formula(x, dense, in_features)
+    _close(y, exact, torch.bfloat16)
+    assert bool(((exact - x.double() @ dense.t()).abs() <= bound * (1 + 1e-9)).all())
+    x[0, 3] = float("nan")
+    torch.testing.assert_close(
+        native.gemv_int4(x, weight.data, weight.scales, weight.zeros, group_size, integers=True),
+        native.gemv_int4(x, weight.data, weight.scales, weight.zeros, group_size), rtol=0,
+        atol=0, equal_nan=True)
+
+
+def test_int4_integers_refuse_what_they_cannot_run() -> None:
+    weight = quantize(torch.randn(8, 128), 4, 32)
+    x = torch.randn(1, 128).bfloat16()
+    with pytest.raises(ValueError, match="pairs, integers: expected at most one"):
+        native.gemv_int4(x, weight.data, weight.scales, weight.zeros, 32, pairs=True,
+                         integers=True)
+    with pytest.raises(RuntimeError, match="integers: expected bfloat16 x, groups of a "
+                                           "multiple of 64"):
+        native.gemv_int4(x, weight.data, weight.scales, weight.zeros, 32, integers=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

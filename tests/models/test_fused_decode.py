@@ -48,7 +48,9 @@ def model_of(model_type: str, dtype: torch.dtype, weights: str) -> DecoderLM:
     if ":" not in weights:
         return optimize_for_inference(model, kernel=weights)
     bits, kernel = weights.split(":")
-    return model.quantize(bits, 32 if bits == "int4" else None, kernel=kernel)
+    # int4 in groups of 32 (the smallest), of 64 for the integer products (the smallest they take)
+    group = (64 if kernel == "int4_integers" else 32) if bits == "int4" else None
+    return model.quantize(bits, group, kernel=kernel)
 
 
 def counted(monkeypatch) -> list[int]:
@@ -87,7 +89,7 @@ def decode(model: DecoderLM, steps: int = 6) -> tuple[list[torch.Tensor], KVCach
 # The kernels that decode_layers runs itself, and some that it calls back in Python.
 WEIGHTS = ["native_gemv", "native_pairs", "native_tiles", "formula", "int8:int8_native",
            "int8:int8_tiles", "int8:int8_integers", "int8:int8_mm", "int4:int4_native",
-           "int4:int4_native_pairs", "int4:int4_mm",
+           "int4:int4_native_pairs", "int4:int4_integers", "int4:int4_mm",
            "rows_gemv", "onednn", "int8:dequantize", "int4:native_dequantize"]
 
 

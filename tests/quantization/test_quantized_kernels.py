@@ -19,7 +19,7 @@ def _linear(rows: int = 128, cols: int = 256, bias: bool = True,
 
 
 CASES = [("int8_mm", 8), ("int4_mm", 4), ("int8_native", 8), ("int8_tiles", 8),
-         ("int8_integers", 8), ("int4_native", 4),
+         ("int8_integers", 8), ("int4_integers", 4), ("int4_native", 4),
          ("int4_native_pairs", 4), ("native_dequantize", 8), ("native_dequantize", 4),
          ("dequantize", 8), ("dequantize", 4)]
 

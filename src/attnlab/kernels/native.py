@@ -64,7 +64,7 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 # packed int8/int4 ops, the formula (``linear``).
 STEP_KINDS = {"native_gemv": 0, "native_pairs": 1, "int8_native": 2, "int4_native": 3,
               "int4_native_pairs": 4, "int8_mm": 5, "int4_mm": 6, "formula": 7, "columns": 7,
-              "native_tiles": 9, "int8_tiles": 10, "int8_integers": 11}
+              "native_tiles": 9, "int8_tiles": 10, "int8_integers": 11, "int4_integers": 12}
 # Any other kernel: ``(STEP_CALL, x -> y, None, None, 0, None)``, called back in Python.
 STEP_CALL = 8
 
@@ -170,21 +170,28 @@ def gemv_int8(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None = None, 
 
 
 def integers_available() -> bool:
-    """Whether the build has the integer-product loop that ``gemv_int8(..., integers=True)``
-    asks for (AVX512-VNNI's ``vpdpwssd``, built when the compiler targets a CPU that has
-    it)."""
+    """Whether the build has the integer-product loops that ``gemv_int8`` and ``gemv_int4``
+    ask for with ``integers=True`` (the integer dot product ``vpdpwssd``, built when the compiler
+    targets a CPU that has it)."""
     extension = _extension()
     return extension is not None and extension.has_integers()
 
 
 def gemv_int4(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor,
-              group_size: int, bias: Tensor | None = None, *, pairs: bool = False) -> Tensor:
+              group_size: int, bias: Tensor | None = None, *, pairs: bool = False,
+              integers: bool = False) -> Tensor:
     """``x ((q - 8) s + z)^T + b`` per group of ``group_size`` inputs: packed ``O x I/2``
     uint8 (code ``2j`` in the low nibble of byte ``j``), scales and zeros ``O x I/g`` (float32
     or bfloat16, one dtype), x ``M x I`` -> ``M x O`` in x's dtype. ``group_size`` a multiple
     of 32. ``pairs`` (bfloat16 x): the codes read as the bfloat16 numbers ``128 + q`` and
-    multiplied with x two at a time by ``vdpbf16ps``."""
-    return _require().gemv_int4(x, packed, scales, zeros, group_size, bias, pairs)
+    multiplied with x two at a time by ``vdpbf16ps``. ``integers`` (bfloat16 x, groups of a
+    multiple of 64, see :func:`integers_available`): each row of x rounded to integers as
+    :func:`gemv_int8`'s, with one scale a row (a 4-bit weight's rounding dwarfs its 2^-15),
+    and ``q c`` summed exactly in int32 (``vpdpwssd``) per 128 codes; the ``8 s`` and ``z``
+    terms take the rounded x's group sums."""
+    if pairs and integers:
+        raise ValueError("pairs, integers: expected at most one of them")
+    return _require().gemv_int4(x, packed, scales, zeros, group_size, bias, pairs, integers)
 
 
 def dequantize_int4(packed: Tensor, scales: Tensor, zeros: Tensor, group_size: int,

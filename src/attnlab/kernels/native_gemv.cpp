@@ -17,10 +17,10 @@
 //   4-bit codes turned into the bfloat16 numbers 128 + q (exact), multiplied by x in pairs
 //   into float32 sums (vdpbf16ps). Fewer instructions, longer dependency chains: which of the
 //   two is faster depends on the CPU and the row count, so calibration measures both.
-// - with AVX512-VNNI also, when asked (`integers`) for int8 codes and a bfloat16 x: x scaled
-//   by a power of two per block of 256 inputs and rounded to 16-bit integers, multiplied with
-//   the codes exactly, in pairs, into int32 sums (vpdpwssd); each block's sum scaled back in
-//   float32. Half the instructions of
+// - with AVX512-VNNI also, when asked (`integers`) with a bfloat16 x: x scaled by a power of
+//   two per block of inputs (int8: 256, int4: a row) and rounded to 16-bit integers, multiplied
+//   with the codes exactly, in pairs, into int32 sums (vpdpwssd); each block's sum (int4: each
+//   128 codes') scaled back in float32. Half the instructions of
 //   widening the codes to float32 (an int8 GEMV of one row ran out of arithmetic before
 //   memory on an Intel Xeon).
 // The sums are float32 in every build, in another order than a sequential sum.
@@ -261,26 +261,26 @@ void bf16_rows(const uint16_t* w, const uint16_t* x, float* y, int64_t O, int64_
 #endif
 
 #ifdef ATTNLAB_VNNI
-constexpr int64_t kIntBlock = 256;  // inputs of x per integer scale
+constexpr int64_t kIntBlock = 256;  // inputs of x per integer scale, for int8 codes
 
 // x (M x K, bfloat16 values as float32, finite) as 16-bit integers: per row m and block b of
-// kIntBlock inputs, c = round(x 2^-e) with e = floor(log2 a) - 14, a = max |x| over the block
+// `block` inputs, c = round(x 2^-e) with e = floor(log2 a) - 14, a = max |x| over the block
 // (so 2^14 <= a 2^-e < 2^15, and c = 0 where a = 0); x ~ c 2^e. Powers of two scale exactly:
 // an input within 2^7 of a (8 significant bits) is held exactly, a smaller one within 2^(e-1),
 // below its own bfloat16 rounding of the block's largest. |c| <= 32640 (a's 8 bits).
 struct IntegerRows {
-  std::vector<int16_t> codes;  // M x blocks * kIntBlock
+  std::vector<int16_t> codes;  // M x blocks * block
   std::vector<float> scales;   // M x blocks: 2^e
-  int64_t blocks, stride;
+  int64_t block, blocks, stride;
 
-  IntegerRows(const float* x, int64_t M, int64_t K)
-      : blocks((K + kIntBlock - 1) / kIntBlock), stride(blocks * kIntBlock) {
+  IntegerRows(const float* x, int64_t M, int64_t K, int64_t block_size)
+      : block(block_size), blocks((K + block - 1) / block), stride(blocks * block) {
     codes.assign(M * stride, 0);
     scales.assign(M * blocks, 0.f);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t b = 0; b < blocks; ++b) {
-        const float* xb = x + m * K + b * kIntBlock;
-        const int64_t n = std::min(kIntBlock, K - b * kIntBlock);
+        const float* xb = x + m * K + b * block;
+        const int64_t n = std::min(block, K - b * block);
         __m512 top = _mm512_setzero_ps();
         for (int64_t k = 0; k < n; k += 16)
           top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes(n - k), xb + k)));
@@ -289,7 +289,7 @@ struct IntegerRows {
         const int e = std::ilogb(a) - 14;
         scales[m * blocks + b] = std::ldexp(1.f, e);
         const __m512 down = _mm512_set1_ps(static_cast<float>(-e));
-        int16_t* cb = codes.data() + m * stride + b * kIntBlock;
+        int16_t* cb = codes.data() + m * stride + b * block;
         for (int64_t k = 0; k < n; k += 16) {
           const __mmask16 live = lanes(n - k);
           const __m512 scaled = _mm512_scalef_ps(_mm512_maskz_loadu_ps(live, xb + k), down);
@@ -319,7 +319,7 @@ void int8_integer_rows(const int8_t* q, const IntegerRows& xi, int64_t m0, float
     __m512 sum[MB];
     for (int m = 0; m < MB; ++m) sum[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < xi.blocks; ++b) {
-      const int64_t k0 = b * kIntBlock, k1 = std::min(K, k0 + kIntBlock);
+      const int64_t k0 = b * xi.block, k1 = std::min(K, k0 + xi.block);
       __m512i acc[MB], acc2[MB];
       for (int m = 0; m < MB; ++m) acc[m] = acc2[m] = _mm512_setzero_si512();
       int64_t k = k0;
@@ -437,7 +437,7 @@ torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& q, const to
   // infinities and NaNs.
   std::optional<IntegerRows> xi;
   if (integers && std::all_of(xf.begin(), xf.end(), [](float v) { return std::isfinite(v); }))
-    xi.emplace(xf.data(), M, K);
+    xi.emplace(xf.data(), M, K, kIntBlock);
 #endif
   auto run = [&](auto row_scale) {
     at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
@@ -476,6 +476,30 @@ struct Int4Args {
   int64_t O, K, g;
 };
 
+#ifdef ATTNLAB_AVX512
+// 16 scales (or zeros) from position p as float32, the lanes past n zero.
+inline __m512 load_scales(const float* p, __mmask16 n) { return _mm512_maskz_loadu_ps(n, p); }
+inline __m512 load_scales(const uint16_t* p, __mmask16 n) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(n, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
+
+// x (M x K, K a multiple of 64) in the order the 4-bit kernels read 128 codes at a time
+// (int4x128_as_bf16, int4x128_as_int16): per block of 128 inputs (of 64 for a last one),
+// input 4i + t at position t * 32 + i (t * 16 + i).
+template <typename T>
+std::vector<T> nibble_order(const T* x, int64_t M, int64_t K) {
+  std::vector<T> out(M * K);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K; b += 128) {
+      const int64_t lanes = std::min<int64_t>(128, K - b) / 4;
+      for (int64_t t = 0; t < 4; ++t)
+        for (int64_t i = 0; i < lanes; ++i) out[m * K + b + t * lanes + i] = x[m * K + b + 4 * i + t];
+    }
+  return out;
+}
+
 #ifdef ATTNLAB_AVX512BF16
 // 16 bytes -> 32 bfloat16 numbers 128 + q in input order: byte j's low nibble is input 2j.
 inline __m512bh int4_as_bf16(const uint8_t* p) {
@@ -506,13 +530,6 @@ inline void int4x64_as_bf16(const uint8_t* p, __m256bh code[4]) {
   code[1] = as_bf16(_mm256_ternarylogic_epi32(_mm256_srli_epi16(w, 4), low, high, 0xEA));
   code[2] = as_bf16(_mm256_ternarylogic_epi32(_mm256_srli_epi16(w, 8), low, high, 0xEA));
   code[3] = as_bf16(_mm256_or_si256(_mm256_srli_epi16(w, 12), high));
-}
-
-// 16 scales (or zeros) from position p as float32, the lanes past n zero.
-inline __m512 load_scales(const float* p, __mmask16 n) { return _mm512_maskz_loadu_ps(n, p); }
-inline __m512 load_scales(const uint16_t* p, __mmask16 n) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(n, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
 // Group sizes that are multiples of 64 read 128 codes at a time (int4x128_as_bf16: a quarter
@@ -592,19 +609,89 @@ void int4_bf16_rows(const Int4Args& a, const S* s, const S* z, const uint16_t* x
   }
 }
 
-// x (M x K bfloat16, K a multiple of 64) in the order int4x128_as_bf16 reads the codes: per
-// block of 128 inputs (of 64 for a last one), input 4i + t at position t * 32 + i (t * 16 + i).
-std::vector<uint16_t> nibble_order(const torch::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1);
-  const uint16_t* xp = ptr<uint16_t>(x);
-  std::vector<uint16_t> out(M * K);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < K; b += 128) {
-      const int64_t lanes = std::min<int64_t>(128, K - b) / 4;
-      for (int64_t t = 0; t < 4; ++t)
-        for (int64_t i = 0; i < lanes; ++i) out[m * K + b + t * lanes + i] = xp[m * K + b + 4 * i + t];
+
+#endif
+
+#ifdef ATTNLAB_VNNI
+// 64 bytes (128 codes) -> four vectors of 32 codes as 16-bit integers, code[t] word i holding
+// input 4i + t of the 128 (nibble t of word i), as int4x128_as_bf16 without the 128.
+inline void int4x128_as_int16(const uint8_t* p, __m512i code[4]) {
+  const __m512i w = _mm512_loadu_si512(p), low = _mm512_set1_epi16(0x000F);
+  code[0] = _mm512_and_si512(w, low);
+  code[1] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+  code[2] = _mm512_and_si512(_mm512_srli_epi16(w, 8), low);
+  code[3] = _mm512_srli_epi16(w, 12);
+}
+
+inline void int4x64_as_int16(const uint8_t* p, __m256i code[4]) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i low = _mm256_set1_epi16(0x000F);
+  code[0] = _mm256_and_si256(w, low);
+  code[1] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+  code[2] = _mm256_and_si256(_mm256_srli_epi16(w, 8), low);
+  code[3] = _mm256_srli_epi16(w, 12);
+}
+
+// As int4_bf16_rows with groups of a multiple of 64, x as one row of 16-bit integers c (in
+// nibble order, x ~ c unit[m]): per 128 codes, four exact int32 products q c of pairs
+// (vpdpwssd, two chains), turned to float32 and scaled by their groups' s; the shift term
+// (z - 8 s) sum_j x as there, with a.xsum the sums of the rounded x.
+template <int MB, typename S>
+void int4_integer_rows(const Int4Args& a, const S* s, const S* z, const int16_t* c,
+                       const float* unit, int64_t begin, int64_t end) {
+  const int64_t groups = a.K / a.g, stride = a.K / 2;
+  std::vector<int32_t> pick(16 * (a.g / 8));
+  for (int64_t i = 0; i < static_cast<int64_t>(pick.size()) / 16; ++i)
+    for (int64_t lane = 0; lane < 16; ++lane)
+      pick[16 * i + lane] = static_cast<int32_t>((128 * i + (lane < 8 ? 0 : 64)) / a.g);
+  for (int64_t o = begin; o < end; ++o) {
+    const uint8_t* row = a.q + o * stride;
+    __m512 acc[MB], shift[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = shift[m] = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < groups; j0 += 16) {
+      const int64_t n = std::min<int64_t>(16, groups - j0);
+      const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1u);
+      const __m512 s16 = load_scales(s + o * groups + j0, lanes);
+      const __m512 z16 = load_scales(z + o * groups + j0, lanes);
+      const __m512 shift16 = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s16, z16);  // z - 8 s
+      for (int m = 0; m < MB; ++m)
+        shift[m] = _mm512_fmadd_ps(shift16, _mm512_maskz_loadu_ps(lanes, a.xsum + m * groups + j0), shift[m]);
+      const int64_t start = j0 * a.g, stop = (j0 + n) * a.g;
+      int64_t k = start;
+      for (; k + 128 <= stop; k += 128) {
+        __m512i code[4];
+        ahead<1, (MB > 2 ? kAheadManyRows : kAheadBytes)>(row + k / 2);
+        int4x128_as_int16(row + k / 2, code);
+        const __m512 sk = _mm512_permutexvar_ps(
+            _mm512_loadu_si512(pick.data() + 16 * ((k - start) / 128)), s16);
+        for (int m = 0; m < MB; ++m) {
+          const int16_t* cm = c + m * a.K + k;
+          __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), code[0], _mm512_loadu_si512(cm));
+          __m512i e = _mm512_dpwssd_epi32(_mm512_setzero_si512(), code[2], _mm512_loadu_si512(cm + 64));
+          d = _mm512_dpwssd_epi32(d, code[1], _mm512_loadu_si512(cm + 32));
+          e = _mm512_dpwssd_epi32(e, code[3], _mm512_loadu_si512(cm + 96));
+          acc[m] = _mm512_fmadd_ps(sk, _mm512_cvtepi32_ps(_mm512_add_epi32(d, e)), acc[m]);
+        }
+      }
+      if (k < stop) {  // the last 64 codes of the row
+        __m256i code[4];
+        int4x64_as_int16(row + k / 2, code);
+        const __m512 sk = _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>((k - start) / a.g)), s16);
+        for (int m = 0; m < MB; ++m) {
+          const int16_t* cm = c + m * a.K + k;
+          auto load16 = [](const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+          __m256i d = _mm256_dpwssd_epi32(_mm256_setzero_si256(), code[0], load16(cm));
+          __m256i e = _mm256_dpwssd_epi32(_mm256_setzero_si256(), code[2], load16(cm + 32));
+          d = _mm256_dpwssd_epi32(d, code[1], load16(cm + 16));
+          e = _mm256_dpwssd_epi32(e, code[3], load16(cm + 48));
+          const __m512 sum = _mm512_zextps256_ps512(_mm256_cvtepi32_ps(_mm256_add_epi32(d, e)));
+          acc[m] = _mm512_fmadd_ps(sk, sum, acc[m]);
+        }
+      }
     }
-  return out;
+    for (int m = 0; m < MB; ++m)
+      a.y[m * a.O + o] = unit[m] * _mm512_reduce_add_ps(acc[m]) + _mm512_reduce_add_ps(shift[m]);
+  }
 }
 #endif
 
@@ -673,7 +760,7 @@ void int4_widened_rows(const Int4Args& a, const S* s, const S* z, const float* x
 
 torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
                         const torch::Tensor& z, int64_t group_size, const std::optional<torch::Tensor>& bias_or_none,
-                        bool pairs) {
+                        bool pairs, bool integers) {
   const torch::Tensor bias = bias_or_none.value_or(torch::Tensor());
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0,
@@ -690,6 +777,10 @@ torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const to
               "x: expected float32 or bfloat16");
   TORCH_CHECK(!pairs || (has_pairs() && x.scalar_type() == torch::kBFloat16),
               "pairs: expected bfloat16 x and a build with AVX512-BF16");
+  TORCH_CHECK(!integers || (has_integers() && x.scalar_type() == torch::kBFloat16 &&
+                            group_size % 64 == 0 && !pairs),
+              "integers: expected bfloat16 x, groups of a multiple of 64, not pairs, and a build "
+              "with AVX512-VNNI");
   check_bias(bias, x, O);
   Output y(x, bias, O);
   const Finish finish = y.finish(bias);
@@ -699,10 +790,35 @@ torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const to
     for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / group_size] += xf[m * K + k];
   const Int4Args args{ptr<uint8_t>(q), xsum.data(), y.data(), O, K, group_size};
   auto run = [&](const auto* sp, const auto* zp) {
+#ifdef ATTNLAB_VNNI
+    // x as one row of integers per row: 4-bit codes lose far more than its 2^-15.
+    if (integers && std::all_of(xf.begin(), xf.end(), [](float v) { return std::isfinite(v); })) {
+      const IntegerRows xi(xf.data(), M, K, K);
+      const std::vector<int16_t> codes = nibble_order(xi.codes.data(), M, K);
+      std::vector<float> sums(M * groups);  // the groups' sums of the rounded x
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < groups; ++j) {
+          int64_t total = 0;
+          for (int64_t k = j * group_size; k < (j + 1) * group_size; ++k) total += xi.codes[m * K + k];
+          sums[m * groups + j] = xi.scales[m] * static_cast<float>(total);
+        }
+      at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
+        in_row_blocks<8>(M, [&](auto mb, int64_t m0) {
+          Int4Args rows = args;
+          rows.xsum = sums.data() + m0 * groups;
+          rows.y += m0 * O;
+          int4_integer_rows<decltype(mb)::value>(rows, sp, zp, codes.data() + m0 * K,
+                                                 xi.scales.data() + m0, b, e);
+        });
+        finish(b, e);
+      });
+      return;
+    }
+#endif
 #ifdef ATTNLAB_AVX512BF16
     if (pairs) {
       const bool by64 = group_size % 64 == 0;
-      const std::vector<uint16_t> xs = by64 ? nibble_order(x) : std::vector<uint16_t>();
+      const std::vector<uint16_t> xs = by64 ? nibble_order(ptr<uint16_t>(x), M, K) : std::vector<uint16_t>();
       const uint16_t* xp = by64 ? xs.data() : ptr<uint16_t>(x);
       at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
         in_row_blocks<4>(M, [&](auto mb, int64_t m0) {
@@ -857,7 +973,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_tiles", &gemv_tiles, "y = x W^T + b, bfloat16, on AMX tiles");
   m.def("gemv_int8_tiles", &gemv_int8_tiles, "y = x (q s)^T + b, q int8, on AMX tiles");
   m.def("gemv_int8", &gemv_int8, "y = x (q s)^T + b, q int8 with per-row scales s");
-  m.def("has_integers", &has_integers, "whether this build has the int8 integer-product loop");
+  m.def("has_integers", &has_integers, "whether this build has the integer-product loops");
   m.def("gemv_int4", &gemv_int4, "y = x ((q - 8) s + z)^T + b, 4-bit codes in groups");
   m.def("dequantize_int4", &dequantize_int4, "W' = (q - 8) s + z per group");
   m.def("dequantize_int8", &dequantize_int8, "W' = q s per row");

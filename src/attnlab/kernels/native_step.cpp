@@ -29,7 +29,7 @@ torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& q, const to
                         const std::optional<torch::Tensor>& bias, bool integers);
 torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
                         const torch::Tensor& z, int64_t group_size, const std::optional<torch::Tensor>& bias,
-                        bool pairs);
+                        bool pairs, bool integers);
 torch::Tensor gemv_tiles(const torch::Tensor& x, const torch::Tensor& w,
                          const std::optional<torch::Tensor>& bias);
 torch::Tensor gemv_int8_tiles(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
@@ -50,7 +50,8 @@ namespace {
 // kCall: any other kernel, called back in Python (the weight slot holds the callable).
 enum Kind : int64_t {
   kFloat = 0, kFloatPairs = 1, kInt8 = 2, kInt4 = 3, kInt4Pairs = 4, kInt8Mm = 5, kInt4Mm = 6,
-  kFormula = 7, kCall = 8, kTiles = 9, kInt8Tiles = 10, kInt8Integers = 11
+  kFormula = 7, kCall = 8, kTiles = 9, kInt8Tiles = 10, kInt8Integers = 11,
+  kInt4Integers = 12
 };
 // The norms and activations, likewise.
 enum Norm : int64_t { kRms = 0, kRmsUnitOffset = 1, kLayerNorm = 2 };
@@ -90,8 +91,9 @@ struct Linear {
       case kFloatPairs: return gemv(x, w, bias, true);
       case kInt8: return gemv_int8(x, w, s.value(), bias, false);
       case kInt8Integers: return gemv_int8(x, w, s.value(), bias, true);
-      case kInt4: return gemv_int4(x, w, s.value(), z.value(), group, bias, false);
-      case kInt4Pairs: return gemv_int4(x, w, s.value(), z.value(), group, bias, true);
+      case kInt4: return gemv_int4(x, w, s.value(), z.value(), group, bias, false, false);
+      case kInt4Pairs: return gemv_int4(x, w, s.value(), z.value(), group, bias, true, false);
+      case kInt4Integers: return gemv_int4(x, w, s.value(), z.value(), group, bias, false, true);
       case kInt8Mm: return biased(at::_weight_int8pack_mm(x, w, s.value()));
       case kInt4Mm: return biased(at::_weight_int4pack_mm_for_cpu(x, w, group, s.value()));
       case kFormula: return at::linear(x, w, bias);

@@ -5,10 +5,10 @@ case and is the reference the others are tested against. ``int8_mm`` is PyTorch'
 ``_weight_int8pack_mm`` (int8 codes and per-row scales read directly), ``int4_mm`` its
 ``_weight_int4pack_mm_for_cpu`` on the blocked layout (``attnlab.quantization.formats``);
 ``native_dequantize`` the formula with ``W'`` made by attnlab's C++ dequantization, and
-``int8_native``, ``int8_integers`` (x rounded to 16-bit integers, exact integer products),
-``int4_native``, ``int4_native_pairs`` attnlab's C++ GEMVs (:mod:`attnlab.kernels.native`)
-for a few rows, and ``int8_tiles`` its AMX tile kernel (on a CPU that has AMX-BF16) for up
-to 32.
+``int8_native``, ``int4_native``, ``int4_native_pairs`` and ``int8_integers``,
+``int4_integers`` (x rounded to 16-bit integers, exact integer products) attnlab's C++ GEMVs
+(:mod:`attnlab.kernels.native`) for a few rows, and ``int8_tiles`` its AMX tile kernel (on
+a CPU that has AMX-BF16) for up to 32.
 Reading 1-2 bytes less per weight matters when a weight is read once per token (decoding);
 with many rows (prefill) the formula's one dequantization and a BLAS GEMM usually win, so the
 choice is made per rows bucket, by timing the candidates on this machine as
@@ -266,6 +266,12 @@ def _int4_pairs_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
     return native.gemv_int4(x, *state, bias, pairs=True)
 
 
+def _int4_integers_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
+    """The same, x rounded to 16-bit integers a row and multiplied with the codes exactly in
+    int32 (``vpdpwssd``), each 128 codes' sums scaled in float32."""
+    return native.gemv_int4(x, *state, bias, integers=True)
+
+
 def _native_dequantize_prepare(weight: QuantizedWeight, dtype: torch.dtype) -> tuple:
     return (*_native_codes(weight), dtype)
 
@@ -360,5 +366,9 @@ QUANTIZED_KERNELS: dict[str, QuantizedKernel] = {
         QuantizedKernel("int4_native_pairs", "plain", _native_codes, _int4_pairs_run,
                         lambda w, d: (w.bits == 4 and d == torch.bfloat16 and _native_takes(w, d)
                                       and native.pairs_available()), _NATIVE_ROWS),
+        QuantizedKernel("int4_integers", "plain", _native_codes, _int4_integers_run,
+                        lambda w, d: (w.bits == 4 and d == torch.bfloat16 and _native_takes(w, d)
+                                      and w.group_size % 64 == 0
+                                      and native.integers_available()), _NATIVE_ROWS),
     )
 }
