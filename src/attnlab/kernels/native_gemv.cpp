@@ -324,8 +324,7 @@ void int8_integer_rows(const int8_t* q, const IntegerRows& xi, int64_t m0, float
       for (int m = 0; m < MB; ++m) acc[m] = acc2[m] = _mm512_setzero_si512();
       int64_t k = k0;
       for (; k + 64 <= k1; k += 64) {
-        // into L1, 4 rows ahead, as the widened int8 loop
-        _mm_prefetch(reinterpret_cast<const char*>(row + 4 * K + k), _MM_HINT_T0);
+        ahead<1, kAheadManyRows>(row + k);
         const __m512i a = load32_int8_as_int16(row + k), a2 = load32_int8_as_int16(row + k + 32);
         for (int m = 0; m < MB; ++m) {
           const int16_t* cm = c + m * xi.stride + k;
@@ -660,7 +659,7 @@ void int4_integer_rows(const Int4Args& a, const S* s, const S* z, const int16_t*
       int64_t k = start;
       for (; k + 128 <= stop; k += 128) {
         __m512i code[4];
-        ahead<1, (MB > 2 ? kAheadManyRows : kAheadBytes)>(row + k / 2);
+        ahead<1, kAheadManyRows>(row + k / 2);
         int4x128_as_int16(row + k / 2, code);
         const __m512 sk = _mm512_permutexvar_ps(
             _mm512_loadu_si512(pick.data() + 16 * ((k - start) / 128)), s16);
