@@ -5,8 +5,10 @@ feed-forward 384, which every int4 group size of 32, 64 and 128 divides) is trai
 ``--train-seconds`` on real English text: ``--text``, by default the GNU GPL version 3 that
 every Debian system ships (``/usr/share/common-licenses/GPL-3``). Its last 10 % is held
 out. For each copy of the trained weights (float32, bfloat16, int8 per output channel, int4
-in groups of each ``--group-sizes`` along the input; int8/int4 activations in float32) the
-benchmark reports, on every held-out character after the first:
+in groups of each ``--group-sizes`` along the input; int8/int4 activations in float32, and
+int8 and int4 in groups of 64 once more with bfloat16 activations, the LM then
+scored ``DECODING_ROWS`` positions a forward on a KV cache so that the decoding kernels run)
+the benchmark reports, on every held-out character after the first:
 
     perplexity = exp(mean over positions of -log softmax(logits)[next character])
     agreement  = share of positions whose argmax equals float32's argmax
@@ -36,7 +38,7 @@ from torch import Tensor, nn
 from attnlab._checks import check_positive, is_int, is_number
 from attnlab.arg_types import number, positive_float, positive_int
 from attnlab.bench.harness import int_list, machine_info
-from attnlab.bench.quantization_report import targets, write_report
+from attnlab.bench.quantization_report import DECODING_ROWS, targets, write_report
 from attnlab.bench.timed_training import Training, train_for
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 from attnlab.models.pretrained import cast_weights
@@ -127,10 +129,12 @@ class AccuracySettings:
 @dataclass(frozen=True)
 class Variant:
     """One copy of the weights: ``weights`` ``"float32"``, ``"bfloat16"``, ``"int8"`` or
-    ``"int4"`` (with ``group_size``); int8 and int4 compute in float32."""
+    ``"int4"`` (with ``group_size``), computing in ``activations``: the weights' own dtype
+    for float weights; float32 (default) or bfloat16 for int8 and int4."""
 
     weights: str
     group_size: int | None = None
+    activations: str = ""
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHTS:
@@ -138,14 +142,23 @@ class Variant:
         if (self.weights == "int4") != (self.group_size is not None):
             raise ValueError(f"group_size: expected a group size for int4 weights and none "
                              f"for {self.weights}, got {self.group_size!r}")
+        own = self.weights if self.weights in ("float32", "bfloat16") else "float32"
+        if not self.activations:
+            object.__setattr__(self, "activations", own)
+        allowed = (own,) if self.weights in ("float32", "bfloat16") else ("float32", "bfloat16")
+        if self.activations not in allowed:
+            raise ValueError(f"activations: expected one of {allowed} for {self.weights} "
+                             f"weights, got {self.activations!r}")
 
     @property
     def label(self) -> str:
         return self.weights if self.group_size is None else f"{self.weights} g{self.group_size}"
 
     @property
-    def activations(self) -> str:
-        return "bfloat16" if self.weights == "bfloat16" else "float32"
+    def decoding(self) -> bool:
+        """Quantized weights with bfloat16 activations: scored as a decoder runs them, a few
+        rows a forward (``DECODING_ROWS``), so that the kernels of decoding run."""
+        return self.weights in ("int8", "int4") and self.activations == "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -328,19 +341,23 @@ def measure_dates(settings: AccuracySettings, *, progress: bool = False) -> Date
     return DateResult(translator.eval(), len(dates.test), training, scores)
 
 
-def lm_scores(model: nn.Module, ids: Tensor, window: int) -> tuple[float, Tensor]:
+def lm_scores(model: nn.Module, ids: Tensor, window: int, *,
+              rows: int | None = None) -> tuple[float, Tensor]:
     """Perplexity of ``model`` on ``ids`` (``N``) and its argmax predictions (``N - 1``).
 
     ``ids`` is read in consecutive windows of ``window`` inputs, each predicting the next
     ``window`` ids, so that every id after the first is predicted once, from at most
     ``window`` ids before it: ``exp(mean -log softmax(logits)[target])`` over the ``N - 1``
     targets. Logits are scored in float32 whatever the model's dtype; ``model`` is put in
-    eval mode.
+    eval mode. ``rows``: one window at a time, ``rows`` positions a forward on a KV cache
+    (``model.make_cache``), as a decoder runs; the same logits in exact arithmetic.
     """
     if ids.dim() != 1 or len(ids) < 2:
         raise ValueError(f"ids: expected a 1-D tensor of at least 2 ids, got shape "
                          f"{tuple(ids.shape)}")
     check_positive("window", window)
+    if rows is not None:
+        check_positive("rows", rows)
     model.eval()
     total, predictions = 0.0, []
     full = (len(ids) - 1) // window
@@ -350,30 +367,41 @@ def lm_scores(model: nn.Module, ids: Tensor, window: int) -> tuple[float, Tensor
         pieces.append((ids[full * window : -1][None], ids[full * window + 1 :][None]))
     with torch.no_grad():
         for inputs, targets in pieces:
-            for start in range(0, len(inputs), 64):  # 64 windows a forward bound the memory
-                x, y = inputs[start : start + 64], targets[start : start + 64]
-                logits = model(x).float()
+            step = 64 if rows is None else 1  # 64 windows a forward bound the memory
+            for start in range(0, len(inputs), step):
+                x, y = inputs[start : start + step], targets[start : start + step]
+                logits = (model(x) if rows is None else _cached_logits(model, x, rows)).float()
                 total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum",
                                          ).double().item()
                 predictions.append(logits.argmax(-1).flatten())
     return math.exp(total / (len(ids) - 1)), torch.cat(predictions)
 
 
+def _cached_logits(model: nn.Module, x: Tensor, rows: int) -> Tensor:
+    """``model(x)`` for ``x`` ``1 x L``, ``rows`` positions a forward on a KV cache."""
+    cache = model.make_cache(1, x.shape[1])
+    return torch.cat([model(x[:, i : i + rows], cache=cache)
+                      for i in range(0, x.shape[1], rows)], dim=1)
+
+
 def variants(group_sizes: tuple[int, ...]) -> tuple[Variant, ...]:
-    """float32 first (the reference), bfloat16, int8, then int4 per group size."""
+    """float32 first (the reference), bfloat16, int8, then int4 per group size, computing in
+    float32; then int8 and int4 in groups of 64 (or the first group size) computing in
+    bfloat16 (how ``attnlab bench qwen2 --quantize`` and a bfloat16 model decode)."""
+    group = 64 if 64 in group_sizes else group_sizes[0]
     return (Variant("float32"), Variant("bfloat16"), Variant("int8"),
-            *(Variant("int4", g) for g in group_sizes))
+            *(Variant("int4", g) for g in group_sizes),
+            Variant("int8", activations="bfloat16"), Variant("int4", group, activations="bfloat16"))
 
 
 def weights_as(model: nn.Module, variant: Variant) -> nn.Module:
-    """A copy of ``model`` (float32) with ``variant``'s weights; ``model`` is untouched."""
+    """A copy of ``model`` (float32) with ``variant``'s weights and activation dtype; ``model``
+    is untouched."""
     other = copy.deepcopy(model).eval()
-    if variant.weights == "bfloat16":
+    if variant.activations == "bfloat16":
         cast_weights(other, torch.bfloat16)
-    elif variant.weights == "int8":
-        quantize_model(other, "int8")
-    elif variant.weights == "int4":
-        quantize_model(other, "int4", variant.group_size)
+    if variant.weights in ("int8", "int4"):
+        quantize_model(other, variant.weights, variant.group_size)
     return other
 
 
@@ -394,7 +422,8 @@ def _score_lm(lm: DecoderLM, held_out: Tensor, window: int, group_sizes: tuple[i
               progress: bool) -> tuple[LMScore, ...]:
     rows, reference = [], None
     for variant, model in _copies(lm, group_sizes, progress, "LM"):
-        perplexity, predicted = lm_scores(model, held_out, window)
+        perplexity, predicted = lm_scores(model, held_out, window,
+                                          rows=DECODING_ROWS if variant.decoding else None)
         reference = predicted if reference is None else reference
         rows.append(LMScore(variant, weight_bytes(model), perplexity,
                             (predicted == reference).double().mean().item()))
@@ -407,7 +436,8 @@ def _score_dates(model: Transformer, task: Seq2SeqTask, group_sizes: tuple[int, 
     answers = [t for _, t in task.test]
     rows, reference = [], None
     for variant, copy_ in _copies(model, group_sizes, progress, "date model"):
-        outputs = task.translate(copy_, sources)
+        batch = DECODING_ROWS if variant.decoding else 256
+        outputs = task.translate(copy_, sources, batch_size=batch)
         reference = outputs if reference is None else reference
         rows.append(DateScore(variant, _share(outputs, answers), _share(outputs, reference)))
     return tuple(rows)
