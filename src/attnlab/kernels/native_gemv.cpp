@@ -482,6 +482,30 @@ inline __m512 load_scales(const uint16_t* p, __mmask16 n) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(n, p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+
+// Per 128 codes of a window of 16 groups, the permute that moves each group's scale to its
+// lanes: lanes 0-7 the group of the block's first 64 codes, lanes 8-15 of its last 64.
+inline std::vector<int32_t> block_scale_index(int64_t g) {
+  std::vector<int32_t> pick(16 * (g / 8));
+  for (int64_t i = 0; i < static_cast<int64_t>(pick.size()) / 16; ++i)
+    for (int64_t lane = 0; lane < 16; ++lane)
+      pick[16 * i + lane] = static_cast<int32_t>((128 * i + (lane < 8 ? 0 : 64)) / g);
+  return pick;
+}
+
+// The scales of row o's groups [j0, j0 + 16) (lanes past the last group zero), adding
+// (z - c s) sum_j x to shift[m] for each row m of x: the 4-bit kernels' shift term.
+template <int MB, typename S>
+inline __m512 window_scales(const S* s, const S* z, const float* xsum, int64_t o,
+                            int64_t groups, int64_t j0, float c, __m512 shift[MB]) {
+  const int64_t n = std::min<int64_t>(16, groups - j0);
+  const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1u);
+  const __m512 s16 = load_scales(s + o * groups + j0, lanes);
+  const __m512 step = _mm512_fnmadd_ps(_mm512_set1_ps(c), s16, load_scales(z + o * groups + j0, lanes));
+  for (int m = 0; m < MB; ++m)
+    shift[m] = _mm512_fmadd_ps(step, _mm512_maskz_loadu_ps(lanes, xsum + m * groups + j0), shift[m]);
+  return s16;
+}
 #endif
 
 // x (M x K, K a multiple of 64) in the order the 4-bit kernels read 128 codes at a time
@@ -538,12 +562,7 @@ template <int MB, bool BY64, typename S>
 void int4_bf16_rows(const Int4Args& a, const S* s, const S* z, const uint16_t* x,
                     int64_t begin, int64_t end) {
   const int64_t groups = a.K / a.g, stride = a.K / 2;
-  // Block i (128 codes) of a window of 16 groups takes its scales from the 16 loaded ones
-  // by one permute: lanes 0-7 the group of its first 64 codes, lanes 8-15 of its last 64.
-  std::vector<int32_t> pick(BY64 ? 16 * (a.g / 8) : 0);
-  for (int64_t i = 0; i < static_cast<int64_t>(pick.size()) / 16; ++i)
-    for (int64_t lane = 0; lane < 16; ++lane)
-      pick[16 * i + lane] = static_cast<int32_t>((128 * i + (lane < 8 ? 0 : 64)) / a.g);
+  const std::vector<int32_t> pick = BY64 ? block_scale_index(a.g) : std::vector<int32_t>();
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* row = a.q + o * stride;
     __m512 acc[2][MB], shift[MB];
@@ -552,12 +571,7 @@ void int4_bf16_rows(const Int4Args& a, const S* s, const S* z, const uint16_t* x
     // vectors, each scale then moved to its lanes (a shuffle; a store and reload can stall).
     for (int64_t j0 = 0; j0 < groups; j0 += 16) {
       const int64_t n = std::min<int64_t>(16, groups - j0);
-      const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1u);
-      const __m512 s16 = load_scales(s + o * groups + j0, lanes);
-      const __m512 z16 = load_scales(z + o * groups + j0, lanes);
-      const __m512 shift16 = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), s16, z16);  // z - 136 s
-      for (int m = 0; m < MB; ++m)
-        shift[m] = _mm512_fmadd_ps(shift16, _mm512_maskz_loadu_ps(lanes, a.xsum + m * groups + j0), shift[m]);
+      const __m512 s16 = window_scales<MB>(s, z, a.xsum, o, groups, j0, 136.f, shift);  // z - 136 s
       if constexpr (BY64) {
         const int64_t start = j0 * a.g, stop = (j0 + n) * a.g;
         int64_t k = start;
@@ -639,22 +653,14 @@ template <int MB, typename S>
 void int4_integer_rows(const Int4Args& a, const S* s, const S* z, const int16_t* c,
                        const float* unit, int64_t begin, int64_t end) {
   const int64_t groups = a.K / a.g, stride = a.K / 2;
-  std::vector<int32_t> pick(16 * (a.g / 8));
-  for (int64_t i = 0; i < static_cast<int64_t>(pick.size()) / 16; ++i)
-    for (int64_t lane = 0; lane < 16; ++lane)
-      pick[16 * i + lane] = static_cast<int32_t>((128 * i + (lane < 8 ? 0 : 64)) / a.g);
+  const std::vector<int32_t> pick = block_scale_index(a.g);
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* row = a.q + o * stride;
     __m512 acc[MB], shift[MB];
     for (int m = 0; m < MB; ++m) acc[m] = shift[m] = _mm512_setzero_ps();
     for (int64_t j0 = 0; j0 < groups; j0 += 16) {
       const int64_t n = std::min<int64_t>(16, groups - j0);
-      const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1u);
-      const __m512 s16 = load_scales(s + o * groups + j0, lanes);
-      const __m512 z16 = load_scales(z + o * groups + j0, lanes);
-      const __m512 shift16 = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s16, z16);  // z - 8 s
-      for (int m = 0; m < MB; ++m)
-        shift[m] = _mm512_fmadd_ps(shift16, _mm512_maskz_loadu_ps(lanes, a.xsum + m * groups + j0), shift[m]);
+      const __m512 s16 = window_scales<MB>(s, z, a.xsum, o, groups, j0, 8.f, shift);  // z - 8 s
       const int64_t start = j0 * a.g, stop = (j0 + n) * a.g;
       int64_t k = start;
       for (; k + 128 <= stop; k += 128) {
