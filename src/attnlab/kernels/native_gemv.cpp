@@ -622,7 +622,6 @@ void int4_bf16_rows(const Int4Args& a, const S* s, const S* z, const uint16_t* x
   }
 }
 
-
 #endif
 
 #ifdef ATTNLAB_VNNI
