@@ -16,6 +16,7 @@ from attnlab.models.decoder import DecoderLM
 from attnlab.models.io import from_pretrained
 from attnlab.models.transformer import Transformer, TransformerConfig
 from attnlab.quantization import QuantizedEmbedding, QuantizedLinear, weight_bytes
+from attnlab.quantization import kernels as qkernels
 from attnlab.tokenizer import Tokenizer
 from test_cli_generate import make_folder
 
@@ -29,10 +30,14 @@ def family_folder(tmp_path_factory):
 
 @pytest.mark.parametrize(("bits", "group_size", "method"), [(8, None, "int8"), (4, 32, "int4")])
 def test_cli_quantize_writes_a_folder_that_loads_and_generates(
-        family_folder, tmp_path, capsys, bits: int, group_size: int | None, method: str) -> None:
+        family_folder, tmp_path, capsys, monkeypatch, bits: int, group_size: int | None,
+        method: str) -> None:
     out = tmp_path / "q"
     argv = ["quantize", str(family_folder), str(out), "--bits", str(bits)]
-    assert main(argv + (["--group-size", str(group_size)] if group_size else [])) == 0
+    with monkeypatch.context() as patch:  # writing the codes times no kernel
+        patch.delenv("ATTNLAB_QUANTIZED_KERNELS", raising=False)  # conftest forces one
+        patch.setattr(qkernels, "measure", lambda *args: pytest.fail("quantize calibrated"))
+        assert main(argv + (["--group-size", str(group_size)] if group_size else [])) == 0
     printed = capsys.readouterr().out
     assert f"wrote {out}" in printed and f"as {method}" in printed
     config = json.loads((out / "config.json").read_text())
