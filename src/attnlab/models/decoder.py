@@ -44,7 +44,7 @@ from attnlab.layers.self_attention import SelfAttention
 from attnlab.masks import decoder_mask
 from attnlab.models.decoder_config import GATED, DecoderLMConfig, make_rotary
 from attnlab.models.families.loading import load_family, save_family
-from attnlab.models.fused_decode import fused_layers
+from attnlab.models.fused_decode import fused_layers, global_hooks
 from attnlab.models.hf_loading import (
     CONFIG_NAME,
     check_folder,
@@ -183,12 +183,31 @@ class DecoderLM(PreTrainedModel):
             x = fused
         else:
             is_causal = mask is None and L > 1
+            rows = self._real_rows(key_mask, L, logits_to_keep)
             for i, layer in enumerate(self.layers):
                 x = layer(x, rotary=rotary, mask=mask, is_causal=is_causal,
-                          cache=None if cache is None else cache[i])
+                          cache=None if cache is None else cache[i], rows=rows)
         if logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
         return self.norm(x)
+
+    def _real_rows(self, key_mask: Tensor | None, L: int, keep: int) -> Tensor | None:
+        """The flat ``B * L`` indices of the real (not padded) new positions, for the blocks
+        to skip the padding in their row-wise MLP; None where every row runs: no padding, or
+        at most an eighth of the rows padded (gathering would cost more than it saves), an
+        output at a padded position (only the last ``keep > 0`` positions are returned, all
+        of them real: a left-padded prompt's prefill), a gradient recorded, or a hook
+        anywhere (a hook sees the tensors a plain call makes)."""
+        if key_mask is None or L == 1 or keep == 0 or torch.is_grad_enabled():
+            return None
+        new = key_mask[:, -L:]
+        real = new.reshape(-1)
+        padded = real.numel() - int(real.sum())  # one host sync a forward, prefill only
+        hooked = global_hooks() or any(m._forward_hooks or m._forward_pre_hooks
+                                       for m in self.layers.modules())
+        if 8 * padded <= real.numel() or hooked or not bool(new[:, -keep:].all()):
+            return None
+        return real.nonzero().squeeze(1)
 
     def make_cache(self, batch_size: int, max_len: int | None = None, *,
                    grow: bool = False) -> KVCache:
@@ -295,15 +314,24 @@ class DecoderBlock(nn.Module):
 
     def forward(self, x: Tensor, *, rotary: tuple[Tensor, Tensor] | None = None,
                 mask: Tensor | None = None, is_causal: bool = True,
-                cache: LayerKVCache | None = None) -> Tensor:
+                cache: LayerKVCache | None = None, rows: Tensor | None = None) -> Tensor:
         """x ``B x L x E``; ``rotary`` ``(cos, sin)``; ``mask`` ``B x 1 x L x S`` bool or
-        ``None`` with ``is_causal``; ``cache`` this layer's ``LayerKVCache``."""
+        ``None`` with ``is_causal``; ``cache`` this layer's ``LayerKVCache``; ``rows``: the
+        flat ``B * L`` indices of the real positions, the only ones the MLP (row by row)
+        then computes, a padded position's MLP output left zero (no real position reads it:
+        the mask hides its key)."""
         x = self.resid_pre(x)
         h = self.self_attn(self.input_layernorm(x), rotary=rotary, mask=mask,
                            is_causal=is_causal, cache=cache)
         x = self.resid_mid(x + _dropped(self.drop, self.attn_out(h)))
-        h = self.mlp_out(self.mlp(self.post_attention_layernorm(x)))
-        return self.resid_post(x + _dropped(self.drop, h))
+        if rows is None:
+            h = self.mlp(self.post_attention_layernorm(x))
+        else:
+            flat = x.reshape(-1, x.shape[-1])
+            h = torch.zeros_like(flat).index_copy_(
+                0, rows, self.mlp(self.post_attention_layernorm(flat.index_select(0, rows))))
+            h = h.view_as(x)
+        return self.resid_post(x + _dropped(self.drop, self.mlp_out(h)))
 
 
 def _dropped(drop: nn.Dropout, x: Tensor) -> Tensor:

@@ -31,7 +31,7 @@ from attnlab.layers import FeedForward, GatedMLP, RMSNorm
 from attnlab.layers.self_attention import SelfAttention
 from attnlab.quantization.modules import QuantizedLinear
 
-__all__ = ["fused_layers"]
+__all__ = ["fused_layers", "global_hooks"]
 
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}
 _LINEARS = (InferenceLinear, QuantizedLinear)
@@ -62,7 +62,7 @@ def fused_layers(blocks: nn.ModuleList, block_type: type, x: Tensor,
     ``mask`` ``B x 1 x 1 x S`` (or ``1 x S``) bool or None."""
     B, L, E = x.shape
     if (L != 1 or type(cache) is not KVCache or len(cache) != len(blocks) or not blocks
-            or torch.is_grad_enabled() or not native.takes(x) or _global_hooks()
+            or torch.is_grad_enabled() or not native.takes(x) or global_hooks()
             or (mask is not None and mask.dtype != torch.bool)
             or (rotary is not None and not native.takes(*rotary))):
         return None
@@ -95,7 +95,7 @@ def fused_layers(blocks: nn.ModuleList, block_type: type, x: Tensor,
     return out.view(B, 1, E)
 
 
-def _global_hooks() -> bool:
+def global_hooks() -> bool:
     """Whether a hook registered for every module would see a call."""
     return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
 
