@@ -202,7 +202,7 @@ class DecoderLM(PreTrainedModel):
             return None
         new = key_mask[:, -L:]
         real = new.reshape(-1)
-        padded = real.numel() - int(real.sum())  # one host sync a forward, prefill only
+        padded = real.numel() - int(real.sum())  # host syncs: a prefill, once a forward
         hooked = global_hooks() or any(m._forward_hooks or m._forward_pre_hooks
                                        for m in self.layers.modules())
         if 8 * padded <= real.numel() or hooked or not bool(new[:, -keep:].all()):
