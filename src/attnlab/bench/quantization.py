@@ -142,10 +142,10 @@ class Variant:
         if (self.weights == "int4") != (self.group_size is not None):
             raise ValueError(f"group_size: expected a group size for int4 weights and none "
                              f"for {self.weights}, got {self.group_size!r}")
-        own = self.weights if self.weights in ("float32", "bfloat16") else "float32"
-        if not self.activations:
-            object.__setattr__(self, "activations", own)
-        allowed = (own,) if self.weights in ("float32", "bfloat16") else ("float32", "bfloat16")
+        float_weights = self.weights in ("float32", "bfloat16")
+        allowed = (self.weights,) if float_weights else ("float32", "bfloat16")
+        if not self.activations:  # the default: the first allowed
+            object.__setattr__(self, "activations", allowed[0])
         if self.activations not in allowed:
             raise ValueError(f"activations: expected one of {allowed} for {self.weights} "
                              f"weights, got {self.activations!r}")

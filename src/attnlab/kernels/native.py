@@ -71,6 +71,7 @@ STEP_CALL = 8
 _SOURCES = tuple(Path(__file__).with_name(name)
                  for name in ("native_gemv.cpp", "native_decode.cpp", "native_step.cpp",
                               "native_tiles.cpp"))
+_HEADERS = (Path(__file__).with_name("native_lanes.h"),)  # in the build digest, not compiled
 _ENV = "ATTNLAB_NATIVE"
 # -ffp-contract=off: a * b + c stays two roundings unless the source asks for a fused
 # multiply-add, so the kernels round as the formulas they replace do.
@@ -302,7 +303,8 @@ def _build() -> ModuleType | None:
     # -march=native: a build is for this CPU model only (a home folder shared between
     # machines must not hand one CPU's instructions to another).
     key = f"{torch.__version__} | {cache.cpu_model()} | {' '.join(_FLAGS)}".encode()
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + key).hexdigest()[:16]
+    text = b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
+    digest = hashlib.sha256(text + key).hexdigest()[:16]
     folder = Path(os.environ.get("ATTNLAB_CACHE_DIR") or Path.home() / ".cache" / "attnlab")
     build = folder / "native" / digest
     path = os.environ.get("PATH")

@@ -28,6 +28,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "native_lanes.h"
+
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -234,10 +236,10 @@ void rms_rows(const T* x, const W* w, T* y, int64_t E, float eps, bool unit_offs
 // Rows [begin, end) of (b, l, h): out = x * cos + turn(x) * sin on the first R features, each
 // product and the sum rounded to T as the written-out formula in T rounds them.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-inline __m512 load16f(const float* p, __mmask16 n) { return _mm512_maskz_loadu_ps(n, p); }
+using attnlab_lanes::tail16;
+inline __m512 load16f(const float* p, __mmask16 n) { return attnlab_lanes::load16_masked(p, n); }
 inline __m512 load16f(const at::BFloat16* p, __mmask16 n) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(n, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  return attnlab_lanes::load16_masked(reinterpret_cast<const uint16_t*>(p), n);
 }
 // float32 -> bfloat16 rounded to nearest even, NaN kept a (quiet) NaN: c10's rounding.
 inline __m256i bf16_bits(__m512 v) {
@@ -294,7 +296,7 @@ void rotary_rows(const at::Tensor& x, const T* cos, const T* sin, int64_t cos_ro
     // 16 features at a time, the same products and roundings as the loop below.
     if (!interleaved) {
       for (int64_t i = 0; i < half; i += 16) {
-        const __mmask16 n = static_cast<__mmask16>(half - i >= 16 ? 0xFFFF : (1u << (half - i)) - 1u);
+        const __mmask16 n = tail16(half - i);
         const __m512 x1 = load16f(row + i, n), x2 = load16f(row + half + i, n);
         const __m512 minus_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
         store16f(o + i, _mm512_add_ps(rounded(_mm512_mul_ps(x1, load16f(c + i, n)), row),
@@ -309,7 +311,7 @@ void rotary_rows(const at::Tensor& x, const T* cos, const T* sin, int64_t cos_ro
       const __m512i even_sign = _mm512_set4_epi32(0, static_cast<int>(0x80000000u), 0,
                                                   static_cast<int>(0x80000000u));
       for (int64_t i = 0; i < R; i += 16) {
-        const __mmask16 n = static_cast<__mmask16>(R - i >= 16 ? 0xFFFF : (1u << (R - i)) - 1u);
+        const __mmask16 n = tail16(R - i);
         const __m512 xv = load16f(row + i, n);
         const __m512 turned = _mm512_castsi512_ps(_mm512_xor_si512(
             _mm512_castps_si512(_mm512_permute_ps(xv, 0xB1)), even_sign));
@@ -342,7 +344,7 @@ template <typename T>
 void activation_span(const T* g, const T* up, T* out, int64_t kind, int64_t b, int64_t e) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   for (int64_t i = b; i < e; i += 16) {
-    const __mmask16 n = static_cast<__mmask16>(e - i >= 16 ? 0xFFFF : (1u << (e - i)) - 1u);
+    const __mmask16 n = tail16(e - i);
     __m512 y = activated16(load16f(g + i, n), kind);
     if (up != nullptr) y = _mm512_mul_ps(rounded(y, g), load16f(up + i, n));
     store16f(out + i, y, n);

@@ -20,9 +20,8 @@
 // - with AVX512-VNNI also, when asked (`integers`) with a bfloat16 x: x scaled by a power of
 //   two per block of inputs (int8: 256, int4: a row) and rounded to 16-bit integers, multiplied
 //   with the codes exactly, in pairs, into int32 sums (vpdpwssd); each block's sum (int4: each
-//   128 codes') scaled back in float32. Half the instructions of
-//   widening the codes to float32 (an int8 GEMV of one row ran out of arithmetic before
-//   memory on an Intel Xeon).
+//   128 codes') scaled back in float32. Half the instructions of widening the codes to
+//   float32 (an int8 GEMV of one row ran out of arithmetic before memory on an Intel Xeon).
 // The sums are float32 in every build, in another order than a sequential sum.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -37,6 +36,8 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
+
+#include "native_lanes.h"
 #define ATTNLAB_AVX512 1
 #if defined(__AVX512BF16__)
 #define ATTNLAB_AVX512BF16 1
@@ -47,6 +48,11 @@
 #endif
 
 namespace {
+
+#ifdef ATTNLAB_AVX512
+using attnlab_lanes::load16_masked;
+using attnlab_lanes::tail16;
+#endif
 
 inline float from_bf16(uint16_t bits) {
   uint32_t wide = static_cast<uint32_t>(bits) << 16;
@@ -284,7 +290,7 @@ struct IntegerRows {
         const int64_t n = std::min(block, K - b * block);
         __m512 top = _mm512_setzero_ps();
         for (int64_t k = 0; k < n; k += 16)
-          top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes(n - k), xb + k)));
+          top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail16(n - k), xb + k)));
         const float a = _mm512_reduce_max_ps(top);
         if (a == 0.f) continue;
         const int e = std::ilogb(a) - 14;
@@ -292,16 +298,13 @@ struct IntegerRows {
         const __m512 down = _mm512_set1_ps(static_cast<float>(-e));
         int16_t* cb = codes.data() + m * stride + b * block;
         for (int64_t k = 0; k < n; k += 16) {
-          const __mmask16 live = lanes(n - k);
+          const __mmask16 live = tail16(n - k);
           const __m512 scaled = _mm512_scalef_ps(_mm512_maskz_loadu_ps(live, xb + k), down);
           _mm256_mask_storeu_epi16(cb + k, live, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(scaled)));
         }
       }
   }
 
-  static __mmask16 lanes(int64_t left) {
-    return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
-  }
 };
 
 inline __m512i load32_int8_as_int16(const int8_t* p) {
@@ -477,12 +480,6 @@ struct Int4Args {
 };
 
 #ifdef ATTNLAB_AVX512
-// 16 scales (or zeros) from position p as float32, the lanes past n zero.
-inline __m512 load_scales(const float* p, __mmask16 n) { return _mm512_maskz_loadu_ps(n, p); }
-inline __m512 load_scales(const uint16_t* p, __mmask16 n) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(n, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
 
 // Per 128 codes of a window of 16 groups, the permute that moves each group's scale to its
 // lanes: lanes 0-7 the group of the block's first 64 codes, lanes 8-15 of its last 64.
@@ -499,10 +496,9 @@ inline std::vector<int32_t> block_scale_index(int64_t g) {
 template <int MB, typename S>
 inline __m512 window_scales(const S* s, const S* z, const float* xsum, int64_t o,
                             int64_t groups, int64_t j0, float c, __m512 shift[MB]) {
-  const int64_t n = std::min<int64_t>(16, groups - j0);
-  const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1u);
-  const __m512 s16 = load_scales(s + o * groups + j0, lanes);
-  const __m512 step = _mm512_fnmadd_ps(_mm512_set1_ps(c), s16, load_scales(z + o * groups + j0, lanes));
+  const __mmask16 lanes = tail16(groups - j0);
+  const __m512 s16 = load16_masked(s + o * groups + j0, lanes);
+  const __m512 step = _mm512_fnmadd_ps(_mm512_set1_ps(c), s16, load16_masked(z + o * groups + j0, lanes));
   for (int m = 0; m < MB; ++m)
     shift[m] = _mm512_fmadd_ps(step, _mm512_maskz_loadu_ps(lanes, xsum + m * groups + j0), shift[m]);
   return s16;

@@ -196,16 +196,17 @@ class DecoderLM(PreTrainedModel):
         to skip the padding in their row-wise MLP; None where every row runs: no padding, or
         at most an eighth of the rows padded (gathering would cost more than it saves), an
         output at a padded position (only the last ``keep > 0`` positions are returned, all
-        of them real: a left-padded prompt's prefill), a gradient recorded, or a hook
-        anywhere (a hook sees the tensors a plain call makes)."""
-        if key_mask is None or L == 1 or keep == 0 or torch.is_grad_enabled():
+        of them real: a left-padded prompt's prefill), a gradient recorded, or a hook on any
+        module of the blocks or on every module (a hook sees the tensors a plain call
+        makes)."""
+        if (key_mask is None or L == 1 or keep == 0 or torch.is_grad_enabled()
+                or global_hooks() or any(m._forward_hooks or m._forward_pre_hooks
+                                         for m in self.layers.modules())):
             return None
         new = key_mask[:, -L:]
         real = new.reshape(-1)
         padded = real.numel() - int(real.sum())  # host syncs: a prefill, once a forward
-        hooked = global_hooks() or any(m._forward_hooks or m._forward_pre_hooks
-                                       for m in self.layers.modules())
-        if 8 * padded <= real.numel() or hooked or not bool(new[:, -keep:].all()):
+        if 8 * padded <= real.numel() or not bool(new[:, -keep:].all()):
             return None
         return real.nonzero().squeeze(1)
 

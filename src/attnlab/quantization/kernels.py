@@ -322,6 +322,14 @@ def _native_takes(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
             and (weight.bits == 8 or weight.group_size % 32 == 0) and native.available())
 
 
+def _bfloat16_native(bits: int, built: Callable[[], bool], *, groups_of: int = 1
+                     ) -> Callable[[QuantizedWeight, torch.dtype], bool]:
+    """``available`` of a C++ kernel that takes ``bits``-bit codes (int4 in groups of a
+    multiple of ``groups_of``) and bfloat16 x, in a build that has its loop (``built()``)."""
+    return lambda w, d: (w.bits == bits and d == torch.bfloat16 and _native_takes(w, d)
+                         and (bits == 8 or w.group_size % groups_of == 0) and built())
+
+
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCKED_CHECKED: list[bool] = []
 
@@ -356,19 +364,15 @@ QUANTIZED_KERNELS: dict[str, QuantizedKernel] = {
         # bfloat16 x only: its own rounding (2^-9) is far above the integers' 2^-16 of a
         # block's largest input; a float32 x would lose digits it has.
         QuantizedKernel("int8_integers", None, _int8_native_prepare, _int8_integers_run,
-                        lambda w, d: (w.bits == 8 and d == torch.bfloat16 and _native_takes(w, d)
-                                      and native.integers_available()), _NATIVE_ROWS),
+                        _bfloat16_native(8, native.integers_available), _NATIVE_ROWS),
         QuantizedKernel("int8_tiles", None, _int8_native_prepare, _int8_tiles_run,
-                        lambda w, d: (w.bits == 8 and d == torch.bfloat16 and _native_takes(w, d)
-                                      and native.tiles_available()), _NATIVE_ROWS),
+                        _bfloat16_native(8, native.tiles_available), _NATIVE_ROWS),
         QuantizedKernel("int4_native", "plain", _native_codes, _int4_native_run,
                         lambda w, d: w.bits == 4 and _native_takes(w, d), _NATIVE_ROWS),
         QuantizedKernel("int4_native_pairs", "plain", _native_codes, _int4_pairs_run,
-                        lambda w, d: (w.bits == 4 and d == torch.bfloat16 and _native_takes(w, d)
-                                      and native.pairs_available()), _NATIVE_ROWS),
+                        _bfloat16_native(4, native.pairs_available), _NATIVE_ROWS),
         QuantizedKernel("int4_integers", "plain", _native_codes, _int4_integers_run,
-                        lambda w, d: (w.bits == 4 and d == torch.bfloat16 and _native_takes(w, d)
-                                      and w.group_size % 64 == 0
-                                      and native.integers_available()), _NATIVE_ROWS),
+                        _bfloat16_native(4, native.integers_available, groups_of=64),
+                        _NATIVE_ROWS),
     )
 }
