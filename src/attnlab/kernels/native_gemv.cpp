@@ -180,8 +180,9 @@ void widened_rows(const W* w, const float* x, float* y, int64_t O, int64_t K, in
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
       // int8 16 KiB ahead whatever the rows (A/B in turns on the Xeon, vs 4 rows ahead into
-      // L1: the 151936 x 896 table 1.13-1.15x at one row, 1.06x at eight; 896 x 4864 at
-      // eight float32 rows 0.94x, the other block shapes 1.00-1.09x)
+      // L1, before the row groups below took three rows and more: the 151936 x 896 table
+      // 1.13-1.15x at one row, 1.06x at eight; 896 x 4864 at eight float32 rows 0.94x, the
+      // other block shapes 1.00-1.09x)
       ahead<(sizeof(W) == 1 ? 1 : sizeof(W) / 2),
             (sizeof(W) == 1 || MB > 2 ? kAheadManyRows : kAheadBytes)>(row + k);
       const __m512 a = load16(row + k), b = load16(row + k + 16);
@@ -203,11 +204,56 @@ void widened_rows(const W* w, const float* x, float* y, int64_t O, int64_t K, in
   }
 }
 
+// The same sums for R rows of W at a time: each load of x feeds R multiply-adds. With three
+// or more rows of x, one row of W at a time spent more on loading x (MB loads a 16 weights)
+// than the weights took to stream: on the Xeon a float32 GEMV of 8 rows read 17-25 GB/s of
+// the 30 one row reads; R = 3 (MB > 5) or 4 gave 1.1-1.5x (A/B in turns, 15 rounds, cold
+// copies). R x MB sums stay in registers (at most 24 of 32).
+template <int MB, int R, typename W, typename Scale>
+void widened_row_groups(const W* w, const float* x, float* y, int64_t O, int64_t K,
+                        int64_t begin, int64_t end, Scale row_scale) {
+  constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line: one prefetch each
+  int64_t o = begin;
+  for (; o + R <= end; o += R) {
+    const W* rows = w + o * K;
+    __m512 acc[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      __m512 wr[R];
+      for (int r = 0; r < R; ++r) {
+        if (k % kLine == 0) ahead<1, kAheadManyRows>(rows + r * K + k);
+        wr[r] = load16(rows + r * K + k);
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m512 xm = _mm512_loadu_ps(x + m * K + k);
+        for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wr[r], xm, acc[r][m]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const W* row = rows + r * K;
+      const float scale = row_scale(o + r);
+      for (int m = 0; m < MB; ++m) {
+        float sum = _mm512_reduce_add_ps(acc[r][m]);
+        for (int64_t t = k; t < K; ++t) sum += load(row[t]) * x[m * K + t];
+        y[m * O + o + r] = sum * scale;
+      }
+    }
+  }
+  if (o < end) widened_rows<MB>(w, x, y, O, K, o, end, row_scale);
+}
+
 template <typename W, typename Scale>
 void rows_times_x(const W* w, const float* x, float* y, int64_t M, int64_t O, int64_t K,
                   int64_t begin, int64_t end, Scale row_scale) {
   in_row_blocks<8>(M, [&](auto mb, int64_t m0) {
-    widened_rows<decltype(mb)::value>(w, x + m0 * K, y + m0 * O, O, K, begin, end, row_scale);
+    constexpr int MB = decltype(mb)::value;
+    if constexpr (MB <= 2)
+      widened_rows<MB>(w, x + m0 * K, y + m0 * O, O, K, begin, end, row_scale);
+    else
+      widened_row_groups<MB, (MB > 5 ? 3 : 4)>(w, x + m0 * K, y + m0 * O, O, K, begin, end,
+                                                row_scale);
   });
 }
 #else
