@@ -29,7 +29,10 @@ def test_bench_families_quick(tmp_path, one_thread, capsys) -> None:
         assert all(c["ours"] > 0 and c["transformers"] > 0 for c in cells)
         figures = " | ".join(f"{c['ours']:.1f} / {c['transformers']:.1f} "
                              f"| {c['ours'] / c['transformers']:.2f}x" for c in cells)
-        assert f"| {family['model_type']} | float32 | {figures} |" in table
+        shares = " | ".join(
+            f"{100 * c['ours'] / c['bound']:.0f}% / {100 * c['transformers'] / c['bound']:.0f}%"
+            for c in (run["cells"]["decode"], run["cells"]["decode batched"]))
+        assert f"| {family['model_type']} | float32 | {figures} | {shares} |" in table
     assert "## History" not in table  # nothing was there before
     assert (tmp_path / "families.png").stat().st_size > 1000
     assert str(tmp_path) in capsys.readouterr().out

@@ -145,21 +145,22 @@ def _markdown(r: dict, info: dict[str, str]) -> str:
         f"{ours_label(r.get('extra_memory', False))}. Regenerate with "
         f"`attnlab bench families{' --extra-memory' if r.get('extra_memory') else ''}`.",
         "",
-        f"| family | dtype | {head} | decode % of bound, ours / transformers |",
-        "|---|---|" + "---|---|" * len(MEASURES) + "---|",
+        f"| family | dtype | {head} | decode % of bound, ours / transformers "
+        "| decode batched % of bound, ours / transformers |",
+        "|---|---|" + "---|---|" * len(MEASURES) + "---|---|",
     ]
     for family in r["families"]:
         for run in family["runs"]:
             if "error" in run:
-                dashes = " | ".join(["—"] * (2 * len(MEASURES)))  # the columns after it
+                dashes = " | ".join(["—"] * (2 * len(MEASURES) + 1))  # the columns after it
                 lines.append(f"| {family['model_type']} | {run['dtype']} | {run['error']} "
                              f"| {dashes} |")
                 continue
             cells = [run["cells"][m] for m in MEASURES]
             figures = " | ".join(f"{rate(c, 'ours')} / {rate(c, 'transformers')} | {ratio(c)}"
                                  for c in cells)
-            decode = run["cells"]["decode"]
-            lines.append(f"| {family['model_type']} | {run['dtype']} | {figures} "
-                         f"| {share(decode, 'ours')} / {share(decode, 'transformers')} |")
+            shares = " | ".join(f"{share(c, 'ours')} / {share(c, 'transformers')}"
+                                for c in (run["cells"]["decode"], run["cells"]["decode batched"]))
+            lines.append(f"| {family['model_type']} | {run['dtype']} | {figures} | {shares} |")
     lines += machine_section(info)
     return "\n".join(lines)
