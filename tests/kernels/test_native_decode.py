@@ -296,3 +296,28 @@ def test_decode_attention_softmax_over_widely_spread_scores(scale) -> None:
         out = native.decode_attention(q, k, v.expand(2, 4, 53, 32), None, scale, False)
     expected = _reference(q, k, v.expand(2, 4, 53, 32), None, scale, False)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_subnormal_bfloat16_outputs_are_kept_as_pytorch_keeps_them() -> None:
+    """A bfloat16 has float32's exponent range, so values below 2^-126 are subnormal numbers,
+    not zero: the kernels that write bfloat16 round as c10 does (the AVX512-BF16 conversion
+    instruction would flush them to zero)."""
+    g = torch.Generator().manual_seed(3)
+    tiny = (torch.randn(2, 3, 4, 32, generator=g) * 1e-38).to(torch.bfloat16)
+    assert bool((tiny.float().abs() < torch.finfo(torch.float32).tiny).any())
+    angles = torch.randn(1, 3, 32, generator=g)
+    cos, sin = angles.cos(), angles.sin()
+    formula = apply_rotary(tiny.clone().requires_grad_(), cos, sin).detach()
+    assert bool((formula != 0).float().mean() > 0.9)
+    assert torch.equal(native.rotary(tiny, cos.bfloat16(), sin.bfloat16(), False), formula)
+    if native.activation_available():
+        flat = tiny.reshape(-1, 32)
+        assert torch.equal(native.activation(flat, None, "silu"),
+                           torch.nn.functional.silu(flat))
+    norm = RMSNorm(32, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.fill_(1e-39)
+    x = torch.randn(5, 32, generator=g).to(torch.bfloat16)
+    expected = norm(x.clone().requires_grad_()).detach()
+    assert bool((expected != 0).any())
+    assert torch.equal(native.rms_norm(x, norm.weight.detach(), 1e-5, False) != 0, expected != 0)

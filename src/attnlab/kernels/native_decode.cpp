@@ -241,19 +241,7 @@ inline __m512 load16f(const float* p, __mmask16 n) { return attnlab_lanes::load1
 inline __m512 load16f(const at::BFloat16* p, __mmask16 n) {
   return attnlab_lanes::load16_masked(reinterpret_cast<const uint16_t*>(p), n);
 }
-// float32 -> bfloat16 rounded to nearest even, NaN kept a (quiet) NaN: c10's rounding.
-inline __m256i bf16_bits(__m512 v) {
-#if defined(__AVX512BF16__)
-  const __m256bh b = _mm512_cvtneps_pbh(v);
-  return reinterpret_cast<const __m256i&>(b);
-#else
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-#endif
-}
+using attnlab_lanes::bf16_bits;
 inline __m512 rounded(__m512 v, const float*) { return v; }
 inline __m512 rounded(__m512 v, const at::BFloat16*) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
