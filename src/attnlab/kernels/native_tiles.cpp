@@ -33,6 +33,8 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include <immintrin.h>
 #include <sys/syscall.h>
+
+#include "native_lanes.h"
 #include <unistd.h>
 #define ATTNLAB_TILES 1
 #endif
@@ -142,6 +144,34 @@ void block_sums(const W* w, int64_t K, const uint32_t* xb, float* sums, uint16_t
 inline float as_float(uint16_t v) { return c10::detail::f32_from_bits(v); }
 inline float as_float(int8_t v) { return static_cast<float>(v); }
 
+// y[m, n0 + i] = sums[i][m] * scale(n0 + i) + b[n0 + i] for i < rows, m < mb, rounded to
+// bfloat16 as c10 rounds (the scalar loop's numbers): 16 rows of W a vector, each x row's
+// sums gathered from the tile's column. One element at a time this took ~2 ns an output: a
+// tenth of a block's streaming time at eight rows of x.
+template <typename Scale>
+void write_block(const float* sums, Scale scale, const uint16_t* bp, int64_t n0, int64_t rows,
+                 int64_t mb, uint16_t* y, int64_t O) {
+  const __m512i column = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(kMaxX));
+  for (int64_t i0 = 0; i0 < rows; i0 += kRows) {
+    const __mmask16 n = attnlab_lanes::tail16(rows - i0);
+    alignas(64) float factors[kRows], offsets[kRows];
+    for (int64_t i = 0; i < kRows; ++i) {
+      const bool real = i0 + i < rows;
+      factors[i] = real ? scale(n0 + i0 + i) : 0.f;
+      offsets[i] = real && bp ? as_float(bp[n0 + i0 + i]) : 0.f;
+    }
+    const __m512 f = _mm512_load_ps(factors), c = _mm512_load_ps(offsets);
+    for (int64_t m = 0; m < mb; ++m) {
+      const __m512 v = _mm512_i32gather_ps(column, sums + i0 * kMaxX + m, 4);
+      const __m512 scaled = _mm512_mul_ps(v, f);  // no bias, no add: -0 stays -0
+      const __m512 out = bp ? _mm512_add_ps(scaled, c) : scaled;
+      _mm256_mask_storeu_epi16(y + m * O + n0 + i0, n, attnlab_lanes::bf16_bits(out));
+    }
+  }
+}
+
 // y = (x W^T) * scale(o) + b for x (M x K bfloat16) and W (O x K, bfloat16 or int8 codes):
 // the blocks of 32 rows of W split between the threads, x in passes of 32 rows.
 template <typename W, typename Scale>
@@ -171,6 +201,10 @@ void tiles_product(const torch::Tensor& x, const W* wp, int64_t O, Scale scale,
         const W* a = rows < kBlock ? tail.data() : wp + n0 * K;
         if (b == 2) block_sums<2>(a, K, xb.data(), sums, buffer);
         else block_sums<1>(a, K, xb.data(), sums, buffer);
+        if (K32 == K) {
+          write_block(sums, scale, bp, n0, rows, mb, yp + m0 * O, O);
+          continue;
+        }
         for (int64_t i = 0; i < rows; ++i) {
           const W* row = wp + (n0 + i) * K;
           const float si = scale(n0 + i);
