@@ -33,9 +33,9 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include <immintrin.h>
 #include <sys/syscall.h>
+#include <unistd.h>
 
 #include "native_lanes.h"
-#include <unistd.h>
 #define ATTNLAB_TILES 1
 #endif
 
@@ -145,9 +145,9 @@ inline float as_float(uint16_t v) { return c10::detail::f32_from_bits(v); }
 inline float as_float(int8_t v) { return static_cast<float>(v); }
 
 // y[m, n0 + i] = sums[i][m] * scale(n0 + i) + b[n0 + i] for i < rows, m < mb, rounded to
-// bfloat16 as c10 rounds (the scalar loop's numbers): 16 rows of W a vector, each x row's
-// sums gathered from the tile's column. One element at a time this took ~2 ns an output: a
-// tenth of a block's streaming time at eight rows of x.
+// bfloat16 as c10 rounds: 16 rows of W a vector, each x row's sums gathered from the tile's
+// column. One element at a time this took ~2 ns an output: a tenth of a block's streaming
+// time at eight rows of x.
 template <typename Scale>
 void write_block(const float* sums, Scale scale, const uint16_t* bp, int64_t n0, int64_t rows,
                  int64_t mb, uint16_t* y, int64_t O) {
@@ -201,22 +201,13 @@ void tiles_product(const torch::Tensor& x, const W* wp, int64_t O, Scale scale,
         const W* a = rows < kBlock ? tail.data() : wp + n0 * K;
         if (b == 2) block_sums<2>(a, K, xb.data(), sums, buffer);
         else block_sums<1>(a, K, xb.data(), sums, buffer);
-        if (K32 == K) {
-          write_block(sums, scale, bp, n0, rows, mb, yp + m0 * O, O);
-          continue;
-        }
-        for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t i = 0; K32 < K && i < rows; ++i) {  // the inputs past the tiles
           const W* row = wp + (n0 + i) * K;
-          const float si = scale(n0 + i);
-          for (int64_t m = 0; m < mb; ++m) {
-            float s = sums[i * kMaxX + m];
-            for (int64_t k = K32; k < K; ++k) s += as_float(row[k]) * as_float(xp[(m0 + m) * K + k]);
-            s *= si;
-            if (bp) s += as_float(bp[n0 + i]);
-            const at::BFloat16 rounded(s);
-            std::memcpy(yp + (m0 + m) * O + n0 + i, &rounded, sizeof(uint16_t));
-          }
+          for (int64_t m = 0; m < mb; ++m)
+            for (int64_t k = K32; k < K; ++k)
+              sums[i * kMaxX + m] += as_float(row[k]) * as_float(xp[(m0 + m) * K + k]);
         }
+        write_block(sums, scale, bp, n0, rows, mb, yp + m0 * O, O);
       }
       _tile_release();
     });
