@@ -350,18 +350,24 @@ def test_bad_input_is_refused_naming_it() -> None:
                          torch.ones(8, 4), 16)
 
 
-def test_the_sources_build_for_a_cpu_without_avx512_or_amx(tmp_path: Path,
+@pytest.mark.parametrize("target", ["x86-64-v2", "x86-64-v3"])
+def test_the_sources_build_for_a_cpu_without_avx512_or_amx(target: str, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The AVX-512, bfloat16-pair and AMX loops are compiled only where the target has them:
-    a build for a plain x86-64-v2 CPU (what a user without them compiles) still builds, says
-    it has neither, and computes the GEMV by its fallback loops."""
+    a build for a plain x86-64-v2 CPU, or an x86-64-v3 one (AVX2 and FMA: its own GEMV loops),
+    what a user without them compiles, still builds, says it has neither, and computes the
+    GEMVs by its other loops (float32, bfloat16 and int8 weights; 1-9 rows, the row groups and
+    the rows left over)."""
     import platform
 
     from torch.utils import cpp_extension
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("an x86-64 target")
-    flags = [f for f in native._FLAGS if not f.startswith("-march")] + ["-march=x86-64-v2"]
+    if target == "x86-64-v3" and torch.backends.cpu.get_cpu_capability() not in ("AVX2",
+                                                                                 "AVX512"):
+        pytest.skip("this CPU cannot run an AVX2 build")
+    flags = [f for f in native._FLAGS if not f.startswith("-march")] + [f"-march={target}"]
     if shutil.which("ninja") is None:  # torch builds with ninja: the `ninja` wheel's copy
         monkeypatch.setenv("PATH", os.pathsep.join((native._ninja_folder(), os.environ["PATH"])))
     built = cpp_extension.load(name=f"attnlab_plain_{tmp_path.name}",
@@ -369,8 +375,15 @@ def test_the_sources_build_for_a_cpu_without_avx512_or_amx(tmp_path: Path,
                                build_directory=str(tmp_path), extra_cflags=flags,
                                extra_ldflags=["-fopenmp"], verbose=False)
     assert not built.has_pairs() and not built.has_tiles()
-    x, w = torch.randn(3, 70, dtype=torch.float64).float(), torch.randn(37, 70).float()
-    _close(built.gemv(x, w, None, False), x.double() @ w.double().t(), torch.float32)
+    w = torch.randn(37, 70)
+    weight = quantize(w, 8)
+    for rows in (1, 2, 3, 5, 8, 9):
+        x = torch.randn(rows, 70)
+        _close(built.gemv(x, w, None, False), x.double() @ w.double().t(), torch.float32)
+        xb, wb = x.bfloat16(), w.bfloat16()
+        _close(built.gemv(xb, wb, None, False), xb.double() @ wb.double().t(), torch.bfloat16)
+        _close(built.gemv_int8(x, weight.data, weight.scales, None, False),
+               x.double() @ weight.dequantize(torch.float64).t(), torch.float32)
     with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
         built.gemv_tiles(x.bfloat16(), w.bfloat16(), None)
     assert not built.has_vector_activation()

@@ -39,6 +39,9 @@
 
 #include "native_lanes.h"
 #define ATTNLAB_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ATTNLAB_AVX2 1
 #if defined(__AVX512BF16__)
 #define ATTNLAB_AVX512BF16 1
 #endif
@@ -254,6 +257,71 @@ void rows_times_x(const W* w, const float* x, float* y, int64_t M, int64_t O, in
     else
       widened_row_groups<MB, (MB > 5 ? 3 : 4)>(w, x + m0 * K, y + m0 * O, O, K, begin, end,
                                                 row_scale);
+  });
+}
+#elif defined(ATTNLAB_AVX2)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline float sum8(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+// The AVX2 sums (8 lanes, 16 registers), R rows of W at a time so that R x MB independent FMA
+// chains are in flight and each load of x feeds R of them. The compiler's vectorised loop
+// kept one chain: on the Xeon held to AVX2 a bfloat16 GEMV of one row read ~16 GB/s of ~25,
+// of eight rows ~5.
+template <int MB, int R, typename W, typename Scale>
+void avx2_row_groups(const W* w, const float* x, float* y, int64_t O, int64_t K, int64_t begin,
+                     int64_t end, Scale row_scale) {
+  constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line: one prefetch each
+  int64_t o = begin;
+  for (; o + R <= end; o += R) {
+    const W* rows = w + o * K;
+    __m256 acc[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      __m256 wr[R];
+      for (int r = 0; r < R; ++r) {
+        if (k % kLine == 0) ahead<1, (MB > 2 ? kAheadManyRows : kAheadBytes)>(rows + r * K + k);
+        wr[r] = load8(rows + r * K + k);
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m256 xm = _mm256_loadu_ps(x + m * K + k);
+        for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(wr[r], xm, acc[r][m]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const W* row = rows + r * K;
+      const float scale = row_scale(o + r);
+      for (int m = 0; m < MB; ++m) {
+        float sum = sum8(acc[r][m]);
+        for (int64_t t = k; t < K; ++t) sum += load(row[t]) * x[m * K + t];
+        y[m * O + o + r] = sum * scale;
+      }
+    }
+  }
+  if constexpr (R > 1) {
+    if (o < end) avx2_row_groups<MB, 1>(w, x, y, O, K, o, end, row_scale);
+  }
+}
+
+template <typename W, typename Scale>
+void rows_times_x(const W* w, const float* x, float* y, int64_t M, int64_t O, int64_t K,
+                  int64_t begin, int64_t end, Scale row_scale) {
+  in_row_blocks<8>(M, [&](auto mb, int64_t m0) {
+    constexpr int MB = decltype(mb)::value;
+    constexpr int R = MB == 1 ? 6 : MB == 2 ? 4 : MB <= 4 ? 2 : 1;
+    avx2_row_groups<MB, R>(w, x + m0 * K, y + m0 * O, O, K, begin, end, row_scale);
   });
 }
 #else
