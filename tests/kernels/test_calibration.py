@@ -16,7 +16,7 @@ from kernel_helpers import (
 )
 
 from attnlab.kernels import BUCKETS, KERNELS, bucket_of, calibration, choose, measure, plan
-from attnlab.kernels.cache import cpu_model, entry_key
+from attnlab.kernels.cache import _VERSION, cpu_model, entry_key
 
 SHAPE = (24, 16)  # O x I: tiny, so that a whole calibration takes milliseconds
 
@@ -64,7 +64,7 @@ def test_the_cache_key_separates_dtypes_shapes_buckets_and_threads(own_cache):
     b"\x00\xff not json at all",
     b"[1, 2, 3]",
     b'{"version": 99, "entries": {}}',
-    b'{"version": 4, "entries": "everything"}',
+    b'{"version": %d, "entries": "everything"}' % _VERSION,
 ])
 def test_a_corrupt_cache_file_is_ignored_with_a_warning_and_rewritten(own_cache, content):
     own_cache.parent.mkdir(parents=True)
@@ -72,7 +72,7 @@ def test_a_corrupt_cache_file_is_ignored_with_a_warning_and_rewritten(own_cache,
     with pytest.warns(UserWarning, match=f"kernel cache {own_cache}"):
         timings = measure(torch.float32, *SHAPE, "1")
     data = json.loads(own_cache.read_text())
-    assert data["version"] == 4
+    assert data["version"] == _VERSION
     assert data["entries"] == {entry_key(torch.float32, *SHAPE, "1"): timings}
 
 
@@ -89,7 +89,7 @@ def test_a_hostile_entry_is_never_trusted(own_cache, entry):
     key = entry_key(torch.float32, *SHAPE, "1")
     good = entry_key(torch.float32, *SHAPE, "33+")
     own_cache.parent.mkdir(parents=True)
-    text = json.dumps({"version": 4, "entries": {key: entry, good: {"formula": 5.0}}})
+    text = json.dumps({"version": _VERSION, "entries": {key: entry, good: {"formula": 5.0}}})
     own_cache.write_text(text)  # NaN written as JSON's NaN extension, as Python reads it
     with pytest.warns(UserWarning, match="1 invalid entries ignored"):
         timings = measure(torch.float32, *SHAPE, "1")
@@ -102,7 +102,7 @@ def test_a_cached_winner_decides_without_measuring(own_cache, monkeypatch):
     """The cache is what choose reads: a planted (valid) timing table decides."""
     own_cache.parent.mkdir(parents=True)
     key = entry_key(torch.float32, *SHAPE, "9-32")
-    own_cache.write_text(json.dumps({"version": 4, "entries": {
+    own_cache.write_text(json.dumps({"version": _VERSION, "entries": {
         key: dict.fromkeys(KERNELS, 100.0) | {"columns": 1.0, "rows_gemv": 50.0}}}))
     monkeypatch.setattr(calibration, "measure_rows", lambda *a, **k: pytest.fail("measured"))
     assert choose(torch.float32, *SHAPE, "9-32") == "columns"

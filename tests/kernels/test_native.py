@@ -393,6 +393,20 @@ def test_the_sources_build_for_a_cpu_without_avx512_or_amx(target: str, tmp_path
                torch.float32)
 
 
+def test_the_build_target_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ATTNLAB_NATIVE_MARCH`` replaces ``-march=native`` (and so the build's digest); a value
+    that is not a target name is refused by the variable's name."""
+    monkeypatch.delenv("ATTNLAB_NATIVE_MARCH", raising=False)
+    assert native.build_flags() == native._FLAGS and "-march=native" in native._FLAGS
+    monkeypatch.setenv("ATTNLAB_NATIVE_MARCH", "x86-64-v3")
+    flags = native.build_flags()
+    assert "-march=x86-64-v3" in flags and "-march=native" not in flags
+    assert len(flags) == len(native._FLAGS)
+    monkeypatch.setenv("ATTNLAB_NATIVE_MARCH", "native -fplugin=evil.so")
+    with pytest.raises(ValueError, match="ATTNLAB_NATIVE_MARCH: expected a -march target"):
+        native.build_flags()
+
+
 def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """Read when the kernels are first asked for (a fresh process: no extension loaded)."""
     monkeypatch.setattr(native, "_BUILT", [])

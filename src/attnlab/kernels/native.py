@@ -17,7 +17,8 @@ under a minute, once: the build is kept under ``$ATTNLAB_CACHE_DIR/native``, els
 ``~/.cache/attnlab/native``, keyed by the sources, the torch version and the CPU model; ninja
 comes from the ``ninja`` package when it is not on the PATH). Nothing requires them: without a
 compiler (or with ``ATTNLAB_NATIVE=0``) :func:`available` is False and the callers use
-PyTorch's kernels.
+PyTorch's kernels. ``ATTNLAB_NATIVE_MARCH`` (e.g. ``x86-64-v3``) builds for that target
+instead of ``native``: a CPU family's lowest common set, or a lesser CPU measured on this one.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -43,7 +45,7 @@ from torch import Tensor
 from attnlab.kernels import cache
 
 __all__ = ["ACTIVATIONS", "DTYPES", "MAX_ROWS", "STEP_CALL", "STEP_KINDS", "TILES_MAX_ROWS",
-           "activation", "activation_available", "argmax_rows", "available",
+           "activation", "activation_available", "argmax_rows", "available", "build_flags",
            "decode_attention", "decode_layers", "dequantize_int4", "dequantize_int8", "gemv",
            "gemv_int4", "gemv_int8", "gemv_int8_tiles", "gemv_tiles", "integers_available",
            "paged_attention",
@@ -76,6 +78,7 @@ _ENV = "ATTNLAB_NATIVE"
 # -ffp-contract=off: a * b + c stays two roundings unless the source asks for a fused
 # multiply-add, so the kernels round as the formulas they replace do.
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+_MARCH_ENV = "ATTNLAB_NATIVE_MARCH"
 _LOG = logging.getLogger("attnlab.kernels")
 _BUILT: list[ModuleType | None] = []  # the loaded extension, or None when it cannot be had
 
@@ -298,11 +301,24 @@ def _extension() -> ModuleType | None:
     return _BUILT[0]
 
 
+def build_flags() -> tuple[str, ...]:
+    """The compiler flags of the build: ``-march=native``, or ``-march=$ATTNLAB_NATIVE_MARCH``
+    when that is set (a target name: letters, digits, ``-``, ``_``, ``.``)."""
+    march = os.environ.get(_MARCH_ENV, "").strip()
+    if not march:
+        return _FLAGS
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", march):
+        raise ValueError(f"{_MARCH_ENV}: expected a -march target such as x86-64-v3, got "
+                         f"{march!r}")
+    return tuple(f"-march={march}" if f.startswith("-march=") else f for f in _FLAGS)
+
+
 def _build() -> ModuleType | None:
     """The compiled extension, from the build folder when this source was built there."""
     # -march=native: a build is for this CPU model only (a home folder shared between
     # machines must not hand one CPU's instructions to another).
-    key = f"{torch.__version__} | {cache.cpu_model()} | {' '.join(_FLAGS)}".encode()
+    flags = build_flags()
+    key = f"{torch.__version__} | {cache.cpu_model()} | {' '.join(flags)}".encode()
     text = b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
     digest = hashlib.sha256(text + key).hexdigest()[:16]
     folder = Path(os.environ.get("ATTNLAB_CACHE_DIR") or Path.home() / ".cache" / "attnlab")
@@ -318,7 +334,7 @@ def _build() -> ModuleType | None:
         with _only_builder(build):
             return cpp_extension.load(
                 name=f"attnlab_native_{digest}", sources=[str(p) for p in _SOURCES],
-                build_directory=str(build), extra_cflags=list(_FLAGS),
+                build_directory=str(build), extra_cflags=list(flags),
                 extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # a missing compiler or ninja, a failed build: not fatal
         lines = str(error).strip().splitlines()
