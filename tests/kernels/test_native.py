@@ -407,6 +407,29 @@ def test_the_build_target_comes_from_the_environment(monkeypatch: pytest.MonkeyP
         native.build_flags()
 
 
+def test_a_native_build_has_every_loop_this_cpu_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pair and integer tests skip on a CPU without those instructions, so a build that
+    silently left them out would pass: on a CPU whose flags list them, a -march=native build
+    must have them."""
+    import platform
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if platform.machine() not in ("x86_64", "AMD64") or not cpuinfo.exists():
+        pytest.skip("x86-64 Linux: the CPU's flags from /proc/cpuinfo")
+    if "-march=native" not in native.build_flags():
+        pytest.skip("built for another target")
+    flags = set()
+    for line in cpuinfo.read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    assert native.available()
+    if "avx512_bf16" in flags:
+        assert native.pairs_available()
+    if "avx512_vnni" in flags:  # (the tiles also need the kernel's permission: not asked)
+        assert native.integers_available()
+
+
 def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """Read when the kernels are first asked for (a fresh process: no extension loaded)."""
     monkeypatch.setattr(native, "_BUILT", [])

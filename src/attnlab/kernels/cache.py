@@ -28,7 +28,7 @@ __all__ = ["cache_file", "cpu_model", "entry_key", "read_entries", "write_entrie
 # A cache of a few thousand shapes is well below this; a larger file is not ours.
 _MAX_BYTES = 4 * 2**20
 _VERSION = 5  # 2: timings on weights not in a cache; 3: blocks_gemv with up to 4 blocks a
-# thread; 4: copies past twice the last-level cache; 5: the native GEMVs' row groups and AVX2
+# thread; 4: copies past twice the last-level cache; 5: the native GEMVs' row groups and 8-lane
 # loop, the tile kernel's vector writes (faster kernels: the old choices are stale)
 
 

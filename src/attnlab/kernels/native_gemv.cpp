@@ -39,15 +39,15 @@
 
 #include "native_lanes.h"
 #define ATTNLAB_AVX512 1
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define ATTNLAB_AVX2 1
 #if defined(__AVX512BF16__)
 #define ATTNLAB_AVX512BF16 1
 #endif
 #if defined(__AVX512VNNI__)
 #define ATTNLAB_VNNI 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ATTNLAB_AVX2 1
 #endif
 
 namespace {
