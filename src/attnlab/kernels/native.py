@@ -8,7 +8,8 @@ which the weight streams from memory; PyTorch's CPU GEMV for these shapes (and i
 ops, with one row) runs at a fraction of it, and its attention and argmax cost more in set-up
 than in arithmetic on a step's small tensors. ``native_gemv.cpp`` and ``native_decode.cpp``,
 beside this file, convert each weight to float32 in registers and accumulate in float32
-(AVX-512 where the compiler targets it, else plain loops that it vectorises);
+(AVX-512 where the compiler targets it, else 256-bit fused multiply-add loops where it has
+them, else plain loops that it vectorises);
 ``native_tiles.cpp`` runs up to 32 bfloat16 rows on the matrix tiles of a CPU with AMX-BF16
 (:func:`gemv_tiles`, :func:`gemv_int8_tiles`), where the vector loops would run out of
 arithmetic before memory. They are

@@ -12,6 +12,7 @@
 //
 // The inner loops, by what the compiler targets (-march=native):
 // - AVX-512: weights widened to float32, fused multiply-adds;
+// - AVX2 with FMA (no AVX-512): 8-lane fused multiply-adds, several weight rows at a time;
 // - otherwise plain loops that the compiler vectorises (`omp simd` lets it reorder the sums);
 // - with AVX512-BF16 also, when asked (`pairs`) and x is bfloat16: bfloat16 weights, and
 //   4-bit codes turned into the bfloat16 numbers 128 + q (exact), multiplied by x in pairs
