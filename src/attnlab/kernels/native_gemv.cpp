@@ -208,58 +208,16 @@ void widened_rows(const W* w, const float* x, float* y, int64_t O, int64_t K, in
   }
 }
 
-// The same sums for R rows of W at a time: each load of x feeds R multiply-adds. With three
-// or more rows of x, one row of W at a time spent more on loading x (MB loads a 16 weights)
-// than the weights took to stream: on the Xeon a float32 GEMV of 8 rows read 17-25 GB/s of
-// the 30 one row reads; R = 3 (MB > 5) or 4 gave 1.1-1.5x (A/B in turns, 15 rounds, cold
-// copies). R x MB sums stay in registers (at most 24 of 32).
-template <int MB, int R, typename W, typename Scale>
-void widened_row_groups(const W* w, const float* x, float* y, int64_t O, int64_t K,
-                        int64_t begin, int64_t end, Scale row_scale) {
-  constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line: one prefetch each
-  int64_t o = begin;
-  for (; o + R <= end; o += R) {
-    const W* rows = w + o * K;
-    __m512 acc[R][MB];
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-      __m512 wr[R];
-      for (int r = 0; r < R; ++r) {
-        if (k % kLine == 0) ahead<1, kAheadManyRows>(rows + r * K + k);
-        wr[r] = load16(rows + r * K + k);
-      }
-      for (int m = 0; m < MB; ++m) {
-        const __m512 xm = _mm512_loadu_ps(x + m * K + k);
-        for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wr[r], xm, acc[r][m]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const W* row = rows + r * K;
-      const float scale = row_scale(o + r);
-      for (int m = 0; m < MB; ++m) {
-        float sum = _mm512_reduce_add_ps(acc[r][m]);
-        for (int64_t t = k; t < K; ++t) sum += load(row[t]) * x[m * K + t];
-        y[m * O + o + r] = sum * scale;
-      }
-    }
-  }
-  if (o < end) widened_rows<MB>(w, x, y, O, K, o, end, row_scale);
-}
-
-template <typename W, typename Scale>
-void rows_times_x(const W* w, const float* x, float* y, int64_t M, int64_t O, int64_t K,
-                  int64_t begin, int64_t end, Scale row_scale) {
-  in_row_blocks<8>(M, [&](auto mb, int64_t m0) {
-    constexpr int MB = decltype(mb)::value;
-    if constexpr (MB <= 2)
-      widened_rows<MB>(w, x + m0 * K, y + m0 * O, O, K, begin, end, row_scale);
-    else
-      widened_row_groups<MB, (MB > 5 ? 3 : 4)>(w, x + m0 * K, y + m0 * O, O, K, begin, end,
-                                                row_scale);
-  });
-}
+// The vector lanes that `row_groups` is written over.
+struct Lanes {
+  using V = __m512;
+  static constexpr int64_t kWidth = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  template <typename T>
+  static V load(const T* p) { return load16(p); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+};
 #elif defined(ATTNLAB_AVX2)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
@@ -275,44 +233,61 @@ inline float sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
 
-// The AVX2 sums (8 lanes, 16 registers), R rows of W at a time so that R x MB independent FMA
-// chains are in flight and each load of x feeds R of them. The compiler's vectorised loop
-// kept one chain: on the Xeon held to AVX2 a bfloat16 GEMV of one row read ~16 GB/s of ~25,
-// of eight rows ~5.
+
+struct Lanes {
+  using V = __m256;
+  static constexpr int64_t kWidth = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  template <typename T>
+  static V load(const T* p) { return load8(p); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(V v) { return sum8(v); }
+};
+#endif
+
+#if defined(ATTNLAB_AVX512) || defined(ATTNLAB_AVX2)
+// The sums for R rows of W at a time, R x MB independent FMA chains, each load of x feeding R
+// of them. With three or more rows of x, one row of W at a time spent more on loading x (MB
+// loads a vector of weights) than the weights took to stream: on the Xeon a float32 GEMV of
+// 8 rows read 17-25 GB/s of the 30 one row reads; R = 3 (MB > 5) or 4 gave 1.1-1.5x (A/B in
+// turns, 15 rounds, cold copies). Built for AVX2, the compiler's vectorised loop kept one
+// chain: a bfloat16 GEMV of one row read ~16 GB/s of ~25, of eight rows ~5. The R x MB sums
+// stay in registers (AVX-512 at most 24 of 32, AVX2 at most 8 of 16).
 template <int MB, int R, typename W, typename Scale>
-void avx2_row_groups(const W* w, const float* x, float* y, int64_t O, int64_t K, int64_t begin,
-                     int64_t end, Scale row_scale) {
+void row_groups(const W* w, const float* x, float* y, int64_t O, int64_t K, int64_t begin,
+                int64_t end, Scale row_scale) {
+  using V = Lanes::V;
   constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line: one prefetch each
   int64_t o = begin;
   for (; o + R <= end; o += R) {
     const W* rows = w + o * K;
-    __m256 acc[R][MB];
+    V acc[R][MB];
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+      for (int m = 0; m < MB; ++m) acc[r][m] = Lanes::zero();
     int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-      __m256 wr[R];
+    for (; k + Lanes::kWidth <= K; k += Lanes::kWidth) {
+      V wr[R];
       for (int r = 0; r < R; ++r) {
         if (k % kLine == 0) ahead<1, (MB > 2 ? kAheadManyRows : kAheadBytes)>(rows + r * K + k);
-        wr[r] = load8(rows + r * K + k);
+        wr[r] = Lanes::load(rows + r * K + k);
       }
       for (int m = 0; m < MB; ++m) {
-        const __m256 xm = _mm256_loadu_ps(x + m * K + k);
-        for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(wr[r], xm, acc[r][m]);
+        const V xm = Lanes::load(x + m * K + k);
+        for (int r = 0; r < R; ++r) acc[r][m] = Lanes::fmadd(wr[r], xm, acc[r][m]);
       }
     }
     for (int r = 0; r < R; ++r) {
       const W* row = rows + r * K;
       const float scale = row_scale(o + r);
       for (int m = 0; m < MB; ++m) {
-        float sum = sum8(acc[r][m]);
+        float sum = Lanes::sum(acc[r][m]);
         for (int64_t t = k; t < K; ++t) sum += load(row[t]) * x[m * K + t];
         y[m * O + o + r] = sum * scale;
       }
     }
   }
   if constexpr (R > 1) {
-    if (o < end) avx2_row_groups<MB, 1>(w, x, y, O, K, o, end, row_scale);
+    if (o < end) row_groups<MB, 1>(w, x, y, O, K, o, end, row_scale);
   }
 }
 
@@ -321,8 +296,17 @@ void rows_times_x(const W* w, const float* x, float* y, int64_t M, int64_t O, in
                   int64_t begin, int64_t end, Scale row_scale) {
   in_row_blocks<8>(M, [&](auto mb, int64_t m0) {
     constexpr int MB = decltype(mb)::value;
-    constexpr int R = MB == 1 ? 6 : MB == 2 ? 4 : MB <= 4 ? 2 : 1;
-    avx2_row_groups<MB, R>(w, x + m0 * K, y + m0 * O, O, K, begin, end, row_scale);
+    const float* xm = x + m0 * K;
+    float* ym = y + m0 * O;
+#ifdef ATTNLAB_AVX512
+    if constexpr (MB <= 2)
+      widened_rows<MB>(w, xm, ym, O, K, begin, end, row_scale);
+    else
+      row_groups<MB, (MB > 5 ? 3 : 4)>(w, xm, ym, O, K, begin, end, row_scale);
+#else
+    row_groups<MB, (MB == 1 ? 6 : MB == 2 ? 4 : MB <= 4 ? 2 : 1)>(w, xm, ym, O, K, begin, end,
+                                                                   row_scale);
+#endif
   });
 }
 #else
