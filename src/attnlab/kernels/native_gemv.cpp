@@ -212,6 +212,7 @@ void widened_rows(const W* w, const float* x, float* y, int64_t O, int64_t K, in
 struct Lanes {
   using V = __m512;
   static constexpr int64_t kWidth = 16;
+  static constexpr int64_t kAhead = kAheadBytes;  // prefetch distance with one or two rows of x
   static V zero() { return _mm512_setzero_ps(); }
   template <typename T>
   static V load(const T* p) { return load16(p); }
@@ -237,6 +238,9 @@ inline float sum8(__m256 v) {
 struct Lanes {
   using V = __m256;
   static constexpr int64_t kWidth = 8;
+  // Built for x86-64-v3 on the Xeon, 16 KiB ahead read a bfloat16 matrix 1.1-1.25x faster than
+  // 2 KiB (one row of x; a micro-benchmark in turns, cold copies).
+  static constexpr int64_t kAhead = kAheadManyRows;
   static V zero() { return _mm256_setzero_ps(); }
   template <typename T>
   static V load(const T* p) { return load8(p); }
@@ -268,7 +272,7 @@ void row_groups(const W* w, const float* x, float* y, int64_t O, int64_t K, int6
     for (; k + Lanes::kWidth <= K; k += Lanes::kWidth) {
       V wr[R];
       for (int r = 0; r < R; ++r) {
-        if (k % kLine == 0) ahead<1, (MB > 2 ? kAheadManyRows : kAheadBytes)>(rows + r * K + k);
+        if (k % kLine == 0) ahead<1, (MB > 2 ? kAheadManyRows : Lanes::kAhead)>(rows + r * K + k);
         wr[r] = Lanes::load(rows + r * K + k);
       }
       for (int m = 0; m < MB; ++m) {
@@ -304,8 +308,9 @@ void rows_times_x(const W* w, const float* x, float* y, int64_t M, int64_t O, in
     else
       row_groups<MB, (MB > 5 ? 3 : 4)>(w, xm, ym, O, K, begin, end, row_scale);
 #else
-    row_groups<MB, (MB == 1 ? 6 : MB == 2 ? 4 : MB <= 4 ? 2 : 1)>(w, xm, ym, O, K, begin, end,
-                                                                   row_scale);
+    // One row of bfloat16 weights: two rows of W at a time streamed 1.25x faster than six.
+    constexpr int R = MB == 1 ? (sizeof(W) == 2 ? 2 : 6) : MB == 2 ? 4 : MB <= 4 ? 2 : 1;
+    row_groups<MB, R>(w, xm, ym, O, K, begin, end, row_scale);
 #endif
   });
 }
