@@ -35,8 +35,8 @@ def planted(timings: dict[str, float]):
     """A stand-in for ``calibration.measure`` reporting ``timings`` (microseconds by kernel
     name) for every bucket, the formula always among them as with the real one; a kernel
     with no planted timing is left out, as the real one leaves out one that cannot run."""
-    return lambda d, o, i, b, kernels=None: {n: timings[n] for n in ("formula", *kernels)
-                                             if n in timings}
+    return lambda d, o, i, b, kernels=None, bias=True: {
+        n: timings[n] for n in ("formula", *kernels) if n in timings}
 
 
 @pytest.fixture(autouse=True, name="own_cache")

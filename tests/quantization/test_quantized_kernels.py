@@ -108,7 +108,7 @@ def test_the_plan_keeps_the_codes_in_one_layout(monkeypatch: pytest.MonkeyPatch,
     every = {n: dataclasses.replace(k, available=lambda w, d: True)
              for n, k in QUANTIZED_KERNELS.items()}
     monkeypatch.setattr(qkernels, "QUANTIZED_KERNELS", every)
-    monkeypatch.setattr(qkernels, "measure", lambda w, d, b, names: {
+    monkeypatch.setattr(qkernels, "measure", lambda w, d, b, names, bias=True: {
         n: timings[b][n] for n in names if n in timings[b]})
     monkeypatch.delenv("ATTNLAB_QUANTIZED_KERNELS", raising=False)
     picks = qkernels.plan(quantize(torch.randn(128, 256), 4, 64), torch.bfloat16)
@@ -136,7 +136,7 @@ def test_one_row_decoding_keeps_the_pair_kernel_when_it_loses_only_at_16_rows(
         "33+": {"dequantize": 650_000, "int4_mm": 13_000_000, "native_dequantize": 560_000},
     }
     monkeypatch.delenv("ATTNLAB_QUANTIZED_KERNELS", raising=False)
-    monkeypatch.setattr(qkernels, "measure", lambda w, d, bucket, names: {
+    monkeypatch.setattr(qkernels, "measure", lambda w, d, bucket, names, bias=True: {
         n: t for n, t in measured[bucket].items() if n in names})
     assert qkernels.plan(weight, torch.bfloat16) == {
         "1": "int4_native_pairs", "2-8": "int4_native_pairs", "9-32": "int4_native_pairs",
@@ -154,7 +154,8 @@ def test_an_exact_kernel_needs_no_margin_over_the_formula(monkeypatch: pytest.Mo
              "native_dequantize"),
             ({"dequantize": 1000, "native_dequantize": 1010, "int8_native": 950}, "dequantize")):
         monkeypatch.delenv("ATTNLAB_QUANTIZED_KERNELS", raising=False)
-        monkeypatch.setattr(qkernels, "measure", lambda w, d, bucket, names, t=bucket_times: {
-            n: us for n, us in t.items() if n in names})
+        monkeypatch.setattr(qkernels, "measure",
+                            lambda w, d, bucket, names, t=bucket_times, bias=True: {
+                                n: us for n, us in t.items() if n in names})
         assert set(qkernels.plan(weight, torch.bfloat16).values()) == {expected}
     assert [n for n, k in QUANTIZED_KERNELS.items() if k.exact] == ["native_dequantize"]

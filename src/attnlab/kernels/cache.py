@@ -1,7 +1,7 @@
 """The calibration cache: kernel timings measured on this machine, as JSON on disk.
 
-The file maps a key (CPU model, torch version, thread count, dtype, shape, rows bucket) to
-the median microseconds per call of each kernel measured for it. It is read from
+The file maps a key (CPU model, torch version, thread count, dtype, shape, rows bucket, with a
+bias or not) to the median microseconds per call of each kernel measured for it. It is read from
 ``$ATTNLAB_CACHE_DIR/kernels.json`` (else ``~/.cache/attnlab/kernels.json``), never
 unpickled, and never trusted blindly: an entry that is not a mapping from a known kernel name
 to a finite positive time is dropped with a warning and the file is rewritten without it.
@@ -27,9 +27,10 @@ __all__ = ["cache_file", "cpu_model", "entry_key", "read_entries", "write_entrie
 
 # A cache of a few thousand shapes is well below this; a larger file is not ours.
 _MAX_BYTES = 4 * 2**20
-_VERSION = 5  # 2: timings on weights not in a cache; 3: blocks_gemv with up to 4 blocks a
+_VERSION = 6  # 2: timings on weights not in a cache; 3: blocks_gemv with up to 4 blocks a
 # thread; 4: copies past twice the last-level cache; 5: the native GEMVs' row groups and 8-lane
-# loop, the tile kernel's vector writes (faster kernels: the old choices are stale)
+# loop, the tile kernel's vector writes (faster kernels: the old choices are stale); 6: with or
+# without a bias, as the module has one (BLAS runs x W^T and x W^T + b by different paths)
 
 
 def cache_file() -> Path:
@@ -53,12 +54,14 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def entry_key(dtype: torch.dtype, out_features: int, in_features: int, bucket: str) -> str:
+def entry_key(dtype: torch.dtype, out_features: int, in_features: int, bucket: str, *,
+              bias: bool) -> str:
     """The cache key of one measurement: CPU model, torch version, thread count, dtype,
-    shape ``O x I`` and rows bucket, readable in the file."""
+    shape ``O x I``, rows bucket and whether a bias is added, readable in the file."""
     return " | ".join((
         cpu_model(), f"torch {torch.__version__}", f"{torch.get_num_threads()} threads",
         str(dtype).removeprefix("torch."), f"{out_features}x{in_features}", f"rows {bucket}",
+        "bias" if bias else "no bias",
     ))
 
 

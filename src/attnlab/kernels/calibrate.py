@@ -36,6 +36,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="rows of x per call (default 1 8 512)")
     parser.add_argument("--kernels", nargs="+", choices=tuple(KERNELS), default=None,
                         help="the kernels to time (default all that can run)")
+    parser.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True,
+                        help="time y = x W^T + b (default) or, with --no-bias, y = x W^T")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch threads (default torch's)")
     args = parser.parse_args(argv)
@@ -49,7 +51,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         for out_features, in_features in args.shape:
             for rows in args.rows:
                 try:
-                    us = measure_rows(_DTYPES[dtype], out_features, in_features, rows, names)
+                    us = measure_rows(_DTYPES[dtype], out_features, in_features, rows, names,
+                                      bias=args.bias)
                 except (RuntimeError, MemoryError) as error:  # e.g. a weight too large
                     parser.error(f"--shape {out_features}x{in_features} --rows {rows}: "
                                  f"not measured ({error})")

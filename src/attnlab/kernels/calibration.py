@@ -60,23 +60,25 @@ _TIMINGS: dict[str, dict[str, float]] = {}
 
 
 def choose(dtype: torch.dtype, out_features: int, in_features: int, rows_bucket: str, *,
-           kernels: Iterable[str] | None = None, kernel: str | None = None) -> str:
-    """The fastest kernel for ``x (M x I) W^T (I x O)`` in ``dtype`` with ``M`` in
-    ``rows_bucket``: measured once on this machine (among ``kernels``, default all), then
-    read from the cache. ``kernel`` (or ``$ATTNLAB_KERNELS``) forces one instead; a forced
-    kernel that cannot run this dtype gives ``"formula"``."""
+           kernels: Iterable[str] | None = None, kernel: str | None = None,
+           bias: bool = True) -> str:
+    """The fastest kernel for ``x (M x I) W^T (I x O)`` (``+ b`` when ``bias``) in ``dtype``
+    with ``M`` in ``rows_bucket``: measured once on this machine (among ``kernels``, default
+    all), then read from the cache. ``kernel`` (or ``$ATTNLAB_KERNELS``) forces one instead; a
+    forced kernel that cannot run this dtype gives ``"formula"``."""
     forced = forced_kernel(kernel)
     if forced is not None:
         lowest = BUCKETS[_check_bucket(rows_bucket)][0]
         return forced if KERNELS[forced].available(dtype, lowest, out_features) else "formula"
-    timings = measure(dtype, out_features, in_features, rows_bucket, kernels)
+    timings = measure(dtype, out_features, in_features, rows_bucket, kernels, bias=bias)
     return min(timings, key=timings.__getitem__)
 
 
 def plan(dtype: torch.dtype, out_features: int, in_features: int, *,
          layouts: Sequence[str] = ("rows", "columns"), extra_memory: bool = False,
-         kernel: str | None = None) -> tuple[str, dict[str, str]]:
-    """One weight's storage and its kernel per rows bucket: ``(layout, {bucket: kernel})``.
+         kernel: str | None = None, bias: bool = True) -> tuple[str, dict[str, str]]:
+    """One weight's storage and its kernel per rows bucket: ``(layout, {bucket: kernel})``,
+    for a module that adds a bias or not (``bias``: timed as it will run).
 
     A weight is stored once, in one of ``layouts``, so every bucket must use a kernel that
     runs on that storage (with ``extra_memory``, oneDNN's packed copy beside it is allowed
@@ -98,7 +100,8 @@ def plan(dtype: torch.dtype, out_features: int, in_features: int, *,
         return ("rows" if layout == "packed" else layout), picks
     allowed = {*layouts, "packed"} if extra_memory else set(layouts)
     candidates = [name for name, k in KERNELS.items() if k.layout in allowed]
-    timings = {b: measure(dtype, out_features, in_features, b, candidates) for b in BUCKETS}
+    timings = {b: measure(dtype, out_features, in_features, b, candidates, bias=bias)
+               for b in BUCKETS}
     best = {b: min(t.values()) for b, t in timings.items()}
     options = {}
     for layout in layouts:
@@ -119,22 +122,22 @@ def plan(dtype: torch.dtype, out_features: int, in_features: int, *,
 
 
 def measure(dtype: torch.dtype, out_features: int, in_features: int, rows_bucket: str,
-            kernels: Iterable[str] | None = None) -> dict[str, float]:
+            kernels: Iterable[str] | None = None, *, bias: bool = True) -> dict[str, float]:
     """Median microseconds per call of each of ``kernels`` (default all) that can run, at the
-    bucket's representative row count: from the cache when it holds them, else measured
-    now and added to it. At least ``"formula"`` is always there."""
+    bucket's representative row count, with a bias or not (``bias``): from the cache when it
+    holds them, else measured now and added to it. At least ``"formula"`` is always there."""
     names = _check_names("kernels", KERNELS if kernels is None else kernels)
     rows = BUCKETS[_check_bucket(rows_bucket)][1]
     names = [n for n in dict.fromkeys(("formula", *names))
              if KERNELS[n].available(dtype, rows, out_features)]
-    key = cache.entry_key(dtype, out_features, in_features, rows_bucket)
+    key = cache.entry_key(dtype, out_features, in_features, rows_bucket, bias=bias)
     path = cache.cache_file()
     if key not in _TIMINGS:
         stored = cache.read_entries(path, KERNELS).get(key)
         _TIMINGS[key] = dict(stored) if stored else {}
     missing = [n for n in names if n not in _TIMINGS[key]]
     if missing:
-        measured = measure_rows(dtype, out_features, in_features, rows, missing)
+        measured = measure_rows(dtype, out_features, in_features, rows, missing, bias=bias)
         # A kernel left out (it raised or was wrong) is not tried again in this process.
         _TIMINGS[key].update({n: measured.get(n, math.inf) for n in missing})
         entries = cache.read_entries(path, KERNELS)
@@ -144,9 +147,11 @@ def measure(dtype: torch.dtype, out_features: int, in_features: int, rows_bucket
 
 
 def measure_rows(dtype: torch.dtype, out_features: int, in_features: int, rows: int,
-                 kernels: Iterable[str] | None = None) -> dict[str, float]:
+                 kernels: Iterable[str] | None = None, *, bias: bool = True
+                 ) -> dict[str, float]:
     """Median microseconds per call of each of ``kernels`` (default all) that can run
-    ``x (rows x I) W^T + b`` in ``dtype`` here, timed now (not cached): kernels that share a
+    ``x (rows x I) W^T + b`` (without ``+ b`` unless ``bias``: BLAS may take another path)
+    in ``dtype`` here, timed now (not cached): kernels that share a
     weight layout are timed in interleaved rounds, so a burst of load on a shared machine
     hits them alike, and only one prepared copy of the weight exists at a time. A kernel
     whose result differs from the formula's, or that raises, is left out with a warning."""
@@ -161,16 +166,17 @@ def measure_rows(dtype: torch.dtype, out_features: int, in_features: int, rows: 
     with torch.inference_mode():
         weight = (torch.randn(out_features, in_features, generator=g) / in_features**0.5)
         weight = weight.to(dtype)
-        x, bias = (torch.randn(n, generator=g).to(dtype) for n in ((rows, in_features),
-                                                                  (out_features,)))
-        expected = KERNELS["formula"].run(x, weight, bias)
+        x, b = (torch.randn(n, generator=g).to(dtype) for n in ((rows, in_features),
+                                                               (out_features,)))
+        b = b if bias else None
+        expected = KERNELS["formula"].run(x, weight, b)
         timings: dict[str, float] = {}
         count = cold_copies(weight.numel() * weight.element_size())
         for layout in dict.fromkeys(KERNELS[n].layout for n in names):
             group = [n for n in names if KERNELS[n].layout == layout]
             copies = [KERNELS[group[0]].prepare(weight.clone() if i else weight)
                       for i in range(count)]
-            timings.update(_time_group(group, x, copies, bias, expected,
+            timings.update(_time_group(group, x, copies, b, expected,
                                        min(timings.values(), default=math.inf)))
             del copies
     return timings
@@ -230,7 +236,7 @@ def _pick(names: list[str], timings: dict[str, float]) -> str:
     return fastest
 
 
-def _time_group(names: list[str], x: Tensor, copies: list[Tensor], bias: Tensor,
+def _time_group(names: list[str], x: Tensor, copies: list[Tensor], bias: Tensor | None,
                 expected: Tensor, fastest_us: float) -> dict[str, float]:
     """Median microseconds per call of each kernel in ``names`` on a prepared weight (each
     call on the next of its ``copies``, so that none is still in a cache), after a warm-up
@@ -266,7 +272,7 @@ def _time_group(names: list[str], x: Tensor, copies: list[Tensor], bias: Tensor,
     return hopeless | {name: statistics.median(taken) for name, taken in samples.items()}
 
 
-def _timed(name: str, x: Tensor, stored: Tensor, bias: Tensor) -> float:
+def _timed(name: str, x: Tensor, stored: Tensor, bias: Tensor | None) -> float:
     """Microseconds of one call of kernel ``name``."""
     run = KERNELS[name].run
     start = time.perf_counter()

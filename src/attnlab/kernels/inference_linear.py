@@ -161,7 +161,7 @@ class InferenceLinear(nn.Linear):
         layouts = ("rows",) if self._keep_layout else ("rows", "columns")
         layout, picks = plan(weight.dtype, self.out_features, self.in_features, layouts=layouts,
                              extra_memory=self._extra_memory and not weight.is_inference(),
-                             kernel=self._kernel)
+                             kernel=self._kernel, bias=self.bias is not None)
         if not _has_layout(weight, layout):
             self._restore(layout)
         kernels = {bucket: KERNELS[name] for bucket, name in picks.items()}

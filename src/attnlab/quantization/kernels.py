@@ -82,17 +82,18 @@ def forced_quantized_kernel(kernel: str | None = None) -> str | None:
     return name.strip()
 
 
-def plan(weight: QuantizedWeight, dtype: torch.dtype, *, kernel: str | None = None
-         ) -> dict[str, str]:
-    """``{rows bucket: kernel name}`` for ``weight`` with activations in ``dtype``: the
-    forced kernel where it can run, else the fastest measured (the formula unless another is
-    faster by ``_MARGIN``, or an exact kernel faster at all)."""
+def plan(weight: QuantizedWeight, dtype: torch.dtype, *, kernel: str | None = None,
+         bias: bool = True) -> dict[str, str]:
+    """``{rows bucket: kernel name}`` for ``weight`` with activations in ``dtype``, for a
+    module that adds a bias or not (``bias``): the forced kernel where it can run, else the
+    fastest measured (the formula unless another is faster by ``_MARGIN``, or an exact kernel
+    faster at all)."""
     forced = forced_quantized_kernel(kernel)
     names = [n for n, k in QUANTIZED_KERNELS.items() if k.available(weight, dtype)]
     if forced is not None:
         return {b: forced if forced in names and _takes_rows(forced, b) else "dequantize"
                 for b in BUCKETS}
-    timings = {b: measure(weight, dtype, b, [n for n in names if _takes_rows(n, b)])
+    timings = {b: measure(weight, dtype, b, [n for n in names if _takes_rows(n, b)], bias=bias)
                for b in BUCKETS}
     best = {b: min(t.values()) for b, t in timings.items()}
     # The codes are kept in one layout: the layout whose kernels lose least against each
@@ -120,19 +121,21 @@ def _takes_rows(name: str, bucket: str) -> bool:
 
 
 def measure(weight: QuantizedWeight, dtype: torch.dtype, bucket: str,
-            names: list[str]) -> dict[str, float]:
+            names: list[str], *, bias: bool = True) -> dict[str, float]:
     """Median microseconds per call of each kernel in ``names`` for a weight of ``weight``'s
-    format and shape, at the bucket's row count in ``_ROWS``: read from the cache file,
-    else timed now on random weights (each checked against the formula) and added to it."""
+    format and shape, at the bucket's row count in ``_ROWS``, with a bias or not (``bias``):
+    read from the cache file, else timed now on random weights (each checked against the
+    formula) and added to it."""
     rows, cols = weight.shape
     scheme = f"int{weight.bits}" + (f" g{weight.group_size}" if weight.bits == 4 else "")
-    key = f"{scheme} | {kernel_cache.entry_key(dtype, rows, cols, bucket)} @{_ROWS[bucket]}"
+    key = (f"{scheme} | {kernel_cache.entry_key(dtype, rows, cols, bucket, bias=bias)} "
+           f"@{_ROWS[bucket]}")
     path = kernel_cache.cache_file().with_name("kernels-quantized.json")
     if key not in _TIMINGS:
         _TIMINGS[key] = dict(kernel_cache.read_entries(path, QUANTIZED_KERNELS).get(key) or {})
     missing = [n for n in names if n not in _TIMINGS[key]]
     if missing:
-        timed = _time_kernels(weight, dtype, _ROWS[bucket], missing)
+        timed = _time_kernels(weight, dtype, _ROWS[bucket], missing, bias)
         _TIMINGS[key].update({n: timed.get(n, math.inf) for n in missing})
         entries = kernel_cache.read_entries(path, QUANTIZED_KERNELS)
         entries[key] = {n: t for n, t in _TIMINGS[key].items() if math.isfinite(t)}
@@ -141,8 +144,9 @@ def measure(weight: QuantizedWeight, dtype: torch.dtype, bucket: str,
 
 
 def _time_kernels(like: QuantizedWeight, dtype: torch.dtype, rows: int,
-                  names: list[str]) -> dict[str, float]:
-    """Median microseconds per call of each kernel, timed in interleaved rounds on copies of
+                  names: list[str], bias: bool) -> dict[str, float]:
+    """Median microseconds per call of each kernel (with a random bias when ``bias``), timed
+    in interleaved rounds on copies of
     a random weight that together exceed the caches (a decoder reads each weight from
     memory once per token). A kernel that raises or differs from the formula is left out."""
     n_out, n_in = like.shape
@@ -151,9 +155,9 @@ def _time_kernels(like: QuantizedWeight, dtype: torch.dtype, rows: int,
         dense = torch.randn(n_out, n_in, generator=g) / n_in**0.5
         base = quantize(dense, like.bits, like.group_size, like.scales.dtype)
         x = torch.randn(rows, n_in, generator=g).to(dtype)
-        bias = torch.randn(n_out, generator=g).to(dtype)
+        b = torch.randn(n_out, generator=g).to(dtype) if bias else None
         expected = QUANTIZED_KERNELS["dequantize"].run(x, _prepare("dequantize", base, dtype),
-                                                       bias)
+                                                       b)
         count = cold_copies(base.data.numel() * base.data.element_size())
         # One set of copies per layout, shared by the kernels that read it as it is.
         copies: dict[str, list[QuantizedWeight]] = {}
@@ -165,7 +169,7 @@ def _time_kernels(like: QuantizedWeight, dtype: torch.dtype, rows: int,
                 copies[layout] = [weight, *(_copy(weight) for _ in range(count - 1))]
             try:
                 first = _prepare(name, copies[layout][0], dtype)
-                y = QUANTIZED_KERNELS[name].run(x, first, bias)
+                y = QUANTIZED_KERNELS[name].run(x, first, b)
             except RuntimeError as error:
                 warnings.warn(f"quantized kernel {name}: left out, it raised {error}",
                               stacklevel=4)
@@ -183,7 +187,7 @@ def _time_kernels(like: QuantizedWeight, dtype: torch.dtype, rows: int,
             for name, taken in samples.items():
                 state = states[name][next(turn) % len(states[name])]
                 start = time.perf_counter()
-                QUANTIZED_KERNELS[name].run(x, state, bias)
+                QUANTIZED_KERNELS[name].run(x, state, b)
                 taken.append((time.perf_counter() - start) * 1e6)
     return {name: statistics.median(taken) for name, taken in samples.items()}
 

@@ -82,7 +82,7 @@ class QuantizedLinear(nn.Module):
         """The kernel per rows bucket for activations in ``dtype`` (measured or read from the
         cache); the first calibration may re-store int4 codes in the other layout when the
         kernels chosen read it (the plan keeps to one layout)."""
-        picks = plan(self.weight_format, dtype, kernel=self._kernel)
+        picks = plan(self.weight_format, dtype, kernel=self._kernel, bias=self.bias is not None)
         needed = {QUANTIZED_KERNELS[n].layout for n in picks.values()} - {None}
         if needed and needed != {self.layout} and not self._plans:  # decided once, then kept
             self.set_weight(self.weight_format.with_layout(needed.pop()))
