@@ -14,7 +14,7 @@ from kernel_helpers import (
 
 import attnlab
 from attnlab.functional import linear
-from attnlab.kernels import KERNELS
+from attnlab.kernels import KERNELS, catalog
 from attnlab.kernels.catalog import _block_count, to_layout
 
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 2e-2)}
@@ -53,6 +53,25 @@ def test_blocks_gemv_takes_as_many_blocks_as_divide_the_rows(out_features, block
         with torch.inference_mode():
             actual = KERNELS["blocks_gemv"].run(x, w, None)
         torch.testing.assert_close(actual, linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_the_widened_kernel_rounds_each_float32_sum_once_block_by_block(monkeypatch,
+                                                                        with_bias) -> None:
+    """Blocks of 3 output rows (the last one short): every output is the float32 product of
+    the widened operands, plus the bias, rounded once to bfloat16, as the float32 formula
+    rounded gives it; infinities and NaNs of x come through as the formula's."""
+    monkeypatch.setattr(catalog, "_WIDEN_BYTES", 3 * 4 * 40)
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(11, 40, generator=g).bfloat16()
+    x = torch.randn(6, 40, generator=g).bfloat16()
+    x[2, 5], x[4, 0] = float("inf"), float("nan")
+    b = torch.randn(11, generator=g).bfloat16() if with_bias else None
+    with torch.inference_mode():
+        actual = KERNELS["widened"].run(x, w, b)
+    wide = x.float() @ w.float().t() + (b.float() if with_bias else 0)
+    assert actual.dtype == torch.bfloat16 and actual.shape == (6, 11)
+    torch.testing.assert_close(actual, wide.bfloat16(), rtol=0, atol=0, equal_nan=True)
 
 
 def test_the_formula_kernel_takes_every_dtype_the_fast_ones_only_theirs() -> None:

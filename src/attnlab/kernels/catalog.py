@@ -114,6 +114,27 @@ def _rows_gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return parts + bias if bias is not None else parts
 
 
+def _widened(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x W^T + b`` with a bfloat16 ``W`` widened to float32 a block of output rows at a
+    time (``_WIDEN_BYTES`` of float32) and multiplied by float32 BLAS, each sum rounded once
+    to x's dtype. Where BLAS has no bfloat16 arithmetic its bfloat16 GEMM is the slow one (on
+    a CPU without AVX-512, ~5x float32's): widening costs a read and a write of the weight
+    per call, which a product of many rows repays. -> ``M x O``."""
+    wide = x.float()
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    step = max(1, _WIDEN_BYTES // (4 * weight.shape[1]))
+    for o in range(0, weight.shape[0], step):
+        block = weight[o:o + step].float().t()
+        y[:, o:o + step] = (wide.matmul(block) if bias is None
+                            else torch.addmm(bias[o:o + step].float(), wide, block))
+    return y
+
+
+# Bounds the float32 copy a widened call holds (a 151936 x 896 head widened at once is 544
+# MB); blocks of 1-16 MiB and none ran alike on an emulated AVX2 CPU.
+_WIDEN_BYTES = 16 * 2**20
+
+
 def _native_gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``x W^T + b`` by attnlab's own C++ GEMV (:mod:`attnlab.kernels.native`): each weight
     row read once for all rows of ``x``, converted to float32 in registers."""
@@ -149,6 +170,10 @@ def _any_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
 def _one_row_over_threads(dtype: torch.dtype, rows: int, out_features: int) -> bool:
     T = torch.get_num_threads()
     return dtype in _FAST_DTYPES and rows == 1 and T > 1 and out_features % T == 0
+
+
+def _bfloat16_any_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
+    return dtype == torch.bfloat16
 
 
 def _native_few_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
@@ -197,6 +222,7 @@ KERNELS: dict[str, Kernel] = {
         Kernel("onednn_packed", "packed", _packed, _onednn, _onednn_packed_any_rows),
         Kernel("rows_gemv", "columns", _columns, _rows_gemv, _any_rows),
         Kernel("blocks_gemv", "rows", _rows, _blocks_gemv, _one_row_over_threads),
+        Kernel("widened", "rows", _rows, _widened, _bfloat16_any_rows),
         Kernel("native_gemv", "rows", _rows, _native_gemv, _native_few_rows),
         Kernel("native_pairs", "rows", _rows, _native_pairs, _native_pairs_few_rows),
         Kernel("native_tiles", "rows", _rows, _native_tiles, _native_tiles_rows),
