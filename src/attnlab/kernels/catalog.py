@@ -131,7 +131,7 @@ def _widened(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 # Bounds the float32 copy a widened call holds (a 151936 x 896 head widened at once is 544
-# MB); blocks of 1-16 MiB and none ran alike on an emulated AVX2 CPU.
+# MB); blocks of 1-16 MiB and none ran alike on a CPU held to 256-bit vectors.
 _WIDEN_BYTES = 16 * 2**20
 
 
