@@ -213,10 +213,17 @@ struct Lanes {
   using V = __m512;
   static constexpr int64_t kWidth = 16;
   static constexpr int64_t kAhead = kAheadBytes;  // prefetch distance with one or two rows of x
+  static constexpr int kRegisters = 32;
   static V zero() { return _mm512_setzero_ps(); }
   template <typename T>
   static V load(const T* p) { return load16(p); }
+  // The vectors that one load of weights gives (see the AVX2 build's).
+  template <typename T>
+  static constexpr int parts() { return 1; }
+  template <typename T>
+  static void load_parts(const T* p, V* v) { v[0] = load16(p); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
 };
 #elif defined(ATTNLAB_AVX2)
@@ -241,10 +248,28 @@ struct Lanes {
   // Built for x86-64-v3 on the Xeon, 16 KiB ahead read a bfloat16 matrix 1.1-1.25x faster than
   // 2 KiB (one row of x; a micro-benchmark in turns, cold copies).
   static constexpr int64_t kAhead = kAheadManyRows;
+  static constexpr int kRegisters = 16;
   static V zero() { return _mm256_setzero_ps(); }
   template <typename T>
   static V load(const T* p) { return load8(p); }
+  // The vectors that one load of weights gives: bfloat16 weights 16 at a time, as their 8 even
+  // and 8 odd elements in float32 (a shift and a mask: no zero-extension, which, with the
+  // shift, took two of the four instructions per 8 weights), against x stored paired
+  // (`paired_x`). With one row of x, 1.05x over widening 8 at a time (micro-benchmark, cold).
+  template <typename T>
+  static constexpr int parts() { return std::is_same_v<T, uint16_t> ? 2 : 1; }
+  template <typename T>
+  static void load_parts(const T* p, V* v) {
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+      v[1] = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+    } else {
+      v[0] = load8(p);
+    }
+  }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static float sum(V v) { return sum8(v); }
 };
 #endif
@@ -257,34 +282,45 @@ struct Lanes {
 // turns, 15 rounds, cold copies). Built for AVX2, the compiler's vectorised loop kept one
 // chain: a bfloat16 GEMV of one row read ~16 GB/s of ~25, of eight rows ~5. The R x MB sums
 // stay in registers (AVX-512 at most 24 of 32, AVX2 at most 8 of 16).
+//
+// A load of weights may give P vectors (Lanes::parts); x is then stored to match (paired_x).
+// Each part has its own sums while the registers allow (A = P), else they share them.
 template <int MB, int R, typename W, typename Scale>
 void row_groups(const W* w, const float* x, float* y, int64_t O, int64_t K, int64_t begin,
                 int64_t end, Scale row_scale) {
   using V = Lanes::V;
+  constexpr int P = Lanes::parts<W>();
+  constexpr int A = R * MB * P + R * P + P <= Lanes::kRegisters ? P : 1;
+  constexpr int64_t kStep = P * Lanes::kWidth;
   constexpr int64_t kLine = 64 / sizeof(W);  // weights per cache line: one prefetch each
   int64_t o = begin;
   for (; o + R <= end; o += R) {
     const W* rows = w + o * K;
-    V acc[R][MB];
+    V acc[R][MB][A];
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MB; ++m) acc[r][m] = Lanes::zero();
+      for (int m = 0; m < MB; ++m)
+        for (int a = 0; a < A; ++a) acc[r][m][a] = Lanes::zero();
     int64_t k = 0;
-    for (; k + Lanes::kWidth <= K; k += Lanes::kWidth) {
-      V wr[R];
+    for (; k + kStep <= K; k += kStep) {
+      V wr[R][P];
       for (int r = 0; r < R; ++r) {
         if (k % kLine == 0) ahead<1, (MB > 2 ? kAheadManyRows : Lanes::kAhead)>(rows + r * K + k);
-        wr[r] = Lanes::load(rows + r * K + k);
+        Lanes::load_parts(rows + r * K + k, wr[r]);
       }
-      for (int m = 0; m < MB; ++m) {
-        const V xm = Lanes::load(x + m * K + k);
-        for (int r = 0; r < R; ++r) acc[r][m] = Lanes::fmadd(wr[r], xm, acc[r][m]);
-      }
+      for (int m = 0; m < MB; ++m)
+        for (int p = 0; p < P; ++p) {
+          const V xm = Lanes::load(x + m * K + k + p * Lanes::kWidth);
+          for (int r = 0; r < R; ++r)
+            acc[r][m][p % A] = Lanes::fmadd(wr[r][p], xm, acc[r][m][p % A]);
+        }
     }
     for (int r = 0; r < R; ++r) {
       const W* row = rows + r * K;
       const float scale = row_scale(o + r);
       for (int m = 0; m < MB; ++m) {
-        float sum = Lanes::sum(acc[r][m]);
+        V total = acc[r][m][0];
+        for (int a = 1; a < A; ++a) total = Lanes::add(total, acc[r][m][a]);
+        float sum = Lanes::sum(total);
         for (int64_t t = k; t < K; ++t) sum += load(row[t]) * x[m * K + t];
         y[m * O + o + r] = sum * scale;
       }
@@ -295,6 +331,26 @@ void row_groups(const W* w, const float* x, float* y, int64_t O, int64_t K, int6
   }
 }
 
+// x (M x K) stored as row_groups reads it against weights W: each whole block of P x width
+// inputs (P = Lanes::parts<W>() > 1) as its P interleaved parts one after the other (input
+// P j + p at p width + j), the inputs past the last whole block in place.
+template <typename W>
+void paired_x(std::vector<float>& x, int64_t M, int64_t K) {
+  constexpr int P = Lanes::parts<W>();
+  constexpr int64_t n = P * Lanes::kWidth;
+  if constexpr (P > 1) {
+    float block[n];
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k + n <= K; k += n) {
+        float* b = x.data() + m * K + k;
+        for (int p = 0; p < P; ++p)
+          for (int64_t j = 0; j < Lanes::kWidth; ++j) block[p * Lanes::kWidth + j] = b[P * j + p];
+        std::memcpy(b, block, sizeof block);
+      }
+  }
+}
+
+// y = row_scale * x W^T for the rows [begin, end) of W; x stored by paired_x<W>.
 template <typename W, typename Scale>
 void rows_times_x(const W* w, const float* x, float* y, int64_t M, int64_t O, int64_t K,
                   int64_t begin, int64_t end, Scale row_scale) {
@@ -308,13 +364,17 @@ void rows_times_x(const W* w, const float* x, float* y, int64_t M, int64_t O, in
     else
       row_groups<MB, (MB > 5 ? 3 : 4)>(w, xm, ym, O, K, begin, end, row_scale);
 #else
-    // One row of bfloat16 weights: two rows of W at a time streamed 1.25x faster than six.
-    constexpr int R = MB == 1 ? (sizeof(W) == 2 ? 2 : 6) : MB == 2 ? 4 : MB <= 4 ? 2 : 1;
+    // bfloat16 weights: two rows of W at a time with one row of x streamed 1.25x faster than
+    // six; their two parts a load (Lanes::load_parts) take twice the registers.
+    constexpr int R = sizeof(W) == 2 ? (MB <= 4 ? 2 : 1) : MB == 1 ? 6 : MB == 2 ? 4 : MB <= 4 ? 2 : 1;
     row_groups<MB, R>(w, xm, ym, O, K, begin, end, row_scale);
 #endif
   });
 }
 #else
+template <typename W>
+void paired_x(std::vector<float>&, int64_t, int64_t) {}  // every load is one part here
+
 // y[m, o] = row_scale(o) * sum_k W[o, k] x[m, k] for o in [begin, end).
 template <typename W, typename Scale>
 void rows_times_x(const W* w, const float* x, float* y, int64_t M, int64_t O, int64_t K,
@@ -507,9 +567,10 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, const std::op
     return y.out;
   }
 #endif
-  const auto xf = as_float(x);
+  auto xf = as_float(x);
   auto one = [](int64_t) { return 1.f; };
   auto run = [&](const auto* wp) {
+    paired_x<std::remove_cv_t<std::remove_pointer_t<decltype(wp)>>>(xf, M, K);
     at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
       rows_times_x(wp, xf.data(), out, M, O, K, b, e, one);
       finish(b, e);
