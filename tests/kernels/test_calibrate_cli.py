@@ -47,3 +47,18 @@ def test_bad_options_are_refused_with_a_message(args, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(args)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "bias"), [([], True), (["--no-bias"], False)])
+def test_no_bias_times_the_product_without_one(flag, bias, monkeypatch, capsys):
+    import attnlab.kernels.calibrate as cli
+
+    asked = []
+
+    def measured(*args, bias):
+        asked.append(bias)
+        return {"formula": 1.0}
+
+    monkeypatch.setattr(cli, "measure_rows", measured)
+    main(["--shape", "8x4", "--rows", "1", *flag])
+    assert asked == [bias] and "| formula |" in capsys.readouterr().out
