@@ -306,3 +306,13 @@ def test_a_module_is_timed_with_a_bias_only_when_it_has_one(own_cache, monkeypat
     assert biases and all(biases)
     keys = json.loads(own_cache.read_text())["entries"]
     assert {k.rsplit(" | ", 1)[1] for k in keys} == {"bias", "no bias"}
+
+
+@pytest.mark.parametrize("call", [
+    lambda: measure(torch.float32, *SHAPE, "1", bias="no"),
+    lambda: calibration.measure_rows(torch.float32, *SHAPE, 1, bias=0),
+    lambda: plan(torch.float32, *SHAPE, bias=None),
+])
+def test_a_bias_that_is_not_a_bool_is_refused_by_name(call):
+    with pytest.raises(TypeError, match="bias: expected a bool"):
+        call()

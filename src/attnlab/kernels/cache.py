@@ -58,6 +58,8 @@ def entry_key(dtype: torch.dtype, out_features: int, in_features: int, bucket: s
               bias: bool) -> str:
     """The cache key of one measurement: CPU model, torch version, thread count, dtype,
     shape ``O x I``, rows bucket and whether a bias is added, readable in the file."""
+    if not isinstance(bias, bool):
+        raise TypeError(f"bias: expected a bool, got {bias!r}")
     return " | ".join((
         cpu_model(), f"torch {torch.__version__}", f"{torch.get_num_threads()} threads",
         str(dtype).removeprefix("torch."), f"{out_features}x{in_features}", f"rows {bucket}",

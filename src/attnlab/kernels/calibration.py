@@ -161,6 +161,8 @@ def measure_rows(dtype: torch.dtype, out_features: int, in_features: int, rows: 
         check_positive(name, value)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype: expected a floating-point torch.dtype, got {dtype!r}")
+    if not isinstance(bias, bool):
+        raise TypeError(f"bias: expected a bool, got {bias!r}")
     names = [n for n in names if KERNELS[n].available(dtype, rows, out_features)]
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():

@@ -121,7 +121,7 @@ def _widened(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     a CPU without AVX-512, ~5x float32's): widening costs a read and a write of the weight
     per call, which a product of many rows repays. -> ``M x O``."""
     wide = x.float()
-    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     step = max(1, _WIDEN_BYTES // (4 * weight.shape[1]))
     for o in range(0, weight.shape[0], step):
         block = weight[o:o + step].float().t()

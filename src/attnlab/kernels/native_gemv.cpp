@@ -212,7 +212,6 @@ void widened_rows(const W* w, const float* x, float* y, int64_t O, int64_t K, in
 struct Lanes {
   using V = __m512;
   static constexpr int64_t kWidth = 16;
-  static constexpr int64_t kAhead = kAheadBytes;  // prefetch distance with one or two rows of x
   static constexpr int kRegisters = 32;
   static V zero() { return _mm512_setzero_ps(); }
   template <typename T>
@@ -228,10 +227,6 @@ struct Lanes {
 };
 #elif defined(ATTNLAB_AVX2)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -245,9 +240,6 @@ inline float sum8(__m256 v) {
 struct Lanes {
   using V = __m256;
   static constexpr int64_t kWidth = 8;
-  // Built for x86-64-v3 on the Xeon, 16 KiB ahead read a bfloat16 matrix 1.1-1.25x faster than
-  // 2 KiB (one row of x; a micro-benchmark in turns, cold copies).
-  static constexpr int64_t kAhead = kAheadManyRows;
   static constexpr int kRegisters = 16;
   static V zero() { return _mm256_setzero_ps(); }
   template <typename T>
@@ -284,7 +276,10 @@ struct Lanes {
 // stay in registers (AVX-512 at most 24 of 32, AVX2 at most 8 of 16).
 //
 // A load of weights may give P vectors (Lanes::parts); x is then stored to match (paired_x).
-// Each part has its own sums while the registers allow (A = P), else they share them.
+// Each part has its own sums while the registers allow (A = P), else they share them. The
+// weights are asked for 16 KiB ahead whatever the rows of x: built for x86-64-v3 on the Xeon,
+// that read a bfloat16 matrix 1.1-1.25x faster than 2 KiB with one row (micro-benchmark in
+// turns, cold copies); AVX-512 builds run this loop from three rows of x, where 16 KiB won too.
 template <int MB, int R, typename W, typename Scale>
 void row_groups(const W* w, const float* x, float* y, int64_t O, int64_t K, int64_t begin,
                 int64_t end, Scale row_scale) {
@@ -304,7 +299,7 @@ void row_groups(const W* w, const float* x, float* y, int64_t O, int64_t K, int6
     for (; k + kStep <= K; k += kStep) {
       V wr[R][P];
       for (int r = 0; r < R; ++r) {
-        if (k % kLine == 0) ahead<1, (MB > 2 ? kAheadManyRows : Lanes::kAhead)>(rows + r * K + k);
+        if (k % kLine == 0) ahead<1, kAheadManyRows>(rows + r * K + k);
         Lanes::load_parts(rows + r * K + k, wr[r]);
       }
       for (int m = 0; m < MB; ++m)
