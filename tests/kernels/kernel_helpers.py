@@ -6,13 +6,18 @@ shadow the one in tests/.
 
 from __future__ import annotations
 
+import os
+import platform
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 import torch
 
-from attnlab.kernels import calibration
+from attnlab.kernels import calibration, native
+
+_BUILDS: dict[str, object] = {}
 
 
 @contextmanager
@@ -24,6 +29,33 @@ def thread_count(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(old)
+
+
+def built_for(target: str, tmp_path_factory: pytest.TempPathFactory) -> object:
+    """attnlab's kernel sources built for ``-march=target`` (``"x86-64-v2"``: a plain CPU, its
+    plain loops; ``"x86-64-v3"``: AVX2 and FMA, its 8-lane loops), what a user without
+    AVX-512 or AMX compiles; built once per test run, skipped where this CPU cannot run it."""
+    from torch.utils import cpp_extension
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86-64 target")
+    if target == "x86-64-v3" and torch.backends.cpu.get_cpu_capability() not in ("AVX2",
+                                                                                 "AVX512"):
+        pytest.skip("this CPU cannot run an AVX2 build")
+    if target not in _BUILDS:
+        folder = tmp_path_factory.mktemp(target.replace("-", "_"))
+        flags = [f for f in native._FLAGS if not f.startswith("-march")] + [f"-march={target}"]
+        path = os.environ["PATH"]
+        if shutil.which("ninja") is None:  # torch builds with ninja: the `ninja` wheel's copy
+            os.environ["PATH"] = os.pathsep.join((native._ninja_folder(), path))
+        try:
+            _BUILDS[target] = cpp_extension.load(
+                name=f"attnlab_plain_{folder.name}", sources=[str(p) for p in native._SOURCES],
+                build_directory=str(folder), extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                verbose=False)
+        finally:
+            os.environ["PATH"] = path
+    return _BUILDS[target]
 
 
 def column_major(w: torch.Tensor) -> torch.Tensor:

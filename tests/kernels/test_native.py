@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_helpers import thread_count
+from kernel_helpers import built_for, thread_count
 
 from attnlab.kernels import native
 from attnlab.quantization import quantize
@@ -350,30 +350,19 @@ def test_bad_input_is_refused_naming_it() -> None:
                          torch.ones(8, 4), 16)
 
 
+@pytest.fixture(scope="module")
+def build_for(tmp_path_factory: pytest.TempPathFactory):
+    """``build_for(target)``: the kernels built for another CPU (``kernel_helpers.built_for``)."""
+    return lambda target: built_for(target, tmp_path_factory)
+
+
 @pytest.mark.parametrize("target", ["x86-64-v2", "x86-64-v3"])
-def test_the_sources_build_for_a_cpu_without_avx512_or_amx(target: str, tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_sources_build_for_a_cpu_without_avx512_or_amx(target: str, build_for) -> None:
     """The AVX-512, bfloat16-pair and AMX loops are compiled only where the target has them:
-    a build for a plain x86-64-v2 CPU, or an x86-64-v3 one (AVX2 and FMA: its own GEMV loops),
-    what a user without them compiles, still builds, says it has neither, and computes the
-    GEMVs by its other loops (float32, bfloat16 and int8 weights; 1-9 rows, the row groups and
-    the rows left over)."""
-    import platform
-
-    from torch.utils import cpp_extension
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("an x86-64 target")
-    if target == "x86-64-v3" and torch.backends.cpu.get_cpu_capability() not in ("AVX2",
-                                                                                 "AVX512"):
-        pytest.skip("this CPU cannot run an AVX2 build")
-    flags = [f for f in native._FLAGS if not f.startswith("-march")] + [f"-march={target}"]
-    if shutil.which("ninja") is None:  # torch builds with ninja: the `ninja` wheel's copy
-        monkeypatch.setenv("PATH", os.pathsep.join((native._ninja_folder(), os.environ["PATH"])))
-    built = cpp_extension.load(name=f"attnlab_plain_{tmp_path.name}",
-                               sources=[str(p) for p in native._SOURCES],
-                               build_directory=str(tmp_path), extra_cflags=flags,
-                               extra_ldflags=["-fopenmp"], verbose=False)
+    a build for a CPU without them still builds, says it has neither, and computes the GEMVs by
+    its other loops (float32, bfloat16 and int8 weights; 1-9 rows, the row groups and the rows
+    left over) and the activations (a vector loop for x86-64-v3, the plain one for v2)."""
+    built = build_for(target)
     assert not built.has_pairs() and not built.has_tiles()
     w = torch.randn(37, 70)
     weight = quantize(w, 8)
@@ -386,9 +375,9 @@ def test_the_sources_build_for_a_cpu_without_avx512_or_amx(target: str, tmp_path
                x.double() @ weight.dequantize(torch.float64).t(), torch.float32)
     with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
         built.gemv_tiles(x.bfloat16(), w.bfloat16(), None)
-    assert not built.has_vector_activation()
+    assert built.has_vector_activation() == (target == "x86-64-v3")
     g, up = torch.randn(5, 33), torch.randn(5, 33)
-    for name, kind in native.ACTIVATIONS.items():  # the plain loop: the same formula
+    for name, kind in native.ACTIVATIONS.items():  # the same formula, either loop
         _close(built.activation(g, up, kind), _ACTS[name](g.double()) * up.double(),
                torch.float32)
 
@@ -480,7 +469,6 @@ def test_a_build_is_kept_per_cpu_model_and_torch_version(monkeypatch, tmp_path) 
 def test_a_build_killed_midway_does_not_hang_the_next_load() -> None:
     """torch leaves its ``lock`` file behind when a build is killed, and its next load waits
     for it forever; ours clears it under an OS lock that dies with its process."""
-    import os
     import subprocess
     import sys
 
@@ -505,22 +493,37 @@ def _stable(name: str, g: torch.Tensor) -> torch.Tensor:
     return torch.where(g == float("-inf"), float("nan"), g / (1 + torch.exp(-a)))
 
 
+_LOOPS = ["native", "x86-64-v2", "x86-64-v3"]
+
+
+def _activation(loop: str, build_for):
+    """``activation(g, up, name)`` of this machine's build, or of a build for another target
+    (v2: the plain loop, v3: the 8-lane one)."""
+    if loop == "native":
+        if not native.activation_available():
+            pytest.skip("no vector activation loop in this build")
+        return native.activation
+    built = build_for(loop)
+    return lambda g, up, name: built.activation(g, up, native.ACTIVATIONS[name])
+
+
+@pytest.mark.parametrize("loop", _LOOPS)
 @pytest.mark.parametrize("name", list(native.ACTIVATIONS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_activation_equals_its_formula(name: str, dtype: torch.dtype) -> None:
+def test_activation_equals_its_formula(name: str, dtype: torch.dtype, loop: str,
+                                       build_for) -> None:
     """Within 2e-6 of the formula in float64 (written ``g / (1 + exp(-2a))``: PyTorch's
     ``1 + tanh`` cancels for negative inputs, within 2e-4 in float32), 1e-9 absolute where it
     is ~0; in bfloat16, the float64 value rounded, bar one unit in the last place (at most 1%
     of them); the special values as PyTorch
     gives them (-inf: silu and GELU are NaN, as -inf * 0). Odd sizes: the masked tail and
-    chunks that start mid-vector."""
-    if not native.activation_available():
-        pytest.skip("no AVX-512 activation loop in this build")
+    chunks that start mid-vector. The same for the loops of a build for another CPU."""
+    activation = _activation(loop, build_for)
     g = torch.randn(3, 1001, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 4
     g.view(-1)[:len(_SPECIAL)] = torch.tensor(_SPECIAL, dtype=torch.float64)
     x = g.to(dtype)
     with thread_count(2):
-        got = native.activation(x, None, name)
+        got = activation(x, None, name)
     expected = _stable(name, x.double())
     finite = expected.isfinite()
     assert torch.equal(got.isnan(), _ACTS[name](x).isnan())
@@ -533,16 +536,35 @@ def test_activation_equals_its_formula(name: str, dtype: torch.dtype) -> None:
         assert (got == expected.to(dtype)).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("loop", _LOOPS)
+def test_silu_keeps_its_relative_accuracy_where_exp_nears_overflow(loop: str, build_for) -> None:
+    """silu(g) for g from -80 to -88.7 is g / exp(-g), tiny (down to ~1e-37): within 2e-6 of
+    it relatively, not just absolutely (2^n for n up to 128 is past one float exponent; a
+    loop that overflowed it would give -0 here)."""
+    activation = _activation(loop, build_for)
+    g = -torch.linspace(80, 88.7, 67)
+    got = activation(g, None, "silu")
+    torch.testing.assert_close(got.double(), _stable("silu", g.double()), rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("loop", _LOOPS)
 @pytest.mark.parametrize("name", list(native.ACTIVATIONS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_gated_product_rounds_as_act_then_times_up(name: str, dtype: torch.dtype) -> None:
+def test_the_gated_product_rounds_as_act_then_times_up(name: str, dtype: torch.dtype, loop: str,
+                                                       build_for) -> None:
     """``act(g) * up`` in one pass equals the two steps in ``dtype``: act rounded, then the
-    product rounded, bit for bit."""
-    if not native.activation_available():
-        pytest.skip("no AVX-512 activation loop in this build")
+    product rounded, bit for bit (NaN and inf included, 0x7FC0 for every bfloat16 NaN)."""
+    activation = _activation(loop, build_for)
     gen = torch.Generator().manual_seed(1)
     g, up = (torch.randn(2, 7, 300, generator=gen).to(dtype) for _ in range(2))
-    assert torch.equal(native.activation(g, up, name), native.activation(g, None, name) * up)
+    g.view(-1)[:len(_SPECIAL)] = torch.tensor(_SPECIAL).to(dtype)
+    up.view(-1)[len(_SPECIAL):2 * len(_SPECIAL)] = torch.tensor(_SPECIAL).to(dtype)
+    got, two_steps = activation(g, up, name), activation(g, None, name) * up
+    assert torch.equal(got.isnan(), two_steps.isnan())
+    assert torch.equal(got.nan_to_num(), two_steps.nan_to_num())
+    if dtype == torch.bfloat16:
+        bits = got.view(torch.int16)[got.isnan()]
+        assert bits.numel() > 0 and (bits == 0x7FC0).all()
 
 
 def test_activation_refuses_bad_input_by_name() -> None:

@@ -48,6 +48,8 @@
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+
+#include "native_lanes.h"
 #define ATTNLAB_AVX2 1
 #endif
 
@@ -230,12 +232,7 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-inline float sum8(__m256 v) {
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-}
-
+using attnlab_lanes::sum8;
 
 struct Lanes {
   using V = __m256;
@@ -1142,7 +1139,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "decode_attention over keys kept in pages");
   m.def("argmax_rows", &argmax_rows, "the first index of each row's maximum");
   m.def("activation", &activation, "silu(g) or tanh GELU(g), times up when given");
-  m.def("has_vector_activation", &has_vector_activation, "whether activation has its AVX-512 loop");
+  m.def("has_vector_activation", &has_vector_activation, "whether activation has a vector loop (AVX-512, or AVX2 and FMA)");
   m.def("rms_norm", &rms_norm, "x / sqrt(mean(x^2) + eps) * w per row");
   m.def("rotary", &rotary, "x * cos + turn(x) * sin on the first R features of each head");
   m.def("decode_layers", &decode_layers, "one decoding step through every block of a decoder");

@@ -3,7 +3,8 @@
 
 Both map ``N.. x E`` -> ``N.. x E`` and act on every position independently. They call their
 ``nn.Linear`` submodules, so a hook, a LoRA wrapper or a quantized Linear swapped in for one
-of them takes effect. On a CPU with AVX-512 and no gradient needed, ``silu`` and
+of them takes effect. On a CPU with vector loops for it (AVX-512, or 256-bit vectors with
+FMA) and no gradient needed, ``silu`` and
 ``gelu_tanh`` (and the gated product) run attnlab's C++ kernel
 (``attnlab.kernels.native.activation``): the same formula in one pass, its roundings
 within float32's (PyTorch's tanh GELU costs 5x its exact one).
