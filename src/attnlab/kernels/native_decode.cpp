@@ -305,9 +305,7 @@ inline void load_two(const float* p, __m256* v) {
   v[1] = _mm256_loadu_ps(p + 8);
 }
 inline void load_two(const at::BFloat16* p, __m256* v) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-  v[1] = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  attnlab_lanes::bf16_halves(reinterpret_cast<const uint16_t*>(p), v);
 }
 inline void store_two(float* p, const __m256* v) {
   _mm256_storeu_ps(p, v[0]);

@@ -250,9 +250,7 @@ struct Lanes {
   template <typename T>
   static void load_parts(const T* p, V* v) {
     if constexpr (std::is_same_v<T, uint16_t>) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-      v[1] = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+      attnlab_lanes::bf16_halves(p, v);
     } else {
       v[0] = load8(p);
     }

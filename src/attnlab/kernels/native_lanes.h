@@ -37,6 +37,8 @@ inline __m256i bf16_bits(__m512 v) {
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace attnlab_lanes {
 
 // The sum of 8 floats.
@@ -44,6 +46,14 @@ inline float sum8(__m256 v) {
   const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+// 16 bfloat16 values (bits) as float32: their 8 even elements in v[0], 8 odd in v[1] (a shift
+// and a mask; no zero-extension or shuffle).
+inline void bf16_halves(const uint16_t* p, __m256* v) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  v[1] = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
 // v rounded to bfloat16 as bf16_bits rounds it, kept in float32's bits (the low 16 zero), for
