@@ -16,11 +16,25 @@ from kernel_helpers import (
     planted,
 )
 
-from attnlab.kernels import BUCKETS, KERNELS, bucket_of, calibration, choose, measure, plan
+from attnlab.kernels import (
+    BUCKETS,
+    KERNELS,
+    bucket_of,
+    calibration,
+    choose,
+    measure,
+    native,
+    plan,
+)
 from attnlab.kernels.cache import _VERSION, cpu_model, entry_key
 from attnlab.kernels.inference_linear import InferenceLinear
 
 SHAPE = (24, 16)  # O x I: tiny, so that a whole calibration takes milliseconds
+
+
+def _key(bucket: str, *, bias: bool) -> str:
+    """The cache key of a float32 SHAPE measurement in this process."""
+    return entry_key(torch.float32, *SHAPE, bucket, bias=bias, build=native.build_id())
 
 
 def test_choose_returns_the_kernel_measured_fastest_and_caches_every_timing(own_cache):
@@ -29,7 +43,7 @@ def test_choose_returns_the_kernel_measured_fastest_and_caches_every_timing(own_
     assert all(t > 0 for t in timings.values())
     assert choose(torch.float32, *SHAPE, "2-8") == min(timings, key=timings.__getitem__)
     stored = json.loads(own_cache.read_text())
-    key = entry_key(torch.float32, *SHAPE, "2-8", bias=True)
+    key = _key("2-8", bias=True)
     assert stored["entries"][key] == timings
     for part in (cpu_model(), torch.__version__, f"{torch.get_num_threads()} threads",
                  "float32", "24x16", "rows 2-8"):
@@ -47,6 +61,30 @@ def test_a_cached_timing_is_read_back_not_measured_again(own_cache, monkeypatch)
     assert measure(torch.float32, *SHAPE, "1") == first
 
 
+def test_the_cache_key_names_the_native_build_and_the_libraries_instruction_sets(monkeypatch):
+    """Timings of one native build (other sources, flags or ATTNLAB_NATIVE=0) or of torch's
+    libraries held to another instruction set are never read for another: each is in the
+    key, by a digest that needs no build."""
+    monkeypatch.delenv("ATTNLAB_NATIVE", raising=False)
+    monkeypatch.delenv("ATTNLAB_NATIVE_MARCH", raising=False)
+    for name in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    native_key = _key("1", bias=True)
+    monkeypatch.setenv("ATTNLAB_NATIVE_MARCH", "x86-64-v3")
+    other_target = _key("1", bias=True)
+    monkeypatch.setenv("ATTNLAB_NATIVE", "0")
+    off = _key("1", bias=True)
+    assert len({native_key, other_target, off}) == 3 and "native off" in off
+    monkeypatch.delenv("ATTNLAB_NATIVE")
+    monkeypatch.delenv("ATTNLAB_NATIVE_MARCH")
+    assert _key("1", bias=True) == native_key
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    held = _key("1", bias=True)
+    assert held != native_key and "MKL_ENABLE_INSTRUCTIONS=AVX2" in held
+    with pytest.raises(TypeError, match="build: expected the native build's id"):
+        entry_key(torch.float32, *SHAPE, "1", bias=True, build="")
+
+
 def test_the_cache_key_separates_dtypes_shapes_buckets_bias_and_threads(own_cache):
     measure(torch.float32, *SHAPE, "1")
     measure(torch.bfloat16, *SHAPE, "1")
@@ -55,11 +93,11 @@ def test_the_cache_key_separates_dtypes_shapes_buckets_bias_and_threads(own_cach
     measure(torch.float32, *SHAPE, "1", bias=False)
     keys = set(json.loads(own_cache.read_text())["entries"])
     assert len(keys) == 5
-    assert entry_key(torch.float32, *SHAPE, "1", bias=False) in keys
+    assert _key("1", bias=False) in keys
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:
-        assert entry_key(torch.float32, *SHAPE, "1", bias=True) not in keys
+        assert _key("1", bias=True) not in keys
     finally:
         torch.set_num_threads(threads)
 
@@ -77,7 +115,7 @@ def test_a_corrupt_cache_file_is_ignored_with_a_warning_and_rewritten(own_cache,
         timings = measure(torch.float32, *SHAPE, "1")
     data = json.loads(own_cache.read_text())
     assert data["version"] == _VERSION
-    assert data["entries"] == {entry_key(torch.float32, *SHAPE, "1", bias=True): timings}
+    assert data["entries"] == {_key("1", bias=True): timings}
 
 
 @pytest.mark.parametrize("entry", [
@@ -90,8 +128,8 @@ def test_a_corrupt_cache_file_is_ignored_with_a_warning_and_rewritten(own_cache,
     ["formula"],
 ])
 def test_a_hostile_entry_is_never_trusted(own_cache, entry):
-    key = entry_key(torch.float32, *SHAPE, "1", bias=True)
-    good = entry_key(torch.float32, *SHAPE, "33+", bias=True)
+    key = _key("1", bias=True)
+    good = _key("33+", bias=True)
     own_cache.parent.mkdir(parents=True)
     text = json.dumps({"version": _VERSION, "entries": {key: entry, good: {"formula": 5.0}}})
     own_cache.write_text(text)  # NaN written as JSON's NaN extension, as Python reads it
@@ -105,7 +143,7 @@ def test_a_hostile_entry_is_never_trusted(own_cache, entry):
 def test_a_cached_winner_decides_without_measuring(own_cache, monkeypatch):
     """The cache is what choose reads: a planted (valid) timing table decides."""
     own_cache.parent.mkdir(parents=True)
-    key = entry_key(torch.float32, *SHAPE, "9-32", bias=True)
+    key = _key("9-32", bias=True)
     own_cache.write_text(json.dumps({"version": _VERSION, "entries": {
         key: dict.fromkeys(KERNELS, 100.0) | {"columns": 1.0, "rows_gemv": 50.0}}}))
     monkeypatch.setattr(calibration, "measure_rows", lambda *a, **k: pytest.fail("measured"))

@@ -1,10 +1,12 @@
 """The calibration cache: kernel timings measured on this machine, as JSON on disk.
 
-The file maps a key (CPU model, torch version, thread count, dtype, shape, rows bucket, with a
-bias or not) to the median microseconds per call of each kernel measured for it. It is read from
-``$ATTNLAB_CACHE_DIR/kernels.json`` (else ``~/.cache/attnlab/kernels.json``), never
-unpickled, and never trusted blindly: an entry that is not a mapping from a known kernel name
-to a finite positive time is dropped with a warning and the file is rewritten without it.
+The file maps a key (CPU model, torch version, thread count, the native kernels' build, the
+variables that hold torch's libraries to an instruction set where set, dtype, shape, rows
+bucket, with a bias or not) to the median microseconds per call of each kernel measured for
+it. It is read from ``$ATTNLAB_CACHE_DIR/kernels.json`` (else
+``~/.cache/attnlab/kernels.json``), never unpickled, and never trusted blindly: an entry that
+is not a mapping from a known kernel name to a finite positive time is dropped with a warning
+and the file is rewritten without it.
 Writes are atomic (a temporary file, then ``os.replace``), so a reader never sees half a file.
 """
 
@@ -27,10 +29,14 @@ __all__ = ["cache_file", "cpu_model", "entry_key", "read_entries", "write_entrie
 
 # A cache of a few thousand shapes is well below this; a larger file is not ours.
 _MAX_BYTES = 4 * 2**20
-_VERSION = 6  # 2: timings on weights not in a cache; 3: blocks_gemv with up to 4 blocks a
+_VERSION = 7  # 2: timings on weights not in a cache; 3: blocks_gemv with up to 4 blocks a
 # thread; 4: copies past twice the last-level cache; 5: the native GEMVs' row groups and 8-lane
 # loop, the tile kernel's vector writes (faster kernels: the old choices are stale); 6: with or
-# without a bias, as the module has one (BLAS runs x W^T and x W^T + b by different paths)
+# without a bias, as the module has one (BLAS runs x W^T and x W^T + b by different paths);
+# 7: the native build and the libraries' instruction-set variables in the key
+# The variables with which torch, MKL and oneDNN are held to an older instruction set: a
+# timing taken under one setting says nothing of another.
+_LIBRARY_VARIABLES = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 
 
 def cache_file() -> Path:
@@ -55,15 +61,21 @@ def cpu_model() -> str:
 
 
 def entry_key(dtype: torch.dtype, out_features: int, in_features: int, bucket: str, *,
-              bias: bool) -> str:
-    """The cache key of one measurement: CPU model, torch version, thread count, dtype,
-    shape ``O x I``, rows bucket and whether a bias is added, readable in the file."""
+              bias: bool, build: str) -> str:
+    """The cache key of one measurement: CPU model, torch version, thread count, the native
+    kernels' ``build`` (``attnlab.kernels.native.build_id()``), the libraries' instruction-set
+    variables where set, dtype, shape ``O x I``, rows bucket and whether a bias is added,
+    readable in the file."""
     if not isinstance(bias, bool):
         raise TypeError(f"bias: expected a bool, got {bias!r}")
+    if not isinstance(build, str) or not build:
+        raise TypeError(f"build: expected the native build's id (a string), got {build!r}")
+    held = [f"{name}={os.environ[name]}" for name in _LIBRARY_VARIABLES
+            if os.environ.get(name, "").strip()]
     return " | ".join((
         cpu_model(), f"torch {torch.__version__}", f"{torch.get_num_threads()} threads",
-        str(dtype).removeprefix("torch."), f"{out_features}x{in_features}", f"rows {bucket}",
-        "bias" if bias else "no bias",
+        f"native {build}", *held, str(dtype).removeprefix("torch."),
+        f"{out_features}x{in_features}", f"rows {bucket}", "bias" if bias else "no bias",
     ))
 
 

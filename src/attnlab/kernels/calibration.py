@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from attnlab._checks import check_positive
-from attnlab.kernels import cache
+from attnlab.kernels import cache, native
 from attnlab.kernels.catalog import KERNELS, LAYOUTS
 
 __all__ = [
@@ -130,7 +130,8 @@ def measure(dtype: torch.dtype, out_features: int, in_features: int, rows_bucket
     rows = BUCKETS[_check_bucket(rows_bucket)][1]
     names = [n for n in dict.fromkeys(("formula", *names))
              if KERNELS[n].available(dtype, rows, out_features)]
-    key = cache.entry_key(dtype, out_features, in_features, rows_bucket, bias=bias)
+    key = cache.entry_key(dtype, out_features, in_features, rows_bucket, bias=bias,
+                          build=native.build_id())
     path = cache.cache_file()
     if key not in _TIMINGS:
         stored = cache.read_entries(path, KERNELS).get(key)

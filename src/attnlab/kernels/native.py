@@ -25,6 +25,7 @@ instead of ``native``: a CPU family's lowest common set, or a lesser CPU measure
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -47,6 +48,7 @@ from attnlab.kernels import cache
 
 __all__ = ["ACTIVATIONS", "DTYPES", "MAX_ROWS", "STEP_CALL", "STEP_KINDS", "TILES_MAX_ROWS",
            "activation", "activation_available", "argmax_rows", "available", "build_flags",
+           "build_id",
            "decode_attention", "decode_layers", "dequantize_int4", "dequantize_int8", "gemv",
            "gemv_int4", "gemv_int8", "gemv_int8_tiles", "gemv_tiles", "integers_available",
            "paged_attention",
@@ -315,14 +317,29 @@ def build_flags() -> tuple[str, ...]:
     return tuple(f"-march={march}" if f.startswith("-march=") else f for f in _FLAGS)
 
 
-def _build() -> ModuleType | None:
-    """The compiled extension, from the build folder when this source was built there."""
+def build_id() -> str:
+    """Which native kernels this process runs: ``"off"`` when ``ATTNLAB_NATIVE=0``, else the
+    digest of their sources, compiler flags, torch version and CPU model (the build folder's
+    name), whether or not built yet; part of every calibration key, so that timings of one
+    build are never taken for another's."""
+    if os.environ.get(_ENV, "").strip() == "0":
+        return "off"
+    return _digest(build_flags(), cache.cpu_model(), torch.__version__)
+
+
+@functools.cache
+def _digest(flags: tuple[str, ...], cpu: str, torch_version: str) -> str:
     # -march=native: a build is for this CPU model only (a home folder shared between
     # machines must not hand one CPU's instructions to another).
-    flags = build_flags()
-    key = f"{torch.__version__} | {cache.cpu_model()} | {' '.join(flags)}".encode()
+    key = f"{torch_version} | {cpu} | {' '.join(flags)}".encode()
     text = b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
-    digest = hashlib.sha256(text + key).hexdigest()[:16]
+    return hashlib.sha256(text + key).hexdigest()[:16]
+
+
+def _build() -> ModuleType | None:
+    """The compiled extension, from the build folder when this source was built there."""
+    flags = build_flags()
+    digest = _digest(flags, cache.cpu_model(), torch.__version__)
     folder = Path(os.environ.get("ATTNLAB_CACHE_DIR") or Path.home() / ".cache" / "attnlab")
     build = folder / "native" / digest
     path = os.environ.get("PATH")

@@ -128,8 +128,8 @@ def measure(weight: QuantizedWeight, dtype: torch.dtype, bucket: str,
     formula) and added to it."""
     rows, cols = weight.shape
     scheme = f"int{weight.bits}" + (f" g{weight.group_size}" if weight.bits == 4 else "")
-    key = (f"{scheme} | {kernel_cache.entry_key(dtype, rows, cols, bucket, bias=bias)} "
-           f"@{_ROWS[bucket]}")
+    entry = kernel_cache.entry_key(dtype, rows, cols, bucket, bias=bias, build=native.build_id())
+    key = f"{scheme} | {entry} @{_ROWS[bucket]}"
     path = kernel_cache.cache_file().with_name("kernels-quantized.json")
     if key not in _TIMINGS:
         _TIMINGS[key] = dict(kernel_cache.read_entries(path, QUANTIZED_KERNELS).get(key) or {})
