@@ -152,10 +152,10 @@ def measure_rows(dtype: torch.dtype, out_features: int, in_features: int, rows: 
                  ) -> dict[str, float]:
     """Median microseconds per call of each of ``kernels`` (default all) that can run
     ``x (rows x I) W^T + b`` (without ``+ b`` unless ``bias``: BLAS may take another path)
-    in ``dtype`` here, timed now (not cached): kernels that share a
-    weight layout are timed in interleaved rounds, so a burst of load on a shared machine
-    hits them alike, and only one prepared copy of the weight exists at a time. A kernel
-    whose result differs from the formula's, or that raises, is left out with a warning."""
+    in ``dtype`` here, timed now (not cached): kernels that share a weight layout are timed
+    in interleaved rounds, so a burst of load on a shared machine hits them alike, and only
+    one prepared copy of the weight exists at a time. A kernel whose result differs from the
+    formula's, or that raises, is left out with a warning."""
     names = _check_names("kernels", KERNELS if kernels is None else kernels)
     for name, value in (("out_features", out_features), ("in_features", in_features),
                         ("rows", rows)):

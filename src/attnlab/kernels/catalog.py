@@ -114,6 +114,11 @@ def _rows_gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return parts + bias if bias is not None else parts
 
 
+# Bounds the float32 copy a widened call holds (a 151936 x 896 head widened at once is 544
+# MB); blocks of 1-16 MiB and none ran alike on a CPU held to 256-bit vectors.
+_WIDEN_BYTES = 16 * 2**20
+
+
 def _widened(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``x W^T + b`` with a bfloat16 ``W`` widened to float32 a block of output rows at a
     time (``_WIDEN_BYTES`` of float32) and multiplied by float32 BLAS, each sum rounded once
@@ -128,11 +133,6 @@ def _widened(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         y[:, o:o + step] = (wide.matmul(block) if bias is None
                             else torch.addmm(bias[o:o + step].float(), wide, block))
     return y
-
-
-# Bounds the float32 copy a widened call holds (a 151936 x 896 head widened at once is 544
-# MB); blocks of 1-16 MiB and none ran alike on a CPU held to 256-bit vectors.
-_WIDEN_BYTES = 16 * 2**20
 
 
 def _native_gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

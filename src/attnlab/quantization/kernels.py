@@ -135,7 +135,7 @@ def measure(weight: QuantizedWeight, dtype: torch.dtype, bucket: str,
         _TIMINGS[key] = dict(kernel_cache.read_entries(path, QUANTIZED_KERNELS).get(key) or {})
     missing = [n for n in names if n not in _TIMINGS[key]]
     if missing:
-        timed = _time_kernels(weight, dtype, _ROWS[bucket], missing, bias)
+        timed = _time_kernels(weight, dtype, _ROWS[bucket], missing, bias=bias)
         _TIMINGS[key].update({n: timed.get(n, math.inf) for n in missing})
         entries = kernel_cache.read_entries(path, QUANTIZED_KERNELS)
         entries[key] = {n: t for n, t in _TIMINGS[key].items() if math.isfinite(t)}
@@ -144,11 +144,11 @@ def measure(weight: QuantizedWeight, dtype: torch.dtype, bucket: str,
 
 
 def _time_kernels(like: QuantizedWeight, dtype: torch.dtype, rows: int,
-                  names: list[str], bias: bool) -> dict[str, float]:
+                  names: list[str], *, bias: bool) -> dict[str, float]:
     """Median microseconds per call of each kernel (with a random bias when ``bias``), timed
-    in interleaved rounds on copies of
-    a random weight that together exceed the caches (a decoder reads each weight from
-    memory once per token). A kernel that raises or differs from the formula is left out."""
+    in interleaved rounds on copies of a random weight that together exceed the caches (a
+    decoder reads each weight from memory once per token). A kernel that raises or differs
+    from the formula is left out."""
     n_out, n_in = like.shape
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
