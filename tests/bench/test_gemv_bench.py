@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from attnlab.bench.gemv import _shape_list
 from attnlab.cli import main
@@ -24,7 +25,11 @@ def test_quick_run_writes_the_table_and_the_json(tmp_path, capsys):
         assert row["resident_s"] > 0 and row["layer_s"] > 0
         assert row["streamed_gbs"] == pytest.approx(row["bytes_layer"] / row["layer_s"] / 1e9)
         assert row["speedup_vs_bfloat16"] == pytest.approx(best / row["layer_s"])
-        assert (f"| {row['scheme']} | {row['kernel']} | {row['resident_gbs']:.1f} |" in md)
+        assert row["x_rows"] == 1
+        assert row["resident_gflops"] == pytest.approx(
+            20 * 2 * 64 * 128 / row["resident_s"] / 1e9)  # 20 calls of 1 x 128 times 128 x 64
+        assert (f"| 1 | {row['scheme']} | {row['kernel']} | {row['resident_gbs']:.1f} "
+                f"| {row['resident_gflops']:.1f} |" in md)
     int4 = next(row for row in r["rows"] if row["kernel"] == "dequantize"
                 and row["scheme"] == "int4")
     # 64 x 128 + 32 x 128 codes at half a byte, plus a bfloat16 scale and zero per 64.
@@ -41,8 +46,39 @@ def test_a_kernel_that_cannot_run_a_shape_is_listed_with_the_reason(tmp_path):
     int4 = [s for s in r["skipped"] if s["scheme"] == "int4"]
     assert int4 and all("group_size" in s["reason"] for s in int4)
     md = (tmp_path / "gemv.md").read_text()
-    assert f"int4 {int4[0]['kernel']} ({int4[0]['reason']})" in md
+    assert f"int4 {int4[0]['kernel']} (rows 1: {int4[0]['reason']})" in md
     assert {row["scheme"] for row in r["rows"]} == {"float32", "bfloat16", "int8"}
+
+
+def test_each_count_of_rows_gets_its_own_measures_against_its_own_fastest_bfloat16(tmp_path):
+    assert main(["bench", "gemv", "--quick", "--rows", "1,3,1", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "gemv.json").read_text())
+    assert r["x_rows"] == [1, 3]  # each count once
+    md = (tmp_path / "gemv.md").read_text()
+    assert "Rows of x: 1, 3" in md and "`attnlab bench gemv --rows 1,3`" in md
+    for m in (1, 3):
+        rows = [row for row in r["rows"] if row["x_rows"] == m]
+        assert {("float32", "formula"), ("bfloat16", "formula"), ("int8", "dequantize")} <= {
+            (row["scheme"], row["kernel"]) for row in rows}
+        best = min(row["layer_s"] for row in rows if row["scheme"] == "bfloat16")
+        for row in rows:
+            assert row["speedup_vs_bfloat16"] == pytest.approx(best / row["layer_s"])
+            assert row["resident_gflops"] == pytest.approx(
+                20 * 2 * m * 64 * 128 / row["resident_s"] / 1e9)
+            assert f"| {m} | {row['scheme']} | {row['kernel']} |" in md
+    # blocks_gemv is offered for one row only (over two threads or more): measured at one row,
+    # neither measured nor listed as failing at three.
+    at = {m: {row["kernel"] for row in r["rows"] if row["x_rows"] == m} for m in (1, 3)}
+    assert "blocks_gemv" not in at[3]
+    assert ("blocks_gemv" in at[1]) == (torch.get_num_threads() > 1)
+    assert not [s for s in r["skipped"] if s["kernel"] == "blocks_gemv"]
+
+
+@pytest.mark.parametrize("text", ["0", "1,-2", "a", ""])
+def test_bad_rows_are_refused_naming_the_option(text, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "gemv", "--quick", "--rows", text])
+    assert "--rows" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text", ["896", "0x896", "896x-1", "axb", "896x896,"])

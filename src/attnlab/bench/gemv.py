@@ -1,20 +1,22 @@
 """Decoding's matrix-vector products: bound by memory or by the kernels' arithmetic, here?
 
-One decoded token multiplies one row ``x`` by every weight once, so its speed is weight
-bytes / read bandwidth only while a kernel turns bytes into sums faster than memory brings
-them. For each weight scheme (float32, bfloat16, int8, int4 in groups of ``--group-size``)
-and each kernel that can run it on this CPU (``attnlab.kernels.KERNELS``, and
-``attnlab.quantization.kernels.QUANTIZED_KERNELS`` with bfloat16 activations), two
-measures, against the read bandwidth measured in the same rounds (``sum`` over a float32
-buffer of 1 GiB, timed in turns with the streamed passes):
+One decoding step multiplies ``x`` (one row per sequence decoded at once, ``--rows``) by
+every weight once, so its speed is weight bytes / read bandwidth, whatever the rows, only
+while a kernel turns bytes into sums faster than memory brings them: each row more is more
+arithmetic on the same bytes. For each count of rows, each weight scheme (float32, bfloat16,
+int8, int4 in groups of ``--group-size``) and each kernel that can run it on this CPU
+(``attnlab.kernels.KERNELS``, and ``attnlab.quantization.kernels.QUANTIZED_KERNELS`` with
+bfloat16 activations), two measures, against the read bandwidth measured in the same rounds
+(``sum`` over a float32 buffer of 1 GiB, timed in turns with the streamed passes):
 
 - resident: one ``--resident`` matrix called over and over (it stays in the caches): the
-  rate the kernel's instructions sustain, as GB/s of its own bytes;
+  rate the kernel's instructions sustain, as GB/s of its own bytes and as GFLOP/s
+  (``2 rows O K`` a call), to hold against the CPU's multiply-add peak;
 - streamed: the ``--shapes`` of a decoder block, copied until the copies exceed
   ``--stream-mib`` (several times the caches), each read once per pass as a decoding step
   reads them: GB/s from memory, and the speed-up of one set of the shapes over the fastest
-  bfloat16 kernel's (what fewer bytes per weight buy: ~2x for int8, ~3.5x for int4 with
-  its scales, were both bound by memory alone).
+  bfloat16 kernel's at the same rows (what fewer bytes per weight buy: ~2x for int8, ~3.5x
+  for int4 with its scales, were both bound by memory alone).
 
 A kernel whose resident rate is not well above the bandwidth cannot stream at it. Kernels are
 timed in turns (``harness.time_medians``); medians of ``--repeats``.
@@ -35,6 +37,7 @@ from tqdm import tqdm
 from attnlab.arg_types import positive_int
 from attnlab.bench.harness import (
     BandwidthProbe,
+    int_list,
     machine_info,
     machine_section,
     time_medians,
@@ -42,7 +45,6 @@ from attnlab.bench.harness import (
 )
 from attnlab.durable import write_text_atomic
 from attnlab.kernels import KERNELS
-from attnlab.kernels.catalog import Kernel
 from attnlab.quantization import quantize
 from attnlab.quantization.formats import GROUP_SIZES, QuantizedWeight
 from attnlab.quantization.kernels import QUANTIZED_KERNELS, QuantizedKernel
@@ -58,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``attnlab bench gemv``."""
     parser.add_argument("--shapes", type=_shape_list, default=DEFAULT_SHAPES,
                         help="comma-separated OxK weight shapes read by one streamed pass")
+    parser.add_argument("--rows", type=int_list, default=(1,),
+                        help="comma-separated rows of x (sequences decoded at once), each a "
+                        "full set of measures (default: 1)")
     parser.add_argument("--resident", type=_shape, default="4096x1024",
                         help="OxK of the matrix timed while it stays in the caches")
     parser.add_argument("--stream-mib", type=positive_int, default=128,
@@ -83,25 +88,33 @@ def run(args: argparse.Namespace) -> Path:
     repeats = 2 if args.quick else args.repeats
     probe = BandwidthProbe(2**18 if args.quick else 2**28)
     skipped: list[dict] = []
+    x_rows = tuple(dict.fromkeys(args.rows))
     with torch.inference_mode():
-        runs = {(scheme, name): run for scheme in tqdm(SCHEMES, desc="bench gemv", unit="scheme")
-                for name, run in _prepared(scheme, shapes, resident, stream_bytes,
-                                           args.group_size, skipped).items()}
+        runs = {(m, scheme, name): run
+                for scheme in tqdm(SCHEMES, desc="bench gemv", unit="scheme")
+                for (m, name), run in _prepared(scheme, x_rows, shapes, resident, stream_bytes,
+                                                args.group_size, skipped).items()}
         # Every kernel of every scheme in turns: the ratios across schemes see one machine.
         hot = time_medians({key: run["hot"] for key, run in runs.items()}, repeats=repeats)
         streamed = time_medians({**{key: run["streamed"] for key, run in runs.items()},
                                  "probe": probe}, repeats=repeats)
     bandwidth_gbs = probe.gbs(streamed.pop("probe"))
-    rows = [{"scheme": scheme, "kernel": name, "bytes_resident": run["bytes_resident"],
-             "resident_s": hot[scheme, name], "bytes_layer": run["bytes_layer"],
-             "layer_s": streamed[scheme, name] / run["layers"]}
-            for (scheme, name), run in runs.items()]
-    best = min((row["layer_s"] for row in rows if row["scheme"] == "bfloat16"), default=None)
+    rows = [{"x_rows": m, "scheme": scheme, "kernel": name,
+             "bytes_resident": run["bytes_resident"], "resident_s": hot[m, scheme, name],
+             "bytes_layer": run["bytes_layer"],
+             "layer_s": streamed[m, scheme, name] / run["layers"]}
+            for (m, scheme, name), run in runs.items()]
+    best = {m: min((row["layer_s"] for row in rows
+                    if row["scheme"] == "bfloat16" and row["x_rows"] == m), default=None)
+            for m in x_rows}
     for row in rows:
+        fastest = best[row["x_rows"]]
         row["resident_gbs"] = row["bytes_resident"] / row["resident_s"] / 1e9
+        row["resident_gflops"] = (_CALLS * 2 * row["x_rows"] * resident[0] * resident[1]
+                                  / row["resident_s"] / 1e9)
         row["streamed_gbs"] = row["bytes_layer"] / row["layer_s"] / 1e9
-        row["speedup_vs_bfloat16"] = None if best is None else best / row["layer_s"]
-    r = {"shapes": [list(s) for s in shapes], "resident": list(resident),
+        row["speedup_vs_bfloat16"] = None if fastest is None else fastest / row["layer_s"]
+    r = {"x_rows": list(x_rows), "shapes": [list(s) for s in shapes], "resident": list(resident),
          "group_size": args.group_size, "threads": torch.get_num_threads(),
          "bandwidth_gbs": bandwidth_gbs, "rows": rows, "skipped": skipped,
          "machine": machine_info()}
@@ -111,41 +124,55 @@ def run(args: argparse.Namespace) -> Path:
     return md
 
 
-def _prepared(scheme: str, shapes: tuple[tuple[int, int], ...], resident: tuple[int, int],
-              stream_bytes: int, group_size: int, skipped: list[dict]) -> dict[str, dict]:
-    """``{kernel: {"hot", "streamed": timed functions, "bytes_resident", "bytes_layer",
-    "layers"}}`` for each kernel that runs ``scheme`` here (checked by one call per shape);
-    the others are added to ``skipped`` with the reason."""
+def _prepared(scheme: str, x_rows: tuple[int, ...], shapes: tuple[tuple[int, int], ...],
+              resident: tuple[int, int], stream_bytes: int, group_size: int,
+              skipped: list[dict]) -> dict[tuple[int, str], dict]:
+    """``{(rows, kernel): {"hot", "streamed": timed functions, "bytes_resident",
+    "bytes_layer", "layers"}}`` for each kernel that runs ``scheme`` with that many rows of x
+    here (checked by one call per shape); the others are added to ``skipped`` with the
+    reason. A kernel's copies of the weights serve all its row counts."""
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, k, generator=g) / k**0.5 for o, k in (*shapes, resident)]
-    xs = {k: torch.randn(1, k, generator=g).to(_DTYPES.get(scheme, torch.bfloat16))
-          for _, k in (*shapes, resident)}
+    xs = {(m, k): torch.randn(m, k, generator=g).to(_DTYPES.get(scheme, torch.bfloat16))
+          for m in x_rows for _, k in (*shapes, resident)}
     ks = [k for _, k in shapes]
     runs = {}
-    for name, (prepare, call) in _runners(scheme, group_size).items():
+    for name, (prepare, call, takes) in _runners(scheme, group_size).items():
+        counts = [m for m in x_rows if takes(m, 64)]
+        if not counts:
+            continue
         try:
             stored = [prepare(w) for w in weights]
-            for (_, k), s in zip((*shapes, resident), stored, strict=True):
-                call(xs[k], s)
             layer_bytes = sum(_bytes(s) for s in stored[:-1])
             copies = [stored[:-1]] + [_copy(stored[:-1], weights[:-1], prepare)
                                       for _ in range(-(-stream_bytes // layer_bytes) - 1)]
         except (RuntimeError, ValueError) as error:  # a kernel this CPU or shape cannot run
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else "failed"
-            skipped.append({"scheme": scheme, "kernel": name, "reason": reason})
+            skipped += [{"x_rows": m, "scheme": scheme, "kernel": name,
+                         "reason": _reason(error)} for m in counts]
             continue
+        for m in counts:
+            try:
+                for (o, k), s in zip((*shapes, resident), stored, strict=True):
+                    if not takes(m, o):
+                        raise ValueError(f"{name} does not run {m} x {k} times {o} x {k}")
+                    call(xs[m, k], s)
+            except (RuntimeError, ValueError) as error:
+                skipped.append({"x_rows": m, "scheme": scheme, "kernel": name,
+                                "reason": _reason(error)})
+                continue
 
-        def streamed(copies: list = copies, call: Callable = call) -> None:
-            for layer in copies:
-                for k, s in zip(ks, layer, strict=True):
-                    call(xs[k], s)
+            def streamed(m: int = m, copies: list = copies, call: Callable = call) -> None:
+                for layer in copies:
+                    for k, s in zip(ks, layer, strict=True):
+                        call(xs[m, k], s)
 
-        def hot(last: object = stored[-1], call: Callable = call) -> None:
-            for _ in range(_CALLS):
-                call(xs[resident[1]], last)
+            def hot(m: int = m, last: object = stored[-1], call: Callable = call) -> None:
+                for _ in range(_CALLS):
+                    call(xs[m, resident[1]], last)
 
-        runs[name] = {"hot": hot, "streamed": streamed, "layers": len(copies),
-                      "bytes_resident": _CALLS * _bytes(stored[-1]), "bytes_layer": layer_bytes}
+            runs[m, name] = {"hot": hot, "streamed": streamed, "layers": len(copies),
+                             "bytes_resident": _CALLS * _bytes(stored[-1]),
+                             "bytes_layer": layer_bytes}
     return runs
 
 
@@ -153,21 +180,20 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _CALLS = 20  # resident calls per timed run
 
 
-def _runners(scheme: str, group_size: int
-             ) -> dict[str, tuple[Callable[[Tensor], object], Callable[[Tensor, object], Tensor]]]:
-    """``{kernel: (prepare(float weight) -> stored, call(x, stored) -> y)}`` for the kernels
-    that run ``scheme`` on this CPU (asked on a 64 x 128 weight; ``prepare`` refuses a shape
-    that a kernel does not run)."""
+_Runner = tuple[Callable[[Tensor], object], Callable[[Tensor, object], Tensor],
+                Callable[[int, int], bool]]
+
+
+def _runners(scheme: str, group_size: int) -> dict[str, _Runner]:
+    """``{kernel: (prepare(float weight) -> stored, call(x, stored) -> y, takes(rows,
+    out_features) -> bool)}`` for the kernels that run ``scheme`` on this CPU (asked on a
+    64 x 128 weight; ``prepare`` refuses a shape that a kernel does not run)."""
     if scheme in _DTYPES:
         dtype = _DTYPES[scheme]
-
-        def stored(w: Tensor, k: Kernel) -> Tensor:
-            if not k.available(dtype, 1, w.shape[0]):
-                raise ValueError(f"{k.name} does not run {scheme} {tuple(w.shape)}")
-            return k.prepare(w.to(dtype))
-
-        return {name: (lambda w, k=k: stored(w, k), lambda x, s, k=k: k.run(x, s, None))
-                for name, k in KERNELS.items() if k.available(dtype, 1, 64)}
+        return {name: (lambda w, k=k: k.prepare(w.to(dtype)),
+                       lambda x, s, k=k: k.run(x, s, None),
+                       lambda m, o, k=k: k.available(dtype, m, o))
+                for name, k in KERNELS.items()}
     bits = 8 if scheme == "int8" else 4
     g = group_size if bits == 4 else None
 
@@ -178,8 +204,15 @@ def _runners(scheme: str, group_size: int
         return k.prepare(q.with_layout(k.layout or q.layout), torch.bfloat16)
 
     like = quantize(torch.ones(64, 128), bits, g, torch.bfloat16)
-    return {name: (lambda w, k=k: prepare(w, k), lambda x, s, k=k: k.run(x, s, None))
+    return {name: (lambda w, k=k: prepare(w, k), lambda x, s, k=k: k.run(x, s, None),
+                   lambda m, o, k=k: k.max_rows is None or m <= k.max_rows)
             for name, k in QUANTIZED_KERNELS.items() if k.available(like, torch.bfloat16)}
+
+
+def _reason(error: Exception) -> str:
+    """The first line of an error's message (``"failed"`` when it has none)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "failed"
 
 
 def _copy(stored: list, weights: list[Tensor], prepare: Callable[[Tensor], object]) -> list:
@@ -205,37 +238,43 @@ def _bytes(stored: object) -> int:
 
 def _markdown(r: dict) -> str:
     shapes = ", ".join(f"{o}x{k}" for o, k in r["shapes"])
+    x_rows = ", ".join(str(m) for m in r["x_rows"])
+    rows_option = "" if r["x_rows"] == [1] else " --rows " + ",".join(map(str, r["x_rows"]))
     o, k = r["resident"]
     lines = [
         "# Decoding's matrix-vector products: memory or arithmetic",
         "",
         f"Measured on {r['machine']['cpu']} ({r['threads']} torch threads); read bandwidth "
         f"{r['bandwidth_gbs']:.1f} GB/s (`sum` over 1 GiB of float32, timed in turns with the "
-        f"streamed passes). One row x. Resident: a {o}x{k} weight called {_CALLS} times in a "
-        "row (it stays in the caches): the rate of the kernel's instructions, as GB/s of its "
-        f"own bytes. Streamed: the shapes {shapes} "
-        "copied until the copies exceed the caches several times, each read once per pass: GB/s "
-        "from memory, and the speed-up of one set of the shapes over the fastest bfloat16 "
-        "kernel (bound by memory alone: ~2x int8, ~3.5x int4 with its scales). int8/int4 "
-        "take bfloat16 activations, int4 in groups of "
+        f"streamed passes). Rows of x: {x_rows} (sequences decoded at once: a step reads each "
+        "weight once whatever the rows, so the bandwidth bounds every row count alike, while "
+        f"the arithmetic grows with the rows). Resident: a {o}x{k} weight called {_CALLS} "
+        "times in a row (it stays in the caches): the rate of the kernel's instructions, as "
+        "GB/s of its own bytes and as GFLOP/s (2 rows O K a call). Streamed: the shapes "
+        f"{shapes} copied until the copies exceed the caches several times, each read once per "
+        "pass: GB/s from memory, and the speed-up of one set of the shapes over the fastest "
+        "bfloat16 kernel at the same rows (bound by memory alone: ~2x int8, ~3.5x int4 with "
+        "its scales). int8/int4 take bfloat16 activations, int4 in groups of "
         f"{r['group_size']}. A kernel whose resident rate is not well above the bandwidth "
         "cannot stream at it: its decoding is bound by arithmetic. Regenerate with "
-        "`attnlab bench gemv`.",
+        f"`attnlab bench gemv{rows_option}`.",
         "",
-        "| scheme | kernel | resident GB/s | resident / bandwidth | streamed GB/s "
-        "| streamed / bandwidth | speed-up vs bfloat16 |",
-        "|---|---|---|---|---|---|---|",
+        "| rows | scheme | kernel | resident GB/s | resident GFLOP/s | resident / bandwidth "
+        "| streamed GB/s | streamed / bandwidth | speed-up vs bfloat16 |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     bw = r["bandwidth_gbs"]
     for row in r["rows"]:
         vs = ("—" if row["speedup_vs_bfloat16"] is None
               else f"{row['speedup_vs_bfloat16']:.2f}x")
-        lines.append(f"| {row['scheme']} | {row['kernel']} | {row['resident_gbs']:.1f} "
+        lines.append(f"| {row['x_rows']} | {row['scheme']} | {row['kernel']} "
+                     f"| {row['resident_gbs']:.1f} | {row['resident_gflops']:.1f} "
                      f"| {row['resident_gbs'] / bw:.2f} | {row['streamed_gbs']:.1f} "
                      f"| {row['streamed_gbs'] / bw:.0%} | {vs} |")
     if r["skipped"]:
         lines += ["", "Not run here: " + "; ".join(
-            f"{s['scheme']} {s['kernel']} ({s['reason']})" for s in r["skipped"]) + "."]
+            f"{s['scheme']} {s['kernel']} (rows {s['x_rows']}: {s['reason']})"
+            for s in r["skipped"]) + "."]
     lines += machine_section(r["machine"])
     return "\n".join(lines)
 
