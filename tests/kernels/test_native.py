@@ -508,6 +508,31 @@ def _activation(loop: str, build_for):
 
 
 @pytest.mark.parametrize("loop", _LOOPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("group_size", "in_features"), [(32, 1088), (64, 512), (128, 1152)])
+def test_int4_widened_loop_equals_dequantize_then_linear_on_each_build(
+        loop: str, dtype, scale_dtype, group_size: int, in_features: int, build_for) -> None:
+    """The widened 4-bit loop (no pairs, no integers) is the one a CPU without AVX-512 runs:
+    16 lanes on this machine's build, 8 on x86-64-v3's, the plain loop on v2's. 1-9 rows: the
+    row blocks of 4 and the rows left over; 67 rows of W over two threads."""
+    if loop == "native":
+        run = native.gemv_int4
+    else:
+        built = build_for(loop)
+
+        def run(*args):  # the extension's own call: bias, pairs, integers by position
+            return built.gemv_int4(*args, None, False, False)
+    g = torch.Generator().manual_seed(group_size + in_features)
+    weight = quantize(torch.randn(67, in_features, generator=g), 4, group_size, scale_dtype)
+    for rows in (1, 3, 4, 5, 9):
+        x = torch.randn(rows, in_features, generator=g).to(dtype)
+        with thread_count(2):
+            y = run(x, weight.data, weight.scales, weight.zeros, group_size)
+        _close(y, x.double() @ weight.dequantize(torch.float64).t(), dtype, float32_tol=1e-4)
+
+
+@pytest.mark.parametrize("loop", _LOOPS)
 @pytest.mark.parametrize("name", list(native.ACTIVATIONS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activation_equals_its_formula(name: str, dtype: torch.dtype, loop: str,
