@@ -21,7 +21,7 @@ def _linear(rows: int = 128, cols: int = 256, bias: bool = True,
 CASES = [("int8_mm", 8), ("int4_mm", 4), ("int8_native", 8), ("int8_tiles", 8),
          ("int8_integers", 8), ("int4_integers", 4), ("int4_native", 4),
          ("int4_native_pairs", 4), ("native_dequantize", 8), ("native_dequantize", 4),
-         ("dequantize", 8), ("dequantize", 4)]
+         ("native_widened", 8), ("native_widened", 4), ("dequantize", 8), ("dequantize", 4)]
 
 
 @pytest.mark.parametrize(("kernel", "bits"), CASES)
@@ -48,6 +48,28 @@ def test_each_kernel_equals_the_formula(kernel: str, bits: int, dtype: torch.dty
     torch.testing.assert_close(y.double(), expected, rtol=tol, atol=tol * 10)
     assert y.dtype == dtype and y.shape == (2, rows, 128)
 
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bias", [True, False])
+def test_native_widened_makes_the_weight_a_block_of_rows_at_a_time(
+        bits: int, bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """24 output rows of float32 a block: 128 rows are 5 blocks and 8 rows left over, each
+    block's sums (and bias) in its own columns; float32 x is left to native_dequantize."""
+    from attnlab.kernels import catalog
+
+    monkeypatch.setattr(catalog, "_WIDEN_BYTES", 4 * 256 * 24)
+    module = QuantizedLinear.from_linear(_linear(bias=bias, dtype=torch.bfloat16), bits=bits,
+                                         group_size=64, kernel="native_widened")
+    assert not QUANTIZED_KERNELS["native_widened"].available(module.weight_format,
+                                                             torch.float32)
+    x = torch.randn(70, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with torch.inference_mode():
+        y = module(x)
+    expected = torch.nn.functional.linear(x.double(), module.dequantize(torch.float64),
+                                          None if module.bias is None else module.bias.double())
+    # float32 sums of the float32 W', rounded once to bfloat16: within bfloat16's 2^-8.
+    torch.testing.assert_close(y.double(), expected, rtol=2**-8, atol=1e-2)
 
 def test_measured_plan_is_cached_per_scheme(monkeypatch: pytest.MonkeyPatch,
                                             tmp_path) -> None:

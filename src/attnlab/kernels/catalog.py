@@ -23,7 +23,7 @@ from torch import Tensor
 
 from attnlab.kernels import native
 
-__all__ = ["KERNELS", "LAYOUTS", "Kernel", "to_layout"]
+__all__ = ["KERNELS", "LAYOUTS", "Kernel", "to_layout", "widened_product"]
 
 LAYOUTS = ("rows", "columns", "packed")
 # The dtypes the fast paths are written and tested for; the formula takes every dtype.
@@ -119,20 +119,28 @@ def _rows_gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 _WIDEN_BYTES = 16 * 2**20
 
 
+def widened_product(x: Tensor, out_features: int, block: Callable[[int, int], Tensor],
+                    bias: Tensor | None) -> Tensor:
+    """``x W^T + b`` by float32 BLAS with ``W`` made a block of output rows at a time:
+    ``block(o0, o1)`` gives the rows ``[o0, o1)`` of ``W`` in float32 (``_WIDEN_BYTES`` of
+    them), x (``M x I``) is widened once and each sum rounded once to x's dtype. -> ``M x O``."""
+    wide = x.float()
+    y = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
+    step = max(1, _WIDEN_BYTES // (4 * x.shape[1]))
+    for o in range(0, out_features, step):
+        rows = block(o, min(o + step, out_features)).t()
+        y[:, o:o + step] = (wide.matmul(rows) if bias is None
+                            else torch.addmm(bias[o:o + step].float(), wide, rows))
+    return y
+
+
 def _widened(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``x W^T + b`` with a bfloat16 ``W`` widened to float32 a block of output rows at a
-    time (``_WIDEN_BYTES`` of float32) and multiplied by float32 BLAS, each sum rounded once
-    to x's dtype. Where BLAS has no bfloat16 arithmetic its bfloat16 GEMM is the slow one (on
-    a CPU without AVX-512, ~5x float32's): widening costs a read and a write of the weight
-    per call, which a product of many rows repays. -> ``M x O``."""
-    wide = x.float()
-    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    step = max(1, _WIDEN_BYTES // (4 * weight.shape[1]))
-    for o in range(0, weight.shape[0], step):
-        block = weight[o:o + step].float().t()
-        y[:, o:o + step] = (wide.matmul(block) if bias is None
-                            else torch.addmm(bias[o:o + step].float(), wide, block))
-    return y
+    time and multiplied by float32 BLAS (:func:`widened_product`). Where BLAS has no bfloat16
+    arithmetic its bfloat16 GEMM is the slow one (on a CPU without AVX-512, ~5x float32's):
+    widening costs a read and a write of the weight per call, which a product of many rows
+    repays. -> ``M x O``."""
+    return widened_product(x, weight.shape[0], lambda o0, o1: weight[o0:o1].float(), bias)
 
 
 def _native_gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

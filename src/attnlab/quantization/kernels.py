@@ -4,7 +4,9 @@
 case and is the reference the others are tested against. ``int8_mm`` is PyTorch's
 ``_weight_int8pack_mm`` (int8 codes and per-row scales read directly), ``int4_mm`` its
 ``_weight_int4pack_mm_for_cpu`` on the blocked layout (``attnlab.quantization.formats``);
-``native_dequantize`` the formula with ``W'`` made by attnlab's C++ dequantization, and
+``native_dequantize`` the formula with ``W'`` made by attnlab's C++ dequantization,
+``native_widened`` the same ``W'`` made in float32 a block at a time for float32 BLAS (bfloat16
+x, where BLAS has no fast bfloat16 GEMM), and
 ``int8_native``, ``int4_native``, ``int4_native_pairs`` and ``int8_integers``,
 ``int4_integers`` (x rounded to 16-bit integers, exact integer products) attnlab's C++ GEMVs
 (:mod:`attnlab.kernels.native`) for a few rows, and ``int8_tiles`` its AMX tile kernel (on
@@ -34,6 +36,7 @@ from torch import Tensor
 from attnlab.kernels import BUCKETS, native
 from attnlab.kernels import cache as kernel_cache
 from attnlab.kernels.calibration import cold_copies
+from attnlab.kernels.catalog import widened_product
 from attnlab.quantization.formats import BLOCK_ROWS, QuantizedWeight, blocked_int4, quantize
 
 __all__ = ["QUANTIZED_KERNELS", "QuantizedKernel", "forced_quantized_kernel", "measure",
@@ -291,6 +294,23 @@ def _native_dequantize_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tens
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def _native_widened_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
+    """The formula's product by float32 BLAS: ``W'`` made in float32 by attnlab's C++
+    dequantization a block of output rows at a time (:func:`widened_product`), each sum
+    rounded once to x's dtype. For bfloat16 x where BLAS has no bfloat16 arithmetic (a CPU
+    without AVX-512: its bfloat16 GEMM ~5x slower than float32's), many rows repay it. ``W'``
+    is not rounded to bfloat16 first, so its sums differ from the formula's by that rounding."""
+    data, scales, zeros, group_size = state
+
+    def block(o0: int, o1: int) -> Tensor:
+        if zeros is None:
+            return native.dequantize_int8(data[o0:o1], scales[o0:o1], torch.float32)
+        return native.dequantize_int4(data[o0:o1], scales[o0:o1], zeros[o0:o1], group_size,
+                                      torch.float32)
+
+    return widened_product(x, data.shape[0], block, bias)
+
+
 def step_product(kernel: QuantizedKernel, state: tuple, bias: Tensor | None) -> tuple:
     """``kernel`` with its prepared ``state`` as ``attnlab.kernels.native.decode_layers``
     takes a product: ``(kind, codes, scales, zeros, group size, bias)`` for a kernel it runs
@@ -363,6 +383,8 @@ QUANTIZED_KERNELS: dict[str, QuantizedKernel] = {
         QuantizedKernel("int4_mm", "blocked", _int4_prepare, _int4_run, _int4_takes),
         QuantizedKernel("native_dequantize", "plain", _native_dequantize_prepare,
                         _native_dequantize_run, _native_takes, exact=True),
+        QuantizedKernel("native_widened", "plain", _native_codes, _native_widened_run,
+                        lambda w, d: d == torch.bfloat16 and _native_takes(w, d)),
         QuantizedKernel("int8_native", None, _int8_native_prepare, _int8_native_run,
                         lambda w, d: w.bits == 8 and _native_takes(w, d), _NATIVE_ROWS),
         # bfloat16 x only: its own rounding (2^-9) is far above the integers' 2^-16 of a
