@@ -154,7 +154,8 @@ def _prepared(scheme: str, x_rows: tuple[int, ...], shapes: tuple[tuple[int, int
             try:
                 for (o, k), s in zip((*shapes, resident), stored, strict=True):
                     if not takes(m, o):
-                        raise ValueError(f"{name} does not run {m} x {k} times {o} x {k}")
+                        raise ValueError(f"{name} does not run {m} rows of x with a {o} x {k} "
+                                         "weight")
                     call(xs[m, k], s)
             except (RuntimeError, ValueError) as error:
                 skipped.append({"x_rows": m, "scheme": scheme, "kernel": name,
