@@ -60,9 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``attnlab bench gemv``."""
     parser.add_argument("--shapes", type=_shape_list, default=DEFAULT_SHAPES,
                         help="comma-separated OxK weight shapes read by one streamed pass")
-    parser.add_argument("--rows", type=int_list, default=(1,),
+    parser.add_argument("--rows", type=int_list, default="1",
                         help="comma-separated rows of x (sequences decoded at once), each a "
-                        "full set of measures (default: 1)")
+                        "full set of measures")
     parser.add_argument("--resident", type=_shape, default="4096x1024",
                         help="OxK of the matrix timed while it stays in the caches")
     parser.add_argument("--stream-mib", type=positive_int, default=128,
