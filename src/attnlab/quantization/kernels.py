@@ -287,11 +287,17 @@ def _native_dequantize_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tens
     """The formula with ``W'`` made by attnlab's C++ dequantization (one pass, all threads,
     the same numbers): for many rows, where a BLAS GEMM on ``W'`` wins."""
     data, scales, zeros, group_size, dtype = state
+    return torch.nn.functional.linear(x, _dequantized(data, scales, zeros, group_size, dtype),
+                                      bias)
+
+
+def _dequantized(data: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int,
+                 dtype: torch.dtype) -> Tensor:
+    """``W'`` (``O x I``, in ``dtype``) from what the C++ kernels read (``_native_codes``):
+    int8 when ``zeros`` is None, else int4; any block of output rows alike."""
     if zeros is None:
-        weight = native.dequantize_int8(data, scales, dtype)
-    else:
-        weight = native.dequantize_int4(data, scales, zeros, group_size, dtype)
-    return torch.nn.functional.linear(x, weight, bias)
+        return native.dequantize_int8(data, scales, dtype)
+    return native.dequantize_int4(data, scales, zeros, group_size, dtype)
 
 
 def _native_widened_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
@@ -303,10 +309,8 @@ def _native_widened_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
     data, scales, zeros, group_size = state
 
     def block(o0: int, o1: int) -> Tensor:
-        if zeros is None:
-            return native.dequantize_int8(data[o0:o1], scales[o0:o1], torch.float32)
-        return native.dequantize_int4(data[o0:o1], scales[o0:o1], zeros[o0:o1], group_size,
-                                      torch.float32)
+        return _dequantized(data[o0:o1], scales[o0:o1], None if zeros is None else zeros[o0:o1],
+                            group_size, torch.float32)
 
     return widened_product(x, data.shape[0], block, bias)
 
