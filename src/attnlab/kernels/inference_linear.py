@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from attnlab.functional import linear
 from attnlab.hook_point import share_hooks
@@ -80,6 +81,10 @@ class InferenceLinear(nn.Linear):
         with a module that reads it so)."""
         if not isinstance(module, nn.Linear):
             raise TypeError(f"module: expected a torch.nn.Linear, got {type(module).__name__}")
+        if parametrize.is_parametrized(module):
+            raise TypeError("module: expected an nn.Linear without parametrizations (register "
+                            "them on the InferenceLinear instead), got one with "
+                            f"{sorted(module.parametrizations)}")
         if not isinstance(extra_memory, bool) or not isinstance(keep_layout, bool):
             raise TypeError(f"extra_memory, keep_layout: expected bools, got {extra_memory!r}, "
                             f"{keep_layout!r}")
@@ -102,7 +107,11 @@ class InferenceLinear(nn.Linear):
         """x ``N.. x I`` -> ``N.. x O``: the calibrated kernel for ``N..``'s row count, or
         the formula (see the class docstring)."""
         # _parameters directly: nn.Module's __getattr__ costs ~0.6 us per name, per call.
-        weight, bias = self._parameters["weight"], self._parameters["bias"]
+        weight, bias = self._parameters.get("weight"), self._parameters.get("bias", _ABSENT)
+        if weight is None or bias is _ABSENT:
+            # Parametrized (torch.nn.utils.parametrize): the weight is computed per call, so
+            # there is no stored tensor to lay out for a kernel.
+            return linear(x, self.weight, self.bias)
         if (x.dtype != weight.dtype or x.dim() == 0 or x.shape[-1] != self.in_features
                 or x.numel() == 0 or not (x.is_cpu and weight.is_cpu)
                 or (bias is not None and bias.dtype != weight.dtype)
@@ -129,8 +138,8 @@ class InferenceLinear(nn.Linear):
         0, bias)`` for a kernel it runs itself, ``(STEP_CALL, x -> y, None, None, 0, None)``
         for another; None when ``forward`` would not run the plan (another dtype, an
         inference weight outside inference mode)."""
-        weight, bias = self._parameters["weight"], self._parameters["bias"]
-        if (dtype != weight.dtype or not weight.is_cpu
+        weight, bias = self._parameters.get("weight"), self._parameters.get("bias", _ABSENT)
+        if (weight is None or bias is _ABSENT or dtype != weight.dtype or not weight.is_cpu
                 or (bias is not None and bias.dtype != dtype)
                 or (weight.is_inference() and not torch.is_inference_mode_enabled())):
             return None
@@ -205,6 +214,7 @@ class InferenceLinear(nn.Linear):
 
 
 _FORMULA = KERNELS["formula"]
+_ABSENT = object()  # a name missing from _parameters: moved out by a parametrization
 
 
 def _has_layout(weight: Tensor, layout: str) -> bool:

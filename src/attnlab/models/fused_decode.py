@@ -147,9 +147,10 @@ def _block(block: nn.Module, block_type: type, shape: _Shape, rows: int,
     q_norm, k_norm = attn._modules.get("q_norm"), attn._modules.get("k_norm")
     norms = (n1, n2) if q_norm is None else (n1, n2, q_norm, k_norm)
     for norm in norms:
+        if _norm_kind(norm) != shape.norm or norm.eps != shape.eps:
+            return None
         weight = norm._parameters["weight"]
-        if (_norm_kind(norm) != shape.norm or norm.eps != shape.eps
-                or weight.dtype not in native.DTYPES or not weight.is_cpu):
+        if weight.dtype not in native.DTYPES or not weight.is_cpu:
             return None
     if q_norm is not None and (shape.norm == 2 or q_norm.dim != shape.D):
         return None
