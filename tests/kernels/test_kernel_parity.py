@@ -102,3 +102,23 @@ def test_no_cpu_family_branches_left_in_the_library() -> None:
         assert "AVX" not in text.upper().replace("AVX-512", ""), path
         if path.name != "harness.py":
             assert "get_cpu_capability" not in text, path
+
+
+def test_no_branch_on_the_cpu_vendor_or_model() -> None:
+    """The CPU's model name keys the calibration cache and the native build (and is printed);
+    nothing else reads it, no code names a vendor, and the C++ kernels choose nothing at run
+    time by asking the CPU (which instructions they use is the compiler's target)."""
+    source = pathlib.Path(attnlab.__file__).parent
+    readers = {"cache.py", "native.py", "calibrate.py"}
+    for path in source.rglob("*.py"):
+        if "bench" in path.relative_to(source).parts:
+            continue  # benchmarks record the machine beside their figures
+        code = "\n".join(line.split("#", 1)[0] for line in
+                         path.read_text(encoding="utf-8").splitlines())
+        for vendor in ("GenuineIntel", "AuthenticAMD", "vendor_id", "platform.processor"):
+            assert vendor not in code or path.name == "cache.py", (path, vendor)
+        assert "cpu_model()" not in code or path.name in readers, path
+    for path in (*source.rglob("*.cpp"), *source.rglob("*.h")):
+        text = path.read_text(encoding="utf-8")
+        for probe in ("__builtin_cpu_is", "__builtin_cpu_supports", "cpuid"):
+            assert probe not in text, (path, probe)

@@ -76,3 +76,41 @@ def test_bad_config_and_input() -> None:
         model(torch.zeros(1, 9, dtype=torch.long))
     with pytest.raises(ValueError, match="attention_mask: expected shape"):
         model(torch.zeros(1, 3, dtype=torch.long), attention_mask=torch.ones(1, 4))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_rotary_and_mask_are_made_once_per_forward_and_shared_by_the_blocks(monkeypatch,
+                                                                            grad) -> None:
+    # The blocks take RoPE's cos/sin and the mask from the model: made once a forward, not
+    # once a layer (left padding and a sliding window, so that there is a mask to make).
+    import attnlab.models.decoder as decoder
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderLMConfig.llama(50, d_model=32, num_heads=4, num_layers=3,
+                                            max_len=32, sliding_window=3)).eval()
+    made = {"rotary": 0, "mask": 0}
+    rotary_forward, decoder_mask = RotaryEmbedding.forward, decoder.decoder_mask
+
+    def counted_rotary(self, *args, **kwargs):
+        made["rotary"] += 1
+        return rotary_forward(self, *args, **kwargs)
+
+    def counted_mask(*args, **kwargs):
+        made["mask"] += 1
+        return decoder_mask(*args, **kwargs)
+
+    monkeypatch.setattr(RotaryEmbedding, "forward", counted_rotary)
+    monkeypatch.setattr(decoder, "decoder_mask", counted_mask)
+    seen = []
+    for layer in model.layers:
+        layer.register_forward_pre_hook(
+            lambda _, args, kwargs: seen.append((kwargs["rotary"], kwargs["mask"])),
+            with_kwargs=True)
+    ids = torch.randint(1, 50, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.set_grad_enabled(grad):
+        model(ids, mask)
+    assert made == {"rotary": 1, "mask": 1}
+    assert len(seen) == 3 and seen[0][1] is not None
+    assert all(r is seen[0][0] and m is seen[0][1] for r, m in seen)

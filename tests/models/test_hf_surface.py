@@ -23,23 +23,29 @@ from conftest import assert_close
 transformers = pytest.importorskip("transformers")
 
 V = 64
+_SIZES = {"vocab_size": V, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+          "initializer_range": 0.1, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+# Every family, each with what sets it apart where a tiny size allows (GPT-2 spells its sizes
+# its own way and learns its positions: the left padding must not shift them).
 HF_CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        initializer_range=0.1, rope_scaling={"rope_type": "linear", "factor": 2.0}),
-    "qwen2": lambda: transformers.Qwen2Config(
-        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        initializer_range=0.1),
+        **_SIZES, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "qwen2": lambda: transformers.Qwen2Config(**_SIZES),
+    "mistral": lambda: transformers.MistralConfig(**_SIZES, sliding_window=4),
+    "qwen3": lambda: transformers.Qwen3Config(**_SIZES, head_dim=16),
+    "gemma": lambda: transformers.GemmaConfig(**_SIZES, head_dim=8),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4,
+                                            n_positions=64, initializer_range=0.1, bos_token_id=1,
+                                            eos_token_id=2),
+    "phi3": lambda: transformers.Phi3Config(**_SIZES),
 }
-HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 def hf_pair(tmp_path, family: str) -> tuple[torch.nn.Module, DecoderLM]:
     """A tiny random transformers model saved to ``tmp_path`` and ours loaded from it."""
     torch.manual_seed(0)
-    hf = getattr(transformers, HF_CLASSES[family])(HF_CONFIGS[family]()).eval()
+    hf = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[family]()).eval()
     hf.save_pretrained(tmp_path)
     return hf, from_pretrained(tmp_path)
 
@@ -76,7 +82,8 @@ def test_loss_and_logits_equal_transformers(tmp_path, family: str) -> None:
     hf, ours = hf_pair(tmp_path, family)
     ids, mask, labels = batch()
     with torch.no_grad():
-        expected = hf(input_ids=ids, attention_mask=mask, labels=labels)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as transformers' generate makes them
+        expected = hf(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels)
         got = ours(ids, attention_mask=mask, labels=labels)
     assert isinstance(got, CausalLMOutput) and got.past_key_values is None
     assert_close(got.loss, expected.loss, rtol=1e-5, atol=1e-5, what="loss")
