@@ -9,6 +9,7 @@ import json
 import pytest
 
 from attnlab.bench import versus
+from attnlab.bench.families import QUICK
 from attnlab.cli import main
 from attnlab.models.families import FAMILIES
 
@@ -73,3 +74,55 @@ def test_without_transformers_ours_is_measured_from_our_own_checkpoint(tmp_path,
     assert run["reference"] == "transformers is not installed: no reference measured"
     assert all(c["ours"] > 0 and c["transformers"] is None for c in run["cells"].values())
     assert "| qwen2 | bfloat16 |" in (tmp_path / "families.md").read_text()
+
+
+def test_bench_families_measures_folders_given_with_model(tmp_path, one_thread) -> None:
+    # The checkpoints a user has on disk: two folders of two families, each its own rows,
+    # named by model type and folder, and the table says which folders it timed.
+    pytest.importorskip("transformers")
+    folders = []
+    for model_type, name in (("llama", "my-llama"), ("gpt2", "small gpt")):
+        folder, _ = versus.random_checkpoint(tmp_path / name, model_type, QUICK)
+        folders.append(folder)
+    out = tmp_path / "out"
+    assert main(["bench", "families", "--quick", "--dtypes", "float32", "--model",
+                 str(folders[0]), "--model", str(folders[1]), "--out", str(out)]) == 0
+    data = json.loads((out / "families.json").read_text())
+    assert data["folders"] is True and data["sizes"] is None
+    assert [(f["model_type"], f["checkpoint"]) for f in data["families"]] == [
+        ("llama", str(folders[0])), ("gpt2", str(folders[1]))]
+    table = (out / "families.md").read_text()
+    assert "| llama `my-llama` | float32 |" in table and "| gpt2 `small gpt` | float32 |" in table
+    assert f"`{folders[0]}` (llama: 2 layers, hidden 64, 4 query / 2 key-value heads" in table
+    assert "One random checkpoint" not in table
+    assert f"attnlab bench families --model {folders[0]} --model {folders[1]}`" in table
+    for family in data["families"]:
+        (run,) = family["runs"]
+        assert all(c["ours"] > 0 and c["transformers"] > 0 for c in run["cells"].values())
+
+
+def test_bench_families_model_refuses_what_it_cannot_time(tmp_path, capsys) -> None:
+    pytest.importorskip("transformers")
+    (tmp_path / "empty").mkdir()
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    short, _ = versus.random_checkpoint(tmp_path / "short", "qwen2",
+                                        {**QUICK, "max_position_embeddings": 8})
+    for argv, message in (
+            (["--model", str(tmp_path / "missing")], "argument --model:"),
+            (["--model", str(tmp_path / "empty")], "config.json"),
+            (["--model", str(bert)], "model_type 'bert' is not supported; expected one of"),
+            (["--model", str(short), "--families", "llama"], "not allowed with argument")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["bench", "families", *argv])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --model" in err or "argument --families" in err
+        assert message in err, err
+    assert main(["bench", "families", "--quick", "--model", str(short), "--out",
+                 str(tmp_path / "out")]) == 2
+    captured = capsys.readouterr()
+    assert ("--prefill, --prompt, --new-tokens: the workload needs 16 positions, more than "
+            f"the 8 of {short}") in captured.err
+    assert "bench families:" not in captured.out  # refused before any timing

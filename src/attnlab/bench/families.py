@@ -9,8 +9,11 @@ short, is written into a temporary folder; both models are loaded from it for ea
 timed as ``attnlab.bench.versus`` says (prefill: a 256-token prompt and 4 left-padded ones of
 32 tokens at most; decode: 32 new tokens after them). Every ratio is ours / transformers in
 tokens/s; decode also against the bandwidth bound (rows x read bandwidth / weight bytes).
-Out-of-memory is recorded as ``OOM``. Writes ``families.md`` (the new table on top, the runs
-already there kept below as history), ``families.json`` and ``families.png``.
+With ``--model FOLDER`` (repeatable) the checkpoints a user has on disk are measured
+instead, one row per folder and dtype, each folder's own ``config.json`` saying its family and
+sizes (read as ``from_pretrained`` reads it, so an unsupported one is refused before any
+timing). Out-of-memory is recorded as ``OOM``. Writes ``families.md`` (the new table on top,
+the runs already there kept below as history), ``families.json`` and ``families.png``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,12 @@ from pathlib import Path
 
 import torch
 
-from attnlab.bench.harness import machine_info, machine_section, write_with_history
+from attnlab.bench.harness import (
+    BandwidthProbe,
+    machine_info,
+    machine_section,
+    write_with_history,
+)
 from attnlab.bench.qwen2 import DTYPES, dtype_list
 from attnlab.bench.versus import (
     MEASURES,
@@ -38,8 +46,9 @@ from attnlab.bench.versus import (
 from attnlab.bench.versus_report import plot_ratios, rate, ratio, ratio_value, share
 from attnlab.durable import write_text_atomic
 from attnlab.models.families import FAMILIES
+from attnlab.models.families.loading import read_config
 
-__all__ = ["FULL", "QUICK", "add_arguments", "family_list", "run"]
+__all__ = ["FULL", "QUICK", "add_arguments", "family_list", "model_folder", "run"]
 
 FULL = {"vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 2816,
         "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 4,
@@ -59,11 +68,25 @@ def family_list(text: str) -> tuple[str, ...]:
     return names
 
 
+def model_folder(text: str) -> str:
+    """``argparse`` type for a checkpoint folder whose ``config.json`` attnlab reads (the
+    family from its ``model_type``); the folder as given."""
+    try:
+        read_config(text)
+    except (OSError, TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``attnlab bench families``."""
-    parser.add_argument("--families", type=family_list, default=None,
-                        help=f"comma-separated model types (default: one of each family: "
-                        f"{', '.join(_one_per_family())})")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--families", type=family_list, default=None,
+                       help=f"comma-separated model types, each a random checkpoint (default: "
+                       f"one of each family: {', '.join(_one_per_family())})")
+    which.add_argument("--model", type=model_folder, action="append", default=None,
+                       metavar="FOLDER", help="a checkpoint folder on disk (as `attnlab "
+                       "generate --model`) to measure instead of the random ones; repeatable")
     parser.add_argument("--dtypes", type=dtype_list, default=",".join(DTYPES),
                         help="comma-separated dtypes to measure")
     add_workload_arguments(parser, prefill=256, new_tokens=32, batch=4)
@@ -74,11 +97,17 @@ def run(args: argparse.Namespace) -> Path:
     sizes = QUICK if args.quick else FULL
     quick = Workload(prefill=16, prompt=6, new_tokens=4, batch=2, repeats=1)
     device, work, out, bandwidth = start_run(args, quick)
-    r = {"sizes": sizes, "workload": vars(work), "lengths": work.lengths(),
+    r = {"sizes": None if args.model else sizes, "workload": vars(work), "lengths": work.lengths(),
          "threads": torch.get_num_threads(), "device": str(device),
          "extra_memory": args.extra_memory,
          "families": []}
-    for model_type in args.families or _one_per_family():
+    if args.model:
+        for folder in args.model:  # every folder's limit checked before any is timed
+            _check_positions(folder, work)
+        r["folders"] = True
+        r["families"] = [_measure_model(folder, args.dtypes, device, work, bandwidth,
+                                        args.extra_memory) for folder in args.model]
+    for model_type in () if args.model else args.families or _one_per_family():
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 _, written_by = random_checkpoint(tmp, model_type, sizes)
@@ -98,7 +127,7 @@ def run(args: argparse.Namespace) -> Path:
     r["machine"] = info
     write_text_atomic(out / "families.json", json.dumps(r, indent=2))
     md = write_with_history(out / "families.md", _markdown(r, info))
-    pairs = [(f["model_type"], run) for f in r["families"] for run in f["runs"]]
+    pairs = [(_label(f, r).replace("`", ""), run) for f in r["families"] for run in f["runs"]]
     plot_ratios(out / "families.png",
                 f"Families, ours vs transformers, on {info.get('gpu', info['cpu'])}",
                 [f"{name} {run['dtype']}" for name, run in pairs],
@@ -106,6 +135,34 @@ def run(args: argparse.Namespace) -> Path:
                  for m in MEASURES})
     print(md.read_text().split("\n## History\n")[0])
     return md
+
+
+def _measure_model(folder: str, dtypes: tuple[str, ...], device: torch.device, work: Workload,
+                   bandwidth: BandwidthProbe, extra_memory: bool) -> dict:
+    """One ``--model`` folder measured in each dtype: its row group of the table, with what
+    its ``config.json`` says of it."""
+    _, config, _ = read_config(folder)
+    runs = []
+    for dtype in dtypes:
+        print(f"bench families: {folder} {dtype}", flush=True)
+        runs.append(measure_folder(folder, dtype, device, work, bandwidth=bandwidth,
+                                   extra_memory=extra_memory))
+    return {"model_type": config.family, "checkpoint": str(folder),
+            "sizes": f"{config.num_layers} layers, hidden {config.d_model}, "
+                     f"{config.num_heads} query / {config.num_kv_heads or config.num_heads} "
+                     f"key-value heads, vocabulary {config.vocab_size}",
+            "runs": runs}
+
+
+def _check_positions(folder: str, work: Workload) -> None:
+    """A ``ValueError`` naming the options when the workload needs more positions than the
+    model at ``folder`` has."""
+    limit = read_config(folder)[1].max_len
+    longest = max(work.prefill, work.prompt + work.new_tokens)
+    if longest > limit:
+        raise ValueError(f"--prefill, --prompt, --new-tokens: the workload needs {longest} "
+                         f"positions, more than the {limit} of {folder} "
+                         "(its config.json's limit)")
 
 
 def _one_per_family() -> list[str]:
@@ -126,15 +183,23 @@ def _markdown(r: dict, info: dict[str, str]) -> str:
     where = info.get("gpu", info["cpu"]) if r["device"] != "cpu" else info["cpu"]
     references = {run.get("reference") for f in r["families"] for run in f["runs"]}
     head = " | ".join(f"{m} ours / transformers tokens/s | {m} ratio" for m in MEASURES)
+    if r.get("folders"):
+        checkpoints = "The checkpoints given: " + "; ".join(
+            f"`{f['checkpoint']}` ({f['model_type']}: {f['sizes']})" for f in r["families"]) + "."
+        options = "".join(f" --model {f['checkpoint']}" for f in r["families"])
+    else:
+        checkpoints = (
+            f"One random checkpoint per family: {s['num_hidden_layers']} layers, hidden "
+            f"{s['hidden_size']}, {s['num_attention_heads']} query / "
+            f"{s['num_key_value_heads']} key-value heads of {s['head_dim']} (where the family "
+            f"has GQA), intermediate {s['intermediate_size']} (GPT-2: 4 x hidden), vocabulary "
+            f"{s['vocab_size']}; the family's own norms, MLP, positions and tying.")
+        options = ""
     lines = [
         "# Model families, ours vs transformers",
         "",
-        f"Measured on {where} ({r['device']}, {r['threads']} torch threads). One random "
-        f"checkpoint per family: {s['num_hidden_layers']} layers, hidden {s['hidden_size']}, "
-        f"{s['num_attention_heads']} query / {s['num_key_value_heads']} key-value heads of "
-        f"{s['head_dim']} (where the family has GQA), intermediate {s['intermediate_size']} "
-        f"(GPT-2: 4 x hidden), vocabulary {s['vocab_size']}; the family's own norms, MLP, "
-        f"positions and tying. Reference: {'; '.join(sorted(x for x in references if x))}, "
+        f"Measured on {where} ({r['device']}, {r['threads']} torch threads). {checkpoints} "
+        f"Reference: {'; '.join(sorted(x for x in references if x))}, "
         f"loaded from the same folder. Prefill: a {w['prefill']}-token prompt, and "
         f"{w['batch']} left-padded prompts of lengths {r['lengths']}. Decode: greedy, "
         f"{w['new_tokens']} new tokens after a {w['prompt']}-token prompt and after the "
@@ -143,7 +208,7 @@ def _markdown(r: dict, info: dict[str, str]) -> str:
         "bandwidth / weight bytes, the bandwidth (`sum` over 1 GiB) timed in turns with each "
         f"decode cell's runs: {bandwidth_range(_cells(r))}. "
         f"{ours_label(r.get('extra_memory', False))}. Regenerate with "
-        f"`attnlab bench families{' --extra-memory' if r.get('extra_memory') else ''}`.",
+        f"`attnlab bench families{options}{' --extra-memory' if r.get('extra_memory') else ''}`.",
         "",
         f"| family | dtype | {head} | decode % of bound, ours / transformers "
         "| decode batched % of bound, ours / transformers |",
@@ -153,7 +218,7 @@ def _markdown(r: dict, info: dict[str, str]) -> str:
         for run in family["runs"]:
             if "error" in run:
                 dashes = " | ".join(["—"] * (2 * len(MEASURES) + 1))  # the columns after it
-                lines.append(f"| {family['model_type']} | {run['dtype']} | {run['error']} "
+                lines.append(f"| {_label(family, r)} | {run['dtype']} | {run['error']} "
                              f"| {dashes} |")
                 continue
             cells = [run["cells"][m] for m in MEASURES]
@@ -161,6 +226,13 @@ def _markdown(r: dict, info: dict[str, str]) -> str:
                                  for c in cells)
             shares = " | ".join(f"{share(c, 'ours')} / {share(c, 'transformers')}"
                                 for c in (run["cells"]["decode"], run["cells"]["decode batched"]))
-            lines.append(f"| {family['model_type']} | {run['dtype']} | {figures} | {shares} |")
+            lines.append(f"| {_label(family, r)} | {run['dtype']} | {figures} | {shares} |")
     lines += machine_section(info)
     return "\n".join(lines)
+
+
+def _label(family: dict, r: dict) -> str:
+    """A row's first cell: the model type, and the folder's name for a ``--model`` run."""
+    if not r.get("folders"):
+        return family["model_type"]
+    return f"{family['model_type']} `{Path(family['checkpoint']).name}`"
