@@ -95,7 +95,7 @@ def test_bench_families_measures_folders_given_with_model(tmp_path, one_thread) 
     assert "| llama `my-llama` | float32 |" in table and "| gpt2 `small gpt` | float32 |" in table
     assert f"`{folders[0]}` (llama: 2 layers, hidden 64, 4 query / 2 key-value heads" in table
     assert "One random checkpoint" not in table
-    assert f"attnlab bench families --model {folders[0]} --model {folders[1]}`" in table
+    assert f"attnlab bench families --model {folders[0]} --model '{folders[1]}'`" in table
     for family in data["families"]:
         (run,) = family["runs"]
         assert all(c["ours"] > 0 and c["transformers"] > 0 for c in run["cells"].values())

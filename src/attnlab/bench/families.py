@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import tempfile
 from pathlib import Path
 
@@ -186,7 +187,7 @@ def _markdown(r: dict, info: dict[str, str]) -> str:
     if r.get("folders"):
         checkpoints = "The checkpoints given: " + "; ".join(
             f"`{f['checkpoint']}` ({f['model_type']}: {f['sizes']})" for f in r["families"]) + "."
-        options = "".join(f" --model {f['checkpoint']}" for f in r["families"])
+        options = "".join(f" --model {shlex.quote(f['checkpoint'])}" for f in r["families"])
     else:
         checkpoints = (
             f"One random checkpoint per family: {s['num_hidden_layers']} layers, hidden "
