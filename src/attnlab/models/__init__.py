@@ -3,6 +3,7 @@
 families in ``attnlab.models.families`` (Llama, Mistral, Qwen2, Qwen3, ...)."""
 
 from attnlab.models.decoder import DecoderBlock, DecoderLM, DecoderLMConfig
+from attnlab.models.families import PRESETS, preset
 from attnlab.models.io import from_pretrained, save_pretrained
 from attnlab.models.summary import count_parameters, summary
 from attnlab.models.transformer import (
@@ -15,6 +16,7 @@ from attnlab.models.transformer import (
 )
 
 __all__ = [
+    "PRESETS",
     "Decoder",
     "DecoderBlock",
     "DecoderLM",
@@ -26,6 +28,7 @@ __all__ = [
     "TransformerConfig",
     "count_parameters",
     "from_pretrained",
+    "preset",
     "save_pretrained",
     "summary",
 ]

@@ -110,7 +110,8 @@ class Family:
     """One model family: ``model_types`` it reads, the architecture name it writes, its config
     mapping (``config_from_hf(config.json dict) -> DecoderLMConfig`` raising a ``ValueError``
     or ``TypeError`` naming the key; ``config_to_hf``, whose result ``check_round_trip``
-    proves to read back as the same model) and its ``weights``."""
+    proves to read back as the same model), its ``weights`` and its ``presets``: published
+    models' shapes by name, as the ``config.json`` keys that set them."""
 
     name: str
     model_types: tuple[str, ...]
@@ -118,6 +119,7 @@ class Family:
     config_from_hf: Callable[[dict[str, Any]], DecoderLMConfig]
     config_to_hf: Callable[[DecoderLMConfig], dict[str, Any]]
     weights: Callable[[DecoderLMConfig], WeightMap]
+    presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 def config_from_keys(keys: Mapping[str, str], **fields: Any) -> DecoderLMConfig:

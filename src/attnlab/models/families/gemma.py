@@ -70,5 +70,15 @@ def tiny_config(**overrides: Any) -> DecoderLMConfig:
     return read_gemma({**d, **overrides})
 
 
+# Published shapes (the model's config.json): Gemma 2B, one key-value head.
+PRESETS = {
+    "gemma-2b": {"vocab_size": 256000, "hidden_size": 2048, "intermediate_size": 16384,
+                 "num_hidden_layers": 18, "num_attention_heads": 8, "num_key_value_heads": 1,
+                 "head_dim": 256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+                 "rope_theta": 10000.0, "hidden_act": ACTIVATION, "tie_word_embeddings": True,
+                 "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0},
+}
+
 FAMILY = Family(name="gemma", model_types=("gemma",), architecture="GemmaForCausalLM",
-                config_from_hf=read_gemma, config_to_hf=write_gemma, weights=llama_like_weights)
+                config_from_hf=read_gemma, config_to_hf=write_gemma, weights=llama_like_weights,
+                presets=PRESETS)

@@ -119,5 +119,15 @@ def tiny_config(**overrides: Any) -> DecoderLMConfig:
     return read_gpt2({**d, **overrides})
 
 
+# Published shapes (the models' config.json): GPT-2 and its medium, large and XL sizes.
+PRESETS = {
+    name: {"vocab_size": 50257, "n_embd": width, "n_layer": layers, "n_head": heads,
+           "n_positions": 1024, "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new",
+           "bos_token_id": 50256, "eos_token_id": 50256}
+    for name, width, layers, heads in (("gpt2", 768, 12, 12), ("gpt2-medium", 1024, 24, 16),
+                                       ("gpt2-large", 1280, 36, 20), ("gpt2-xl", 1600, 48, 25))
+}
+
 FAMILY = Family(name="gpt2", model_types=("gpt2",), architecture="GPT2LMHeadModel",
-                config_from_hf=read_gpt2, config_to_hf=write_gpt2, weights=gpt2_weights)
+                config_from_hf=read_gpt2, config_to_hf=write_gpt2, weights=gpt2_weights,
+                presets=PRESETS)

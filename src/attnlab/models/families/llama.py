@@ -184,10 +184,30 @@ def llama_like_weights(c: DecoderLMConfig) -> WeightMap:
     return WeightMap(names)
 
 
+# Published shapes (the models' config.json): Llama 3.2 1B and Llama 3.1 8B, both with the
+# llama3 RoPE scaling of a model trained at 8192 positions.
+_LLAMA3 = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}
+PRESETS = {
+    "llama-3.2-1b": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+                     "num_hidden_layers": 16, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "head_dim": 64,
+                     "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                     "rope_theta": 500000.0, "rope_scaling": {**_LLAMA3, "factor": 32.0},
+                     "tie_word_embeddings": True, "bos_token_id": 128000,
+                     "eos_token_id": 128001},
+    "llama-3.1-8b": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+                     "num_hidden_layers": 32, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                     "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                     "rope_scaling": {**_LLAMA3, "factor": 8.0}, "tie_word_embeddings": False,
+                     "bos_token_id": 128000, "eos_token_id": 128001},
+}
+
 FAMILY = Family(
     name="llama", model_types=("llama",), architecture="LlamaForCausalLM",
     config_from_hf=lambda d: read_llama_like(d, family="llama"),
     config_to_hf=lambda c: write_llama_like(c, model_type="llama",
                                             architecture="LlamaForCausalLM"),
-    weights=llama_like_weights,
+    weights=llama_like_weights, presets=PRESETS,
 )

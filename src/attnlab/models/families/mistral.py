@@ -42,6 +42,15 @@ def write_mistral(c: DecoderLMConfig) -> dict[str, Any]:
     return {**d, "sliding_window": c.sliding_window}
 
 
+# Published shapes (the model's config.json): Mistral 7B v0.1, its window of 4096 tokens.
+PRESETS = {
+    "mistral-7b-v0.1": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                        "num_hidden_layers": 32, "num_attention_heads": 32,
+                        "num_key_value_heads": 8, "max_position_embeddings": 32768,
+                        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": 4096,
+                        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
+}
+
 FAMILY = Family(name="mistral", model_types=("mistral",), architecture="MistralForCausalLM",
                 config_from_hf=read_mistral, config_to_hf=write_mistral,
-                weights=llama_like_weights)
+                weights=llama_like_weights, presets=PRESETS)

@@ -115,5 +115,18 @@ def tiny_config(**overrides: Any) -> DecoderLMConfig:
     return read_phi3({**d, **overrides})
 
 
+# Published shapes (the model's config.json): Phi-3 mini with a 4k context, full attention
+# heads (32 key-value heads) and a window of 2047 tokens.
+PRESETS = {
+    "phi-3-mini-4k": {"vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
+                      "num_hidden_layers": 32, "num_attention_heads": 32,
+                      "num_key_value_heads": 32, "max_position_embeddings": 4096,
+                      "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                      "rope_theta": 10000.0, "sliding_window": 2047,
+                      "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 32000,
+                      "pad_token_id": 32000},
+}
+
 FAMILY = Family(name="phi3", model_types=("phi3",), architecture="Phi3ForCausalLM",
-                config_from_hf=read_phi3, config_to_hf=write_phi3, weights=phi3_weights)
+                config_from_hf=read_phi3, config_to_hf=write_phi3, weights=phi3_weights,
+                presets=PRESETS)

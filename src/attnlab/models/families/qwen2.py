@@ -52,5 +52,15 @@ def write_qwen2(c: DecoderLMConfig) -> dict[str, Any]:
     return {**d, "use_sliding_window": False}
 
 
+# Published shapes (the model's config.json): Qwen2.5 0.5B.
+PRESETS = {
+    "qwen2.5-0.5b": {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+                     "num_hidden_layers": 24, "num_attention_heads": 14,
+                     "num_key_value_heads": 2, "max_position_embeddings": 32768,
+                     "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+                     "bos_token_id": 151643, "eos_token_id": 151643},
+}
+
 FAMILY = Family(name="qwen2", model_types=("qwen2",), architecture="Qwen2ForCausalLM",
-                config_from_hf=read_qwen2, config_to_hf=write_qwen2, weights=llama_like_weights)
+                config_from_hf=read_qwen2, config_to_hf=write_qwen2, weights=llama_like_weights,
+                presets=PRESETS)

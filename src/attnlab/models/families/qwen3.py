@@ -33,5 +33,15 @@ def write_qwen3(c: DecoderLMConfig) -> dict[str, Any]:
     return {**d, "use_sliding_window": False}
 
 
+# Published shapes (the model's config.json): Qwen3 0.6B, heads of 128 wider than 1024 / 16.
+PRESETS = {
+    "qwen3-0.6b": {"vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+                   "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+                   "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+                   "rope_theta": 1000000.0, "tie_word_embeddings": True,
+                   "bos_token_id": 151643, "eos_token_id": 151645},
+}
+
 FAMILY = Family(name="qwen3", model_types=("qwen3",), architecture="Qwen3ForCausalLM",
-                config_from_hf=read_qwen3, config_to_hf=write_qwen3, weights=llama_like_weights)
+                config_from_hf=read_qwen3, config_to_hf=write_qwen3, weights=llama_like_weights,
+                presets=PRESETS)
