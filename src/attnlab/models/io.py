@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from attnlab.models.decoder import DecoderLM
+from attnlab.models.families import FAMILIES
 from attnlab.models.families.loading import read_config
 from attnlab.models.hf_loading import CONFIG_NAME, check_folder, read_json
 from attnlab.models.pretrained import quantize_loaded
@@ -39,8 +40,15 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
     ``torch_dtype``/``dtype``; ``device`` to the CPU. An unsupported ``model_type`` is refused
     naming the supported ones; a missing, extra or misshapen tensor names the tensor.
     """
-    raw = read_json(check_folder(path) / CONFIG_NAME)
-    if raw.get("model_type") == Transformer.MODEL_TYPE:
+    file = check_folder(path) / CONFIG_NAME
+    raw = read_json(file)
+    model_type = raw.get("model_type")
+    ours = (DecoderLM.MODEL_TYPE, Transformer.MODEL_TYPE)
+    if not isinstance(model_type, str) or (model_type not in ours and model_type not in FAMILIES):
+        raise ValueError(f"{file}: model_type {model_type!r} is not supported; expected one of "
+                         f"{sorted(FAMILIES)} (Hugging Face families) or "
+                         f"{', '.join(map(repr, ours))} (attnlab's own)")
+    if model_type == Transformer.MODEL_TYPE:
         model = Transformer.from_pretrained(path, dtype=dtype, device=device)
         if quantize is not None:
             quantize_loaded(model, Path(path), quantize, group_size, skip)

@@ -96,7 +96,8 @@ def test_unsupported_model_type_names_the_supported_ones(saved, tmp_path) -> Non
         write(tmp_path, {**config, "model_type": model_type})
         with pytest.raises(ValueError, match=rf"^{tmp_path / 'config.json'}: model_type "
                            rf"{model_type!r} is not supported; expected one of "
-                           + re.escape(str(sorted(FAMILIES)))):
+                           + re.escape(str(sorted(FAMILIES))) + r" \(Hugging Face families\) or "
+                           r"'attnlab_decoder', 'attnlab_transformer' \(attnlab's own\)$"):
             from_pretrained(tmp_path)
     assert {"llama", "mistral", "qwen2", "qwen3"} <= set(FAMILIES)
 
