@@ -46,6 +46,7 @@ from attnlab.bench.versus import (
 )
 from attnlab.bench.versus_report import plot_ratios, rate, ratio, ratio_value, share
 from attnlab.durable import write_text_atomic
+from attnlab.models import DecoderLMConfig
 from attnlab.models.families import FAMILIES
 from attnlab.models.families.loading import read_config
 
@@ -100,29 +101,18 @@ def run(args: argparse.Namespace) -> Path:
     device, work, out, bandwidth = start_run(args, quick)
     r = {"sizes": None if args.model else sizes, "workload": vars(work), "lengths": work.lengths(),
          "threads": torch.get_num_threads(), "device": str(device),
-         "extra_memory": args.extra_memory,
-         "families": []}
+         "extra_memory": args.extra_memory}
     if args.model:
-        for folder in args.model:  # every folder's limit checked before any is timed
-            _check_positions(folder, work)
+        configs = [(folder, read_config(folder)[1]) for folder in args.model]
+        for folder, config in configs:  # every limit checked before any is timed
+            _check_positions(folder, config.max_len, work)
         r["folders"] = True
-        r["families"] = [_measure_model(folder, args.dtypes, device, work, bandwidth,
-                                        args.extra_memory) for folder in args.model]
-    for model_type in () if args.model else args.families or _one_per_family():
-        with tempfile.TemporaryDirectory() as tmp:
-            try:
-                _, written_by = random_checkpoint(tmp, model_type, sizes)
-            except (ValueError, TypeError) as error:  # without transformers: Llama's keys
-                written_by = f"none: {error}"
-                runs = [{"dtype": d, "error": "no checkpoint", "cells": {}} for d in args.dtypes]
-            else:
-                runs = []
-                for dtype in args.dtypes:
-                    print(f"bench families: {model_type} {dtype}", flush=True)
-                    runs.append(measure_folder(tmp, dtype, device, work, bandwidth=bandwidth,
-                                            extra_memory=args.extra_memory))
-        r["families"].append({"model_type": model_type, "checkpoint": written_by,
-                              "runs": runs})
+        r["families"] = [_measure_model(folder, config, args.dtypes, device, work, bandwidth,
+                                        args.extra_memory) for folder, config in configs]
+    else:
+        r["families"] = [_measure_random(model_type, sizes, args.dtypes, device, work,
+                                         bandwidth, args.extra_memory)
+                         for model_type in args.families or _one_per_family()]
     r["bandwidth_gbs"] = median_bandwidth(_cells(r))
     info = machine_info(device)
     r["machine"] = info
@@ -138,11 +128,31 @@ def run(args: argparse.Namespace) -> Path:
     return md
 
 
-def _measure_model(folder: str, dtypes: tuple[str, ...], device: torch.device, work: Workload,
-                   bandwidth: BandwidthProbe, extra_memory: bool) -> dict:
-    """One ``--model`` folder measured in each dtype: its row group of the table, with what
-    its ``config.json`` says of it."""
-    _, config, _ = read_config(folder)
+def _measure_random(model_type: str, sizes: dict, dtypes: tuple[str, ...],
+                    device: torch.device, work: Workload, bandwidth: BandwidthProbe,
+                    extra_memory: bool) -> dict:
+    """A random checkpoint of ``model_type`` (``sizes``) written into a temporary folder and
+    measured in each dtype: its row group of the table."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            _, written_by = random_checkpoint(tmp, model_type, sizes)
+        except (ValueError, TypeError) as error:  # without transformers: Llama's keys
+            written_by = f"none: {error}"
+            runs = [{"dtype": d, "error": "no checkpoint", "cells": {}} for d in dtypes]
+        else:
+            runs = []
+            for dtype in dtypes:
+                print(f"bench families: {model_type} {dtype}", flush=True)
+                runs.append(measure_folder(tmp, dtype, device, work, bandwidth=bandwidth,
+                                           extra_memory=extra_memory))
+    return {"model_type": model_type, "checkpoint": written_by, "runs": runs}
+
+
+def _measure_model(folder: str, config: DecoderLMConfig, dtypes: tuple[str, ...],
+                   device: torch.device, work: Workload, bandwidth: BandwidthProbe,
+                   extra_memory: bool) -> dict:
+    """One ``--model`` folder (``config`` read from it) measured in each dtype: its row group
+    of the table, with what its ``config.json`` says of it."""
     runs = []
     for dtype in dtypes:
         print(f"bench families: {folder} {dtype}", flush=True)
@@ -155,10 +165,9 @@ def _measure_model(folder: str, dtypes: tuple[str, ...], device: torch.device, w
             "runs": runs}
 
 
-def _check_positions(folder: str, work: Workload) -> None:
+def _check_positions(folder: str, limit: int, work: Workload) -> None:
     """A ``ValueError`` naming the options when the workload needs more positions than the
-    model at ``folder`` has."""
-    limit = read_config(folder)[1].max_len
+    ``limit`` of the model at ``folder``."""
     longest = max(work.prefill, work.prompt + work.new_tokens)
     if longest > limit:
         raise ValueError(f"--prefill, --prompt, --new-tokens: the workload needs {longest} "

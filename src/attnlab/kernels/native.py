@@ -340,7 +340,7 @@ def _build() -> ModuleType | None:
     """The compiled extension, from the build folder when this source was built there."""
     flags = build_flags()
     digest = _digest(flags, cache.cpu_model(), torch.__version__)
-    folder = Path(os.environ.get("ATTNLAB_CACHE_DIR") or Path.home() / ".cache" / "attnlab")
+    folder = cache.cache_file().parent
     build = folder / "native" / digest
     path = os.environ.get("PATH")
     try:

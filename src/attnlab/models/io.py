@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from attnlab.models.decoder import DecoderLM
-from attnlab.models.families import FAMILIES
+from attnlab.models.families import family_for
 from attnlab.models.families.loading import read_config
 from attnlab.models.hf_loading import CONFIG_NAME, check_folder, read_json
 from attnlab.models.pretrained import quantize_loaded
@@ -44,10 +44,12 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
     raw = read_json(file)
     model_type = raw.get("model_type")
     ours = (DecoderLM.MODEL_TYPE, Transformer.MODEL_TYPE)
-    if not isinstance(model_type, str) or (model_type not in ours and model_type not in FAMILIES):
-        raise ValueError(f"{file}: model_type {model_type!r} is not supported; expected one of "
-                         f"{sorted(FAMILIES)} (Hugging Face families) or "
-                         f"{', '.join(map(repr, ours))} (attnlab's own)")
+    if model_type not in ours:
+        try:
+            family_for(model_type)
+        except ValueError as error:
+            raise ValueError(f"{file}: {error} (Hugging Face families) or "
+                             f"{', '.join(map(repr, ours))} (attnlab's own)") from None
     if model_type == Transformer.MODEL_TYPE:
         model = Transformer.from_pretrained(path, dtype=dtype, device=device)
         if quantize is not None:
