@@ -11,8 +11,9 @@ idea, with PyTorch's own hook machinery).
 from __future__ import annotations
 
 from torch import Tensor, nn
+from torch.nn.modules import module as torch_module
 
-__all__ = ["HookPoint", "share_hooks"]
+__all__ = ["HookPoint", "global_hooks", "share_hooks"]
 
 
 class HookPoint(nn.Module):
@@ -44,3 +45,9 @@ def share_hooks(source: nn.Module, target: nn.Module) -> None:
     for name in _HOOK_DICTS:
         target.__dict__[name] = source.__dict__[name]
     target.__dict__["_is_full_backward_hook"] = source.__dict__["_is_full_backward_hook"]
+
+
+def global_hooks() -> bool:
+    """Whether a hook registered for every module (``torch.nn.modules.module``'s global
+    forward hooks) would see a call."""
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)

@@ -17,7 +17,6 @@ from attnlab._checks import is_number
 from attnlab.attention.flash import flash_attention
 from attnlab.attention.fused import fused_attention
 from attnlab.attention.math import math_attention
-from attnlab.kernels import native
 
 __all__ = ["BACKENDS", "scaled_dot_product_attention"]
 
@@ -59,9 +58,9 @@ def scaled_dot_product_attention(
     - ``return_weights=True`` returns ``(output, weights)``, weights ``N.. x H x L x S`` being
       the ones that multiplied ``V`` (after dropout when ``dropout_p > 0``).
     - ``backend``: ``"math"``, ``"flash"``, ``"fused"`` or ``"auto"`` (the fused kernel, or
-      ``math`` when weights are asked for; for a decoding step's few CPU queries with no
-      gradient, attnlab's C++ kernel ``attnlab.kernels.native.decode_attention`` when
-      built). A backend asked for something it cannot do raises.
+      ``math`` when weights are asked for). A backend asked for something it cannot do
+      raises. (For inference, ``attnlab.kernels.FastSelfAttention`` runs a decoding step's
+      few queries through attnlab's C++ kernel instead.)
     - ``hook(point, tensor) -> tensor`` sees, and may replace, the masked ``"scores"`` and the
       ``"pattern"`` ``N.. x H x L x S`` (analysis hook points): only ``math`` forms them, so
       ``auto`` then runs ``math`` and another explicit backend raises.
@@ -75,9 +74,6 @@ def scaled_dot_product_attention(
     rank = max(query.dim(), key.dim(), value.dim())
     query, key, value = _broadcast(query, key, value, enable_gqa)
     _check_mask(mask, query, key, rank)
-    if backend == "auto" and chosen == "fused" and native_decoding(query, key, value, mask,
-                                                                   dropout_p):
-        chosen = "native"
     if chosen == "math":
         out, weights = math_attention(
             query, key, value, mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
@@ -88,58 +84,11 @@ def scaled_dot_product_attention(
         return (out, weights) if return_weights else out
     if chosen == "flash":
         out = flash_attention(query, key, value, mask, is_causal=is_causal, scale=scale)
-    elif chosen == "native":
-        out = native_attention(query, key, value, mask, is_causal=is_causal, scale=scale)
     else:
         out = fused_attention(
             query, key, value, mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p
         )
     return out.squeeze(0) if rank == 2 else out
-
-
-def native_decoding(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
-                    dropout_p: float = 0.0) -> bool:
-    """Whether ``auto`` runs attnlab's C++ decoding kernel: a few CPU queries (a decoding
-    step, at most ``native.MAX_ROWS``), float32 or bfloat16, no dropout, no gradient needed,
-    the kernels built here. PyTorch's fused kernel spends more on setting up its tiles than
-    on the arithmetic of so few queries."""
-    if query.dim() != 4 or query.shape[-2] > native.MAX_ROWS or dropout_p > 0:
-        return False
-    if mask is not None and mask.requires_grad and torch.is_grad_enabled():
-        return False
-    return native.takes(query, key, value)
-
-
-def native_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *,
-                     is_causal: bool, scale: float) -> Tensor:
-    """The C++ decoding kernel on ``_broadcast``'s views: key/value rows that broadcast
-    become stride-0 views, the mask an expanded bool or float32 view."""
-    B = query.shape[0]
-    key, value = (t.expand(B, -1, -1, -1) for t in (key, value))
-    key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (key, value))
-    query, mask = _native_query_mask(query, mask, key.shape[-2])
-    return native.decode_attention(query, key, value, mask, scale, is_causal)
-
-
-def paged_native_attention(query: Tensor, key_pages: Tensor, value_pages: Tensor,
-                           tables: Tensor, first: Tensor, keys: int, mask: Tensor | None, *,
-                           is_causal: bool, scale: float | None = None) -> Tensor:
-    """``native_attention`` over ``keys`` keys kept in pages, read where they lie
-    (``attnlab.kernels.native.paged_attention``: its arguments); ``scale`` None: ``1 /
-    sqrt(D)``. For queries that ``native_decoding`` accepts."""
-    query, mask = _native_query_mask(query, mask, keys)
-    return native.paged_attention(query, key_pages, value_pages, tables, first, keys, mask,
-                                  _default_scale(query) if scale is None else scale, is_causal)
-
-
-def _native_query_mask(query: Tensor, mask: Tensor | None,
-                       keys: int) -> tuple[Tensor, Tensor | None]:
-    """The query with a contiguous last dim and the mask as the kernels take it: an expanded
-    ``B x H x L x S`` view, bool or float32."""
-    B, H, L, _ = query.shape
-    if mask is not None:
-        mask = (mask if mask.dtype == torch.bool else mask.float()).expand(B, H, L, keys)
-    return (query if query.stride(-1) == 1 else query.contiguous()), mask
 
 
 def _default_scale(query: Tensor) -> float:

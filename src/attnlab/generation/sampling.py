@@ -14,7 +14,6 @@ import torch
 from torch import Tensor
 
 from attnlab._checks import check_positive, is_int, is_number
-from attnlab.kernels import native
 
 __all__ = [
     "apply_repetition_penalty",
@@ -59,12 +58,8 @@ def sample_logits(logits: Tensor, temperature: float = 1.0, top_k: int | None = 
 
 def greedy_tokens(logits: Tensor) -> Tensor:
     """The most likely token of each row (the first of equal maxima): logits ``N.. x V`` ->
-    ids ``N..`` (long). On a CPU, attnlab's C++ argmax when built (PyTorch's reduces a row on
-    one thread without vector loads: ~0.25 ms for 150k entries); else 16-bit logits are
-    widened first, which is exact (PyTorch has no vectorised 16-bit argmax)."""
-    if logits.dim() > 0 and logits.shape[-1] > 0 and native.takes(logits.detach()):
-        flat = logits.reshape(-1, logits.shape[-1]).contiguous()
-        return native.argmax_rows(flat).view(logits.shape[:-1])
+    ids ``N..`` (long). 16-bit logits on a CPU are widened first, which is exact (PyTorch has
+    no vectorised 16-bit argmax)."""
     if logits.dtype in (torch.bfloat16, torch.float16) and logits.device.type == "cpu":
         logits = logits.float()
     return logits.argmax(dim=-1)

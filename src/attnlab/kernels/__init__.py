@@ -1,18 +1,34 @@
-"""Measured fast paths for inference: CPU kernels for ``x W^T + b`` (:mod:`.catalog`; our
-own C++ decoding GEMVs among them, :mod:`.native`, compiled on this machine), the
-calibration that times them on this machine and caches the winners (:mod:`.calibration`,
-:mod:`.cache`), and the module that uses them (:class:`InferenceLinear`, swapped in by
-:func:`optimize_for_inference`). The formulas in :mod:`attnlab.functional` never branch on
-the CPU; this package is where speed is chosen, by measuring.
+"""Where speed lives: fast inference modules with the signatures of the reference modules they
+stand in for, swapped in by :func:`optimize_for_inference` (``from_pretrained`` calls it
+unless ``kernels=False``) and out by :func:`restore_reference`: :class:`InferenceLinear`
+(``x W^T + b`` on a planned kernel per shape and row count, :mod:`.catalog`,
+:mod:`.calibration`), the modules of :mod:`.fast_modules` (RMSNorm, the MLPs' activation,
+RoPE and a decoding step's attention), and :mod:`.fused_layers` (a decoding step through
+every block in one call). They run attnlab's C++ kernels (:mod:`.native`). Nothing in the
+reference packages (functional, attention, layers, generation, the model classes) imports
+this package.
 """
 
 from attnlab.kernels.calibration import BUCKETS, bucket_of, choose, measure, measure_rows, plan
 from attnlab.kernels.catalog import KERNELS, Kernel
-from attnlab.kernels.inference_linear import InferenceLinear, optimize_for_inference
+from attnlab.kernels.fast_modules import (
+    FastFeedForward,
+    FastGatedMLP,
+    FastRMSNorm,
+    FastSelfAttention,
+)
+from attnlab.kernels.fused_layers import FusedLayers
+from attnlab.kernels.inference_linear import InferenceLinear
+from attnlab.kernels.install import optimize_for_inference, restore_reference
 
 __all__ = [
     "BUCKETS",
     "KERNELS",
+    "FastFeedForward",
+    "FastGatedMLP",
+    "FastRMSNorm",
+    "FastSelfAttention",
+    "FusedLayers",
     "InferenceLinear",
     "Kernel",
     "bucket_of",
@@ -21,4 +37,5 @@ __all__ = [
     "measure_rows",
     "optimize_for_inference",
     "plan",
+    "restore_reference",
 ]

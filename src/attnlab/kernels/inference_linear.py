@@ -1,5 +1,5 @@
-"""``InferenceLinear``: an ``nn.Linear`` that runs the calibrated kernel when no gradient is
-needed, and ``optimize_for_inference``, which swaps one in for every ``nn.Linear`` of a model.
+"""``InferenceLinear``: an ``nn.Linear`` that runs the planned kernel when no gradient is
+needed, and ``swap_linears``, which swaps one in for every ``nn.Linear`` of a model.
 
 Memory: the weight is kept once. A kernel that wants the column-major layout gets it by
 re-storing the weight Parameter itself (same object, shape ``O x I`` and values; only its
@@ -23,17 +23,18 @@ from attnlab.kernels import native
 from attnlab.kernels.calibration import bucket_of, forced_kernel, plan
 from attnlab.kernels.catalog import KERNELS, Kernel, to_layout
 
-__all__ = ["InferenceLinear", "optimize_for_inference"]
+__all__ = ["InferenceLinear", "swap_linears"]
 
 
-def optimize_for_inference(model: nn.Module, *, kernel: str | None = None,
-                           extra_memory: bool = False) -> nn.Module:
+def swap_linears(model: nn.Module, *, kernel: str | None = None,
+                 extra_memory: bool = False) -> nn.Module:
     """``model`` with every ``nn.Linear`` (exactly that class, not a subclass whose forward
     it does not know) replaced by an :class:`InferenceLinear` that shares its Parameters and
-    hooks; returned for chaining (``model`` itself is changed, or, when it is an
-    ``nn.Linear``, the new module is returned). A weight that another module also uses keeps
-    its row-major storage, which the other module reads too, except where that module is an
-    ``nn.Embedding`` (a tied ``lm_head``): a lookup reads its rows in any layout.
+    hooks (``optimize_for_inference`` calls it); returned for chaining (``model`` itself is
+    changed, or, when it is an ``nn.Linear``, the new module is returned). A weight that
+    another module also uses keeps its row-major storage, which the other module reads too,
+    except where that module is an ``nn.Embedding`` (a tied ``lm_head``): a lookup reads its
+    rows in any layout.
     ``kernel`` forces one kernel; ``extra_memory`` allows oneDNN's packed copies where they
     win (up to twice the weights' memory). Calibration runs here, once per shape."""
     if not isinstance(model, nn.Module):
@@ -224,3 +225,14 @@ def _has_layout(weight: Tensor, layout: str) -> bool:
         return weight.is_contiguous()
     (outs, ins), (step_out, step_in) = weight.shape, weight.stride()
     return (outs <= 1 or step_out == 1) and (ins <= 1 or step_in == outs)
+
+
+def to_linear(module: InferenceLinear) -> None:
+    """``module`` back to an ``nn.Linear`` in place: its weight row-major again, its plans
+    and packed copy dropped (``restore_reference`` calls it)."""
+    if "weight" in module._parameters and not module.weight.is_contiguous():
+        module._restore("rows")
+    for name in ("_kernel", "_extra_memory", "_keep_layout", "_kernels", "_packed",
+                 "_packed_of"):
+        module.__dict__.pop(name, None)
+    module.__class__ = nn.Linear

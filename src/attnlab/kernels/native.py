@@ -46,13 +46,37 @@ from torch import Tensor
 
 from attnlab.kernels import cache
 
-__all__ = ["ACTIVATIONS", "DTYPES", "MAX_ROWS", "STEP_CALL", "STEP_KINDS", "TILES_MAX_ROWS",
-           "activation", "activation_available", "argmax_rows", "available", "build_flags",
-           "build_id",
-           "decode_attention", "decode_layers", "dequantize_int4", "dequantize_int8", "gemv",
-           "gemv_int4", "gemv_int8", "gemv_int8_tiles", "gemv_tiles", "integers_available",
-           "paged_attention",
-           "pairs_available", "rms_norm", "rotary", "takes", "tiles_available"]
+__all__ = [
+    "ACTIVATIONS",
+    "DTYPES",
+    "MAX_ROWS",
+    "STEP_CALL",
+    "STEP_KINDS",
+    "TILES_MAX_ROWS",
+    "activation",
+    "activation_available",
+    "argmax_rows",
+    "available",
+    "build_flags",
+    "build_id",
+    "decode_attention",
+    "decode_layers",
+    "dequantize_int4",
+    "dequantize_int8",
+    "gemv",
+    "gemv_int4",
+    "gemv_int8",
+    "gemv_int8_tiles",
+    "gemv_tiles",
+    "integers_available",
+    "paged_attention",
+    "pairs_available",
+    "rms_norm",
+    "rotary",
+    "takes",
+    "tiles_available",
+    "unavailable_reason",
+]
 
 # The float GEMVs and the attention kernel are offered for the decoding buckets only: past 8
 # rows a BLAS GEMM reuses each weight better. (The quantized plan offers its GEMVs further, for
@@ -95,6 +119,15 @@ def takes(*tensors: Tensor) -> bool:
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
     return available()
+
+
+def unavailable_reason() -> str:
+    """Why :func:`available` is False, in a few words ("" when it is True)."""
+    if available():
+        return ""
+    if os.environ.get(_ENV, "").strip() == "0":
+        return f"{_ENV}=0"
+    return "the build failed"
 
 
 def available() -> bool:

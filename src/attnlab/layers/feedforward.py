@@ -3,18 +3,13 @@
 
 Both map ``N.. x E`` -> ``N.. x E`` and act on every position independently. They call their
 ``nn.Linear`` submodules, so a hook, a LoRA wrapper or a quantized Linear swapped in for one
-of them takes effect. On a CPU with vector loops for it (AVX-512, or 256-bit vectors with
-FMA) and no gradient needed, ``silu`` and
-``gelu_tanh`` (and the gated product) run attnlab's C++ kernel
-(``attnlab.kernels.native.activation``): the same formula in one pass, its roundings
-within float32's (PyTorch's tanh GELU costs 5x its exact one).
+of them takes effect. (``attnlab.kernels.FastGatedMLP`` and ``FastFeedForward``, installed
+by ``optimize_for_inference``, compute the activation in one C++ pass for inference.)
 """
 
 from __future__ import annotations
 
 from torch import Tensor, nn
-
-from attnlab.kernels import native
 
 __all__ = ["ACTIVATIONS", "FeedForward", "GatedMLP", "SwiGLU", "activated"]
 
@@ -89,14 +84,7 @@ class SwiGLU(GatedMLP):
 
 
 def activated(name: str, gate: Tensor, up: Tensor | None = None) -> Tensor:
-    """``ACTIVATIONS[name](gate)``, times ``up`` when given (``up`` gate's shape): the
-    native kernel where it stands in (module docstring), else PyTorch's."""
-    if (name in native.ACTIVATIONS and gate.is_contiguous()
-            and (up is None or (up.is_contiguous() and up.shape == gate.shape
-                                and up.dtype == gate.dtype))
-            and native.takes(gate, *(() if up is None else (up,)))
-            and native.activation_available()):
-        return native.activation(gate, up, name)
+    """``ACTIVATIONS[name](gate)``, times ``up`` when given (``up`` gate's shape)."""
     h = ACTIVATIONS[name](gate)
     return h if up is None else h * up
 

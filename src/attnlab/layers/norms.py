@@ -6,7 +6,6 @@ import torch
 from torch import Tensor, nn
 
 from attnlab._checks import check_positive
-from attnlab.kernels import native
 
 __all__ = ["RMSNorm"]
 
@@ -19,8 +18,6 @@ class RMSNorm(nn.Module):
     ``weight`` ``dim``, initialised to ones.
     ``unit_offset=True`` scales by ``1 + weight`` instead (Gemma; ``weight`` then starts at
     zeros), the product taken in float32 before the cast, as Gemma does.
-    On a CPU with no gradient needed, float32/bfloat16 run attnlab's C++ kernel
-    (``attnlab.kernels.native.rms_norm``): the same formula and roundings in one pass.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, *, unit_offset: bool = False) -> None:
@@ -34,13 +31,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1:] != (self.dim,):
             raise ValueError(f"x: expected shape N.. x {self.dim}, got {tuple(x.shape)}")
-        weight = self.weight
-        if native.takes(x, weight):
-            # The same formula in one C++ pass (a decoding step calls this twice per layer on
-            # one row, where the eight ATen calls below cost more than the arithmetic).
-            flat = x.reshape(-1, self.dim).contiguous()
-            return native.rms_norm(flat, weight.contiguous(), self.eps,
-                                   self.unit_offset).view(x.shape)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         if self.unit_offset:

@@ -20,7 +20,6 @@ import torch
 from torch import Tensor, nn
 
 from attnlab._checks import check_positive
-from attnlab.kernels import native
 from attnlab.layers.rope_scaling import RopeScaling, rope_inverse_frequencies
 
 # RopeScaling and rope_inverse_frequencies are part of this module's interface too.
@@ -162,8 +161,6 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = Fal
     of the layout (``interleaved`` must match the module's). As transformers does, cos and sin
     are cast to x's dtype first, so half-precision results match its own; a model that is not
     float32 casts them once per forward (``cos.to(dtype)``) rather than in every layer.
-    On a CPU with no gradient needed, float32/bfloat16 run attnlab's C++ kernel
-    (``attnlab.kernels.native.rotary``): the same products and roundings in one pass.
     """
     if not isinstance(x, Tensor) or x.dim() != 4:
         raise ValueError(f"x: expected a Tensor of shape B x L x H x D, got "
@@ -186,9 +183,6 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = Fal
                          f"<= {dim} (x is {tuple(x.shape)}), got {tuple(cos.shape)}")
     if cos.dtype != x.dtype:
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    if x.stride(-1) == 1 and native.takes(x, cos, sin):
-        # The same products and roundings in one C++ pass, not eight ATen calls per tensor.
-        return native.rotary(x, cos.contiguous(), sin.contiguous(), interleaved)
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # B x L x 1 x R: the same for every head
     rot = x if rotary_dim == dim else x[..., :rotary_dim]
     turned = _rotate_pairs(rot) if interleaved else _rotate_half(rot)

@@ -82,9 +82,7 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
-            cos, sin = rotary
-            q = apply_rotary(q, cos, sin, interleaved=self.rope_interleaved)
-            k = apply_rotary(k, cos, sin, interleaved=self.rope_interleaved)
+            q, k = self._rotate(q, k, *rotary)
         q, k, v = self.q(q.transpose(1, 2)), self.k(k.transpose(1, 2)), self.v(v.transpose(1, 2))
         hooked = self.scores.has_hooks or self.pattern.has_hooks
         # A cache may attend over its own storage (the serving engine's pages, read where
@@ -100,12 +98,24 @@ class SelfAttention(nn.Module):
                 if L + offset != k.shape[-2]:
                     raise ValueError(f"cache: expected query length + offset = {L} + {offset} "
                                      f"keys, got {k.shape[-2]}")
-            z = scaled_dot_product_attention(
-                q, k, v, mask, is_causal=is_causal, scale=self.scale,
-                dropout_p=self.dropout if self.training else 0.0, enable_gqa=G != H,
-                backend=self.backend, hook=self._score_hook if hooked else None)
+            z = self._attend(q, k, v, mask, is_causal=is_causal,
+                             hook=self._score_hook if hooked else None)
         z = self.z(z)
         return self.o_proj(z.transpose(1, 2).reshape(B, L, H * D))
+
+    def _rotate(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """RoPE on q ``B x L x H x D`` and k ``B x L x G x D`` (``apply_rotary``)."""
+        return (apply_rotary(q, cos, sin, interleaved=self.rope_interleaved),
+                apply_rotary(k, cos, sin, interleaved=self.rope_interleaved))
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *,
+                is_causal: bool, hook: Callable[[str, Tensor], Tensor] | None) -> Tensor:
+        """``softmax(q k^T * scale + mask) v``: q ``B x H x L x D``, k and v ``B x G x S x D``
+        -> ``B x H x L x D`` (``scaled_dot_product_attention`` on this layer's backend)."""
+        return scaled_dot_product_attention(
+            q, k, v, mask, is_causal=is_causal, scale=self.scale,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.num_kv_heads != self.num_heads, backend=self.backend, hook=hook)
 
     def _score_hook(self, point: str, x: Tensor) -> Tensor:
         return self.get_submodule(point)(x)

@@ -16,9 +16,10 @@ the position ``(number of real tokens before it)``, so a left-padded prompt star
 Hugging Face's ``generate`` does; without a mask the positions are ``offset .. offset + L - 1``.
 The rotary ``(cos, sin)`` and the attention mask are computed once per forward.
 
-Decoding: a one-token step with a ``KVCache`` runs every block in one C++ call
-(``attnlab.models.fused_decode``: the modules' own kernels in their order, bit-equal), unless
-a hook, a gradient or anything else asks for the modules' forward.
+This module is the formula. Speed comes from fast modules with the same signatures that
+``attnlab.kernels.optimize_for_inference`` swaps in (``from_pretrained`` does, unless
+``kernels=False``), ``layers`` among them: ``FusedDecoderLayers`` runs a one-token step
+through every block in one C++ call.
 
 Hook points (``HookPoint`` modules, see ``attnlab.analysis.hooks``): ``layers.{i}.resid_pre``,
 ``attn_out``, ``resid_mid``, ``mlp_out``, ``resid_post`` (``B x L x E``) and, inside
@@ -37,14 +38,12 @@ from torch import Tensor, nn
 from attnlab._checks import check_token_ids
 from attnlab.attention.kv_cache import KVCache, LayerKVCache
 from attnlab.generation import generate
-from attnlab.hook_point import HookPoint
-from attnlab.kernels import optimize_for_inference
+from attnlab.hook_point import HookPoint, global_hooks
 from attnlab.layers import FeedForward, GatedMLP, LearnedPositionalEmbedding, RMSNorm
 from attnlab.layers.self_attention import SelfAttention
 from attnlab.masks import decoder_mask
 from attnlab.models.decoder_config import GATED, DecoderLMConfig, make_rotary
 from attnlab.models.families.loading import load_family, save_family
-from attnlab.models.fused_decode import fused_layers, global_hooks
 from attnlab.models.hf_loading import (
     CONFIG_NAME,
     check_folder,
@@ -59,10 +58,11 @@ from attnlab.models.outputs import (
     check_labels,
     next_token_loss,
 )
-from attnlab.models.pretrained import PreTrainedModel, quantize_loaded
+from attnlab.models.pretrained import PreTrainedModel, install_kernels, quantize_loaded
 from attnlab.models.summary import summary
 
-__all__ = ["DecoderBlock", "DecoderLM", "DecoderLMConfig", "make_norm", "make_rotary"]
+__all__ = ["DecoderBlock", "DecoderLM", "DecoderLMConfig", "DecoderLayers", "make_norm",
+           "make_rotary"]
 
 class DecoderLM(PreTrainedModel):
     """Causal LM: ``forward(input_ids B x L, attention_mask, *, cache, ...) -> logits B x L x V``.
@@ -92,7 +92,7 @@ class DecoderLM(PreTrainedModel):
                                 if c.position == "learned" else None)
         self.rotary = make_rotary(c)
         self.drop = nn.Dropout(c.dropout)
-        self.layers = nn.ModuleList(DecoderBlock(c) for _ in range(c.num_layers))
+        self.layers = DecoderLayers(DecoderBlock(c) for _ in range(c.num_layers))
         self.norm = make_norm(c, c.d_model)
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
         self.reset_parameters()
@@ -178,15 +178,8 @@ class DecoderLM(PreTrainedModel):
                 positions = torch.arange(positions, positions + L, device=input_ids.device)
             rotary = tuple(t.to(x.dtype) for t in self.rotary(positions))
         x = _dropped(self.drop, x)
-        fused = fused_layers(self.layers, DecoderBlock, x, rotary, mask, cache)
-        if fused is not None:
-            x = fused
-        else:
-            is_causal = mask is None and L > 1
-            rows = self._real_rows(key_mask, L, logits_to_keep)
-            for i, layer in enumerate(self.layers):
-                x = layer(x, rotary=rotary, mask=mask, is_causal=is_causal,
-                          cache=None if cache is None else cache[i], rows=rows)
+        x = self.layers(x, rotary=rotary, mask=mask, is_causal=mask is None and L > 1,
+                        cache=cache, rows=self._real_rows(key_mask, L, logits_to_keep))
         if logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
         return self.norm(x)
@@ -268,7 +261,7 @@ class DecoderLM(PreTrainedModel):
         if quantize is not None:
             quantize_loaded(model, folder, quantize, group_size, skip)
         if kernels and model.device.type == "cpu":
-            optimize_for_inference(model, extra_memory=extra_memory)
+            install_kernels(model, extra_memory=extra_memory)
         return model
 
     def save_pretrained(self, path: str | Path) -> Path:
@@ -333,6 +326,24 @@ class DecoderBlock(nn.Module):
                 0, rows, self.mlp(self.post_attention_layernorm(flat.index_select(0, rows))))
             h = h.view_as(x)
         return self.resid_post(x + _dropped(self.drop, self.mlp_out(h)))
+
+
+class DecoderLayers(nn.ModuleList):
+    """The blocks in order: x ``B x L x E`` -> ``B x L x E``, block ``i`` with layer ``i`` of
+    the cache. A ``ModuleList`` (``layers[i]``, ``state_dict`` names ``layers.{i}.``) that is
+    also the one place the blocks are run, so a fast module can stand in for the loop."""
+
+    # The class of the blocks this list runs: what a fast stand-in for the loop must compute.
+    block_type: type[nn.Module] = DecoderBlock
+
+    def forward(self, x: Tensor, *, rotary: tuple[Tensor, Tensor] | None = None,
+                mask: Tensor | None = None, is_causal: bool = True,
+                cache: KVCache | None = None, rows: Tensor | None = None) -> Tensor:
+        """``DecoderBlock.forward``'s arguments, ``cache`` the whole ``KVCache``."""
+        for i, layer in enumerate(self):
+            x = layer(x, rotary=rotary, mask=mask, is_causal=is_causal,
+                      cache=None if cache is None else cache[i], rows=rows)
+        return x
 
 
 def _dropped(drop: nn.Dropout, x: Tensor) -> Tensor:

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from attnlab.durable import write_text_atomic
+from attnlab.kernels import optimize_for_inference
 from attnlab.models.config import ConfigMixin
 from attnlab.models.hf_loading import (
     CONFIG_NAME,
@@ -42,6 +43,7 @@ __all__ = [
     "PreTrainedModel",
     "cast_weights",
     "contiguous_state",
+    "install_kernels",
     "load_state",
     "quantize_loaded",
     "read_weights",
@@ -160,6 +162,12 @@ def quantize_loaded(model: PreTrainedModel, folder: Path, method: str, group_siz
         raise ValueError(f"quantize: {folder} holds {_scheme(stored)} weights, but "
                          f"{_scheme(asked)} was asked; load it without quantize=, or quantize "
                          "the float checkpoint it was made from")
+
+
+def install_kernels(model: nn.Module, *, extra_memory: bool = False) -> None:
+    """The loading entry point's last step: the fast inference modules swapped in for the
+    reference ones (``attnlab.kernels.optimize_for_inference``; ``extra_memory`` is its)."""
+    optimize_for_inference(model, extra_memory=extra_memory)
 
 
 def _scheme(config: QuantizationConfig) -> str:

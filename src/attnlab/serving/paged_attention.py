@@ -45,11 +45,8 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.attention.kv_cache import KVCache
-from attnlab.attention.sdpa import (
-    native_decoding,
-    paged_native_attention,
-    scaled_dot_product_attention,
-)
+from attnlab.attention.sdpa import scaled_dot_product_attention
+from attnlab.kernels.decode_attention import native_decoding, paged_native_attention
 from attnlab.masks import decoder_mask
 from attnlab.serving.paged_cache import PagePool
 
@@ -227,7 +224,8 @@ class PagedLayerCache(_ForwardLayer):
         gathered: ``paged_native_attention`` reads them in their pages."""
         c = self.cache
         keys, values = c.pool.k[self.index], c.pool.v[self.index]
-        if backend == "auto" and q.dtype == keys.dtype and native_decoding(q, k, v, mask):
+        if backend == "auto" and q.dtype == keys.dtype and native_decoding(q, k, v, mask,
+                                                                        keys=c.max_len):
             self._write(k, v)
             return paged_native_attention(q, keys, values, c.tables, c.first, c.max_len, mask,
                                           is_causal=is_causal, scale=scale)

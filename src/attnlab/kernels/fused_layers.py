@@ -1,19 +1,22 @@
-"""A decoding step through every block of a ``DecoderLM`` in one native call.
+"""A decoding step through every block of a ``DecoderLM`` in one native call:
+:class:`FusedLayers`, the fast module for a decoder's layer list.
 
 A one-token step runs ~7 matrix-vector products per block, which read the weights, and
 ~100 Python frames and small ATen calls around them, which on a 2-core CPU cost ~2 ms a token
 whatever the model's size (the per-token cost outside the products: ``attnlab bench qwen2``'s
 decode). ``attnlab.kernels.native.decode_layers`` runs the same kernels in the same order
-from C++: each product the one its module's calibrated plan picks, the norms, RoPE and the
-attention the native kernels that the modules call, the residual adds and activations
-ATen's. So the result is the modules' result, bit for bit (the tests compare them).
+from C++: each product the one its module's plan picks, the norms, RoPE and the attention
+the native kernels that the fast modules (:mod:`attnlab.kernels.fast_modules`) call, the
+residual adds and activations ATen's. So the result is the fast modules' result, bit for bit
+(the tests compare them).
 
 It is taken only where that holds, and the modules run otherwise: one new position a row,
 no gradient, the blocks and their parts that drop out in eval mode, a plain ``KVCache`` in
-the model's dtype, the blocks and their submodules of the stock classes with no hooks (a hook
-must see its tensor), attention on the ``auto`` backend, every product planned on a kernel
-that ``decode_layers`` runs (``native_spec``: attnlab's GEMVs, PyTorch's packed int8/int4
-ops, the formula), the native kernels built (``attnlab.kernels.native``).
+the model's dtype, the blocks of the list's ``block_type`` and their submodules the fast
+modules with no hooks (a hook must see its tensor), attention on the ``auto`` backend, every
+product a module with a ``native_spec`` (``InferenceLinear``, ``QuantizedLinear``) planned on
+a kernel that ``decode_layers`` runs (attnlab's GEMVs, PyTorch's packed int8/int4 ops, the
+formula), the native kernels built (``attnlab.kernels.native``).
 """
 
 from __future__ import annotations
@@ -23,18 +26,20 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules import module as torch_module
 
 from attnlab.attention.kv_cache import KVCache
-from attnlab.kernels import InferenceLinear, native
-from attnlab.layers import FeedForward, GatedMLP, RMSNorm
-from attnlab.layers.self_attention import SelfAttention
-from attnlab.quantization.modules import QuantizedLinear
+from attnlab.hook_point import global_hooks
+from attnlab.kernels import native
+from attnlab.kernels.fast_modules import (
+    FastFeedForward,
+    FastGatedMLP,
+    FastRMSNorm,
+    FastSelfAttention,
+)
 
-__all__ = ["fused_layers", "global_hooks"]
+__all__ = ["FusedLayers", "fused_layers"]
 
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}
-_LINEARS = (InferenceLinear, QuantizedLinear)
 
 
 class _Shape(NamedTuple):
@@ -95,11 +100,6 @@ def fused_layers(blocks: nn.ModuleList, block_type: type, x: Tensor,
     return out.view(B, 1, E)
 
 
-def global_hooks() -> bool:
-    """Whether a hook registered for every module would see a call."""
-    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
-
-
 # Submodules, Parameters and buffers are read from the modules' dicts below: nn.Module's
 # __getattr__ costs ~0.5 us a name, ~100 names a step.
 
@@ -107,7 +107,7 @@ def _shape(block: nn.Module) -> _Shape | None:
     """The ``_Shape`` of a block that ``decode_layers`` computes, or None."""
     parts = block._modules
     attn, mlp, norm = parts.get("self_attn"), parts.get("mlp"), parts.get("input_layernorm")
-    if type(attn) is not SelfAttention or type(mlp) not in (GatedMLP, FeedForward):
+    if type(attn) is not FastSelfAttention or type(mlp) not in (FastGatedMLP, FastFeedForward):
         return None
     kind, activation = _norm_kind(norm), _ACTIVATIONS.get(mlp.activation)
     if kind is None or activation is None or attn.backend != "auto":
@@ -115,12 +115,12 @@ def _shape(block: nn.Module) -> _Shape | None:
     D = attn.head_dim
     scale = 1.0 / math.sqrt(D) if attn.scale is None else float(attn.scale)
     return _Shape(kind, activation, attn.num_heads, attn.num_kv_heads, D, float(norm.eps),
-                  scale, type(mlp) is GatedMLP, bool(attn.rope_interleaved))
+                  scale, type(mlp) is FastGatedMLP, bool(attn.rope_interleaved))
 
 
 def _norm_kind(norm: nn.Module | None) -> int | None:
     """0 RMSNorm, 1 RMSNorm with ``1 + w``, 2 LayerNorm (with a weight), or None."""
-    if type(norm) is RMSNorm:
+    if type(norm) is FastRMSNorm:
         return 1 if norm.unit_offset else 0
     if (type(norm) is nn.LayerNorm and norm._parameters.get("weight") is not None
             and len(norm.normalized_shape) == 1):
@@ -159,7 +159,8 @@ def _block(block: nn.Module, block_type: type, shape: _Shape, rows: int,
     linears += [mlp._modules[n] for n in names]
     specs = []
     for linear in linears:
-        spec = linear.native_spec(rows, dtype) if type(linear) in _LINEARS else None
+        native_spec = getattr(type(linear), "native_spec", None)
+        spec = None if native_spec is None else native_spec(linear, rows, dtype)
         if spec is None:
             return None
         specs.append(spec)
@@ -167,3 +168,20 @@ def _block(block: nn.Module, block_type: type, shape: _Shape, rows: int,
             None if q_norm is None else q_norm._parameters["weight"],
             None if k_norm is None else k_norm._parameters["weight"],
             n2._parameters["weight"], n2._parameters.get("bias"), tuple(specs[4:]))
+
+
+class FusedLayers(nn.ModuleList):
+    """Mixed into a decoder's layer list (a ``ModuleList`` whose ``forward`` runs its blocks,
+    with a ``block_type``): a one-token step with a plain ``KVCache`` runs every block in one
+    C++ call (:func:`attnlab.kernels.fused_layers.fused_layers`, bit-equal to the blocks'
+    fast modules), the blocks' own forwards otherwise."""
+
+    def forward(self, x: Tensor, *, rotary: tuple[Tensor, Tensor] | None = None,
+                mask: Tensor | None = None, is_causal: bool = True, cache=None,
+                rows: Tensor | None = None) -> Tensor:
+        fused = None if self.training else fused_layers(self, self.block_type, x, rotary,
+                                                          mask, cache)
+        if fused is not None:
+            return fused
+        return super().forward(x, rotary=rotary, mask=mask, is_causal=is_causal, cache=cache,
+                               rows=rows)
