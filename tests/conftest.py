@@ -82,30 +82,22 @@ def one_thread():
 
 
 @pytest.fixture
-def auto_backend():
-    """``auto_backend(queries)``: what ``backend="auto"`` runs for that many queries on the
-    CPU with no gradient and no scores/pattern hook (``backend_calls``'s names): the C++
-    decoding kernel for a few, where it is built, else torch's fused kernel."""
-    from attnlab.kernels import native
-
-    return lambda queries: ("native" if queries <= native.MAX_ROWS and native.available()
-                            else "fused")
-
-
-@pytest.fixture
 def backend_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Counts of the attention backends' calls through ``scaled_dot_product_attention``
-    (one per attention layer call): ``{"math": n, "fused": n, "flash": n, "native": n}``,
-    ``native`` the C++ decoding kernel that ``auto`` runs for a few queries."""
+    """Counts of the attention backends' calls (one per attention layer call): ``{"math": n,
+    "fused": n, "flash": n, "native": n}``, the first three through
+    ``scaled_dot_product_attention``, ``native`` the C++ decoding kernel that
+    ``FastSelfAttention`` runs for a few queries."""
     from attnlab.attention import sdpa
+    from attnlab.kernels import fast_modules
 
     calls = dict.fromkeys(("math", "fused", "flash", "native"), 0)
     for kind in calls:
-        real = getattr(sdpa, f"{kind}_attention")
+        owner = fast_modules if kind == "native" else sdpa
+        real = getattr(owner, f"{kind}_attention")
 
         def counted(*args, _real=real, _kind=kind, **kwargs):
             calls[_kind] += 1
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(sdpa, f"{kind}_attention", counted)
+        monkeypatch.setattr(owner, f"{kind}_attention", counted)
     return calls

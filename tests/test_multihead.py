@@ -204,8 +204,7 @@ def test_bad_forward_input_names_the_argument():
 
 
 @pytest.mark.parametrize("backend", ["auto", "fused", "flash", "math"])
-def test_hook_points_see_every_tensor_on_the_modules_backend(backend, backend_calls,
-                                                            auto_backend):
+def test_hook_points_see_every_tensor_on_the_modules_backend(backend, backend_calls):
     torch.manual_seed(0)
     mha = MultiHeadAttention(16, 4, num_kv_heads=2, backend=backend).eval()
     assert [n for n, _ in mha.named_children()] == ["out_proj", "q", "k", "v", "scores",
@@ -219,7 +218,7 @@ def test_hook_points_see_every_tensor_on_the_modules_backend(backend, backend_ca
         out = mha(x, mem)
     for h in handles:
         h.remove()
-    ran = {"auto": auto_backend(5)}.get(backend, backend)
+    ran = {"auto": "fused"}.get(backend, backend)  # a reference module: no C++ kernel
     assert calls == {k: int(k == ran) for k in calls}  # q/k/v/z hooks keep the backend
     assert {p: tuple(t.shape) for p, t in seen.items()} == {
         "q": (2, 4, 5, 4), "k": (2, 2, 7, 4), "v": (2, 2, 7, 4), "z": (2, 4, 5, 4)}

@@ -6,7 +6,7 @@ from attnlab.attention import (
     SimpleMultiHeadAttention,
     scaled_dot_product_attention,
 )
-from attnlab.functional import linear, softmax
+from attnlab.formulas import linear, softmax
 
 __version__ = "0.1.0"
 

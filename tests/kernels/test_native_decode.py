@@ -1,8 +1,8 @@
 """attnlab's C++ kernels of a decoding step besides its GEMVs (``attnlab.kernels.native``):
 attention of a few queries over cached keys, equal to the formula in float64 for every mask
 convention, grouped heads, strided cache views and rows with nothing to attend to; the greedy
-argmax, equal to ``torch.argmax`` including ties, -inf and NaN; and their use by
-``scaled_dot_product_attention(backend="auto")`` and ``greedy_tokens``."""
+argmax, equal to ``torch.argmax`` including ties, -inf and NaN; RMSNorm and RoPE; and the
+conditions under which the fast modules run them (``attnlab.kernels.decode_attention``)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ from kernel_helpers import built_for, thread_count
 
 from attnlab.attention.math import math_attention
 from attnlab.attention.sdpa import scaled_dot_product_attention
-from attnlab.generation.sampling import greedy_tokens
-from attnlab.kernels import native
-from attnlab.layers import RMSNorm
+from attnlab.kernels import FastRMSNorm, native
+from attnlab.kernels.decode_attention import native_attention, native_decoding
 from attnlab.layers.rotary import apply_rotary
 
 pytestmark = pytest.mark.skipif(
@@ -85,32 +84,28 @@ def test_decode_attention_refuses_bad_input_by_name() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mask_kind", [None, "bool", "float", "key"])
-def test_auto_backend_runs_the_kernel_for_a_decoding_step(monkeypatch, dtype,
-                                                          mask_kind) -> None:
-    """``auto`` with a few CPU queries and no gradient runs the kernel, and gives the fused
-    backend's answer; with gradients, dropout or many queries it does not run it."""
-    calls = []
-    kernel = native.decode_attention
-    monkeypatch.setattr(native, "decode_attention",
-                        lambda *a: calls.append(1) or kernel(*a))
+def test_decoding_attention_runs_the_kernel_for_a_decoding_step(dtype, mask_kind) -> None:
+    """A few CPU queries with no gradient are taken (``native_decoding``) and give the fused
+    backend's answer; with gradients, dropout or many queries they are not."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 6, 1, 16, generator=g).to(dtype)
     k, v = (torch.randn(1, 2, 9, 16, generator=g).to(dtype) for _ in range(2))  # B broadcasts
     mask = {None: None, "bool": torch.rand(2, 1, 1, 9, generator=g) > 0.5,
             "float": torch.randn(2, 1, 1, 9, generator=g), "key": torch.rand(9) > 0.2}[mask_kind]
     with torch.no_grad():
-        out = scaled_dot_product_attention(q, k, v, mask, is_causal=True, enable_gqa=True)
+        assert native_decoding(q, k, v, mask)
+        out = native_attention(q, k, v, mask, is_causal=True)
         fused = scaled_dot_product_attention(q, k, v, mask, is_causal=True, enable_gqa=True,
                                              backend="fused")
-    assert calls == [1]
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), fused.float(), rtol=tol, atol=tol)
-    scaled_dot_product_attention(q.requires_grad_(), k, v, mask, enable_gqa=True)
+    assert not native_decoding(q.requires_grad_(), k, v, mask)
     with torch.no_grad():
-        scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, dropout_p=0.5)
+        assert not native_decoding(q, k, v, mask, dropout_p=0.5)
         long = torch.randn(2, 6, native.MAX_ROWS + 1, 16).to(dtype)
-        scaled_dot_product_attention(long, k, v, None, enable_gqa=True)
-    assert calls == [1]
+        assert not native_decoding(long, k, v, None)
+        assert not native_decoding(q, k, v, torch.ones(3, 1, 1, 9, dtype=torch.bool))  # B=3
+        assert not native_decoding(q.double(), k.double(), v.double(), None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -129,25 +124,15 @@ def test_argmax_equals_torch(dtype, columns) -> None:
     assert native.argmax_rows(x[:0]).shape == (0,)
 
 
-def test_greedy_tokens_use_the_kernel(monkeypatch) -> None:
-    calls = []
-    kernel = native.argmax_rows
-    monkeypatch.setattr(native, "argmax_rows", lambda x: calls.append(x.shape) or kernel(x))
-    logits = torch.randn(2, 3, 50).to(torch.bfloat16)
-    assert torch.equal(greedy_tokens(logits), logits.float().argmax(-1))
-    assert calls == [(6, 50)]
-    assert torch.equal(greedy_tokens(logits.double()), logits.double().argmax(-1))
-    assert calls == [(6, 50)]  # float64: torch's argmax
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("unit_offset", [False, True])
 def test_rms_norm_equals_the_formula(dtype, weight_dtype, unit_offset) -> None:
-    """The kernel against the written-out formula (``RMSNorm`` with a gradient, which takes
-    the formula): the same roundings, so at most one step of the last one apart."""
+    """The kernel (``FastRMSNorm`` with no gradient) against the written-out formula
+    (``FastRMSNorm`` with a gradient, which runs ``RMSNorm``'s): the same roundings, so at
+    most one step of the last one apart."""
     calls = []
-    norm = RMSNorm(40, eps=1e-5, unit_offset=unit_offset)
+    norm = FastRMSNorm(40, eps=1e-5, unit_offset=unit_offset)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(40, generator=torch.Generator().manual_seed(2)))
     norm = norm.to(weight_dtype)
@@ -180,13 +165,9 @@ def test_rotary_equals_the_formula_exactly(dtype, interleaved, rotary_dim, cos_r
     cos, sin = angles.cos(), angles.sin()
     formula = apply_rotary(x.clone().requires_grad_(), cos, sin,
                            interleaved=interleaved).detach()
-    calls = []
-    kernel = native.rotary
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(native, "rotary", lambda *a: calls.append(1) or kernel(*a))
-        with torch.no_grad():
-            got = apply_rotary(x, cos, sin, interleaved=interleaved)
-    assert calls == [1]
+    with torch.no_grad():
+        got = native.rotary(x, cos.to(dtype).contiguous(), sin.to(dtype).contiguous(),
+                            interleaved)
     assert torch.equal(got, formula)
     with pytest.raises(RuntimeError, match="cos, sin: expected contiguous"):
         native.rotary(x, cos.to(dtype), sin.double(), interleaved)
@@ -323,7 +304,7 @@ def test_subnormal_bfloat16_outputs_are_kept_as_pytorch_keeps_them() -> None:
         flat = tiny.reshape(-1, 32)
         assert torch.equal(native.activation(flat, None, "silu"),
                            torch.nn.functional.silu(flat))
-    norm = RMSNorm(32, eps=1e-5).to(torch.bfloat16)
+    norm = FastRMSNorm(32, eps=1e-5).to(torch.bfloat16)
     with torch.no_grad():
         norm.weight.fill_(1e-39)
     x = torch.randn(5, 32, generator=g).to(torch.bfloat16)

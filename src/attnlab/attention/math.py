@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from attnlab.functional import softmax
+from attnlab.formulas import softmax
 from attnlab.masks import causal_mask
 
 

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from attnlab._checks import check_positive
 from attnlab.attention.kv_cache import LayerKVCache
 from attnlab.attention.sdpa import BACKENDS, scaled_dot_product_attention
-from attnlab.functional import linear
+from attnlab.formulas import linear
 from attnlab.hook_point import HookPoint
 from attnlab.masks import combine_masks, key_mask_to_attention_mask, key_mask_to_bool
 

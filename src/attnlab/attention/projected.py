@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.attention.multihead import check_input_dtypes, resolve_head_dim
-from attnlab.functional import linear
+from attnlab.formulas import linear
 from attnlab.masks import key_mask_to_bool
 
 __all__ = ["ProjectedAttention"]

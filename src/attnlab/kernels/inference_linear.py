@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from attnlab.functional import linear
+from attnlab.formulas import linear
 from attnlab.hook_point import share_hooks
 from attnlab.kernels import native
 from attnlab.kernels.calibration import bucket_of, forced_kernel, plan

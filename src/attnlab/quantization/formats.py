@@ -27,7 +27,6 @@ import torch
 from torch import Tensor
 
 from attnlab._checks import is_int
-from attnlab.kernels import native
 
 __all__ = [
     "BITS",
@@ -183,16 +182,6 @@ class QuantizedWeight:
         those rows: an embedding lookup."""
         flat = index.reshape(-1)
         scales = self.scales[flat]
-        out = dtype or scales.dtype
-        if self.layout == "plain" and out in native.DTYPES and native.takes(scales):
-            # The same numbers in one C++ pass: a decoding step looks up one row, where the
-            # formula's dozen ATen calls cost ~0.2 ms.
-            if self.bits == 8:
-                w = native.dequantize_int8(self.data[flat], scales, out)
-            else:
-                w = native.dequantize_int4(self.data[flat], scales, self.zeros[flat],
-                                           self.group_size, out)
-            return w.view(*index.shape, w.shape[-1])
         if self.bits == 8:
             w = dequantize_int8(self.data[flat], scales, dtype)
         else:
