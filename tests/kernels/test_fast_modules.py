@@ -119,6 +119,7 @@ def test_optimized_model_shows_its_fast_modules_and_keeps_its_state(name) -> Non
     assert "FusedDecoderLayers" in text and "FastSelfAttention" in text
     assert ("FastFeedForward" if name == "gpt2" else "FastGatedMLP") in text
     assert ("LayerNorm" if name == "gpt2" else "FastRMSNorm") in text
+    assert "FastGreedyTokens" in text
     assert "Fast" not in str(reference)
     ours, theirs = fast.state_dict(), reference.state_dict()
     assert list(ours) == list(theirs)
@@ -140,7 +141,8 @@ def test_fast_model_equals_the_reference_and_runs_the_kernels(monkeypatch, name,
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 7, dtype=torch.long)
     mask[1, :2] = 0  # left padding
-    kernels = ("decode_layers", "rms_norm", "rotary", "decode_attention", "activation")
+    kernels = ("decode_layers", "rms_norm", "rotary", "decode_attention", "activation",
+               "argmax_rows")
     calls = _counting(monkeypatch, *kernels)
     with torch.no_grad():
         want, got = reference(ids, mask), fast(ids, mask)
@@ -149,6 +151,7 @@ def test_fast_model_equals_the_reference_and_runs_the_kernels(monkeypatch, name,
         assert torch.equal(fast.generate(ids, 6, attention_mask=mask),
                            reference.generate(ids, 6, attention_mask=mask))
     assert calls["decode_layers"] == 5  # every step after the prompt's
+    assert calls["argmax_rows"] == 6  # every greedy choice
     if name != "gpt2":
         assert calls["rms_norm"] > 0 and calls["rotary"] > 0
     if native.activation_available():

@@ -11,6 +11,7 @@ from attnlab.generation.beam import beam_search, generate_seq2seq, greedy_search
 from attnlab.generation.generate import Streamer, generate
 from attnlab.generation.protocols import CausalLM, Seq2SeqLM
 from attnlab.generation.sampling import (
+    GreedyTokens,
     apply_repetition_penalty,
     check_logits,
     check_sampling_args,
@@ -25,6 +26,7 @@ from attnlab.generation.stopping import StopStrings
 
 __all__ = [
     "CausalLM",
+    "GreedyTokens",
     "KVCache",
     "LayerKVCache",
     "Seq2SeqLM",

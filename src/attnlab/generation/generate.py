@@ -122,6 +122,8 @@ def generate(
     finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
     # A model may say that its cached keys go stale at some length (longrope RoPE).
     expires = getattr(model, "cache_expires", lambda length: False)
+    # A model may own its greedy choice (a module that a fast one can stand in for).
+    greedy = getattr(model, "greedy", greedy_tokens)
     if max_new_tokens:
         logits = model(ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]
     for step in range(max_new_tokens):
@@ -133,7 +135,7 @@ def generate(
             check_logits(logits, name)
             token = sample_logits(logits, temperature, top_k, top_p, generator, check=False)
         else:
-            token = greedy_tokens(logits)
+            token = greedy(logits)
             # The chosen entry is its row's maximum: NaN or +inf when the row holds one, -inf
             # when every entry is; checking it checks the row, without a second pass.
             check_logits(logits.gather(-1, token[:, None]), name)

@@ -37,7 +37,8 @@ class CausalLM(Protocol):
     """``model(input_ids B x L, attention_mask=, cache=, logits_to_keep=) -> logits B x k x V``
     and ``model.make_cache(batch_size, max_len) -> KVCache``; optionally
     ``model.cache_expires(length) -> bool``, asked before each decoding step (True: the cache
-    is reset and the whole sequence run again)."""
+    is reset and the whole sequence run again), and ``model.greedy(logits) -> ids``, the
+    greedy choice (default ``greedy_tokens``)."""
 
     @property
     def config(self) -> CausalLMConfig: ...

@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from attnlab._checks import check_positive, is_int, is_number
 
 __all__ = [
+    "GreedyTokens",
     "apply_repetition_penalty",
     "check_logits",
     "check_sampling_args",
@@ -54,6 +55,15 @@ def sample_logits(logits: Tensor, temperature: float = 1.0, top_k: int | None = 
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     ids = torch.searchsorted(cdf, target, right=True)
     return ids.view(probs.shape[:-1])
+
+
+class GreedyTokens(nn.Module):
+    """``greedy_tokens`` as a module, so that a model can own its greedy choice and a fast
+    module (``attnlab.kernels.FastGreedyTokens``) can stand in for it: logits ``N.. x V`` ->
+    ids ``N..``."""
+
+    def forward(self, logits: Tensor) -> Tensor:
+        return greedy_tokens(logits)
 
 
 def greedy_tokens(logits: Tensor) -> Tensor:

@@ -14,6 +14,7 @@ from attnlab.kernels.catalog import KERNELS, Kernel
 from attnlab.kernels.fast_modules import (
     FastFeedForward,
     FastGatedMLP,
+    FastGreedyTokens,
     FastRMSNorm,
     FastSelfAttention,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "KERNELS",
     "FastFeedForward",
     "FastGatedMLP",
+    "FastGreedyTokens",
     "FastRMSNorm",
     "FastSelfAttention",
     "FusedLayers",

@@ -19,10 +19,12 @@ import sys
 
 from torch import nn
 
+from attnlab.generation.sampling import GreedyTokens
 from attnlab.kernels import native
 from attnlab.kernels.fast_modules import (
     FastFeedForward,
     FastGatedMLP,
+    FastGreedyTokens,
     FastRMSNorm,
     FastSelfAttention,
 )
@@ -35,7 +37,7 @@ __all__ = ["FAST", "optimize_for_inference", "restore_reference"]
 
 FAST: dict[type[nn.Module], type[nn.Module]] = {
     RMSNorm: FastRMSNorm, GatedMLP: FastGatedMLP, FeedForward: FastFeedForward,
-    SelfAttention: FastSelfAttention}
+    SelfAttention: FastSelfAttention, GreedyTokens: FastGreedyTokens}
 REFERENCE: dict[type[nn.Module], type[nn.Module]] = {fast: ref for ref, fast in FAST.items()}
 
 

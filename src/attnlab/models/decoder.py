@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from attnlab._checks import check_token_ids
 from attnlab.attention.kv_cache import KVCache, LayerKVCache
-from attnlab.generation import generate
+from attnlab.generation import GreedyTokens, generate
 from attnlab.hook_point import HookPoint, global_hooks
 from attnlab.layers import FeedForward, GatedMLP, LearnedPositionalEmbedding, RMSNorm
 from attnlab.layers.self_attention import SelfAttention
@@ -70,8 +70,9 @@ class DecoderLM(PreTrainedModel):
     Submodules (Hugging Face's names): ``embed_tokens``, ``embed_positions`` (learned
     positions only), ``layers[i]`` (``input_layernorm``, ``self_attn`` with ``q_proj``,
     ``k_proj``, ``v_proj``, ``o_proj``, ``post_attention_layernorm``, ``mlp``), ``norm``,
-    ``lm_head``. New weights are drawn as Hugging Face does: ``N(0, initializer_range^2)``
-    for linear and embedding weights, zero biases, unit norms.
+    ``lm_head``, and ``greedy`` (``GreedyTokens``: the greedy choice of ``generate``). New
+    weights are drawn as Hugging Face does: ``N(0, initializer_range^2)`` for linear and
+    embedding weights, zero biases, unit norms.
 
     The Hugging Face call surface: ``model(ids, attention_mask=, labels=, past_key_values=,
     use_cache=)`` returns a ``CausalLMOutput`` (``attnlab.models.outputs``: ``loss``,
@@ -95,6 +96,7 @@ class DecoderLM(PreTrainedModel):
         self.layers = DecoderLayers(DecoderBlock(c) for _ in range(c.num_layers))
         self.norm = make_norm(c, c.d_model)
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.greedy = GreedyTokens()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from attnlab._checks import check_positive, is_int
-from attnlab.generation import check_logits, greedy_tokens, sample_logits, unusable_rows
+from attnlab.generation import check_logits, sample_logits, unusable_rows
 from attnlab.layers.self_attention import SelfAttention
 from attnlab.models import DecoderLM
 from attnlab.serving.paged_attention import PagedRow, packed_hidden, paged_hidden
@@ -239,7 +239,7 @@ class Engine:
         try:
             with torch.inference_mode():
                 logits = self.model.lm_head(torch.stack([h for _, h in ready]))
-            unusable, best = unusable_rows(logits).tolist(), greedy_tokens(logits).tolist()
+            unusable, best = unusable_rows(logits).tolist(), self.model.greedy(logits).tolist()
         except Exception as error:
             with self._lock:
                 return [self._end(request, f"{type(error).__name__}: {error}")
