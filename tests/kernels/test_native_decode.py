@@ -6,8 +6,6 @@ argmax, equal to ``torch.argmax`` including ties, -inf and NaN; and their use by
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from kernel_helpers import built_for, thread_count
@@ -19,9 +17,8 @@ from attnlab.kernels import native
 from attnlab.layers import RMSNorm
 from attnlab.layers.rotary import apply_rotary
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("c++") is None and shutil.which("g++") is None,
-    reason="no C++ compiler: the native kernels cannot be built here")
+# Built by `attnlab build` before the session (conftest), else these tests skip saying so.
+pytestmark = pytest.mark.usefixtures("native_kernels")
 
 
 def _reference(q, k, v, mask, scale, is_causal):

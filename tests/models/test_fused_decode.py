@@ -4,8 +4,6 @@ must run (hooks, gradients, another backend, a cache it does not know)."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -15,9 +13,8 @@ from attnlab.kernels import native, optimize_for_inference
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.families import family_for
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("c++") is None and shutil.which("g++") is None,
-    reason="no C++ compiler: the native kernels cannot be built here")
+# Built by `attnlab build` before the session (conftest), else these tests skip saying so.
+pytestmark = pytest.mark.usefixtures("native_kernels")
 
 SIZES = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
