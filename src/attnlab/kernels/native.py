@@ -415,15 +415,15 @@ def _tools() -> str:
     :class:`MissingToolError` naming the compiler or ninja that is not there."""
     compiler = os.environ.get("CXX", "c++")  # the compiler torch's cpp_extension runs
     if shutil.which(compiler) is None:
-        raise MissingToolError(f"no C++ compiler: {compiler!r} is not on the PATH (install g++ or "
-                          "clang, or set CXX to one); without the native kernels attnlab "
-                          "runs the reference modules")
+        raise MissingToolError(f"no C++ compiler: {compiler!r} is not on the PATH (install "
+                               "g++ or clang, or set CXX to one); without the native kernels "
+                               "attnlab runs the reference modules")
     if shutil.which("ninja") is not None:
         return ""
     folder = _ninja_folder()  # torch builds with ninja: the `ninja` dependency ships one
     if not folder or shutil.which("ninja", path=folder) is None:
-        raise MissingToolError("no ninja: not on the PATH and the `ninja` package is not installed "
-                          "(pip install ninja)")
+        raise MissingToolError("no ninja: not on the PATH and the `ninja` package is not "
+                               "installed (pip install ninja)")
     return folder
 
 
