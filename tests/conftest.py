@@ -1,25 +1,48 @@
 """Shared test helpers: an oracle comparison with a per-dtype tolerance table, the
 inference kernels pinned to the formula (results independent of a calibration on a busy
-machine; the kernels' own tests unpin them and prove each equal to the formula), and one
+machine; the kernels' own tests unpin them and prove each equal to the formula), the native
+kernels that ``attnlab build`` compiled before the session (never compiled here), and one
 tiny Qwen2 checkpoint folder for the tests that only read one."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+
+from attnlab.kernels import native
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _kernels_pinned_to_the_formula(tmp_path_factory: pytest.TempPathFactory):
     """``ATTNLAB_KERNELS=formula``, ``ATTNLAB_QUANTIZED_KERNELS=dequantize`` and a calibration
     cache in a temporary folder for the session (subprocesses inherit them), never the
-    user's ``~/.cache``."""
+    user's ``~/.cache``. The native kernels are loaded first, from the build that ``attnlab
+    build`` made in the user's cache (``make test`` runs it), once for the session (tests
+    that change ``$ATTNLAB_CACHE_DIR`` keep them), and their library is copied into the
+    session's cache for the subprocesses; without that build they are not available."""
+    native.available()
+    built = native.library_file()
     patch = pytest.MonkeyPatch()
     patch.setenv("ATTNLAB_KERNELS", "formula")
     patch.setenv("ATTNLAB_QUANTIZED_KERNELS", "dequantize")
     patch.setenv("ATTNLAB_CACHE_DIR", str(tmp_path_factory.mktemp("kernel-cache")))
+    if built.is_file():
+        native.library_file().parent.mkdir(parents=True)
+        shutil.copyfile(built, native.library_file())
     yield
     patch.undo()
+
+
+@pytest.fixture
+def native_kernels() -> None:
+    """Skips a test that forces the native kernels when the session has none: they are
+    compiled by ``attnlab build`` (``make test`` runs it first), never by the tests."""
+    if not native.available():
+        reason = native.unavailable_reason()
+        pytest.skip("native kernels not built (run `attnlab build`)" if reason.startswith(
+            "not built") else f"native kernels not available: {reason}")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
-"""The ``attnlab`` command line: ``attnlab demo``, ``attnlab bench NAME``, and the commands of
-``cli_train``, ``cli_infer``, ``cli_viz`` and ``cli_generate``.
+"""The ``attnlab`` command line: ``attnlab demo``, ``attnlab build``, ``attnlab bench NAME``, and
+the commands of ``cli_train``, ``cli_infer``, ``cli_viz`` and ``cli_generate``.
 
 Each command uses the library's public API only and names the folder it wrote when it ends.
 ``attnlab bench NAME --quick`` writes to ``runs/bench-quick`` unless ``--out`` says otherwise,
@@ -22,6 +22,7 @@ from attnlab.cli_quantize import add_commands as add_quantize_commands
 from attnlab.cli_serve import add_commands as add_serve_commands
 from attnlab.cli_train import add_commands
 from attnlab.cli_viz import add_commands as add_viz_commands
+from attnlab.kernels import native
 
 # Each benchmark module has ``add_arguments(parser)`` and ``run(args) -> Path`` (the folder
 # or file written).
@@ -74,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch-size", type=int, default=128, help="examples per training step")
     demo.add_argument("--intro", action="store_true", help="only a short tour of the attention API")
     demo.set_defaults(handler=_run_demo)
+
+    build = sub.add_parser(
+        "build", help="compile attnlab's C++ kernels for this CPU (once; 1-3 min)",
+        description="Compile the native kernels (attnlab.kernels.native) for this CPU and "
+        "torch into $ATTNLAB_CACHE_DIR/native (else ~/.cache/attnlab/native), where every "
+        "later process loads them; nothing else ever compiles. Says 'already built' at once "
+        "when they are. Without them everything runs the reference modules. Exit status 2 "
+        "when a C++ compiler or ninja is missing, 1 when the compile fails.")
+    build.set_defaults(handler=_run_build)
 
     add_commands(sub)
     add_infer_commands(sub)
@@ -140,6 +150,15 @@ def _bench_handler(module):
         return 0
 
     return handler
+
+
+def _run_build(args: argparse.Namespace) -> int:
+    try:
+        native.build()
+    except native.BuildError as error:
+        print(f"attnlab build: {error}", file=sys.stderr)
+        return 2 if isinstance(error, native.MissingToolError) else 1
+    return 0
 
 
 def _run_demo(args: argparse.Namespace) -> int:

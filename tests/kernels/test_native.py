@@ -1,14 +1,11 @@
 """attnlab's C++ decoding kernels (``attnlab.kernels.native``), each equal to its formula in
 float64: float32/bfloat16 GEMV, int8 with per-row scales, int4 in groups; every row count
 (blocks of 8 and 4 rows and their tails), input sizes that are not a multiple of the vector
-width, one and two threads; bad input refused by name. They are built on this machine: where
-a C++ compiler is installed, a failed build fails these tests instead of skipping them."""
+width, one and two threads; bad input refused by name. ``attnlab build`` compiled them before
+the session, else these tests skip saying so (test_native_build: how they are built)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import warnings
 from pathlib import Path
 
 import pytest
@@ -18,15 +15,7 @@ from kernel_helpers import built_for, thread_count
 from attnlab.kernels import native
 from attnlab.quantization import quantize
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("c++") is None and shutil.which("g++") is None,
-    reason="no C++ compiler: the native kernels cannot be built here (calibration skips them)")
-
-
-def test_the_kernels_build_here() -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a failed build warns: fail on it
-        assert native.available()
+pytestmark = pytest.mark.usefixtures("native_kernels")
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
@@ -42,8 +31,6 @@ GEMV_CASES = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, 
 
 
 def _skip_without_pairs(pairs: bool) -> None:
-    # Asked inside the test, not at collection: asking builds the kernels, which must happen
-    # in the session's cache folder (conftest), never in the user's ~/.cache.
     if pairs and not native.pairs_available():
         pytest.skip("this CPU has no AVX512-BF16 (no pair products)")
 
@@ -382,20 +369,6 @@ def test_the_sources_build_for_a_cpu_without_avx512_or_amx(target: str, build_fo
                torch.float32)
 
 
-def test_the_build_target_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``ATTNLAB_NATIVE_MARCH`` replaces ``-march=native`` (and so the build's digest); a value
-    that is not a target name is refused by the variable's name."""
-    monkeypatch.delenv("ATTNLAB_NATIVE_MARCH", raising=False)
-    assert native.build_flags() == native._FLAGS and "-march=native" in native._FLAGS
-    monkeypatch.setenv("ATTNLAB_NATIVE_MARCH", "x86-64-v3")
-    flags = native.build_flags()
-    assert "-march=x86-64-v3" in flags and "-march=native" not in flags
-    assert len(flags) == len(native._FLAGS)
-    monkeypatch.setenv("ATTNLAB_NATIVE_MARCH", "native -fplugin=evil.so")
-    with pytest.raises(ValueError, match="ATTNLAB_NATIVE_MARCH: expected a -march target"):
-        native.build_flags()
-
-
 def test_a_native_build_has_every_loop_this_cpu_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """The pair and integer tests skip on a CPU without those instructions, so a build that
     silently left them out would pass: on a CPU whose flags list them, a -march=native build
@@ -417,70 +390,6 @@ def test_a_native_build_has_every_loop_this_cpu_can_run(monkeypatch: pytest.Monk
         assert native.pairs_available()
     if "avx512_vnni" in flags:  # (the tiles also need the kernel's permission: not asked)
         assert native.integers_available()
-
-
-def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Read when the kernels are first asked for (a fresh process: no extension loaded)."""
-    monkeypatch.setattr(native, "_BUILT", [])
-    monkeypatch.setenv("ATTNLAB_NATIVE", "0")
-    assert not native.available()
-    with pytest.raises(RuntimeError, match="not available"):
-        native.gemv(torch.randn(1, 4), torch.randn(2, 4))
-
-
-def test_a_failed_build_warns_once_and_leaves_the_choice_to_pytorchs_kernels(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    from torch.utils import cpp_extension
-
-    def fails(**kwargs):
-        raise RuntimeError("Error building extension 'attnlab_native'\nc++: not found")
-
-    monkeypatch.setattr(native, "_BUILT", [])
-    monkeypatch.setattr(cpp_extension, "load", fails)
-    with pytest.warns(UserWarning, match=r"could not be built \(c\+\+: not found\)"):
-        assert not native.available()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert not native.available()  # decided once per process
-
-
-def test_ninja_comes_from_its_package_when_not_on_the_path() -> None:
-    """torch builds extensions with ninja; the ``ninja`` dependency ships one beside Python."""
-    folder = native._ninja_folder()
-    assert shutil.which("ninja", path=folder) is not None
-
-
-def test_a_build_is_kept_per_cpu_model_and_torch_version(monkeypatch, tmp_path) -> None:
-    """-march=native code must never be loaded on another CPU: the build folder's name
-    changes with the CPU model (as it does with the source and the torch version)."""
-    from torch.utils import cpp_extension
-
-    from attnlab.kernels import cache
-
-    folders = []
-    monkeypatch.setenv("ATTNLAB_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpp_extension, "load", lambda **kw: folders.append(kw["build_directory"]))
-    native._build()
-    monkeypatch.setattr(cache, "cpu_model", lambda: "another CPU")
-    native._build()
-    assert len(set(folders)) == 2 and all(f.startswith(str(tmp_path)) for f in folders)
-
-
-def test_a_build_killed_midway_does_not_hang_the_next_load() -> None:
-    """torch leaves its ``lock`` file behind when a build is killed, and its next load waits
-    for it forever; ours clears it under an OS lock that dies with its process."""
-    import subprocess
-    import sys
-
-    assert native.available()
-    folder = Path(native._extension().__file__).parent  # CACHE_DIR/native/<key>/*.so
-    (folder / "lock").write_text("")  # as a killed build leaves it
-    code = "from attnlab.kernels import native; print(native.available())"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env={**os.environ,
-                                            "ATTNLAB_CACHE_DIR": str(folder.parent.parent)})
-    assert done.stdout.strip() == "True", done.stderr
-    assert not (folder / "lock").exists()
 
 
 _ACTS = {"silu": torch.nn.functional.silu,

@@ -6,8 +6,6 @@ conditions under which the fast modules run them (``attnlab.kernels.decode_atten
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from kernel_helpers import built_for, thread_count
@@ -18,9 +16,8 @@ from attnlab.kernels import FastRMSNorm, native
 from attnlab.kernels.decode_attention import native_attention, native_decoding
 from attnlab.layers.rotary import apply_rotary
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("c++") is None and shutil.which("g++") is None,
-    reason="no C++ compiler: the native kernels cannot be built here")
+# Built by `attnlab build` before the session (conftest), else these tests skip saying so.
+pytestmark = pytest.mark.usefixtures("native_kernels")
 
 
 def _reference(q, k, v, mask, scale, is_causal):

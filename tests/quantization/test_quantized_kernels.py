@@ -165,6 +165,7 @@ def test_one_row_decoding_keeps_the_pair_kernel_when_it_loses_only_at_16_rows(
         "33+": "native_dequantize"}
 
 
+@pytest.mark.usefixtures("native_kernels")  # the plan offers only kernels that run here
 def test_an_exact_kernel_needs_no_margin_over_the_formula(monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
     """``native_dequantize`` gives the formula's numbers bit for bit, so 5% faster is reason

@@ -166,7 +166,7 @@ def test_update_refuses_keys_of_the_wrong_shape():
         layer.update(good, torch.zeros(1, 2, 3, 4))
 
 
-@pytest.mark.skipif(not native.available(), reason="the native kernels are not built here")
+@pytest.mark.usefixtures("native_kernels")
 def test_a_decoding_step_reads_keys_in_their_pages_and_a_hook_sees_them_gathered(monkeypatch):
     """A decoding step runs ``native.paged_attention`` in every layer (no gather); a hook on
     the attention pattern gets its layer's keys gathered and attended by

@@ -13,11 +13,13 @@ them, else plain loops that it vectorises);
 ``native_tiles.cpp`` runs up to 32 bfloat16 rows on the matrix tiles of a CPU with AMX-BF16
 (:func:`gemv_tiles`, :func:`gemv_int8_tiles`), where the vector loops would run out of
 arithmetic before memory. They are
-compiled on first use with ``torch.utils.cpp_extension`` for this CPU (``-march=native``;
-under a minute, once: the build is kept under ``$ATTNLAB_CACHE_DIR/native``, else
-``~/.cache/attnlab/native``, keyed by the sources, the torch version and the CPU model; ninja
-comes from the ``ninja`` package when it is not on the PATH). Nothing requires them: without a
-compiler (or with ``ATTNLAB_NATIVE=0``) :func:`available` is False and the callers use
+compiled only by :func:`build` (``attnlab build``, which ``make test`` and ``make demo`` run),
+with ``torch.utils.cpp_extension`` for this CPU (``-march=native``; 1-3 min, once: the build is
+kept under ``$ATTNLAB_CACHE_DIR/native``, else ``~/.cache/attnlab/native``, keyed by the
+sources' content, the torch version and the CPU model, so two checkouts share it; ninja comes
+from the ``ninja`` package when it is not on the PATH); asking for them (:func:`available`)
+only loads that build. Nothing requires them: not built (or with ``ATTNLAB_NATIVE=0``)
+:func:`available` is False, :func:`unavailable_reason` says why, and the callers use
 PyTorch's kernels. ``ATTNLAB_NATIVE_MARCH`` (e.g. ``x86-64-v3``) builds for that target
 instead of ``native``: a CPU family's lowest common set, or a lesser CPU measured on this one.
 """
@@ -27,11 +29,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import logging
+import importlib.machinery
+import importlib.util
 import os
 import re
 import shutil
-import warnings
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -44,39 +48,17 @@ except ImportError:  # not POSIX
 import torch
 from torch import Tensor
 
+from attnlab.durable import write_file_atomic, write_text_atomic
 from attnlab.kernels import cache
 
-__all__ = [
-    "ACTIVATIONS",
-    "DTYPES",
-    "MAX_ROWS",
-    "STEP_CALL",
-    "STEP_KINDS",
-    "TILES_MAX_ROWS",
-    "activation",
-    "activation_available",
-    "argmax_rows",
-    "available",
-    "build_flags",
-    "build_id",
-    "decode_attention",
-    "decode_layers",
-    "dequantize_int4",
-    "dequantize_int8",
-    "gemv",
-    "gemv_int4",
-    "gemv_int8",
-    "gemv_int8_tiles",
-    "gemv_tiles",
-    "integers_available",
-    "paged_attention",
-    "pairs_available",
-    "rms_norm",
-    "rotary",
-    "takes",
-    "tiles_available",
-    "unavailable_reason",
-]
+__all__ = ["ACTIVATIONS", "DTYPES", "MAX_ROWS", "STEP_CALL", "STEP_KINDS", "TILES_MAX_ROWS",
+           "BuildError", "MissingToolError", "activation", "activation_available", "argmax_rows",
+           "available", "build", "build_flags", "build_id",
+           "decode_attention", "decode_layers", "dequantize_int4", "dequantize_int8", "gemv",
+           "gemv_int4", "gemv_int8", "gemv_int8_tiles", "gemv_tiles", "integers_available",
+           "library_file", "paged_attention",
+           "pairs_available", "rms_norm", "rotary", "takes", "tiles_available",
+           "unavailable_reason"]
 
 # The float GEMVs and the attention kernel are offered for the decoding buckets only: past 8
 # rows a BLAS GEMM reuses each weight better. (The quantized plan offers its GEMVs further, for
@@ -106,8 +88,9 @@ _ENV = "ATTNLAB_NATIVE"
 # multiply-add, so the kernels round as the formulas they replace do.
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 _MARCH_ENV = "ATTNLAB_NATIVE_MARCH"
-_LOG = logging.getLogger("attnlab.kernels")
-_BUILT: list[ModuleType | None] = []  # the loaded extension, or None when it cannot be had
+_FAILED = "build-failed.txt"  # the compiler's output of a failed build, in its folder
+# The loaded extension and None, or None and why it is not loaded (unavailable_reason).
+_BUILT: list[tuple[ModuleType | None, str | None]] = []
 
 
 def takes(*tensors: Tensor) -> bool:
@@ -121,20 +104,20 @@ def takes(*tensors: Tensor) -> bool:
     return available()
 
 
-def unavailable_reason() -> str:
-    """Why :func:`available` is False, in a few words ("" when it is True)."""
-    if available():
-        return ""
-    if os.environ.get(_ENV, "").strip() == "0":
-        return f"{_ENV}=0"
-    return "the build failed"
-
-
 def available() -> bool:
-    """Whether the native kernels can run here: compiled now if needed (once per process)
-    unless ``$ATTNLAB_NATIVE`` is ``0`` when they are first asked for; a failed build warns
-    once and gives False."""
+    """Whether the native kernels run in this process: the library that :func:`build`
+    (``attnlab build``) compiled for these sources, this CPU and this torch, loaded the first
+    time they are asked for (once per process; nothing is ever compiled here). False when it
+    is not built, or ``$ATTNLAB_NATIVE`` is ``0``: :func:`unavailable_reason` says why."""
     return _extension() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is False, in one line (``"not built: run `attnlab build`"``,
+    ``"ATTNLAB_NATIVE=0"``, ``"build failed: ..."``, ``"cannot load ..."``); None when it is
+    True."""
+    _extension()
+    return _BUILT[0][1]
 
 
 def pairs_available() -> bool:
@@ -325,17 +308,40 @@ def _bfloat16(name: str, dtype: torch.dtype) -> bool:
 def _require() -> ModuleType:
     extension = _extension()
     if extension is None:
-        raise RuntimeError("attnlab's native kernels are not available on this machine "
-                           "(see the warning given when they were first asked for)")
+        raise RuntimeError(f"attnlab's native kernels are not available: {unavailable_reason()}")
     return extension
 
 
 def _extension() -> ModuleType | None:
-    # $ATTNLAB_NATIVE is read once, with the build: this runs for every kernel call, and an
-    # environment lookup (~1 us) there cost ~0.1 ms a decoded token.
+    # $ATTNLAB_NATIVE and the build folder are read once, with the load: this runs for every
+    # kernel call, and an environment lookup (~1 us) there cost ~0.1 ms a decoded token.
     if not _BUILT:
-        _BUILT.append(None if os.environ.get(_ENV, "").strip() == "0" else _build())
-    return _BUILT[0]
+        _BUILT.append(_load())
+    return _BUILT[0][0]
+
+
+def _load() -> tuple[ModuleType | None, str | None]:
+    """The built library of :func:`library_file` imported as it lies (no compiler, no ninja),
+    or None and why not."""
+    if os.environ.get(_ENV, "").strip() == "0":
+        return None, f"{_ENV}=0"
+    library = library_file()
+    if not library.is_file():
+        failed = library.with_name(_FAILED)
+        if failed.is_file():
+            lines = failed.read_text(encoding="utf-8", errors="replace").strip().splitlines()
+            return None, (f"build failed: {lines[-1] if lines else 'see ' + str(failed)} "
+                          f"(`attnlab build` tries again)")
+        return None, "not built: run `attnlab build`"
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(_module_name(library), str(library))
+        spec = importlib.util.spec_from_file_location(loader.name, library, loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except (ImportError, OSError) as error:  # a library for another torch, or a damaged file
+        return None, (f"cannot load {library} ({error}); delete {library.parent} and run "
+                      f"`attnlab build`")
+    return module, None
 
 
 def build_flags() -> tuple[str, ...]:
@@ -357,64 +363,150 @@ def build_id() -> str:
     build are never taken for another's."""
     if os.environ.get(_ENV, "").strip() == "0":
         return "off"
-    return _digest(build_flags(), cache.cpu_model(), torch.__version__)
+    return library_file().parent.name
 
 
-@functools.cache
-def _digest(flags: tuple[str, ...], cpu: str, torch_version: str) -> str:
-    # -march=native: a build is for this CPU model only (a home folder shared between
-    # machines must not hand one CPU's instructions to another).
-    key = f"{torch_version} | {cpu} | {' '.join(flags)}".encode()
-    text = b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
-    return hashlib.sha256(text + key).hexdigest()[:16]
+def library_file() -> Path:
+    """Where the built library of these sources lies (whether built yet or not):
+    ``$ATTNLAB_CACHE_DIR/native/<digest>/attnlab_native_<digest>.so`` (else under
+    ``~/.cache/attnlab``), the digest of the sources' content, the compiler flags, the torch
+    version and the CPU model, never of the sources' folder: two checkouts of one version
+    share it."""
+    digest = _digest(_SOURCES + _HEADERS, build_flags(), cache.cpu_model(), torch.__version__)
+    return cache.cache_file().parent / "native" / digest / f"attnlab_native_{digest}.so"
 
 
-def _build() -> ModuleType | None:
-    """The compiled extension, from the build folder when this source was built there."""
-    flags = build_flags()
-    digest = _digest(flags, cache.cpu_model(), torch.__version__)
-    folder = cache.cache_file().parent
-    build = folder / "native" / digest
+def build() -> Path:
+    """Compile the native kernels for this CPU into :func:`library_file`'s folder, unless they
+    are built there already, and load them in this process -> the folder. One line on stderr
+    before the compile starts and one when it ends (or "already built" at once). Only one
+    process compiles in a folder at a time (the others wait, and then find it built); a build
+    killed midway leaves no library, and the next one starts afresh. Raises
+    :class:`MissingToolError` (before compiling) without a C++ compiler or ninja,
+    :class:`BuildError` when the compile fails (its output kept in the folder's
+    ``build-failed.txt``)."""
+    if os.environ.get(_ENV, "").strip() == "0":
+        raise MissingToolError(f"{_ENV}=0 switches the native kernels off: unset it to build them")
+    library = library_file()
+    folder = library.parent
+    if not library.is_file():
+        ninja = _tools()
+        folder.mkdir(parents=True, exist_ok=True)
+        with _only_builder(folder):
+            if not library.is_file():  # else another process built it while this one waited
+                return _compile(library, ninja)
+    if _BUILT and _BUILT[0][0] is None:
+        _BUILT.clear()  # built by another process since this one asked: load when next asked
+    _say(f"already built: {folder}")
+    return folder
+
+
+class BuildError(RuntimeError):
+    """The native kernels' compile failed: the message ends with the compiler's last line."""
+
+
+class MissingToolError(BuildError):
+    """The native kernels cannot be compiled here: no C++ compiler or no ninja (or
+    ``ATTNLAB_NATIVE=0``); the message names what is missing."""
+
+
+def _tools() -> str:
+    """The folder to put before the PATH for ninja ("" when it is on the PATH already); raises
+    :class:`MissingToolError` naming the compiler or ninja that is not there."""
+    compiler = os.environ.get("CXX", "c++")  # the compiler torch's cpp_extension runs
+    if shutil.which(compiler) is None:
+        raise MissingToolError(f"no C++ compiler: {compiler!r} is not on the PATH (install "
+                               "g++ or clang, or set CXX to one); without the native kernels "
+                               "attnlab runs the reference modules")
+    if shutil.which("ninja") is not None:
+        return ""
+    folder = _ninja_folder()  # torch builds with ninja: the `ninja` dependency ships one
+    if not folder or shutil.which("ninja", path=folder) is None:
+        raise MissingToolError("no ninja: not on the PATH and the `ninja` package is not "
+                               "installed (pip install ninja)")
+    return folder
+
+
+def _compile(library: Path, ninja: str) -> Path:
+    """Compile into ``library``'s folder from copies of the sources kept there (so that the
+    build records no checkout's path), then publish the library in one step."""
+    from torch.utils import cpp_extension  # imports setuptools (~0.5 s): for a build only
+
+    folder = library.parent
+    copies, work = folder / "src", folder / "build"
+    # Whatever a killed build left (objects, torch's `lock` that its next load would wait
+    # for forever, a half-written library) goes: a compile starts from nothing.
+    for leftover in (copies, work, folder / _FAILED):
+        if leftover.is_dir():
+            shutil.rmtree(leftover)
+        else:
+            leftover.unlink(missing_ok=True)
+    copies.mkdir()
+    work.mkdir()
+    for source in _SOURCES + _HEADERS:
+        shutil.copyfile(source, copies / source.name)
+    _say(f"compiling the native kernels for {cache.cpu_model()} (once per CPU and torch, "
+         f"about 1-3 min) in {folder}")
+    start = time.monotonic()
     path = os.environ.get("PATH")
+    if ninja:
+        os.environ["PATH"] = os.pathsep.join((ninja, path or ""))
     try:
-        from torch.utils import cpp_extension
-
-        build.mkdir(parents=True, exist_ok=True)
-        _LOG.info("attnlab: compiling the native decoding kernels in %s (once)", build)
-        if shutil.which("ninja") is None:  # torch builds with ninja: the `ninja` wheel's
-            os.environ["PATH"] = os.pathsep.join((_ninja_folder(), path or ""))  # copy
-        with _only_builder(build):
-            return cpp_extension.load(
-                name=f"attnlab_native_{digest}", sources=[str(p) for p in _SOURCES],
-                build_directory=str(build), extra_cflags=list(flags),
-                extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as error:  # a missing compiler or ninja, a failed build: not fatal
-        lines = str(error).strip().splitlines()
-        reason = lines[-1] if lines else type(error).__name__
-        warnings.warn(f"attnlab's native kernels could not be built ({reason}); decoding "
-                      f"uses PyTorch's kernels. Set {_ENV}=0 to skip the attempt.",
-                      stacklevel=3)
-        return None
+        module = cpp_extension.load(
+            name=_module_name(library), sources=[str(copies / p.name) for p in _SOURCES],
+            build_directory=str(work), extra_cflags=list(build_flags()),
+            extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as error:  # the compiler's or the linker's complaint
+        text = str(error).strip() or type(error).__name__
+        write_text_atomic(folder / _FAILED, text + "\n")
+        raise BuildError(f"the native kernels did not build: {text.splitlines()[-1]} (the "
+                         f"whole output: {folder / _FAILED})") from None
     finally:
         if path is None:
             os.environ.pop("PATH", None)
         else:
             os.environ["PATH"] = path
+    write_file_atomic(library, lambda tmp: shutil.copyfile(module.__file__, tmp))
+    _BUILT[:] = [(module, None)]
+    _say(f"built in {time.monotonic() - start:.0f} s: {folder}")
+    return folder
+
+
+def _module_name(library: Path) -> str:
+    # The name the library's PyInit_ function carries (TORCH_EXTENSION_NAME): its file's.
+    return library.name.removesuffix(".so")
+
+
+def _say(text: str) -> None:
+    print(f"attnlab build: {text}", file=sys.stderr, flush=True)
+
+
+@functools.cache
+def _digest(files: tuple[Path, ...], flags: tuple[str, ...], cpu: str,
+            torch_version: str) -> str:
+    # -march=native: a build is for this CPU model only (a home folder shared between
+    # machines must not hand one CPU's instructions to another). The files' content, never
+    # their paths: two checkouts of one version share one build.
+    key = f"{torch_version} | {cpu} | {' '.join(flags)}".encode()
+    text = b"".join(p.read_bytes() for p in files)
+    return hashlib.sha256(text + key).hexdigest()[:16]
 
 
 @contextlib.contextmanager
-def _only_builder(build: Path) -> Iterator[None]:
-    """This process alone in ``build`` for the block. torch marks a build in progress with a
-    ``lock`` file that every later load waits for, forever when the builder was killed; an
-    OS lock (``flock``, released when its process dies, however it dies) is held around the
-    load instead, and a ``lock`` file found while holding it was left by a killed build."""
-    if fcntl is None:  # no flock on this system: torch's own lock only
+def _only_builder(folder: Path) -> Iterator[None]:
+    """This process alone in ``folder`` for the block, saying so once on stderr when it waits
+    for another. An OS lock (``flock``), released when its process dies however it dies, so
+    that a killed build never blocks the next (torch's own ``lock`` file would, forever)."""
+    if fcntl is None:  # no flock on this system: one builder at a time is the user's care
         yield
         return
-    with open(build / "attnlab-build.lock", "w") as guard:
-        fcntl.flock(guard, fcntl.LOCK_EX)
+    with open(folder / "attnlab-build.lock", "w") as guard:
         try:
-            (build / "lock").unlink(missing_ok=True)
+            fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(f"waiting for another process that is building in {folder}")
+            fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
             yield
         finally:
             fcntl.flock(guard, fcntl.LOCK_UN)

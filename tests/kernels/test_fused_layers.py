@@ -1,23 +1,20 @@
-"""The one-call decoding step (``attnlab.models.fused_decode``): bit-equal to the modules'
+"""The one-call decoding step (``attnlab.kernels.fused_layers``): bit-equal to the modules'
 forward on every family, dtype and weight kind it takes, and not taken where the modules
 must run (hooks, gradients, another backend, a cache it does not know)."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
-import attnlab.models.decoder as decoder_module
 from attnlab.attention.kv_cache import KVCache
+from attnlab.kernels import fused_layers as fused_module
 from attnlab.kernels import native, optimize_for_inference
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.families import family_for
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("c++") is None and shutil.which("g++") is None,
-    reason="no C++ compiler: the native kernels cannot be built here")
+# Built by `attnlab build` before the session (conftest), else these tests skip saying so.
+pytestmark = pytest.mark.usefixtures("native_kernels")
 
 SIZES = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -108,7 +105,7 @@ def test_fused_step_equals_the_modules_bit_for_bit(monkeypatch, model_type, dtyp
     calls = counted(monkeypatch)
     fused, fused_cache = decode(model)
     assert calls[0] == 6  # every one-token step, not the prompt
-    monkeypatch.setattr(decoder_module, "fused_layers", lambda *args: None)
+    monkeypatch.setattr(fused_module, "fused_layers", lambda *args: None)
     plain, plain_cache = decode(model)
     assert calls[0] == 6
     for a, b in zip(fused, plain):
@@ -130,7 +127,7 @@ def test_generate_takes_the_fused_step_and_gives_the_same_tokens(monkeypatch, mo
     calls = counted(monkeypatch)
     fused = model.generate(ids, 8)
     assert calls[0] == 7
-    monkeypatch.setattr(decoder_module, "fused_layers", lambda *args: None)
+    monkeypatch.setattr(fused_module, "fused_layers", lambda *args: None)
     assert torch.equal(fused, model.generate(ids, 8))
 
 
