@@ -33,7 +33,7 @@ from attnlab.kernels.inference_linear import InferenceLinear, swap_linears, to_l
 from attnlab.layers import FeedForward, GatedMLP, RMSNorm
 from attnlab.layers.self_attention import SelfAttention
 
-__all__ = ["FAST", "optimize_for_inference", "restore_reference"]
+__all__ = ["FAST", "install_modules", "optimize_for_inference", "restore_reference"]
 
 FAST: dict[type[nn.Module], type[nn.Module]] = {
     RMSNorm: FastRMSNorm, GatedMLP: FastGatedMLP, FeedForward: FastFeedForward,
@@ -50,12 +50,7 @@ def optimize_for_inference(model: nn.Module, *, kernel: str | None = None,
     Without the native kernels built (``attnlab build``), the modules that need them stay
     the reference ones, and a line on stderr says so, once a process."""
     model = swap_linears(model, kernel=kernel, extra_memory=extra_memory)
-    missing = _install(model)
-    if missing and not _TOLD:
-        _TOLD.append(True)
-        print(f"attnlab: the native kernels are not available ({native.unavailable_reason()}): "
-              f"{', '.join(missing)} not installed, the reference modules run",
-              file=sys.stderr)
+    install_modules(model)
     return model
 
 
@@ -75,15 +70,22 @@ def restore_reference(model: nn.Module) -> nn.Module:
 _TOLD: list[bool] = []  # the stderr line of a missing build, said once a process
 
 
-def _install(model: nn.Module) -> list[str]:
-    """Swap every module of ``model`` whose class is exactly a reference that a fast module
-    stands in for (``RMSNorm``, ``GatedMLP``, ``FeedForward``, ``SelfAttention``, a decoder's
-    layer list) for that fast module, in place. Returns the names of the fast classes that
-    could not be installed because the C++ kernels are not built (empty when they are): the
-    model then runs the reference modules, unchanged."""
+def install_modules(model: nn.Module) -> list[str]:
+    """Swap every module of ``model`` but its Linears whose class is exactly a reference that
+    a fast module stands in for (``RMSNorm``, ``GatedMLP``, ``FeedForward``,
+    ``SelfAttention``, ``GreedyTokens``, a decoder's layer list) for that fast module, in
+    place (``optimize_for_inference`` calls it, and ``quantize_model``, whose quantized
+    Linears are fast modules already). Returns the names of the fast classes that could not be
+    installed because the C++ kernels are not available (empty when they are): the model then
+    runs the reference modules, unchanged, and a line on stderr says so, once a process."""
     if not native.available():
         found = {FAST[type(m)].__name__ for m in model.modules() if type(m) in FAST}
         found |= {f"Fused{type(m).__name__}" for m in model.modules() if _is_layer_list(m)}
+        if found and not _TOLD:
+            _TOLD.append(True)
+            print(f"attnlab: the native kernels are not available "
+                  f"({native.unavailable_reason()}): {', '.join(sorted(found))} not "
+                  "installed, the reference modules run", file=sys.stderr)
         return sorted(found)
     for module in model.modules():
         if type(module) in FAST:

@@ -24,6 +24,7 @@ from torch import nn
 from attnlab._checks import is_int
 from attnlab.hook_point import share_hooks
 from attnlab.kernels import InferenceLinear
+from attnlab.kernels.install import install_modules
 from attnlab.quantization.formats import GROUP_SIZES
 from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
 
@@ -90,7 +91,9 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int | Non
     default 64) must divide every quantized layer's input size (an embedding's dim); a layer
     that it does not divide is refused by name before anything changes. ``kernel`` forces one
     of ``attnlab.quantization.kernels.QUANTIZED_KERNELS``. A swapped module keeps the replaced
-    one's train/eval mode and forward and backward hooks (their handles still remove them)."""
+    one's train/eval mode and forward and backward hooks (their handles still remove them).
+    A quantized model is for inference: the other fast modules are swapped in too
+    (``attnlab.kernels.install.install_modules``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if method == "int4" and group_size is None:
@@ -101,6 +104,7 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int | Non
         raise ValueError(f"model: already quantized ({model.quantization.method}); load the "
                          "float weights to quantize them another way")
     _replace(model, config, kernel=kernel, empty=False)
+    install_modules(model)
     return model
 
 
