@@ -47,7 +47,7 @@ def rewrite(folder, change) -> None:
 
 def test_save_load_round_trip_and_memory_map(folder) -> None:
     original = model()
-    loaded = from_pretrained(folder)
+    loaded = from_pretrained(folder, kernels=False)  # the reference modules: bit for bit
     assert loaded.config == CONFIG and not loaded.training
     assert all(p.requires_grad for p in loaded.parameters())
     for (name, a), (_, b) in zip(original.state_dict().items(), loaded.state_dict().items(),
