@@ -33,9 +33,10 @@ def test_swapped_layers_are_reported(tmp_path: Path) -> None:
     # layers imports attention (SelfAttention runs scaled_dot_product_attention): with the
     # two swapped, the same package must break the contract, naming the importer.
     text = CONTRACT.read_text()
-    assert "    layers\n    attention\n" in text
+    assert "    layers | functional\n    attention\n" in text
     bad = tmp_path / "swapped.ini"
-    bad.write_text(text.replace("    layers\n    attention\n", "    attention\n    layers\n"))
+    bad.write_text(text.replace("    layers | functional\n    attention\n",
+                                "    attention\n    layers | functional\n"))
     result = lint(bad)
     assert result.returncode == 1
     assert "attnlab.layers is not allowed to import attnlab.attention" in result.stdout

@@ -129,7 +129,7 @@ def test_rms_norm_equals_the_formula(dtype, weight_dtype, unit_offset) -> None:
     (``FastRMSNorm`` with a gradient, which runs ``RMSNorm``'s): the same roundings, so at
     most one step of the last one apart."""
     calls = []
-    norm = FastRMSNorm(40, eps=1e-5, unit_offset=unit_offset)
+    norm = FastRMSNorm(40, eps=1e-5, unit_offset=unit_offset).eval()
     with torch.no_grad():
         norm.weight.copy_(torch.randn(40, generator=torch.Generator().manual_seed(2)))
     norm = norm.to(weight_dtype)
@@ -301,7 +301,7 @@ def test_subnormal_bfloat16_outputs_are_kept_as_pytorch_keeps_them() -> None:
         flat = tiny.reshape(-1, 32)
         assert torch.equal(native.activation(flat, None, "silu"),
                            torch.nn.functional.silu(flat))
-    norm = FastRMSNorm(32, eps=1e-5).to(torch.bfloat16)
+    norm = FastRMSNorm(32, eps=1e-5).to(torch.bfloat16).eval()
     with torch.no_grad():
         norm.weight.fill_(1e-39)
     x = torch.randn(5, 32, generator=g).to(torch.bfloat16)
