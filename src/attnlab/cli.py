@@ -22,6 +22,7 @@ from attnlab.cli_quantize import add_commands as add_quantize_commands
 from attnlab.cli_serve import add_commands as add_serve_commands
 from attnlab.cli_train import add_commands
 from attnlab.cli_viz import add_commands as add_viz_commands
+from attnlab.threads import add_threads_option, use_threads
 
 # Each benchmark module has ``add_arguments(parser)`` and ``run(args) -> Path`` (the folder
 # or file written).
@@ -38,6 +39,9 @@ BENCHMARKS = {
     "variants": "attnlab.bench.variants",
 }
 BENCH_OUT, BENCH_QUICK_OUT = Path("benchmarks"), Path("runs/bench-quick")
+# The commands that say so when the machine is busy and they chose the thread count (the
+# others take --threads too; a server or a benchmark is started by someone who chose).
+NOTE_WHEN_BUSY = ("demo", "train", "generate")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,6 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if hasattr(args, "threads"):  # the commands that add_threads_option gave --threads
+            use_threads(args.threads, note_when_busy=args.command in NOTE_WHEN_BUSY)
         return int(args.handler(args) or 0)
     except (ValueError, TypeError, OSError) as error:
         print(f"attnlab: error: {error}", file=sys.stderr)
@@ -73,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=1200, help="training steps")
     demo.add_argument("--batch-size", type=int, default=128, help="examples per training step")
     demo.add_argument("--intro", action="store_true", help="only a short tour of the attention API")
+    add_threads_option(demo)
     demo.set_defaults(handler=_run_demo)
 
     add_commands(sub)
@@ -100,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"tiny sizes for a smoke test (the size options are ignored); writes to "
             f"{BENCH_QUICK_OUT} unless --out is given",
         )
+        add_threads_option(p)
         module.add_arguments(p)
         p.set_defaults(handler=_bench_handler(module))
     return parser
