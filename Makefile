@@ -14,8 +14,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,docs]"
 	touch $(STAMP)
 
+# One thread for pytest and every process it starts: correctness needs no parallelism, and
+# OpenMP threads that spin while another program holds a core made a busy run take 81 min.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	OMP_NUM_THREADS=1 ATTNLAB_NUM_THREADS=1 $(BIN)/python -m pytest
 
 demo: $(STAMP)
 	$(BIN)/attnlab demo

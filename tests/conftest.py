@@ -1,9 +1,12 @@
 """Shared test helpers: an oracle comparison with a per-dtype tolerance table, the
 inference kernels pinned to the formula (results independent of a calibration on a busy
-machine; the kernels' own tests unpin them and prove each equal to the formula), and one
-tiny Qwen2 checkpoint folder for the tests that only read one."""
+machine; the kernels' own tests unpin them and prove each equal to the formula), one thread
+for the commands that tests run, and one tiny Qwen2 checkpoint folder for the tests that only
+read one."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -18,6 +21,20 @@ def _kernels_pinned_to_the_formula(tmp_path_factory: pytest.TempPathFactory):
     patch.setenv("ATTNLAB_KERNELS", "formula")
     patch.setenv("ATTNLAB_QUANTIZED_KERNELS", "dequantize")
     patch.setenv("ATTNLAB_CACHE_DIR", str(tmp_path_factory.mktemp("kernel-cache")))
+    yield
+    patch.undo()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread_unless_told():
+    """``ATTNLAB_NUM_THREADS=1`` and ``OMP_NUM_THREADS=1`` for the session where they are not
+    set (``make test`` sets both): the ``attnlab`` commands that tests run, in this process
+    (``main`` applies ``--threads``' default) or in subprocesses, run one thread, as torch
+    does in this process under ``make test``."""
+    patch = pytest.MonkeyPatch()
+    for name in ("ATTNLAB_NUM_THREADS", "OMP_NUM_THREADS"):
+        if not os.environ.get(name):
+            patch.setenv(name, "1")
     yield
     patch.undo()
 

@@ -57,7 +57,7 @@ def use_threads(given: int | None, *, note_when_busy: bool = False) -> int:
     With ``note_when_busy``, when no one chose the count (no ``--threads``, neither
     environment variable) and ``busy_note`` finds the machine busy, print its line on
     stderr."""
-    from_environment = _environment_threads()
+    from_environment = None if given is not None else _environment_threads()
     threads = given or from_environment or usable_cpus()
     torch.set_num_threads(threads)
     # Refused once set, or once inter-op work has started: torch then keeps its count.
