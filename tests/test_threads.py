@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnlab import cli, threads
+from attnlab import cli, cli_train, threads
 from attnlab.cli import BENCHMARKS, build_parser, main
 from attnlab.threads import ENV, default_threads, use_threads
 
@@ -177,3 +177,11 @@ def test_demo_train_and_generate_say_so_when_busy(command, noted, no_thread_vari
     err = capsys.readouterr().err
     assert ("attnlab: the machine is busy (load 7.5 on 2 CPUs)" in err) == noted, err
     assert torch.get_num_threads() == 2
+
+
+def test_threads_are_no_part_of_a_training_run_s_recipe() -> None:
+    """A run resumed with another --threads is the same run (``--resume`` compares the
+    recipe's options)."""
+    args = build_parser().parse_args([*COMMANDS["train lm"], "--threads", "2"])
+    flags = cli_train._flags(args)
+    assert "--threads" not in flags and "--steps" in flags

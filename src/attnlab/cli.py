@@ -40,8 +40,9 @@ BENCHMARKS = {
     "variants": "attnlab.bench.variants",
 }
 BENCH_OUT, BENCH_QUICK_OUT = Path("benchmarks"), Path("runs/bench-quick")
-# The commands that say so when the machine is busy and they chose the thread count (the
-# others take --threads too; a server or a benchmark is started by someone who chose).
+# The commands that say so when the machine is busy and no one chose the thread count. The
+# others take --threads too: a benchmark records the load in its table instead, and a server
+# outlives the load of the moment it starts.
 NOTE_WHEN_BUSY = ("demo", "train", "generate")
 
 
@@ -53,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        if hasattr(args, "threads"):  # the commands that add_threads_option gave --threads
+        if hasattr(args, "threads"):  # a command with add_threads_option's --threads
             use_threads(args.threads, note_when_busy=args.command in NOTE_WHEN_BUSY)
         return int(args.handler(args) or 0)
     except (ValueError, TypeError, OSError) as error:
