@@ -16,9 +16,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 # `attnlab build` compiles the native kernels once (1-3 min; "already built" after). A failed
 # build ("-": its message shows) leaves the reference modules running: the tests still pass.
+# One thread for pytest and every process it starts: correctness needs no parallelism, and
+# OpenMP threads that spin while another program holds a core made a busy run take 81 min.
 test: $(STAMP)
 	-$(BIN)/attnlab build
-	$(BIN)/python -m pytest
+	OMP_NUM_THREADS=1 ATTNLAB_NUM_THREADS=1 $(BIN)/python -m pytest
 
 demo: $(STAMP)
 	-$(BIN)/attnlab build

@@ -1,11 +1,13 @@
 """Shared test helpers: an oracle comparison with a per-dtype tolerance table, the
 inference kernels pinned to the formula (results independent of a calibration on a busy
 machine; the kernels' own tests unpin them and prove each equal to the formula), the native
-kernels that ``attnlab build`` compiled before the session (never compiled here), and one
-tiny Qwen2 checkpoint folder for the tests that only read one."""
+kernels that ``attnlab build`` compiled before the session (never compiled here), one thread
+for the commands that tests run, and one tiny Qwen2 checkpoint folder for the tests that only
+read one."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -43,6 +45,20 @@ def native_kernels() -> None:
         reason = native.unavailable_reason()
         pytest.skip("native kernels not built (run `attnlab build`)" if reason.startswith(
             "not built") else f"native kernels not available: {reason}")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread_unless_told():
+    """``ATTNLAB_NUM_THREADS=1`` and ``OMP_NUM_THREADS=1`` for the session where they are not
+    set (``make test`` sets both): the ``attnlab`` commands that tests run, in this process
+    (``main`` applies ``--threads``' default) or in subprocesses, run one thread, as torch
+    does in this process under ``make test``."""
+    patch = pytest.MonkeyPatch()
+    for name in ("ATTNLAB_NUM_THREADS", "OMP_NUM_THREADS"):
+        if not os.environ.get(name):
+            patch.setenv(name, "1")
+    yield
+    patch.undo()
 
 
 @pytest.fixture(scope="session")

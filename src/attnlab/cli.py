@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from attnlab import __version__
+from attnlab.bench.harness import begin_run
 from attnlab.cli_generate import add_commands as add_generate_commands
 from attnlab.cli_infer import add_commands as add_infer_commands
 from attnlab.cli_quantize import add_commands as add_quantize_commands
@@ -23,6 +24,7 @@ from attnlab.cli_serve import add_commands as add_serve_commands
 from attnlab.cli_train import add_commands
 from attnlab.cli_viz import add_commands as add_viz_commands
 from attnlab.kernels import native
+from attnlab.threads import add_threads_option, use_threads
 
 # Each benchmark module has ``add_arguments(parser)`` and ``run(args) -> Path`` (the folder
 # or file written).
@@ -39,6 +41,10 @@ BENCHMARKS = {
     "variants": "attnlab.bench.variants",
 }
 BENCH_OUT, BENCH_QUICK_OUT = Path("benchmarks"), Path("runs/bench-quick")
+# The commands that say so when the machine is busy and no one chose the thread count. The
+# others take --threads too: a benchmark records the load in its table instead, and a server
+# outlives the load of the moment it starts.
+NOTE_WHEN_BUSY = ("demo", "train", "generate")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -49,6 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if hasattr(args, "threads"):  # a command with add_threads_option's --threads
+            use_threads(args.threads, note_when_busy=args.command in NOTE_WHEN_BUSY)
         return int(args.handler(args) or 0)
     except (ValueError, TypeError, OSError) as error:
         print(f"attnlab: error: {error}", file=sys.stderr)
@@ -74,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=1200, help="training steps")
     demo.add_argument("--batch-size", type=int, default=128, help="examples per training step")
     demo.add_argument("--intro", action="store_true", help="only a short tour of the attention API")
+    add_threads_option(demo)
     demo.set_defaults(handler=_run_demo)
 
     build = sub.add_parser(
@@ -110,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"tiny sizes for a smoke test (the size options are ignored); writes to "
             f"{BENCH_QUICK_OUT} unless --out is given",
         )
+        add_threads_option(p)
         module.add_arguments(p)
         p.set_defaults(handler=_bench_handler(module))
     return parser
@@ -142,6 +152,7 @@ def _bench_handler(module):
         # imports leave frozen out of it, each takes microseconds instead of ~0.1 s.
         gc.collect()
         gc.freeze()
+        begin_run()  # the load at the start, the repeats' spread from here on
         try:
             path = module.run(args)
         finally:

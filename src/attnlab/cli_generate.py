@@ -36,6 +36,7 @@ from attnlab.models.decoder import DecoderLM
 from attnlab.models.families import family_for
 from attnlab.models.hf_loading import CONFIG_NAME, SUPPORTED_DTYPES, check_folder, read_json
 from attnlab.models.io import from_pretrained
+from attnlab.threads import add_threads_option
 from attnlab.tokenizer import TextStreamer, Tokenizer
 from attnlab.training.checkpoint import FORMAT as TRAINING_CHECKPOINT
 
@@ -89,6 +90,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="seed of the sampling, for reproducible output (default: random)")
     p.add_argument("--dtype", choices=sorted(SUPPORTED_DTYPES), default=None,
                    help="weights dtype (default: the checkpoint's)")
+    add_threads_option(p)
     p.set_defaults(handler=run_generate)
 
 

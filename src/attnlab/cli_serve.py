@@ -21,6 +21,7 @@ from attnlab.arg_types import number, positive_int
 from attnlab.models.hf_loading import SUPPORTED_DTYPES
 from attnlab.quantization import METHODS
 from attnlab.serving.server import create_app
+from attnlab.threads import add_threads_option
 
 __all__ = ["ReadyServer", "add_commands", "run_serve"]
 
@@ -52,6 +53,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--extra-memory", action="store_true",
                    help="keep oneDNN's packed copies beside the weights where calibration finds "
                    "them faster (batched decoding: up to twice the weights' memory)")
+    add_threads_option(p)
     p.set_defaults(handler=run_serve)
 
 

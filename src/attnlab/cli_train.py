@@ -25,6 +25,7 @@ from attnlab.arg_types import (
 )
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 from attnlab.models.transformer import Transformer, TransformerConfig
+from attnlab.threads import add_threads_option
 from attnlab.training.checkpoint import checkpoint_folder, load_config, load_trainer_state
 from attnlab.training.distributed import cleanup_distributed, init_distributed
 from attnlab.training.tasks.seq2seq import SEQ2SEQ_TASKS, make_seq2seq_task
@@ -36,7 +37,7 @@ __all__ = ["RESUME_MAY_CHANGE", "add_commands"]
 # Options that a resumed run may set anew; none changes the arithmetic of the steps done.
 RESUME_MAY_CHANGE = ("--steps", "--eval-every", "--log-every", "--patience", "--no-progress")
 # Options that are not part of a run's recipe.
-_NOT_RECIPE = ("command", "kind", "handler", "out", "resume", "text")
+_NOT_RECIPE = ("command", "kind", "handler", "out", "resume", "text", "threads")
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``train`` on the top-level sub-parsers."""
@@ -105,6 +106,7 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
         "must equal the saved run's, except " + ", ".join(RESUME_MAY_CHANGE)
         + " (a larger --steps extends the run: the schedule stretches from the resumed step)"))
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_threads_option(p)
 
 
 def _train_config(args: argparse.Namespace) -> TrainConfig:

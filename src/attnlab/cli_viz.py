@@ -37,6 +37,7 @@ from attnlab.models.decoder import DecoderLM
 from attnlab.models.families import FAMILIES
 from attnlab.models.hf_loading import read_json
 from attnlab.models.io import from_pretrained
+from attnlab.threads import add_threads_option
 from attnlab.tokenizer import Tokenizer
 from attnlab.training.checkpoint import FORMAT, load_model
 from attnlab.training.tasks.seq2seq import SEQ2SEQ_TASKS, make_seq2seq_task
@@ -76,6 +77,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                      help="date-task checkpoints only (attnlab demo writes runs/demo/best): "
                           "also the year-alignment report and its pictures, under "
                           "the --png folder (or .) in alignment/")
+    add_threads_option(viz)
     viz.set_defaults(handler=_viz)
 
 

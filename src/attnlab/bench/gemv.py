@@ -72,14 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="int4 group size")
     parser.add_argument("--repeats", type=positive_int, default=7,
                         help="timed rounds (median)")
-    parser.add_argument("--threads", type=positive_int, default=None,
-                        help="torch threads (default: torch's)")
 
 
 def run(args: argparse.Namespace) -> Path:
     """Run the benchmark and write ``gemv.md`` and ``gemv.json`` into ``args.out``."""
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     shapes = ((64, 128), (32, 128)) if args.quick else args.shapes

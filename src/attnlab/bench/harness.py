@@ -5,6 +5,13 @@ beyond what exists before it: ``torch.cuda.max_memory_allocated`` on CUDA, and o
 peak resident set size (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``) with
 glibc told to return freed blocks to the system, so that a reused heap does not hide usage.
 Out-of-memory is a result (``"OOM"``), not a crash.
+
+A run records the machine it measured on (``machine_info``): besides the hardware, the
+1-minute load average at its start (``begin_run``, which ``attnlab bench`` calls) and at its
+end, and the spread of each timed figure's repeats, ``(max - min) / median``. The table says
+in a warning line (``machine_section``) when the machine was busy (a load above the CPUs the
+process may use) or the repeats disagree (a spread above ``SPREAD_LIMIT``): such figures
+measure the other work as much as the code.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -25,11 +32,14 @@ import torch
 
 from attnlab._checks import check_positive
 from attnlab.durable import write_text_atomic
+from attnlab.threads import load_average, usable_cpus
 
 __all__ = [
+    "SPREAD_LIMIT",
     "BandwidthProbe",
     "Measurement",
     "available_memory",
+    "begin_run",
     "device_arg",
     "int_list",
     "machine_info",
@@ -42,6 +52,8 @@ __all__ = [
 ]
 
 HISTORY = "## History"
+# Repeats whose (max - min) / median exceeds this disagree: their median is not one figure.
+SPREAD_LIMIT = 0.10
 
 
 @dataclass(frozen=True)
@@ -115,7 +127,17 @@ def time_medians(
             times[name].append(time.perf_counter() - t0)
         if done >= 3 and time.perf_counter() - start > budget_s * len(fns):
             break
+    for t in times.values():
+        _run.note_repeats(t)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def begin_run() -> None:
+    """Start recording a benchmark run: the 1-minute load average now, and from now on the
+    spread of every figure that ``time_medians`` times; ``machine_info`` reports both. Until
+    it is first called, the run began when this module was imported."""
+    global _run
+    _run = _Run(load_average())
 
 
 class BandwidthProbe:
@@ -206,13 +228,17 @@ def machine_info(device: torch.device | None = None) -> dict[str, str]:
     }
     if device is not None and device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
+    info.update(_run.conditions(load_average(), usable_cpus()))
     info["measured"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return info
 
 
 def machine_section(info: dict[str, str]) -> list[str]:
-    """The markdown lines that record the machine beside a benchmark's table."""
-    return ["", "## Machine", "", *[f"- {k}: {v}" for k, v in info.items()], ""]
+    """The markdown lines that record the machine beside a benchmark's table; its
+    ``warning``, when it has one, first and set apart."""
+    warning = [f"> **Warning:** {info['warning']}", ""] if info.get("warning") else []
+    return ["", "## Machine", "", *warning,
+            *[f"- {k}: {v}" for k, v in info.items() if k != "warning"], ""]
 
 
 def write_with_history(path: Path, text: str) -> Path:
@@ -290,6 +316,52 @@ def is_oom(error: BaseException) -> bool:
         return True
     text = str(error).lower()
     return "out of memory" in text or "can't allocate memory" in text
+
+
+@dataclass
+class _Run:
+    """What one benchmark run saw of the machine: the load at its start, and the spread
+    ``(max - min) / median`` of each figure's timed repeats (a figure timed once has none)."""
+
+    load_start: float | None
+    spreads: list[float] = field(default_factory=list)
+
+    def note_repeats(self, times: list[float]) -> None:
+        median = statistics.median(times)
+        if len(times) >= 2 and median > 0:
+            self.spreads.append((max(times) - min(times)) / median)
+
+    def conditions(self, load_end: float | None, cpus: int) -> dict[str, str]:
+        """``machine_info``'s entries for the run, ending now with ``load_end``: the load,
+        the repeats' spread and, when the machine was busy or the repeats disagree, a
+        ``warning``."""
+        loads = [x for x in (self.load_start, load_end) if x is not None]
+        entries = {"usable cpus": str(cpus), "load average (1 min)": (
+            f"{_load(self.load_start)} at start, {_load(load_end)} at end")}
+        if self.spreads:
+            over = sum(x > SPREAD_LIMIT for x in self.spreads)
+            entries["spread of repeats"] = (
+                f"median {statistics.median(self.spreads):.1%}, worst {max(self.spreads):.1%}; "
+                f"{over} of {len(self.spreads)} figures over {SPREAD_LIMIT:.0%} "
+                "((max - min) / median of each figure's timed repeats)")
+        why = []
+        if loads and max(loads) > cpus:
+            why.append(f"the machine was busy (load {max(loads):.1f} on {cpus} usable CPUs)")
+        if self.spreads and max(self.spreads) > SPREAD_LIMIT:
+            why.append(f"the repeats disagree (spread up to {max(self.spreads):.0%}, over "
+                       f"{SPREAD_LIMIT:.0%})")
+        if why:
+            entries["warning"] = (" and ".join(why) + ": these figures may measure other "
+                                  "work as much as this code; measure again on a quiet machine")
+        return entries
+
+
+def _load(load: float | None) -> str:
+    return "unknown" if load is None else f"{load:.2f}"
+
+
+# The run being recorded; ``begin_run`` starts a new one.
+_run = _Run(load_average())
 
 
 def _as_history_entry(markdown: str) -> str:

@@ -100,8 +100,6 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, prefill: int,
                         help="left-padded prompts in the batched prefill and decode")
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="timed runs per cell (median)")
-    parser.add_argument("--threads", type=positive_int, default=None,
-                        help="torch threads for every model (None: torch's default)")
     parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda")
     parser.add_argument("--extra-memory", action="store_true",
                         help="load ours with extra_memory=True: oneDNN's packed copies beside "
@@ -118,14 +116,12 @@ def ours_label(extra_memory: bool) -> str:
 def start_run(args: argparse.Namespace, quick: Workload
               ) -> tuple[torch.device, Workload, Path, BandwidthProbe]:
     """``(device, workload, output folder, bandwidth probe)`` for a run: ``quick`` or the
-    options' workload, the threads set, the folder made first (a bad ``--out`` fails before
-    the measurement)."""
+    options' workload, the folder made first (a bad ``--out`` fails before the
+    measurement). ``attnlab`` has set the threads (``--threads``) before the run."""
     device = torch.device(args.device)
     work = quick if args.quick else Workload(
         prefill=args.prefill, prompt=args.prompt, new_tokens=args.new_tokens,
         batch=args.batch, repeats=args.repeats)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     return device, work, out, BandwidthProbe(2**20 if args.quick else 2**28, device=device)
