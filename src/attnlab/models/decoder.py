@@ -59,7 +59,7 @@ from attnlab.models.outputs import (
     check_labels,
     next_token_loss,
 )
-from attnlab.models.pretrained import PreTrainedModel, quantize_loaded
+from attnlab.models.pretrained import PreTrainedModel, requested_quantization
 from attnlab.models.summary import summary
 
 __all__ = ["DecoderBlock", "DecoderLM", "DecoderLMConfig", "make_norm", "make_rotary"]
@@ -254,19 +254,24 @@ class DecoderLM(PreTrainedModel):
         ``extra_memory`` also allows oneDNN's packed copies of the weights where they win.
 
         ``quantize`` (``"int8"`` or ``"int4"``, with ``group_size`` and ``skip`` as in
-        ``quantize``) quantizes the loaded weights; a folder that ``save_pretrained`` wrote
-        quantized loads as it was stored, without ``quantize`` or with the same scheme (another
-        one is refused: re-quantizing quantized weights would compound their error).
+        ``quantize``) quantizes each weight as it is read, never holding the float model; a
+        folder that ``save_pretrained`` wrote quantized loads as it was stored, without
+        ``quantize`` or with the same scheme (another one is refused: re-quantizing quantized
+        weights would compound their error). With ``kernels=False`` the quantized layers run
+        their formula too (nothing is timed).
         """
         folder = check_folder(path)
         if not isinstance(kernels, bool):
             raise TypeError(f"kernels: expected a bool, got {kernels!r}")
+        kernel = None if kernels else "dequantize"
         if read_json(folder / CONFIG_NAME).get("model_type") == cls.MODEL_TYPE:
-            model = super().from_pretrained(folder, dtype=dtype, device=device)
+            model = super().from_pretrained(folder, dtype=dtype, device=device,
+                                            quantize=quantize, group_size=group_size, skip=skip,
+                                            kernel=kernel)
         else:
-            model = load_family(cls, folder, parse_dtype(dtype), parse_device(device))
-        if quantize is not None:
-            quantize_loaded(model, folder, quantize, group_size, skip)
+            model = load_family(cls, folder, parse_dtype(dtype), parse_device(device),
+                                requested_quantization(quantize, group_size, skip),
+                                kernel=kernel)
         if kernels and model.device.type == "cpu":
             optimize_for_inference(model, extra_memory=extra_memory)
         return model
