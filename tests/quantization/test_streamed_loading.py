@@ -20,7 +20,7 @@ from attnlab.models.families import FAMILIES
 from attnlab.models.hf_loading import StoredTensor
 from attnlab.models.io import from_pretrained, save_pretrained
 from attnlab.models.transformer import Transformer, TransformerConfig
-from attnlab.quantization import QuantizedEmbedding, QuantizedLinear
+from attnlab.quantization import QuantizedEmbedding, QuantizedLinear, quantize
 
 _QWEN2 = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
@@ -188,3 +188,20 @@ def test_a_scheme_that_does_not_fit_is_refused_before_a_tensor_is_read(tmp_path,
     with pytest.raises(ValueError, match=r"group_size: 128 does not divide embed_tokens's "
                                          r"embedding_dim 64"):
         from_pretrained(folder, quantize="int4", group_size=128)
+
+
+@pytest.mark.parametrize(("bits", "group_size"), [(8, 64), (4, 64), (4, 256)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_weight_quantized_a_block_of_rows_at_a_time_has_the_whole_weights_codes(
+        bits, group_size, dtype) -> None:
+    """The modules quantize large weights by blocks of rows (small float temporaries); every
+    scale is a row's or a row group's, so the codes are those of the formula on the whole."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(2048, 1100, dtype=dtype)  # blocks of 512 rows: 512, 512, 76
+    whole = quantize(linear.weight, bits, group_size if bits == 4 else None, dtype)
+    table = QuantizedEmbedding.from_embedding(torch.nn.Embedding(1100, 2048, _weight=linear.weight),
+                                              bits=bits, group_size=group_size).table
+    for module in (QuantizedLinear.from_linear(linear, bits=bits, group_size=group_size), table):
+        got = module.weight_format.with_layout("plain")
+        assert torch.equal(got.data, whole.data) and torch.equal(got.scales, whole.scales)
+        assert (got.zeros is None and whole.zeros is None) or torch.equal(got.zeros, whole.zeros)
