@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                 for name, src in sources.items():
                     out = Path(scratch) / f"{folder.name}-{method}-{name}"
                     peaks = {step: _peak(src, step, folder, method, out) for step in STEPS}
-                    quantized = (out / "model.safetensors").stat().st_size
+                    written = out / "model.safetensors"
+                    quantized = written.stat().st_size if written.is_file() else 0
                     rows.append((folder.name, file_bytes, method, quantized, name, peaks))
                     print(_row(rows[-1]), flush=True)
     table = _table(rows, argv if argv is not None else sys.argv[1:])
@@ -78,19 +79,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _peak(src: str, step: str, folder: Path, method: str, out: Path) -> int:
-    """VmHWM in bytes of a fresh process running ``step``."""
+def _peak(src: str, step: str, folder: Path, method: str, out: Path) -> int | str:
+    """VmHWM in bytes of a fresh process running ``step``, or why it failed (a result too:
+    an out-of-memory kill is one)."""
     env = {**os.environ, "PYTHONPATH": str(Path(src).resolve()), "OMP_NUM_THREADS": "1",
            "ATTNLAB_QUANTIZED_KERNELS": "dequantize", "ATTNLAB_KERNELS": "formula"}
     payload = json.dumps({"what": step, "folder": str(folder), "method": method,
                           "out": str(out)})
-    done = subprocess.run([sys.executable, "-c", _CHILD, payload], env=env, check=True,
+    done = subprocess.run([sys.executable, "-c", _CHILD, payload], env=env,
                           capture_output=True, text=True)
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        print(f"{step} failed ({done.returncode}): {done.stderr[-2000:]}", file=sys.stderr)
+        return f"failed ({done.returncode}: {last[:60]})"
     return int(done.stdout.split("VMHWM")[-1])
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.0f}"
+def _mib(n: int | str) -> str:
+    return n if isinstance(n, str) else f"{n / 2**20:,.0f}"
 
 
 def _row(row: tuple) -> str:

@@ -241,7 +241,8 @@ class DecoderLM(PreTrainedModel):
                         device: torch.device | str | None = None, *,
                         kernels: bool = True, extra_memory: bool = False,
                         quantize: str | None = None, group_size: int | None = None,
-                        skip: tuple[str, ...] | list[str] = ()) -> DecoderLM:
+                        skip: tuple[str, ...] | list[str] = (),
+                        quantized_kernel: str | None = None) -> DecoderLM:
         """Load a checkpoint folder: attnlab's own format (``"attnlab_decoder"``) or a Hugging
         Face folder of any supported family (``attnlab.models.families``, picked by
         ``model_type``), in eval mode with trainable weights. ``dtype`` defaults to the
@@ -257,21 +258,21 @@ class DecoderLM(PreTrainedModel):
         ``quantize``) quantizes each weight as it is read, never holding the float model; a
         folder that ``save_pretrained`` wrote quantized loads as it was stored, without
         ``quantize`` or with the same scheme (another one is refused: re-quantizing quantized
-        weights would compound their error). With ``kernels=False`` the quantized layers run
-        their formula too (nothing is timed).
+        weights would compound their error). ``quantized_kernel`` forces one kernel on the
+        quantized layers (``quantize``'s ``kernel``; ``"dequantize"``, the formula, times
+        nothing).
         """
         folder = check_folder(path)
         if not isinstance(kernels, bool):
             raise TypeError(f"kernels: expected a bool, got {kernels!r}")
-        kernel = None if kernels else "dequantize"
         if read_json(folder / CONFIG_NAME).get("model_type") == cls.MODEL_TYPE:
             model = super().from_pretrained(folder, dtype=dtype, device=device,
                                             quantize=quantize, group_size=group_size, skip=skip,
-                                            kernel=kernel)
+                                            quantized_kernel=quantized_kernel)
         else:
             model = load_family(cls, folder, parse_dtype(dtype), parse_device(device),
                                 requested_quantization(quantize, group_size, skip),
-                                kernel=kernel)
+                                kernel=quantized_kernel)
         if kernels and model.device.type == "cpu":
             optimize_for_inference(model, extra_memory=extra_memory)
         return model

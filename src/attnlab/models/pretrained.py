@@ -117,7 +117,7 @@ class PreTrainedModel(nn.Module):
                         device: torch.device | str | None = None, *,
                         quantize: str | None = None, group_size: int | None = None,
                         skip: tuple[str, ...] | list[str] = (),
-                        kernel: str | None = None) -> M:
+                        quantized_kernel: str | None = None) -> M:
         """Load a folder written by ``save_pretrained`` (eval mode, trainable weights).
 
         ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"`` or a ``torch.dtype``) defaults
@@ -125,7 +125,8 @@ class PreTrainedModel(nn.Module):
         ``"int4"``, with ``group_size`` and ``skip`` as in ``quantize``) quantizes each weight
         as it is read; a folder saved quantized loads as stored, without ``quantize`` or with
         the same scheme (another one is refused: re-quantizing quantized weights would
-        compound their error). ``kernel`` forces one quantized kernel (``quantize``'s).
+        compound their error). ``quantized_kernel`` forces one kernel on the quantized layers
+        (``quantize``'s ``kernel``).
         """
         folder = check_folder(path)
         dtype = parse_dtype(dtype)
@@ -153,7 +154,7 @@ class PreTrainedModel(nn.Module):
         with torch.device("meta"):  # shapes without memory, checked against the file first
             model = cls(config)  # type: ignore[call-arg]
             if quantization is not None:
-                _quantized_skeleton(model, quantization, file, kernel)
+                _quantized_skeleton(model, quantization, file, quantized_kernel)
         wrong = shape_mismatch({name: r.shape for name, r in records.items()}, model, weights)
         if wrong:
             raise ValueError(wrong)
@@ -161,7 +162,7 @@ class PreTrainedModel(nn.Module):
         if unexpected:
             raise ValueError(f"{str(weights)!r} does not match the model: unexpected "
                              f"{unexpected}")
-        quantizing = (QuantizingLoad(model, asked, kernel=kernel)
+        quantizing = (QuantizingLoad(model, asked, kernel=quantized_kernel)
                       if asked is not None and quantization is None else None)
         scheme = quantization or asked
         announce = (None if scheme is None else
