@@ -1,10 +1,11 @@
 """``attnlab quantize FOLDER OUT``: a checkpoint folder's weights as int8 or int4.
 
-Reads any folder that ``attnlab.models.from_pretrained`` reads, quantizes it
-(``attnlab.quantization``) and writes OUT in attnlab's own format: ``config.json`` with a
-``"quantization"`` record (``method``, ``group_size``, ``skip``) and ``model.safetensors``
-holding each quantized layer's ``qweight``/``scales``/``zeros``. The tokenizer and generation
-files are copied beside them, so ``attnlab generate --model OUT`` works as on FOLDER.
+Reads any folder that ``attnlab.models.from_pretrained`` reads, quantizing each weight as it
+is read (``attnlab.quantization``: the float model is never held), and writes OUT in
+attnlab's own format: ``config.json`` with a ``"quantization"`` record (``method``,
+``group_size``, ``skip``) and ``model.safetensors`` holding each quantized layer's
+``qweight``/``scales``/``zeros``. The tokenizer and generation files are copied beside them,
+so ``attnlab generate --model OUT`` works as on FOLDER.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ import shutil
 import time
 from pathlib import Path
 
-from attnlab.models.hf_loading import CONFIG_NAME, check_folder
+from attnlab.models.hf_loading import CONFIG_NAME, WEIGHTS_NAME, check_folder, weight_files
 from attnlab.models.io import from_pretrained
-from attnlab.quantization import weight_bytes
 
 __all__ = ["add_commands"]
 
@@ -51,20 +51,19 @@ def _quantize(args: argparse.Namespace) -> int:
     if args.bits == 8 and args.group_size is not None:
         raise ValueError("--group-size: int8 scales whole rows; it applies to --bits 4 only")
     start = time.perf_counter()
-    model = from_pretrained(source, dtype=args.dtype, kernels=False)
-    before = weight_bytes(model)
     # Writing the codes needs no kernel: the formula forced here, so nothing is calibrated
     # (timing every kernel took ~45 s for a tiny checkpoint); the folder's loader measures.
-    model.quantize(f"int{args.bits}", args.group_size, skip=args.skip, kernel="dequantize")
+    model = from_pretrained(source, dtype=args.dtype, kernels=False, quantize=f"int{args.bits}",
+                            group_size=args.group_size, skip=args.skip,
+                            quantized_kernel="dequantize")
     model.save_pretrained(out)
     for name in _SIDE_FILES:
         if (source / name).is_file() and name != CONFIG_NAME:
             shutil.copyfile(source / name, out / name)
-    after = weight_bytes(model)
-    print(f"quantized {source} as {model.quantization.method}"
-          + (f" (group_size {model.quantization.group_size})"
-             if model.quantization.group_size else "")
-          + f": weights {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB "
-          f"({after / before:.2f}x) in {time.perf_counter() - start:.1f} s")
+    before = sum(path.stat().st_size for path in set(weight_files(source).values()))
+    after = (out / WEIGHTS_NAME).stat().st_size
+    print(f"quantized {source} as {model.quantization.scheme}: weights {before / 2**20:.1f} "
+          f"MiB -> {after / 2**20:.1f} MiB ({after / before:.2f}x) in "
+          f"{time.perf_counter() - start:.1f} s")
     print(f"wrote {out}")
     return 0

@@ -43,10 +43,13 @@ class SinusoidalPositionalEncoding(nn.Module):
         check_positive("max_len", max_len)
         _check_dropout(dropout)
         self.d_model, self.max_len, self.dropout = d_model, max_len, dropout
-        position = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)
-        two_i = torch.arange(0, d_model, 2, dtype=torch.float64)
+        # On the CPU even inside `torch.device("meta")`: a model built there and then loaded
+        # (attnlab.models.streaming) keeps this computed table, which no checkpoint holds.
+        cpu = torch.device("cpu")
+        position = torch.arange(max_len, dtype=torch.float64, device=cpu).unsqueeze(1)
+        two_i = torch.arange(0, d_model, 2, dtype=torch.float64, device=cpu)
         div = torch.exp(two_i * (-math.log(base) / d_model))
-        pe = torch.zeros(max_len, d_model, dtype=torch.float64)
+        pe = torch.zeros(max_len, d_model, dtype=torch.float64, device=cpu)
         pe[:, 0::2] = torch.sin(position * div)
         pe[:, 1::2] = torch.cos(position * div[: d_model // 2])
         self.register_buffer("pe", pe.float(), persistent=False)

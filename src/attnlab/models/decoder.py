@@ -58,7 +58,7 @@ from attnlab.models.outputs import (
     check_labels,
     next_token_loss,
 )
-from attnlab.models.pretrained import PreTrainedModel, install_kernels, quantize_loaded
+from attnlab.models.pretrained import PreTrainedModel, install_kernels, requested_quantization
 from attnlab.models.summary import summary
 
 __all__ = ["DecoderBlock", "DecoderLM", "DecoderLMConfig", "DecoderLayers", "make_norm",
@@ -236,7 +236,8 @@ class DecoderLM(PreTrainedModel):
                         device: torch.device | str | None = None, *,
                         kernels: bool = True, extra_memory: bool = False,
                         quantize: str | None = None, group_size: int | None = None,
-                        skip: tuple[str, ...] | list[str] = ()) -> DecoderLM:
+                        skip: tuple[str, ...] | list[str] = (),
+                        quantized_kernel: str | None = None) -> DecoderLM:
         """Load a checkpoint folder: attnlab's own format (``"attnlab_decoder"``) or a Hugging
         Face folder of any supported family (``attnlab.models.families``, picked by
         ``model_type``), in eval mode with trainable weights. ``dtype`` defaults to the
@@ -249,19 +250,24 @@ class DecoderLM(PreTrainedModel):
         ``extra_memory`` also allows oneDNN's packed copies of the weights where they win.
 
         ``quantize`` (``"int8"`` or ``"int4"``, with ``group_size`` and ``skip`` as in
-        ``quantize``) quantizes the loaded weights; a folder that ``save_pretrained`` wrote
-        quantized loads as it was stored, without ``quantize`` or with the same scheme (another
-        one is refused: re-quantizing quantized weights would compound their error).
+        ``quantize``) quantizes each weight as it is read, never holding the float model; a
+        folder that ``save_pretrained`` wrote quantized loads as it was stored, without
+        ``quantize`` or with the same scheme (another one is refused: re-quantizing quantized
+        weights would compound their error). ``quantized_kernel`` forces one kernel on the
+        quantized layers (``quantize``'s ``kernel``; ``"dequantize"``, the formula, times
+        nothing).
         """
         folder = check_folder(path)
         if not isinstance(kernels, bool):
             raise TypeError(f"kernels: expected a bool, got {kernels!r}")
         if read_json(folder / CONFIG_NAME).get("model_type") == cls.MODEL_TYPE:
-            model = super().from_pretrained(folder, dtype=dtype, device=device)
+            model = super().from_pretrained(folder, dtype=dtype, device=device,
+                                            quantize=quantize, group_size=group_size, skip=skip,
+                                            quantized_kernel=quantized_kernel)
         else:
-            model = load_family(cls, folder, parse_dtype(dtype), parse_device(device))
-        if quantize is not None:
-            quantize_loaded(model, folder, quantize, group_size, skip)
+            model = load_family(cls, folder, parse_dtype(dtype), parse_device(device),
+                                requested_quantization(quantize, group_size, skip),
+                                kernel=quantized_kernel)
         if kernels and model.device.type == "cpu":
             install_kernels(model, extra_memory=extra_memory)
         return model

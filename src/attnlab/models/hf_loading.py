@@ -3,7 +3,11 @@
 A folder holds ``config.json`` and the weights: one ``model.safetensors``, or shards listed
 by ``model.safetensors.index.json`` (``{"weight_map": {tensor name: shard file}}``).
 Tensors are memory-mapped (``safetensors.safe_open``): nothing is read from disk until it is
-used, and a tensor kept in its stored dtype is used in place, without a copy.
+used, and a tensor kept in its stored dtype is used in place, without a copy. A loader that
+converts each tensor (a quantized load) reads ``StoredTensor`` records instead: checked from
+the headers alone, each read through a handle of its own, so that its pages leave memory with
+it (a handle's mapping keeps every page read through it until the handle and all its tensors
+are gone).
 
 Every check names the file and the tensor: a missing file, a missing or unexpected tensor
 name, a shape other than the config implies, a dtype we cannot run, a truncated or corrupt
@@ -17,6 +21,7 @@ import json
 import re
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +37,14 @@ __all__ = [
     "INDEX_NAME",
     "SUPPORTED_DTYPES",
     "WEIGHTS_NAME",
+    "StoredTensor",
     "check_folder",
+    "file_tensors",
     "load_tensors",
     "parse_dtype",
     "read_json",
     "save_tensors",
+    "stored_tensors",
     "weight_files",
 ]
 
@@ -51,15 +59,49 @@ _STORED = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a safetensors file as its header describes it: the ``path`` of the file,
+    its ``name`` there and its ``shape``; nothing is read until ``read``."""
+
+    path: Path
+    name: str
+    shape: tuple[int, ...]
+
+    def read(self) -> Tensor:
+        """The tensor as stored, memory-mapped through a handle of its own: the pages it
+        touches stay in memory only while the tensor (or a view of it) lives."""
+        with _open(self.path) as f:
+            return f.get_tensor(self.name)
+
+
 def load_tensors(folder: str | Path, expected: Mapping[str, tuple[int, ...]], *,
                  dtype: torch.dtype | None = None,
                  ignore: Collection[str] = ()) -> dict[str, Tensor]:
-    """Memory-map the tensors named in ``expected`` (name -> shape) from ``folder``.
+    """Memory-map the tensors named in ``expected`` (name -> shape) from ``folder``, checked
+    as ``stored_tensors`` checks them. A tensor is converted to ``dtype`` when given (a copy),
+    and otherwise returned as stored (mapped, one handle per file).
+    """
+    by_file: dict[Path, list[str]] = {}
+    for record in stored_tensors(folder, expected, ignore=ignore).values():
+        by_file.setdefault(record.path, []).append(record.name)
+    tensors: dict[str, Tensor] = {}
+    for path, names in by_file.items():
+        with _open(path) as f:
+            for name in names:
+                t = f.get_tensor(name)  # the header was checked against the file's size
+                tensors[name] = t if dtype is None or t.dtype == dtype else t.to(dtype)
+    return tensors
+
+
+def stored_tensors(folder: str | Path, expected: Mapping[str, tuple[int, ...]], *,
+                   ignore: Collection[str] = ()) -> dict[str, StoredTensor]:
+    """The tensors named in ``expected`` (name -> shape) in ``folder``, checked from the
+    files' headers alone (nothing is read).
 
     Every expected name must be stored with that shape and a float dtype we run (float32,
     bfloat16, float16); any other stored name raises, except those in ``ignore`` and
-    ``*.rotary_emb.inv_freq`` buffers (old Llama checkpoints), which are skipped. A tensor is
-    converted to ``dtype`` when given (a copy), and otherwise returned as stored (mapped).
+    ``*.rotary_emb.inv_freq`` buffers (old Llama checkpoints), which are skipped.
     """
     files = weight_files(folder)
     missing = [name for name in expected if name not in files]
@@ -72,17 +114,12 @@ def load_tensors(folder: str | Path, expected: Mapping[str, tuple[int, ...]], *,
         if name not in expected and name not in ignore and not name.endswith("inv_freq"):
             raise ValueError(f"{path}: unexpected tensor {name!r}; the config expects "
                              f"{len(expected)} tensors such as {next(iter(expected))!r}")
-    by_file: dict[Path, list[str]] = {}
-    for name in expected:
-        by_file.setdefault(files[name], []).append(name)
-    tensors: dict[str, Tensor] = {}
-    for path, names in by_file.items():
+    records: dict[str, StoredTensor] = {}
+    for path in dict.fromkeys(files[name] for name in expected):
         with _open(path) as f:
-            stored = set(f.keys())
-            for name in names:
-                if name not in stored:
-                    raise ValueError(f"{_describe_source(Path(folder))}: tensor {name!r} is "
-                                     f"listed in shard {path.name!r}, which does not hold it")
+            for name in f.keys():  # noqa: SIM118 (a handle, not a dict)
+                if name not in expected or files[name] != path:
+                    continue
                 view = f.get_slice(name)
                 shape, code = tuple(view.get_shape()), view.get_dtype()
                 if shape != tuple(expected[name]):
@@ -91,9 +128,22 @@ def load_tensors(folder: str | Path, expected: Mapping[str, tuple[int, ...]], *,
                 if code not in _STORED:
                     raise ValueError(f"{path}: tensor {name!r} has dtype {code}, expected "
                                      f"one of {sorted(_STORED)} (float32, bfloat16, float16)")
-                t = f.get_tensor(name)  # the header was checked against the file's size
-                tensors[name] = t if dtype is None or t.dtype == dtype else t.to(dtype)
-    return tensors
+                records[name] = StoredTensor(path, name, shape)
+    absent = [name for name in expected if name not in records]
+    if absent:
+        raise ValueError(f"{_describe_source(Path(folder))}: tensor {absent[0]!r} is listed in "
+                         f"shard {files[absent[0]].name!r}, which does not hold it")
+    return records
+
+
+def file_tensors(path: Path) -> dict[str, StoredTensor]:
+    """Every tensor of the safetensors file ``path``, from its header alone; a missing,
+    truncated or corrupt file raises a ``ValueError`` naming it."""
+    if not path.is_file():
+        raise ValueError(f"{str(path)!r} is missing")
+    with _open(path) as f:
+        return {name: StoredTensor(path, name, tuple(f.get_slice(name).get_shape()))
+                for name in f.keys()}  # noqa: SIM118 (a handle, not a dict)
 
 
 def weight_files(folder: str | Path) -> dict[str, Path]:

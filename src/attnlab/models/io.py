@@ -19,7 +19,6 @@ from attnlab.models.decoder import DecoderLM
 from attnlab.models.families import family_for
 from attnlab.models.families.loading import read_config
 from attnlab.models.hf_loading import CONFIG_NAME, check_folder, read_json
-from attnlab.models.pretrained import quantize_loaded
 from attnlab.models.transformer import Transformer
 
 __all__ = ["from_pretrained", "read_config", "save_pretrained"]
@@ -28,13 +27,14 @@ __all__ = ["from_pretrained", "read_config", "save_pretrained"]
 def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
                     device: torch.device | str | None = None, *, kernels: bool = True,
                     extra_memory: bool = False, quantize: str | None = None,
-                    group_size: int | None = None,
-                    skip: tuple[str, ...] | list[str] = ()) -> DecoderLM | Transformer:
+                    group_size: int | None = None, skip: tuple[str, ...] | list[str] = (),
+                    quantized_kernel: str | None = None) -> DecoderLM | Transformer:
     """Load the checkpoint folder ``path``: a ``Transformer`` for attnlab's
     ``"attnlab_transformer"`` format, else ``DecoderLM.from_pretrained`` (attnlab's
     ``"attnlab_decoder"`` or any supported Hugging Face family), in eval mode with trainable
-    weights. ``kernels`` and ``extra_memory`` are ``DecoderLM.from_pretrained``'s (the
-    ``Transformer`` has no inference kernels yet).
+    weights. ``kernels``, ``extra_memory``, ``quantize``, ``group_size``, ``skip`` and
+    ``quantized_kernel`` are ``DecoderLM.from_pretrained``'s (the ``Transformer`` has no
+    inference kernels yet: it takes the last four).
 
     ``dtype`` (``"float32"``, ``"bfloat16"``, a ``torch.dtype``) defaults to the stored
     ``torch_dtype``/``dtype``; ``device`` to the CPU. An unsupported ``model_type`` is refused
@@ -51,13 +51,13 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
             raise ValueError(f"{file}: {error} (Hugging Face families) or "
                              f"{', '.join(map(repr, ours))} (attnlab's own)") from None
     if model_type == Transformer.MODEL_TYPE:
-        model = Transformer.from_pretrained(path, dtype=dtype, device=device)
-        if quantize is not None:
-            quantize_loaded(model, Path(path), quantize, group_size, skip)
-        return model
+        return Transformer.from_pretrained(path, dtype=dtype, device=device, quantize=quantize,
+                                           group_size=group_size, skip=skip,
+                                           quantized_kernel=quantized_kernel)
     return DecoderLM.from_pretrained(path, dtype=dtype, device=device, kernels=kernels,
                                      extra_memory=extra_memory, quantize=quantize,
-                                     group_size=group_size, skip=skip)
+                                     group_size=group_size, skip=skip,
+                                     quantized_kernel=quantized_kernel)
 
 
 def save_pretrained(model: DecoderLM | Transformer, path: str | Path) -> Path:

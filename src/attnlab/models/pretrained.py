@@ -9,7 +9,9 @@ folders are ``attnlab.models.io``'s business.
 Loading checks before it allocates: the config is rebuilt (every field typed and checked,
 errors naming ``config.json`` and the field), the model is built on the ``meta`` device and
 every stored tensor's shape is compared with it, so a config from elsewhere that asks for a
-huge model fails on its shapes, not on memory. The parameters come back trainable.
+huge model fails on its shapes, not on memory. The tensors are then placed one at a time
+(``attnlab.models.streaming``), quantized as they are read when asked: a quantized load never
+holds the float model. The parameters come back trainable.
 """
 
 from __future__ import annotations
@@ -32,12 +34,19 @@ from attnlab.models.hf_loading import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     check_folder,
+    file_tensors,
     parse_device,
     parse_dtype,
     read_json,
     save_tensors,
 )
-from attnlab.quantization import QuantizationConfig, quantize_model, quantized_skeleton
+from attnlab.models.streaming import fill, loading_message
+from attnlab.quantization.convert import (
+    QuantizationConfig,
+    QuantizingLoad,
+    quantize_model,
+    quantized_skeleton,
+)
 
 __all__ = [
     "PreTrainedModel",
@@ -45,8 +54,8 @@ __all__ = [
     "contiguous_state",
     "install_kernels",
     "load_state",
-    "quantize_loaded",
     "read_weights",
+    "requested_quantization",
     "shape_mismatch",
     "stored_shapes",
 ]
@@ -107,11 +116,19 @@ class PreTrainedModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls: type[M], path: str | Path, dtype: torch.dtype | str | None = None,
-                        device: torch.device | str | None = None) -> M:
+                        device: torch.device | str | None = None, *,
+                        quantize: str | None = None, group_size: int | None = None,
+                        skip: tuple[str, ...] | list[str] = (),
+                        quantized_kernel: str | None = None) -> M:
         """Load a folder written by ``save_pretrained`` (eval mode, trainable weights).
 
         ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"`` or a ``torch.dtype``) defaults
-        to the stored ``torch_dtype``; ``device`` to the CPU.
+        to the stored ``torch_dtype``; ``device`` to the CPU. ``quantize`` (``"int8"`` or
+        ``"int4"``, with ``group_size`` and ``skip`` as in ``quantize``) quantizes each weight
+        as it is read; a folder saved quantized loads as stored, without ``quantize`` or with
+        the same scheme (another one is refused: re-quantizing quantized weights would
+        compound their error). ``quantized_kernel`` forces one kernel on the quantized layers
+        (``quantize``'s ``kernel``).
         """
         folder = check_folder(path)
         dtype = parse_dtype(dtype)
@@ -131,36 +148,48 @@ class PreTrainedModel(nn.Module):
                 quantization = QuantizationConfig.from_dict(quantization)
             except (TypeError, ValueError) as error:
                 raise type(error)(f"{file}: {error}") from None
-        with torch.device("meta"):  # shapes without memory, checked against the file first
-            skeleton = cls(config)  # type: ignore[call-arg]
-            if quantization is not None:
-                _quantized_skeleton(skeleton, quantization, file)
+        asked = requested_quantization(quantize, group_size, skip)
+        if asked is not None and quantization is not None:
+            _check_same_scheme(asked, quantization, folder)
         weights = folder / WEIGHTS_NAME
-        wrong = shape_mismatch(stored_shapes(weights), skeleton, weights)
+        records = file_tensors(weights)
+        with torch.device("meta"):  # shapes without memory, checked against the file first
+            model = cls(config)  # type: ignore[call-arg]
+            if quantization is not None:
+                _quantized_skeleton(model, quantization, file, quantized_kernel)
+        wrong = shape_mismatch({name: r.shape for name, r in records.items()}, model, weights)
         if wrong:
             raise ValueError(wrong)
-        model = cls(config)  # type: ignore[call-arg]
-        if quantization is not None:
-            _quantized_skeleton(model, quantization, file)
-        load_state(model, read_weights(weights), weights)
-        cast_weights(model, dtype or stored)
-        return model.to(device).eval()
+        unexpected = sorted(set(records) - set(model.state_dict()))
+        if unexpected:
+            raise ValueError(f"{str(weights)!r} does not match the model: unexpected "
+                             f"{unexpected}")
+        quantizing = (QuantizingLoad(model, asked, kernel=quantized_kernel)
+                      if asked is not None and quantization is None else None)
+        scheme = quantization or asked
+        announce = (None if scheme is None else
+                    loading_message(model, folder, scheme, stored=quantization is not None))
+        fill(model, records.values(), dtype=dtype or stored, device=device,
+             quantizing=quantizing, announce=announce)
+        return model.eval()
 
 
-def quantize_loaded(model: PreTrainedModel, folder: Path, method: str, group_size: int | None,
-                    skip: tuple[str, ...] | list[str]) -> None:
-    """``model.quantize(method, group_size, skip=skip)`` for a model just loaded from
-    ``folder``; when the folder was already quantized, only a check that the scheme asked for
-    is the stored one (a mismatch names both)."""
-    if model.quantization is None:
-        model.quantize(method, group_size, skip=skip)
-        return
-    asked = QuantizationConfig(method, 64 if method == "int4" and group_size is None
-                               else group_size, tuple(skip))
-    stored = model.quantization
+def requested_quantization(method: str | None, group_size: int | None,
+                           skip: tuple[str, ...] | list[str]) -> QuantizationConfig | None:
+    """The scheme that ``from_pretrained(quantize=method, group_size=, skip=)`` asks for
+    (int4's groups default to 64), or None without ``method``."""
+    if method is None:
+        return None
+    return QuantizationConfig(method, 64 if method == "int4" and group_size is None
+                              else group_size, tuple(skip) if not isinstance(skip, str) else skip)
+
+
+def _check_same_scheme(asked: QuantizationConfig, stored: QuantizationConfig,
+                       folder: Path) -> None:
+    """A folder saved quantized loads only as the scheme it holds (a mismatch names both)."""
     if (asked.method, asked.group_size) != (stored.method, stored.group_size):
-        raise ValueError(f"quantize: {folder} holds {_scheme(stored)} weights, but "
-                         f"{_scheme(asked)} was asked; load it without quantize=, or quantize "
+        raise ValueError(f"quantize: {folder} holds {stored.scheme} weights, but "
+                         f"{asked.scheme} was asked; load it without quantize=, or quantize "
                          "the float checkpoint it was made from")
 
 
@@ -170,16 +199,12 @@ def install_kernels(model: nn.Module, *, extra_memory: bool = False) -> None:
     optimize_for_inference(model, extra_memory=extra_memory)
 
 
-def _scheme(config: QuantizationConfig) -> str:
-    return config.method + ("" if config.group_size is None else
-                            f" (group_size {config.group_size})")
-
-
-def _quantized_skeleton(model: nn.Module, quantization: QuantizationConfig, file: Path) -> None:
+def _quantized_skeleton(model: nn.Module, quantization: QuantizationConfig, file: Path,
+                        kernel: str | None) -> None:
     """``quantized_skeleton``, its errors (a group size that does not fit a layer) naming
     ``file``."""
     try:
-        quantized_skeleton(model, quantization)
+        quantized_skeleton(model, quantization, kernel=kernel)
     except (TypeError, ValueError) as error:
         raise type(error)(f"{file}: quantization: {error}") from None
 

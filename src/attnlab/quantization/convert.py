@@ -8,6 +8,11 @@ becomes one quantized table that both read; skipping either of the two keeps the
 for both. What is left (norms, biases, skipped modules)
 keeps its dtype. The scheme is kept on the model as ``model.quantization``, a
 ``QuantizationConfig`` that ``save_pretrained`` records in ``config.json``.
+
+A loader quantizes as it reads (``QuantizingLoad``): the model is built on the ``meta``
+device, and each chosen module is swapped for its quantized module as soon as its weight is
+placed, so that one float weight at a time lives in memory, never the float model. The codes
+are those that ``quantize_model`` computes from the same weights.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ from attnlab.kernels.install import install_modules
 from attnlab.quantization.formats import GROUP_SIZES
 from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
 
-__all__ = ["METHODS", "QuantizationConfig", "quantize_model", "quantized_skeleton",
-           "weight_bytes"]
+__all__ = ["METHODS", "QuantizationConfig", "QuantizingLoad", "quantize_model",
+           "quantized_skeleton", "weight_bytes"]
 
 METHODS = ("int8", "int4")
 
@@ -67,6 +72,12 @@ class QuantizationConfig:
         """8 or 4."""
         return 8 if self.method == "int8" else 4
 
+    @property
+    def scheme(self) -> str:
+        """``"int8"`` or ``"int4 (group_size 64)"``, as messages name it."""
+        return self.method + ("" if self.group_size is None
+                              else f" (group_size {self.group_size})")
+
     def to_dict(self) -> dict[str, Any]:
         """``{"method", "group_size", "skip"}``, JSON-ready."""
         return {**dataclasses.asdict(self), "skip": list(self.skip)}
@@ -103,26 +114,73 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int | Non
     if getattr(model, "quantization", None) is not None:
         raise ValueError(f"model: already quantized ({model.quantization.method}); load the "
                          "float weights to quantize them another way")
-    _replace(model, config, kernel=kernel, empty=False)
+    _replace(model, _chosen_modules(model, config), config, kernel=kernel, empty=False)
+    model.quantization = config
     install_modules(model)
     return model
 
 
-def quantized_skeleton(model: nn.Module, config: QuantizationConfig) -> nn.Module:
+def quantized_skeleton(model: nn.Module, config: QuantizationConfig, *,
+                       kernel: str | None = None) -> nn.Module:
     """``model`` with the modules that ``config`` quantizes replaced by quantized ones whose
     codes and scales are left unset (uninitialised memory on the modules' device), to be
-    filled by ``load_state_dict`` from a quantized checkpoint: nothing is computed."""
+    filled by ``load_state_dict`` from a quantized checkpoint: nothing is computed.
+    ``kernel`` forces one kernel, as in ``quantize_model``."""
     if not isinstance(config, QuantizationConfig):
         raise TypeError(f"config: expected a QuantizationConfig, got {type(config).__name__}")
-    _replace(model, config, kernel=None, empty=True)
+    _replace(model, _chosen_modules(model, config), config, kernel=kernel, empty=True)
+    model.quantization = config
     return model
 
 
-def _replace(model: nn.Module, config: QuantizationConfig, *, kernel: str | None,
-             empty: bool) -> None:
-    """Swap the chosen modules for quantized ones (computed from their weights, or
-    ``empty``) and record ``config`` on the model."""
-    chosen = _chosen_modules(model, config)
+class QuantizingLoad:
+    """Quantizing ``model`` (built on the ``meta`` device) while a loader fills it, one
+    state-dict tensor at a time: ``placed(name)``, called once the weight ``name`` (one that
+    ``takes(name)``) holds its loaded values, swaps the modules reading it (a linear layer,
+    an embedding, or a tied LM head and its embedding, which become one quantized table) for
+    their quantized modules at once, whose codes are then all that is kept of that weight.
+    The sizes are checked against ``config`` when it is made, before anything is read.
+    ``finish()`` records ``config`` on the model once every chosen module was swapped.
+    ``kernel`` forces one kernel, as in ``quantize_model``."""
+
+    def __init__(self, model: nn.Module, config: QuantizationConfig, *,
+                 kernel: str | None = None) -> None:
+        if not isinstance(config, QuantizationConfig):
+            raise TypeError(f"config: expected a QuantizationConfig, got "
+                            f"{type(config).__name__}")
+        self.model, self.config, self.kernel = model, config, kernel
+        chosen = _chosen_modules(model, config)
+        readers: dict[int, dict[str, nn.Module]] = {}  # a weight -> the chosen modules reading it
+        for name, module in chosen.items():
+            readers.setdefault(id(module.weight), {})[name] = module
+        self._waiting = {f"{name}.weight": readers[id(module.weight)]
+                         for name, module in chosen.items()}
+
+    def takes(self, name: str) -> bool:
+        """Whether the state-dict tensor ``name`` is a weight still to be quantized."""
+        return name in self._waiting
+
+    def placed(self, name: str) -> None:
+        """The weight ``name`` (``takes(name)``) now holds its values: swap the modules
+        reading it for quantized ones (a weight that is not all finite is refused naming
+        them)."""
+        group = self._waiting[name]
+        for module_name in group:
+            self._waiting.pop(f"{module_name}.weight")
+        first, module = next(iter(group.items()))
+        _check_finite(first, module.weight)
+        _replace(self.model, group, self.config, kernel=self.kernel, empty=False)
+
+    def finish(self) -> None:
+        """Record the scheme on the model, every chosen module having been swapped."""
+        assert not self._waiting, f"never placed: {sorted(self._waiting)}"
+        self.model.quantization = self.config
+
+
+def _replace(model: nn.Module, chosen: dict[str, nn.Module], config: QuantizationConfig, *,
+             kernel: str | None, empty: bool) -> None:
+    """Swap the ``chosen`` modules (a tied head with its embedding) for quantized ones,
+    computed from their weights or ``empty``."""
     heads = {id(m.weight): name for name, m in chosen.items() if isinstance(m, nn.Linear)}
     bits, group_size = config.bits, config.group_size or 64
     made: dict[str, nn.Module] = {}
@@ -131,7 +189,8 @@ def _replace(model: nn.Module, config: QuantizationConfig, *, kernel: str | None
             continue
         made[name] = (QuantizedLinear(m.in_features, m.out_features, m.bias is not None,
                                       bits=bits, group_size=group_size,
-                                      scale_dtype=m.weight.dtype, device=m.weight.device)
+                                      scale_dtype=m.weight.dtype, device=m.weight.device,
+                                      kernel=kernel)
                       if empty else QuantizedLinear.from_linear(m, bits=bits,
                                                                 group_size=group_size,
                                                                 kernel=kernel))
@@ -151,7 +210,6 @@ def _replace(model: nn.Module, config: QuantizationConfig, *, kernel: str | None
         parent, _, child = name.rpartition(".")
         _take_over(chosen[name], new)
         model.get_submodule(parent)._modules[child] = new
-    model.quantization = config
 
 
 def _take_over(old: nn.Module, new: nn.Module) -> None:
@@ -192,12 +250,19 @@ def _chosen_modules(model: nn.Module, config: QuantizationConfig) -> dict[str, n
         if embedding and module.max_norm is not None:
             raise ValueError(f"{name}: an embedding with max_norm rewrites its rows at lookup "
                              "and cannot be quantized; skip it")
-        if not module.weight.is_floating_point() or (module.weight.device.type != "meta"
-                                                     and not torch.isfinite(module.weight).all()):
-            raise ValueError(f"{name}: its weight is not all finite floating-point numbers; "
-                             "refusing to quantize it")
+        if module.weight.device.type != "meta" or not module.weight.is_floating_point():
+            _check_finite(name, module.weight)  # on meta: checked when loaded (QuantizingLoad)
         chosen[name] = module
     # A tied table is one weight: quantized for all of its readers or for none, so that
     # skipping the head does not leave a float head beside a second, quantized copy.
     return {name: m for name, m in chosen.items()
             if all(reader in chosen for reader in readers[id(m.weight)])}
+
+
+def _check_finite(name: str, weight: torch.Tensor) -> None:
+    # The extremes, in one pass: a NaN or an infinity is one of them, and no temporary as
+    # large as the weight is made (isfinite's made three, 2.5x an embedding's float32 bytes).
+    if not weight.is_floating_point() or (weight.numel() and not all(
+            torch.isfinite(x) for x in torch.aminmax(weight.detach()))):
+        raise ValueError(f"{name}: its weight is not all finite floating-point numbers; "
+                         "refusing to quantize it")

@@ -58,7 +58,7 @@ class QuantizedLinear(nn.Module):
         w = module.weight
         new = cls(module.in_features, module.out_features, module.bias is not None, bits=bits,
                   group_size=group_size, scale_dtype=w.dtype, device="meta", kernel=kernel)
-        new.set_weight(quantize(w, bits, group_size if bits == 4 else None, w.dtype))
+        new.set_weight(_quantized_by_rows(w, bits, group_size))
         if module.bias is not None:
             new.bias = nn.Parameter(module.bias.detach().clone(),
                                     requires_grad=module.bias.requires_grad)
@@ -179,7 +179,7 @@ class QuantizedEmbedding(nn.Module):
         w = module.weight
         new = cls(module.num_embeddings, module.embedding_dim, bits=bits, group_size=group_size,
                   scale_dtype=w.dtype, device="meta")
-        new.table.set_weight(quantize(w, bits, group_size if bits == 4 else None, w.dtype))
+        new.table.set_weight(_quantized_by_rows(w, bits, group_size))
         return new
 
     @classmethod
@@ -217,3 +217,19 @@ class QuantizedEmbedding(nn.Module):
     def extra_repr(self) -> str:
         tied = ", tied to the LM head" if "_head" in self.__dict__ else ""
         return f"{self.num_embeddings}, {self.embedding_dim}{tied}"
+
+
+def _quantized_by_rows(weight: Tensor, bits: int, group_size: int) -> QuantizedWeight:
+    """``quantize(weight, bits, group_size, weight.dtype)`` computed a block of rows at a time:
+    every scale is a row's or a row group's, so the codes are the same, while the float32
+    temporaries are a block's (about 4 MiB each), not the whole weight's (an embedding of
+    Qwen2.5-0.5B: 0.5 GiB each)."""
+    rows, cols = weight.shape
+    step = max(1, 2**20 // cols)
+    blocks = [quantize(weight[i:i + step], bits, group_size if bits == 4 else None, weight.dtype)
+              for i in range(0, max(rows, 1), step)]
+    if len(blocks) == 1:
+        return blocks[0]
+    zeros = None if bits == 8 else torch.cat([b.zeros for b in blocks])
+    return QuantizedWeight(bits, torch.cat([b.data for b in blocks]),
+                           torch.cat([b.scales for b in blocks]), zeros)

@@ -4,7 +4,9 @@ The folder's ``model_type`` picks the family; its ``config.json`` becomes a
 ``DecoderLMConfig`` and its tensors (memory-mapped, checked name by name and shape by shape
 against what the config implies) are renamed, and transposed or split where the format needs
 it, into the model's: raw-weight parity, values as stored. The model class is passed in
-(``DecoderLM.from_pretrained`` calls this), so this module needs only the config.
+(``DecoderLM.from_pretrained`` calls this), so this module needs only the config. A
+quantized load reads, quantizes and places one stored tensor at a time
+(``attnlab.models.streaming``); a float one maps the tensors and uses them in place.
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ from attnlab.models.hf_loading import (
     parse_dtype,
     read_json,
     save_tensors,
+    stored_tensors,
     weight_files,
 )
+from attnlab.models.streaming import fill, loading_message
+from attnlab.quantization.convert import QuantizationConfig, QuantizingLoad
 
 __all__ = ["load_family", "read_config", "save_family"]
 
@@ -37,9 +42,11 @@ M = TypeVar("M", bound=nn.Module)
 
 
 def load_family(cls: type[M], folder: Path, dtype: torch.dtype | None,
-                device: torch.device) -> M:
+                device: torch.device, quantization: QuantizationConfig | None = None, *,
+                kernel: str | None = None) -> M:
     """``cls(config)`` (a ``DecoderLM``) with the weights of the family checkpoint ``folder``,
-    in eval mode on ``device``; ``dtype`` ``None`` keeps the stored one."""
+    in eval mode on ``device``; ``dtype`` ``None`` keeps the stored one. ``quantization``:
+    the weights quantized as they are read (``kernel`` forcing one quantized kernel)."""
     family, config, stored_dtype = read_config(folder)
     dtype = dtype or stored_dtype
     stored_names = weight_files(folder)
@@ -61,8 +68,14 @@ def load_family(cls: type[M], folder: Path, dtype: torch.dtype | None,
     expected = {k: tuple(t.shape) for k, t in weights.to_stored(model.state_dict()).items()}
     ignore = [*weights.skipped(stored_names), *(("lm_head.weight",) if config.tie_embeddings
                                                  else ())]
-    stored_tensors = load_tensors(folder, expected, dtype=dtype, ignore=ignore)
-    state = weights.to_ours(stored_tensors, shapes)
+    if quantization is not None:
+        quantizing = QuantizingLoad(model, quantization, kernel=kernel)  # sizes checked first
+        records = stored_tensors(folder, expected, ignore=ignore).values()
+        fill(model, records, dtype=dtype, device=device, quantizing=quantizing,
+             rename=lambda name, t: weights.to_ours({name: t}, shapes),
+             announce=loading_message(model, folder, quantization, stored=False))
+        return model.eval()
+    state = weights.to_ours(load_tensors(folder, expected, dtype=dtype, ignore=ignore), shapes)
     if config.tie_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
