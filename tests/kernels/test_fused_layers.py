@@ -47,7 +47,7 @@ def model_of(model_type: str, dtype: torch.dtype, weights: str) -> DecoderLM:
     bits, kernel = weights.split(":")
     # int4 in groups of 32 (the smallest), of 64 for the integer products (the smallest they take)
     group = (64 if kernel == "int4_integers" else 32) if bits == "int4" else None
-    return model.quantize(bits, group, kernel=kernel)
+    return optimize_for_inference(model.quantize(bits, group, kernel=kernel))
 
 
 def counted(monkeypatch) -> list[int]:

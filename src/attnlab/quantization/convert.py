@@ -29,7 +29,6 @@ from torch import nn
 from attnlab._checks import is_int
 from attnlab.hook_point import share_hooks
 from attnlab.kernels import InferenceLinear
-from attnlab.kernels.install import install_modules
 from attnlab.quantization.formats import GROUP_SIZES
 from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
 
@@ -103,8 +102,8 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int | Non
     that it does not divide is refused by name before anything changes. ``kernel`` forces one
     of ``attnlab.quantization.kernels.QUANTIZED_KERNELS``. A swapped module keeps the replaced
     one's train/eval mode and forward and backward hooks (their handles still remove them).
-    A quantized model is for inference: the other fast modules are swapped in too
-    (``attnlab.kernels.install.install_modules``)."""
+    Its other modules stay the reference ones: ``attnlab.kernels.optimize_for_inference``
+    swaps in the fast modules (``from_pretrained`` does)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if method == "int4" and group_size is None:
@@ -116,7 +115,6 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int | Non
                          "float weights to quantize them another way")
     _replace(model, _chosen_modules(model, config), config, kernel=kernel, empty=False)
     model.quantization = config
-    install_modules(model)
     return model
 
 
