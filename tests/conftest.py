@@ -11,12 +11,11 @@ import torch
 
 @pytest.fixture(autouse=True, scope="session")
 def _kernels_pinned_to_the_formula(tmp_path_factory: pytest.TempPathFactory):
-    """``ATTNLAB_KERNELS=formula``, ``ATTNLAB_QUANTIZED_KERNELS=dequantize`` and a calibration
-    cache in a temporary folder for the session (subprocesses inherit them), never the
-    user's ``~/.cache``."""
+    """``ATTNLAB_KERNELS=formula`` (float and quantized modules alike) and a kernel cache in a
+    temporary folder for the session (subprocesses inherit them), never the user's
+    ``~/.cache``."""
     patch = pytest.MonkeyPatch()
     patch.setenv("ATTNLAB_KERNELS", "formula")
-    patch.setenv("ATTNLAB_QUANTIZED_KERNELS", "dequantize")
     patch.setenv("ATTNLAB_CACHE_DIR", str(tmp_path_factory.mktemp("kernel-cache")))
     yield
     patch.undo()

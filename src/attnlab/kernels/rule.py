@@ -33,8 +33,8 @@ import torch
 
 from attnlab.kernels import native
 
-__all__ = ["BUCKETS", "DECODING", "QUANTIZED_NAMES", "Features", "bucket_of", "features",
-           "largest", "rule"]
+__all__ = ["BATCH_INVARIANT", "BUCKETS", "DECODING", "QUANTIZED_NAMES", "Features",
+           "batch_invariant", "bucket_of", "features", "largest", "rule"]
 
 # name -> (smallest row count, representative row count)
 BUCKETS: dict[str, tuple[int, int]] = {"1": (1, 1), "2-8": (2, 8), "9-32": (9, 16),
@@ -45,6 +45,15 @@ DECODING = ("1", "2-8", "9-32")  # the buckets that one batch-invariant kernel c
 QUANTIZED_NAMES = ("dequantize", "int8_mm", "int4_mm", "native_dequantize", "native_widened",
                    "int8_native", "int8_integers", "int8_tiles", "int4_native",
                    "int4_native_pairs", "int4_integers")
+
+# The kernels that add each row's products in the same order whatever the rows beside it (the
+# C++ loops keep per-row sums that do not depend on the block of rows; x padded to a tile;
+# PyTorch's int8/int4 ops as measured on the EPYC, 1 and 2 threads, 1-33 rows). Not here:
+# native_gemv and int8_native (an AVX-512 build sums a row in two chains in blocks of 1-2 rows,
+# in one in blocks of 3-8), BLAS (the formula, its GEMM blocking follows the rows), rows_gemv
+# and blocks_gemv (their split follows rows and threads).
+BATCH_INVARIANT = frozenset({"native_tiles", "native_pairs", "int8_integers", "int4_integers",
+                             "int4_native_pairs", "int4_native", "int8_mm", "int4_mm"})
 
 
 @dataclass(frozen=True)
@@ -132,6 +141,14 @@ def rule(scheme: str, dtype: torch.dtype, cpu: Features, *, extra_memory: bool =
     if scheme in ("float32", "bfloat16"):
         return _float_rule(scheme, cpu, extra_memory)
     return _quantized_rule(int(scheme[3:]), dtype, cpu)
+
+
+def batch_invariant(plan: dict[str, str]) -> bool:
+    """Whether a plan (``{bucket: kernel}``) gives a row the same output whatever the rows
+    beside it, from 1 to 32: one kernel for the three decoding buckets, and one of
+    :data:`BATCH_INVARIANT`."""
+    kernels = {plan[b] for b in DECODING}
+    return len(kernels) == 1 and kernels <= BATCH_INVARIANT
 
 
 def bucket_of(rows: int) -> str:
