@@ -33,7 +33,7 @@ from attnlab.quantization import kernels as quantized_kernels
 
 AMX = Features(native=True, pairs=True, tiles=True, integers=True, bfloat16_gemm=True)
 BF16 = Features(native=True, pairs=True, tiles=False, integers=True, bfloat16_gemm=True)
-AVX2 = Features(native=True, pairs=False, tiles=False, integers=False, bfloat16_gemm=False)
+V3 = Features(native=True, pairs=False, tiles=False, integers=False, bfloat16_gemm=False)
 BARE = Features(native=False, pairs=False, tiles=False, integers=False, bfloat16_gemm=False)
 F32, B16 = torch.float32, torch.bfloat16
 
@@ -46,17 +46,17 @@ def _first(scheme, dtype, cpu, **kwargs):
 @pytest.mark.parametrize(("scheme", "dtype", "cpu", "expected"), [
     # float32: our GEMV for decoding, BLAS from 9 rows; BLAS alone without the build.
     ("float32", F32, AMX, ("native_gemv", "native_gemv", "formula", "formula")),
-    ("float32", F32, AVX2, ("native_gemv", "native_gemv", "formula", "formula")),
+    ("float32", F32, V3, ("native_gemv", "native_gemv", "formula", "formula")),
     ("float32", F32, BARE, ("formula", "formula", "formula", "formula")),
     # bfloat16: tiles, else pairs, for every decoding bucket (one batch-invariant loop).
     ("bfloat16", B16, AMX, ("native_tiles", "native_tiles", "native_tiles", "formula")),
     ("bfloat16", B16, BF16, ("native_pairs", "native_pairs", "native_pairs", "formula")),
-    ("bfloat16", B16, AVX2, ("native_gemv", "native_gemv", "widened", "widened")),
+    ("bfloat16", B16, V3, ("native_gemv", "native_gemv", "widened", "widened")),
     ("bfloat16", B16, BARE, ("formula", "formula", "widened", "widened")),
     # int8 / int4: integer products with VNNI and bfloat16 x, else our GEMVs, else torch's.
     ("int8", B16, BF16, ("int8_integers", "int8_integers", "int8_integers",
                          "native_dequantize")),
-    ("int8", B16, AVX2, ("int8_native", "int8_native", "int8_native", "native_widened")),
+    ("int8", B16, V3, ("int8_native", "int8_native", "int8_native", "native_widened")),
     ("int8", F32, BF16, ("int8_native", "int8_native", "int8_native", "native_dequantize")),
     ("int8", B16, BARE, ("int8_mm", "int8_mm", "int8_mm", "dequantize")),
     ("int4", B16, BF16, ("int4_integers", "int4_integers", "int4_integers",
@@ -64,7 +64,7 @@ def _first(scheme, dtype, cpu, **kwargs):
     ("int4", B16, Features(native=True, pairs=True, tiles=False, integers=False,
                            bfloat16_gemm=True),
      ("int4_native_pairs", "int4_native_pairs", "int4_native_pairs", "native_dequantize")),
-    ("int4", B16, AVX2, ("int4_native", "int4_native", "int4_native", "native_widened")),
+    ("int4", B16, V3, ("int4_native", "int4_native", "int4_native", "native_widened")),
     ("int4", F32, AMX, ("int4_native", "int4_native", "int4_native", "native_dequantize")),
     ("int4", F32, BARE, ("int4_mm", "int4_mm", "int4_mm", "dequantize")),
 ])
@@ -81,7 +81,7 @@ def test_the_rule_falls_back_in_order_and_names_only_real_kernels():
     assert rule("float32", F32, AMX, extra_memory=True)["9-32"] == ("onednn_packed", "formula")
     assert rule("float32", F32, AMX, extra_memory=True)["33+"] == ("formula",)
     assert tuple(QUANTIZED_KERNELS) == QUANTIZED_NAMES
-    for cpu in (AMX, BF16, AVX2, BARE):
+    for cpu in (AMX, BF16, V3, BARE):
         for scheme, dtype in (("float32", F32), ("bfloat16", B16), ("int8", B16),
                               ("int8", F32), ("int4", B16), ("int4", F32)):
             for names in rule(scheme, dtype, cpu).values():

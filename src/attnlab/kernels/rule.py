@@ -59,11 +59,11 @@ BATCH_INVARIANT = frozenset({"native_tiles", "native_pairs", "int8_integers", "i
 @dataclass(frozen=True)
 class Features:
     """What this machine's build and torch can run: ``native`` attnlab's C++ kernels are
-    built and loaded; ``pairs`` their bfloat16 pair products (``vdpbf16ps``, AVX512-BF16);
+    built and loaded; ``pairs`` their bfloat16 pair products (``vdpbf16ps``, AVX-512 BF16);
     ``tiles`` their AMX tile kernels; ``integers`` their exact integer products
-    (``vpdpwssd``, AVX512-VNNI); ``bfloat16_gemm`` torch's GEMM has bfloat16 arithmetic
-    (oneDNN on an AVX-512 CPU with bfloat16 support; elsewhere it runs ~5x slower than
-    float32's)."""
+    (``vpdpwssd``, AVX-512 VNNI); ``bfloat16_gemm`` torch's GEMM has bfloat16 arithmetic
+    (oneDNN where torch reports bfloat16 support on this CPU; elsewhere it runs ~5x
+    slower than float32's)."""
 
     native: bool
     pairs: bool
@@ -77,8 +77,7 @@ def features() -> Features:
     """This machine's :class:`Features`, asked once per process (loading the native build if
     it is there; nothing is timed)."""
     built = native.available()
-    bf16 = (torch.backends.cpu.get_cpu_capability() == "AVX512"
-            and torch.backends.mkldnn.is_available()
+    bf16 = (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported")
             and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
     return Features(native=built, pairs=built and native.pairs_available(),
@@ -95,11 +94,11 @@ def rule(scheme: str, dtype: torch.dtype, cpu: Features, *, extra_memory: bool =
     shape, else the formula (``formula``, or ``dequantize`` for a quantized weight).
 
     Why each case (GB/s and % of the read bandwidth from ``benchmarks/gemv.md``, a decoding
-    step streams every weight once; Xeon: AVX-512 with AMX, EPYC: AVX512-BF16 and VNNI, AVX2:
-    the Xeon held to AVX2, ``benchmarks/avx2/``):
+    step streams every weight once; Xeon: AVX-512 with AMX, EPYC: AVX-512 BF16 and VNNI, v3:
+    the Xeon held to 256-bit vectors, x86-64-v3, in the benchmarks folder beside them):
 
     - float32, native: ``native_gemv`` for 1-8 rows (Xeon 103-119% at one row, 100% at
-      eight, where BLAS reads 48%; EPYC 84%; AVX2 122% / 87%); BLAS (the formula) from 9
+      eight, where BLAS reads 48%; EPYC 84%; v3 122% / 87%); BLAS (the formula) from 9
       rows, where a GEMM reuses each weight. Not batch-invariant: the AVX-512 build sums a
       row in two chains over 32 inputs in blocks of 1-2 rows and in one chain over 16 in
       blocks of 3-8 (``widened_rows`` / ``row_groups`` in ``native_gemv.cpp``), and BLAS
@@ -111,18 +110,18 @@ def rule(scheme: str, dtype: torch.dtype, cpu: Features, *, extra_memory: bool =
       row's two chains the same whatever the rows): the fastest at one row (EPYC 100%, Xeon
       118%); at eight ~15% behind ``native_gemv`` (Xeon 66% vs 78%), the price of
       invariance.
-    - bfloat16, native without either: ``native_gemv`` for 1-8 (AVX2 110% / 59%; BLAS 53% /
+    - bfloat16, native without either: ``native_gemv`` for 1-8 (v3 110% / 59%; BLAS 53% /
       17%); not batch-invariant (its loops depend on the rows, as float32's).
     - bfloat16 from 9 rows (from 33 with tiles or pairs): the formula where torch's GEMM
       has bfloat16 arithmetic, else ``widened`` (float32 BLAS on the weight widened 16 MiB
-      at a time: AVX2 prefill 0.99x -> 4.67x of transformers).
+      at a time: v3 prefill 0.99x -> 4.67x of transformers).
     - int8, bfloat16 x: ``int8_integers`` for 1-32 rows with VNNI (106% at one row, 47% at
       eight vs ``int8_native``'s 53%), batch-invariant (x rounded per row, exact integer
-      sums); else ``int8_native`` (90%; AVX2 82%), batch-invariant only on an AVX2 build
-      (as float32's ``native_gemv``).
+      sums); else ``int8_native`` (90%; v3 82%), not batch-invariant on an AVX-512 build (as
+      float32's ``native_gemv``).
     - int4, bfloat16 x: ``int4_integers`` (77% / 24% of the bandwidth at one / eight rows,
       the best at both; groups of a multiple of 64), else ``int4_native_pairs`` (72%), else
-      ``int4_native`` (56%; AVX2 47%), all three batch-invariant, for 1-32 rows.
+      ``int4_native`` (56%; v3 47%), all three batch-invariant, for 1-32 rows.
     - int8 / int4, float32 x: ``int8_native`` / ``int4_native`` for 1-32 (integers and
       pairs take bfloat16 x only); ``int4_native`` is batch-invariant, ``int8_native``
       not on an AVX-512 build.
