@@ -29,7 +29,6 @@ from attnlab.kernels import (
     plan,
 )
 from attnlab.kernels.cache import _VERSION, cpu_model, entry_key
-from attnlab.kernels.inference_linear import InferenceLinear
 
 SHAPE = (24, 16)  # O x I: tiny, so that a whole calibration takes milliseconds
 

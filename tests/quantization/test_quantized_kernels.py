@@ -113,8 +113,8 @@ def test_forced_kernel_is_checked_and_falls_back_to_the_formula(
     monkeypatch.setenv("ATTNLAB_KERNELS", "columns")  # a float kernel: the rule here
     assert qkernels.plan(weight, torch.float32) == qkernels.rule_plan(weight, torch.float32)
     monkeypatch.setenv("ATTNLAB_KERNELS", "nope")
-    with pytest.raises(ValueError, match="ATTNLAB_KERNELS: expected one of formula, .*, "
-                                         "dequantize, int8_mm"):
+    with pytest.raises(ValueError, match=r"ATTNLAB_KERNELS: expected one of formula, .*, "
+                                         r"dequantize, int8_mm"):
         qkernels.plan(weight, torch.float32)
     monkeypatch.delenv("ATTNLAB_KERNELS")
     monkeypatch.setenv("ATTNLAB_QUANTIZED_KERNELS", "int8_mm")
