@@ -18,17 +18,16 @@ from attnlab.kernels import native
 
 @pytest.fixture(autouse=True, scope="session")
 def _kernels_pinned_to_the_formula(tmp_path_factory: pytest.TempPathFactory):
-    """``ATTNLAB_KERNELS=formula``, ``ATTNLAB_QUANTIZED_KERNELS=dequantize`` and a calibration
-    cache in a temporary folder for the session (subprocesses inherit them), never the
-    user's ``~/.cache``. The native kernels are loaded first, from the build that ``attnlab
-    build`` made in the user's cache (``make test`` runs it), once for the session (tests
-    that change ``$ATTNLAB_CACHE_DIR`` keep them), and their library is copied into the
-    session's cache for the subprocesses; without that build they are not available."""
+    """``ATTNLAB_KERNELS=formula`` (float and quantized modules alike) and a kernel cache in a
+    temporary folder for the session (subprocesses inherit them), never the user's
+    ``~/.cache``. The native kernels are loaded first, from the build that ``attnlab build``
+    made in the user's cache (``make test`` runs it), once for the session (tests that change
+    ``$ATTNLAB_CACHE_DIR`` keep them), and their library is copied into the session's cache
+    for the subprocesses; without that build they are not available."""
     native.available()
     built = native.library_file()
     patch = pytest.MonkeyPatch()
     patch.setenv("ATTNLAB_KERNELS", "formula")
-    patch.setenv("ATTNLAB_QUANTIZED_KERNELS", "dequantize")
     patch.setenv("ATTNLAB_CACHE_DIR", str(tmp_path_factory.mktemp("kernel-cache")))
     if built.is_file():
         native.library_file().parent.mkdir(parents=True)

@@ -1,5 +1,6 @@
 """The ``attnlab`` command line: ``attnlab demo``, ``attnlab build``, ``attnlab bench NAME``, and
-the commands of ``cli_train``, ``cli_infer``, ``cli_viz`` and ``cli_generate``.
+the commands of ``cli_train``, ``cli_infer``, ``cli_viz``, ``cli_generate``, ``cli_quantize``,
+``cli_serve`` and ``cli_calibrate``.
 
 Each command uses the library's public API only and names the folder it wrote when it ends.
 ``attnlab bench NAME --quick`` writes to ``runs/bench-quick`` unless ``--out`` says otherwise,
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from attnlab import __version__
 from attnlab.bench.harness import begin_run
+from attnlab.cli_calibrate import add_commands as add_calibrate_commands
 from attnlab.cli_generate import add_commands as add_generate_commands
 from attnlab.cli_infer import add_commands as add_infer_commands
 from attnlab.cli_quantize import add_commands as add_quantize_commands
@@ -99,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_viz_commands(sub)
     add_generate_commands(sub)
     add_quantize_commands(sub)
+    add_calibrate_commands(sub)
     add_serve_commands(sub)
 
     bench = sub.add_parser("bench", help="run a benchmark and save its table and plot")

@@ -74,9 +74,11 @@ def planted(timings: dict[str, float]):
 @pytest.fixture(autouse=True, name="own_cache")
 def own_cache_fixture(tmp_path, monkeypatch):
     """Every kernel test (each module imports this autouse fixture) runs with a fresh cache
-    folder in ``$ATTNLAB_CACHE_DIR``, no ``$ATTNLAB_KERNELS`` from the shell, and no timings
-    remembered from another test. -> the cache file's path."""
+    folder in ``$ATTNLAB_CACHE_DIR``, no ``$ATTNLAB_KERNELS`` (nor its old name
+    ``$ATTNLAB_QUANTIZED_KERNELS``) from the shell, and no timings remembered from another
+    test. -> the cache file's path."""
     monkeypatch.setenv("ATTNLAB_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("ATTNLAB_KERNELS", raising=False)
+    monkeypatch.delenv("ATTNLAB_QUANTIZED_KERNELS", raising=False)
     monkeypatch.setattr(calibration, "_TIMINGS", {})
     return tmp_path / "cache" / "kernels.json"

@@ -159,7 +159,7 @@ def test_the_packed_copy_is_kept_only_with_extra_memory_and_survives_copies():
 
 def test_without_extra_memory_a_calibrated_plan_never_keeps_a_second_copy(monkeypatch):
     fast = dict.fromkeys(KERNELS, 10.0) | {"onednn_packed": 1.0}
-    monkeypatch.setattr(calibration, "measure", planted(fast))
+    monkeypatch.setattr(calibration, "cached", planted(fast))
     module = InferenceLinear.from_linear(reference())
     with torch.no_grad():
         module(torch.randn(1, 24))
@@ -232,7 +232,7 @@ def test_optimize_for_inference_swaps_linears_and_keeps_tied_weights_tied(kernel
     the one tied to the embedding too (a lookup reads rows in any layout). Forced: the
     forced kernel everywhere, still tied."""
     fast = dict.fromkeys(KERNELS, 10.0) | {"columns": 1.0}
-    monkeypatch.setattr(calibration, "measure", planted(fast))
+    monkeypatch.setattr(calibration, "cached", planted(fast))
     torch.manual_seed(0)
     expected_model = TiedLM()
     model = copy.deepcopy(expected_model)

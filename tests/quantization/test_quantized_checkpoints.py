@@ -35,9 +35,9 @@ def test_cli_quantize_writes_a_folder_that_loads_and_generates(
     out = tmp_path / "q"
     argv = ["quantize", str(family_folder), str(out), "--bits", str(bits)]
     with monkeypatch.context() as patch:  # writing the codes times no kernel
-        patch.delenv("ATTNLAB_QUANTIZED_KERNELS", raising=False)  # conftest forces one
-        patch.setattr(qkernels, "measure",
-                      lambda *args, **kwargs: pytest.fail("quantize calibrated"))
+        patch.delenv("ATTNLAB_KERNELS", raising=False)  # conftest forces one
+        patch.setattr(qkernels, "_time_kernels",
+                      lambda *args, **kwargs: pytest.fail("quantize timed a kernel"))
         assert main(argv + (["--group-size", str(group_size)] if group_size else [])) == 0
     printed = capsys.readouterr().out
     assert f"wrote {out}" in printed and f"as {method}" in printed

@@ -1,5 +1,6 @@
 """Each quantized kernel equal to its formula (dequantize, then ``linear``), forced one by
-one; the measuring that picks among them, and its cache."""
+one; the measured plan that ``attnlab calibrate`` writes, and its cache (the rule: in
+tests/kernels/test_rule.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import pytest
 import torch
 
+from attnlab.kernels import calibration
 from attnlab.quantization import QUANTIZED_KERNELS, QuantizedLinear, quantize
 from attnlab.quantization import kernels as qkernels
 
@@ -36,7 +38,7 @@ def test_each_kernel_equals_the_formula(kernel: str, bits: int, dtype: torch.dty
     if not QUANTIZED_KERNELS[kernel].available(weight.with_layout("blocked"), dtype):
         pytest.skip(f"{kernel} cannot run {dtype} on this torch build")
     most = QUANTIZED_KERNELS[kernel].max_rows
-    assert {b: k.name for b, k in module.calibrate(dtype).items()} == {
+    assert {b: k.name for b, k in module.plan(dtype).items()} == {
         b: kernel if most is None or most >= top else "dequantize"
         for b, top in (("1", 1), ("2-8", 8), ("9-32", 16), ("33+", 512))}
     x = torch.randn(2, rows, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -73,31 +75,55 @@ def test_native_widened_makes_the_weight_a_block_of_rows_at_a_time(
 
 def test_measured_plan_is_cached_per_scheme(monkeypatch: pytest.MonkeyPatch,
                                             tmp_path) -> None:
-    monkeypatch.delenv("ATTNLAB_QUANTIZED_KERNELS", raising=False)
+    """What ``attnlab calibrate`` measures goes into the one cache file, keyed by scheme
+    before the float keys' parts, and is read back, not measured again."""
+    monkeypatch.delenv("ATTNLAB_KERNELS", raising=False)  # the conftest forces the formula
     monkeypatch.setenv("ATTNLAB_CACHE_DIR", str(tmp_path))
-    qkernels._TIMINGS.clear()
+    monkeypatch.setattr(calibration, "_TIMINGS", {})
+    monkeypatch.setattr(qkernels, "cold_copies", lambda bytes_each: 2)
     weight = quantize(torch.randn(64, 128), 4, 32)
-    picks = qkernels.plan(weight, torch.bfloat16)
+    assert qkernels.plan(weight, torch.bfloat16) == qkernels.rule_plan(weight, torch.bfloat16)
+    assert not (tmp_path / "kernels.json").exists()  # a plan without measure_now times nothing
+    picks = qkernels.plan(weight, torch.bfloat16, measure_now=True)
     assert set(picks) == {"1", "2-8", "9-32", "33+"}
     assert set(picks.values()) <= set(QUANTIZED_KERNELS)
-    entries = json.loads((tmp_path / "kernels-quantized.json").read_text())["entries"]
+    entries = json.loads((tmp_path / "kernels.json").read_text())["entries"]
     keys = [k for k in entries if k.startswith("int4 g32 | ")]
-    assert len(keys) == 4 and all("64x128" in k and "bfloat16" in k for k in keys)
+    assert len(keys) == len(entries) == 4
+    assert all("64x128" in k and "bfloat16" in k for k in keys)
     assert all("dequantize" in entries[k] for k in keys)
     # read back, not measured again
-    qkernels._TIMINGS.clear()
-    monkeypatch.setattr(qkernels, "_time_kernels", lambda *a: pytest.fail("measured again"))
+    monkeypatch.setattr(calibration, "_TIMINGS", {})
+    monkeypatch.setattr(qkernels, "_time_kernels", lambda *a, **k: pytest.fail("measured again"))
     assert qkernels.plan(weight, torch.bfloat16) == picks
 
 
 def test_forced_kernel_is_checked_and_falls_back_to_the_formula(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """ATTNLAB_KERNELS forces float and quantized kernels alike; the old quantized-only
+    variable still works where it is not set, with a warning."""
     weight = quantize(torch.randn(64, 128), 8)
     assert set(qkernels.plan(weight, torch.float32, kernel="int4_mm").values()) == {"dequantize"}
     with pytest.raises(ValueError, match="kernel: expected one of dequantize, int8_mm"):
         qkernels.plan(weight, torch.float32, kernel="fast")
+    monkeypatch.setenv("ATTNLAB_KERNELS", "int8_mm")
+    assert set(qkernels.plan(weight, torch.float32).values()) == {"int8_mm"}
+    monkeypatch.setenv("ATTNLAB_KERNELS", "formula")  # the float formula: dequantize here
+    assert set(qkernels.plan(weight, torch.float32).values()) == {"dequantize"}
+    monkeypatch.setenv("ATTNLAB_KERNELS", "columns")  # a float kernel: the rule here
+    assert qkernels.plan(weight, torch.float32) == qkernels.rule_plan(weight, torch.float32)
+    monkeypatch.setenv("ATTNLAB_KERNELS", "nope")
+    with pytest.raises(ValueError, match=r"ATTNLAB_KERNELS: expected one of formula, .*, "
+                                         r"dequantize, int8_mm"):
+        qkernels.plan(weight, torch.float32)
+    monkeypatch.delenv("ATTNLAB_KERNELS")
+    monkeypatch.setenv("ATTNLAB_QUANTIZED_KERNELS", "int8_mm")
+    with pytest.warns(FutureWarning, match="ATTNLAB_QUANTIZED_KERNELS is an old name of "
+                                           "ATTNLAB_KERNELS"):
+        assert set(qkernels.plan(weight, torch.float32).values()) == {"int8_mm"}
     monkeypatch.setenv("ATTNLAB_QUANTIZED_KERNELS", "nope")
-    with pytest.raises(ValueError, match="ATTNLAB_QUANTIZED_KERNELS: expected one of"):
+    with pytest.warns(FutureWarning), pytest.raises(
+            ValueError, match="ATTNLAB_QUANTIZED_KERNELS: expected one of"):
         qkernels.plan(weight, torch.float32)
 
 
@@ -130,9 +156,9 @@ def test_the_plan_keeps_the_codes_in_one_layout(monkeypatch: pytest.MonkeyPatch,
     every = {n: dataclasses.replace(k, available=lambda w, d: True)
              for n, k in QUANTIZED_KERNELS.items()}
     monkeypatch.setattr(qkernels, "QUANTIZED_KERNELS", every)
-    monkeypatch.setattr(qkernels, "measure", lambda w, d, b, names, bias=True: {
+    monkeypatch.setattr(qkernels, "cached", lambda w, d, b, names, bias=True: {
         n: timings[b][n] for n in names if n in timings[b]})
-    monkeypatch.delenv("ATTNLAB_QUANTIZED_KERNELS", raising=False)
+    monkeypatch.delenv("ATTNLAB_KERNELS", raising=False)  # the conftest forces the formula
     picks = qkernels.plan(quantize(torch.randn(128, 256), 4, 64), torch.bfloat16)
     assert picks == {**expected, "9-32": "dequantize", "33+": "dequantize"}
 
@@ -157,8 +183,8 @@ def test_one_row_decoding_keeps_the_pair_kernel_when_it_loses_only_at_16_rows(
                  "int4_native_pairs": 38_400, "native_dequantize": 104_049},
         "33+": {"dequantize": 650_000, "int4_mm": 13_000_000, "native_dequantize": 560_000},
     }
-    monkeypatch.delenv("ATTNLAB_QUANTIZED_KERNELS", raising=False)
-    monkeypatch.setattr(qkernels, "measure", lambda w, d, bucket, names, bias=True: {
+    monkeypatch.delenv("ATTNLAB_KERNELS", raising=False)  # the conftest forces the formula
+    monkeypatch.setattr(qkernels, "cached", lambda w, d, bucket, names, bias=True: {
         n: t for n, t in measured[bucket].items() if n in names})
     assert qkernels.plan(weight, torch.bfloat16) == {
         "1": "int4_native_pairs", "2-8": "int4_native_pairs", "9-32": "int4_native_pairs",
@@ -176,8 +202,8 @@ def test_an_exact_kernel_needs_no_margin_over_the_formula(monkeypatch: pytest.Mo
             ({"dequantize": 1000, "native_dequantize": 950, "int8_native": 990},
              "native_dequantize"),
             ({"dequantize": 1000, "native_dequantize": 1010, "int8_native": 950}, "dequantize")):
-        monkeypatch.delenv("ATTNLAB_QUANTIZED_KERNELS", raising=False)
-        monkeypatch.setattr(qkernels, "measure",
+        monkeypatch.delenv("ATTNLAB_KERNELS", raising=False)  # the conftest forces the formula
+        monkeypatch.setattr(qkernels, "cached",
                             lambda w, d, bucket, names, t=bucket_times, bias=True: {
                                 n: us for n, us in t.items() if n in names})
         assert set(qkernels.plan(weight, torch.bfloat16).values()) == {expected}

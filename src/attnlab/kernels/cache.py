@@ -1,9 +1,10 @@
-"""The calibration cache: kernel timings measured on this machine, as JSON on disk.
+"""The kernel cache: the plans ``attnlab calibrate`` measured on this machine, as JSON on disk.
 
 The file maps a key (CPU model, torch version, thread count, the native kernels' build, the
 variables that hold torch's libraries to an instruction set where set, dtype, shape, rows
-bucket, with a bias or not) to the median microseconds per call of each kernel measured for
-it. It is read from ``$ATTNLAB_CACHE_DIR/kernels.json`` (else
+bucket, with a bias or not; a quantized weight's scheme before it) to the median
+microseconds per call of each kernel measured for it, float and quantized in one file. A
+load reads it and never adds to it. It is read from ``$ATTNLAB_CACHE_DIR/kernels.json`` (else
 ``~/.cache/attnlab/kernels.json``), never unpickled, and never trusted blindly: an entry that
 is not a mapping from a known kernel name to a finite positive time is dropped with a warning
 and the file is rewritten without it.
@@ -29,18 +30,19 @@ __all__ = ["cache_file", "cpu_model", "entry_key", "read_entries", "write_entrie
 
 # A cache of a few thousand shapes is well below this; a larger file is not ours.
 _MAX_BYTES = 4 * 2**20
-_VERSION = 7  # 2: timings on weights not in a cache; 3: blocks_gemv with up to 4 blocks a
+_VERSION = 8  # 2: timings on weights not in a cache; 3: blocks_gemv with up to 4 blocks a
 # thread; 4: copies past twice the last-level cache; 5: the native GEMVs' row groups and 8-lane
 # loop, the tile kernel's vector writes (faster kernels: the old choices are stale); 6: with or
 # without a bias, as the module has one (BLAS runs x W^T and x W^T + b by different paths);
-# 7: the native build and the libraries' instruction-set variables in the key
+# 7: the native build and the libraries' instruction-set variables in the key; 8: written by
+# `attnlab calibrate` only, quantized timings in the same file, 33+ timed at 512 rows
 # The variables with which torch, MKL and oneDNN are held to an older instruction set: a
 # timing taken under one setting says nothing of another.
 _LIBRARY_VARIABLES = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 
 
 def cache_file() -> Path:
-    """Where the timings live: ``$ATTNLAB_CACHE_DIR/kernels.json`` when the variable is set
+    """Where the measured plans live: ``$ATTNLAB_CACHE_DIR/kernels.json`` when the variable is set
     (and not empty), else ``~/.cache/attnlab/kernels.json``."""
     folder = os.environ.get("ATTNLAB_CACHE_DIR") or Path.home() / ".cache" / "attnlab"
     return Path(folder) / "kernels.json"
@@ -107,7 +109,7 @@ def read_entries(path: Path, known: Iterable[str]) -> dict[str, dict[str, float]
 
 def write_entries(path: Path, entries: Mapping[str, Mapping[str, float]]) -> bool:
     """Write ``entries`` to ``path`` atomically (``attnlab.durable``); False (with a warning)
-    when the folder is not writable, so that calibration still works, only without a cache."""
+    when the folder is not writable, so that a calibration still ends, only without a plan."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps({"version": _VERSION, "entries": entries}, indent=1, sort_keys=True)

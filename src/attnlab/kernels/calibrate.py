@@ -1,7 +1,8 @@
 """``python -m attnlab.kernels.calibrate``: time every available linear kernel on this machine
 for given shapes and row counts, and print the table (median microseconds per call, the
-winner named). It measures afresh and does not touch the calibration cache. A kernel whose
-first timed call is more than 10 ms and 10x the fastest is timed only that once.
+winner named). It measures afresh and does not touch the kernel cache (``attnlab calibrate
+FOLDER`` is what writes a plan there, for a model's shapes). A kernel whose first timed call
+is more than 10 ms and 10x the fastest is timed only that once.
 
 Example: ``python -m attnlab.kernels.calibrate --dtype float32 bfloat16 --shape 896x896
 4864x896 --rows 1 8 512``

@@ -1,15 +1,16 @@
-"""Choosing a kernel by measuring: which of :data:`~attnlab.kernels.catalog.KERNELS` computes
-``x W^T + b`` fastest for a dtype, a shape ``O x I`` and a row count, on this machine.
+"""Choosing a kernel: which of :data:`~attnlab.kernels.catalog.KERNELS` computes ``x W^T + b``
+for a dtype, a shape ``O x I`` and a rows bucket (:data:`~attnlab.kernels.rule.BUCKETS`).
 
-Rows come in buckets (``1`` for one-sequence decoding, ``2-8`` for batched decoding, ``9-32``
-for a serving engine's batch of decoding requests, ``33+`` for prefill), each measured at one
-representative row count (16 for ``9-32``: the batch a server decodes, where oneDNN's
-packed weights win; a 64-row batch ranks the kernels like prefill). A
-measurement times every candidate kernel on random data under ``torch.inference_mode()``,
-a few interleaved repeats each (median, a few milliseconds per candidate for decoder
-shapes), after checking its result against the formula's; the timings are cached on disk
-(:mod:`attnlab.kernels.cache`). ``ATTNLAB_KERNELS=<name>`` (or a ``kernel`` argument) skips
-the measuring and forces one kernel everywhere.
+A load never times anything: :func:`plan` takes the plan that ``attnlab calibrate`` measured
+on this machine when the cache (:mod:`attnlab.kernels.cache`) holds one for the exact key
+(CPU, torch, threads, native build, dtype, shape, bucket, bias), else the fixed rule
+(:func:`attnlab.kernels.rule.rule`). Measuring (:func:`measure`, :func:`measure_rows`) is
+what ``attnlab calibrate`` asks for: every candidate kernel timed on random data under
+``torch.inference_mode()``, a few interleaved repeats each (median), after checking its
+result against the formula's, and the timings written to the cache.
+``ATTNLAB_KERNELS=<name>`` (or a ``kernel`` argument) forces one kernel everywhere; the
+variable may name a quantized kernel too (``attnlab.quantization.kernels``), which float
+weights then ignore, and ``formula`` / ``dequantize`` force both kinds' formula.
 """
 
 from __future__ import annotations
@@ -30,22 +31,29 @@ from torch import Tensor
 from attnlab._checks import check_positive
 from attnlab.kernels import cache, native
 from attnlab.kernels.catalog import KERNELS, LAYOUTS
+from attnlab.kernels.rule import BUCKETS, QUANTIZED_NAMES, bucket_of, features, largest, rule
 
 __all__ = [
     "BUCKETS",
+    "KNOWN_NAMES",
     "bucket_of",
+    "cached",
     "choose",
     "cold_copies",
+    "forced_by_environment",
     "forced_kernel",
     "measure",
     "measure_rows",
+    "measured_plan",
     "plan",
+    "rule_plan",
+    "stored_timings",
+    "write_timings",
 ]
 
-# name -> (smallest row count, representative row count measured for it)
-BUCKETS: dict[str, tuple[int, int]] = {"1": (1, 1), "2-8": (2, 8), "9-32": (9, 16),
-                                       "33+": (33, 128)}
-_ENV = "ATTNLAB_KERNELS"
+_ENV, _ALIAS = "ATTNLAB_KERNELS", "ATTNLAB_QUANTIZED_KERNELS"
+# Every kernel name the cache file and $ATTNLAB_KERNELS may hold: float and quantized.
+KNOWN_NAMES = (*KERNELS, *QUANTIZED_NAMES)
 _MIN_REPEATS, _MAX_REPEATS = 3, 9
 _BUDGET_US = 10_000  # per candidate, once it has _MIN_REPEATS timings
 _HOPELESS = 10  # times the fastest warm-up call: not worth repeating
@@ -62,37 +70,41 @@ _TIMINGS: dict[str, dict[str, float]] = {}
 def choose(dtype: torch.dtype, out_features: int, in_features: int, rows_bucket: str, *,
            kernels: Iterable[str] | None = None, kernel: str | None = None,
            bias: bool = True) -> str:
-    """The fastest kernel for ``x (M x I) W^T (I x O)`` (``+ b`` when ``bias``) in ``dtype``
-    with ``M`` in ``rows_bucket``: measured once on this machine (among ``kernels``, default
-    all), then read from the cache. ``kernel`` (or ``$ATTNLAB_KERNELS``) forces one instead; a
-    forced kernel that cannot run this dtype gives ``"formula"``."""
+    """The kernel for ``x (M x I) W^T (I x O)`` (``+ b`` when ``bias``) in ``dtype`` with
+    ``M`` in ``rows_bucket``: the fastest of ``kernels`` (default all) in the timings that
+    ``attnlab calibrate`` wrote for this key, else the rule's (the formula when the rule's
+    kernel is not among ``kernels``); nothing is timed. ``kernel`` (or ``$ATTNLAB_KERNELS``)
+    forces one instead; a forced kernel that cannot run this dtype gives ``"formula"``."""
     forced = forced_kernel(kernel)
+    _check_bucket(rows_bucket)
     if forced is not None:
-        lowest = BUCKETS[_check_bucket(rows_bucket)][0]
+        lowest = BUCKETS[rows_bucket][0]
         return forced if KERNELS[forced].available(dtype, lowest, out_features) else "formula"
-    timings = measure(dtype, out_features, in_features, rows_bucket, kernels, bias=bias)
-    return min(timings, key=timings.__getitem__)
+    timings = cached(dtype, out_features, in_features, rows_bucket, kernels, bias=bias)
+    if timings:
+        return min(timings, key=timings.__getitem__)
+    ruled = rule_plan(dtype, out_features, in_features)[1][rows_bucket]
+    return ruled if kernels is None or ruled in _check_names("kernels", kernels) else "formula"
 
 
 def plan(dtype: torch.dtype, out_features: int, in_features: int, *,
          layouts: Sequence[str] = ("rows", "columns"), extra_memory: bool = False,
-         kernel: str | None = None, bias: bool = True) -> tuple[str, dict[str, str]]:
+         kernel: str | None = None, bias: bool = True, measure_now: bool = False
+         ) -> tuple[str, dict[str, str]]:
     """One weight's storage and its kernel per rows bucket: ``(layout, {bucket: kernel})``,
-    for a module that adds a bias or not (``bias``: timed as it will run).
+    for a module that adds a bias or not (``bias``).
 
-    A weight is stored once, in one of ``layouts``, so every bucket must use a kernel that
-    runs on that storage (with ``extra_memory``, oneDNN's packed copy beside it is allowed
-    too). A layout is a candidate only if its kernel is, in every bucket, no slower than the
-    formula (what ``nn.Linear`` runs): a faster one-row decode must not cost a slower
-    batched decode or prefill. Among the candidates, the one that loses least against each
-    bucket's fastest kernel, summed over the buckets (``sum_b t_layout(b) / t_best(b)``);
-    the first of ``layouts`` unless another is better by ``_MARGIN`` (10%), and within a
-    layout the formula unless a kernel beats it by that much; with no candidate, the
-    formula. A forced ``kernel`` (or ``$ATTNLAB_KERNELS``) is used for every bucket.
+    A forced ``kernel`` (or ``$ATTNLAB_KERNELS``) for every bucket. Else, when the cache
+    holds timings for every bucket of this key (``attnlab calibrate`` wrote them; with
+    ``measure_now``, what is missing is measured now and written), the measured plan
+    (:func:`measured_plan`); else the rule (:func:`rule_plan`). Without ``measure_now``
+    nothing is timed.
     """
     for layout in layouts:
         if layout not in LAYOUTS[:2]:
             raise ValueError(f"layouts: expected 'rows' or 'columns', got {layout!r}")
+    if not isinstance(bias, bool):
+        raise TypeError(f"bias: expected a bool, got {bias!r}")
     forced = forced_kernel(kernel)
     if forced is not None:
         picks = {b: choose(dtype, out_features, in_features, b, kernel=forced) for b in BUCKETS}
@@ -100,8 +112,43 @@ def plan(dtype: torch.dtype, out_features: int, in_features: int, *,
         return ("rows" if layout == "packed" else layout), picks
     allowed = {*layouts, "packed"} if extra_memory else set(layouts)
     candidates = [name for name, k in KERNELS.items() if k.layout in allowed]
-    timings = {b: measure(dtype, out_features, in_features, b, candidates, bias=bias)
+    lookup = measure if measure_now else cached
+    timings = {b: lookup(dtype, out_features, in_features, b, candidates, bias=bias)
                for b in BUCKETS}
+    if all(timings.values()):
+        return measured_plan(timings, layouts, extra_memory)
+    return rule_plan(dtype, out_features, in_features, extra_memory=extra_memory)
+
+
+def rule_plan(dtype: torch.dtype, out_features: int, in_features: int, *,
+              extra_memory: bool = False) -> tuple[str, dict[str, str]]:
+    """The rule's plan (:func:`attnlab.kernels.rule.rule` on this machine's features):
+    ``("rows", {bucket: kernel})``, per bucket the first of the rule's kernels that runs the
+    bucket's every row count for ``out_features`` outputs, else the formula. Every kernel the
+    rule names reads the weight as stored (row-major, or oneDNN's packed copy beside it
+    with ``extra_memory``); a dtype other than float32 and bfloat16 runs the formula."""
+    check_positive("out_features", out_features)
+    check_positive("in_features", in_features)
+    if dtype not in (torch.float32, torch.bfloat16):
+        return "rows", dict.fromkeys(BUCKETS, "formula")
+    scheme = str(dtype).removeprefix("torch.")
+    ruled = rule(scheme, dtype, features(), extra_memory=extra_memory)
+    return "rows", {b: next((n for n in names if KERNELS[n].available(
+        dtype, largest(b), out_features)), "formula") for b, names in ruled.items()}
+
+
+def measured_plan(timings: dict[str, dict[str, float]], layouts: Sequence[str],
+                  extra_memory: bool) -> tuple[str, dict[str, str]]:
+    """The plan from ``timings`` (``{bucket: {kernel: microseconds}}``, the formula among
+    them), for a weight stored once, in one of ``layouts``, so that every bucket must use a
+    kernel that runs on that storage (with ``extra_memory``, oneDNN's packed copy beside it
+    is allowed too). A layout is a candidate only if its kernel is, in every bucket, no
+    slower than the formula (what ``nn.Linear`` runs): a faster one-row decode must not cost
+    a slower batched decode or prefill. Among the candidates, the one that loses least
+    against each bucket's fastest kernel, summed over the buckets (``sum_b t_layout(b) /
+    t_best(b)``); the first of ``layouts`` unless another is better by ``_MARGIN`` (10%),
+    and within a layout the formula unless a kernel beats it by that much; with no
+    candidate, the formula."""
     best = {b: min(t.values()) for b, t in timings.items()}
     options = {}
     for layout in layouts:
@@ -121,30 +168,63 @@ def plan(dtype: torch.dtype, out_features: int, in_features: int, *,
     return layout, options[layout][1]
 
 
+def cached(dtype: torch.dtype, out_features: int, in_features: int, rows_bucket: str,
+           kernels: Iterable[str] | None = None, *, bias: bool = True) -> dict[str, float]:
+    """The timings that the cache holds for this key, of ``kernels`` (default all) that can
+    run the bucket's representative row count: ``{}`` when it holds none, or none of the
+    formula (then no plan was measured for the key). Never times anything."""
+    names = _check_names("kernels", KERNELS if kernels is None else kernels)
+    if not isinstance(bias, bool):
+        raise TypeError(f"bias: expected a bool, got {bias!r}")
+    rows = BUCKETS[_check_bucket(rows_bucket)][1]
+    key = cache.entry_key(dtype, out_features, in_features, rows_bucket, bias=bias,
+                          build=native.build_id())
+    stored = stored_timings(key)
+    if "formula" not in stored:
+        return {}
+    return {n: stored[n] for n in dict.fromkeys(("formula", *names))
+            if n in stored and math.isfinite(stored[n])
+            and KERNELS[n].available(dtype, rows, out_features)}
+
+
 def measure(dtype: torch.dtype, out_features: int, in_features: int, rows_bucket: str,
             kernels: Iterable[str] | None = None, *, bias: bool = True) -> dict[str, float]:
     """Median microseconds per call of each of ``kernels`` (default all) that can run, at the
     bucket's representative row count, with a bias or not (``bias``): from the cache when it
-    holds them, else measured now and added to it. At least ``"formula"`` is always there."""
+    holds them, else measured now and added to it (what ``attnlab calibrate`` runs; a load
+    never does). At least ``"formula"`` is always there."""
     names = _check_names("kernels", KERNELS if kernels is None else kernels)
     rows = BUCKETS[_check_bucket(rows_bucket)][1]
     names = [n for n in dict.fromkeys(("formula", *names))
              if KERNELS[n].available(dtype, rows, out_features)]
     key = cache.entry_key(dtype, out_features, in_features, rows_bucket, bias=bias,
                           build=native.build_id())
-    path = cache.cache_file()
-    if key not in _TIMINGS:
-        stored = cache.read_entries(path, KERNELS).get(key)
-        _TIMINGS[key] = dict(stored) if stored else {}
-    missing = [n for n in names if n not in _TIMINGS[key]]
+    known = stored_timings(key)
+    missing = [n for n in names if n not in known]
     if missing:
         measured = measure_rows(dtype, out_features, in_features, rows, missing, bias=bias)
         # A kernel left out (it raised or was wrong) is not tried again in this process.
-        _TIMINGS[key].update({n: measured.get(n, math.inf) for n in missing})
-        entries = cache.read_entries(path, KERNELS)
-        entries[key] = {n: t for n, t in _TIMINGS[key].items() if math.isfinite(t)}
-        cache.write_entries(path, entries)
-    return {n: _TIMINGS[key][n] for n in names if math.isfinite(_TIMINGS[key][n])}
+        known.update({n: measured.get(n, math.inf) for n in missing})
+        write_timings(key, known)
+    return {n: known[n] for n in names if math.isfinite(known[n])}
+
+
+def write_timings(key: str, timings: dict[str, float]) -> None:
+    """Add ``timings`` (finite ones) to the cache file under ``key``, keeping its other
+    entries; what :func:`measure` and the quantized kernels' measuring write."""
+    path = cache.cache_file()
+    entries = cache.read_entries(path, KNOWN_NAMES)
+    entries[key] = {n: t for n, t in timings.items() if math.isfinite(t)}
+    cache.write_entries(path, entries)
+
+
+def stored_timings(key: str) -> dict[str, float]:
+    """The timings held for ``key`` (float or quantized) in this process, read from the cache
+    file once: a dict that the measuring updates in place."""
+    if key not in _TIMINGS:
+        stored = cache.read_entries(cache.cache_file(), KNOWN_NAMES).get(key)
+        _TIMINGS[key] = dict(stored) if stored else {}
+    return _TIMINGS[key]
 
 
 def measure_rows(dtype: torch.dtype, out_features: int, in_features: int, rows: int,
@@ -195,22 +275,33 @@ def cold_copies(bytes_each: int) -> int:
 
 
 def forced_kernel(kernel: str | None = None) -> str | None:
-    """The kernel forced for every call: ``kernel`` when given, else ``$ATTNLAB_KERNELS``
-    when set and not empty, else None (measure)."""
-    source, name = ("kernel", kernel) if kernel is not None else (_ENV, os.environ.get(_ENV))
-    if name is None or (source == _ENV and not name.strip()):
+    """The float kernel forced for every call: ``kernel`` when given (one of
+    :data:`KERNELS`), else :func:`forced_by_environment`'s, where it names a float kernel
+    (``dequantize``, the quantized formula, means the formula), else None (plan or rule)."""
+    if kernel is not None:
+        if not isinstance(kernel, str) or kernel.strip() not in KERNELS:
+            raise ValueError(f"kernel: expected one of {', '.join(KERNELS)}, got {kernel!r}")
+        return kernel.strip()
+    name = forced_by_environment()
+    name = "formula" if name == "dequantize" else name
+    return name if name in KERNELS else None
+
+
+def forced_by_environment() -> str | None:
+    """The kernel that ``$ATTNLAB_KERNELS`` forces (float or quantized; None when unset or
+    empty), checked against every kernel name. ``$ATTNLAB_QUANTIZED_KERNELS``, its old
+    quantized-only spelling, is read where ``$ATTNLAB_KERNELS`` is not set, with a warning."""
+    source, name = _ENV, os.environ.get(_ENV, "").strip()
+    if not name and os.environ.get(_ALIAS, "").strip():
+        source, name = _ALIAS, os.environ[_ALIAS].strip()
+        warnings.warn(f"{_ALIAS} is an old name of {_ENV}, which forces float and quantized "
+                      f"kernels alike: set {_ENV}={name} instead", FutureWarning, stacklevel=3)
+    if not name:
         return None
-    if not isinstance(name, str) or name.strip() not in KERNELS:
-        raise ValueError(f"{source}: expected one of {', '.join(KERNELS)}, got {name!r}")
-    return name.strip()
-
-
-def bucket_of(rows: int) -> str:
-    """The rows bucket that ``rows`` (>= 1) falls in."""
-    for name, (lowest, _) in reversed(BUCKETS.items()):
-        if rows >= lowest:
-            return name
-    raise ValueError(f"rows: expected a positive int, got {rows!r}")
+    if name not in KNOWN_NAMES:
+        raise ValueError(f"{source}: expected one of {', '.join(KNOWN_NAMES)}, got "
+                         f"{os.environ[source]!r}")
+    return name
 
 
 @functools.cache

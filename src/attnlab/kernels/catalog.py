@@ -1,9 +1,11 @@
-"""The CPU kernels for ``y = x W^T + b`` that calibration chooses among.
+"""The CPU kernels for ``y = x W^T + b`` that the rule (or a measured plan) chooses among.
 
 Each kernel is a pure function ``run(x, stored, bias)``: x ``M x I`` (contiguous), ``stored``
 what its ``prepare(weight)`` made of a weight ``O x I``, bias ``O`` or None -> ``M x O``.
-They differ only in speed, which depends on the CPU, the shape and the row count, so none is
-chosen here: :mod:`attnlab.kernels.calibration` measures them. A kernel that cannot run a
+They differ in speed, which depends on the CPU, the shape and the row count, and in the
+order of their sums, so none is chosen here: :mod:`attnlab.kernels.rule` names one per
+case and :mod:`attnlab.kernels.calibration` applies it (or a plan that ``attnlab
+calibrate`` measured). A kernel that cannot run a
 call (dtype, device, a private op missing from this torch build) says so through its
 ``available`` predicate, which asks torch, never a CPU family.
 
@@ -28,6 +30,9 @@ __all__ = ["KERNELS", "LAYOUTS", "Kernel", "to_layout", "widened_product"]
 LAYOUTS = ("rows", "columns", "packed")
 # The dtypes the fast paths are written and tested for; the formula takes every dtype.
 _FAST_DTYPES = (torch.float32, torch.bfloat16)
+# The pair kernel sums each row alike whatever the rows: offered for every decoding bucket
+# (up to 32 rows), so that the rule can run one loop for any decoding batch.
+_DECODING_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -188,8 +193,8 @@ def _native_few_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
     return dtype in _FAST_DTYPES and rows <= native.MAX_ROWS and native.available()
 
 
-def _native_pairs_few_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
-    return dtype == torch.bfloat16 and rows <= native.MAX_ROWS and native.pairs_available()
+def _native_pairs_decoding_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
+    return dtype == torch.bfloat16 and rows <= _DECODING_ROWS and native.pairs_available()
 
 
 def _native_tiles_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
@@ -232,7 +237,7 @@ KERNELS: dict[str, Kernel] = {
         Kernel("blocks_gemv", "rows", _rows, _blocks_gemv, _one_row_over_threads),
         Kernel("widened", "rows", _rows, _widened, _bfloat16_any_rows),
         Kernel("native_gemv", "rows", _rows, _native_gemv, _native_few_rows),
-        Kernel("native_pairs", "rows", _rows, _native_pairs, _native_pairs_few_rows),
+        Kernel("native_pairs", "rows", _rows, _native_pairs, _native_pairs_decoding_rows),
         Kernel("native_tiles", "rows", _rows, _native_tiles, _native_tiles_rows),
     )
 }

@@ -1,11 +1,12 @@
-"""``InferenceLinear``: an ``nn.Linear`` that runs the planned kernel when no gradient is
+"""``InferenceLinear``: an ``nn.Linear`` that runs the chosen kernel (the rule's, or a plan
+that ``attnlab calibrate`` measured; :mod:`attnlab.kernels.calibration`) when no gradient is
 needed, and ``swap_linears``, which swaps one in for every ``nn.Linear`` of a model.
 
 Memory: the weight is kept once. A kernel that wants the column-major layout gets it by
 re-storing the weight Parameter itself (same object, shape ``O x I`` and values; only its
 strides change), so ties, ``state_dict`` names and optimizers keep working. Only with
 ``extra_memory=True`` may a module keep a second copy, oneDNN's packed weight, and then only
-where calibration finds that it wins. A copy is re-made when the weight changed in place
+where the rule or the measured plan names it. A copy is re-made when the weight changed in place
 (optimizer step, ``load_state_dict``) or was replaced, as PyTorch's version counter and data
 pointer show; an update through ``weight.data`` bypasses the version counter and cannot be
 seen, so use ``with torch.no_grad(): weight.copy_(...)`` as optimizers do.
@@ -36,7 +37,8 @@ def swap_linears(model: nn.Module, *, kernel: str | None = None,
     except where that module is an ``nn.Embedding`` (a tied ``lm_head``): a lookup reads its
     rows in any layout.
     ``kernel`` forces one kernel; ``extra_memory`` allows oneDNN's packed copies where they
-    win (up to twice the weights' memory). Calibration runs here, once per shape."""
+    win (up to twice the weights' memory). The kernels are chosen here, by the rule or a
+    measured plan; nothing is timed."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     # Wrong arguments fail before any module is changed.
@@ -68,16 +70,17 @@ def swap_linears(model: nn.Module, *, kernel: str | None = None,
 class InferenceLinear(nn.Linear):
     """``y = x W^T + b`` (x ``N.. x I``, weight ``O x I``, bias ``O`` -> ``N.. x O``), as
     ``nn.Linear``, whose forward, on a CPU with no gradient needed (``torch.no_grad``,
-    ``torch.inference_mode`` or nothing requiring grad), runs the kernel that calibration
-    found fastest on this machine for the weight's dtype, shape and the call's row count;
+    ``torch.inference_mode`` or nothing requiring grad), runs the kernel chosen for the
+    weight's dtype, shape and the call's row count (the rule's, or the plan that ``attnlab
+    calibrate`` measured on this machine);
     otherwise the formula, so the module stays trainable. See the module docstring for the
     memory it keeps."""
 
     @classmethod
     def from_linear(cls, module: nn.Linear, *, kernel: str | None = None,
                     extra_memory: bool = False, keep_layout: bool = False) -> InferenceLinear:
-        """An ``InferenceLinear`` sharing ``module``'s Parameters and hooks, calibrated now
-        for its weight's dtype. ``kernel`` forces one kernel; ``extra_memory`` allows a
+        """An ``InferenceLinear`` sharing ``module``'s Parameters and hooks, its kernels
+        chosen now for its weight's dtype. ``kernel`` forces one kernel; ``extra_memory`` allows a
         packed copy where it wins; ``keep_layout`` keeps the weight row-major (it is shared
         with a module that reads it so)."""
         if not isinstance(module, nn.Linear):
@@ -101,11 +104,11 @@ class InferenceLinear(nn.Linear):
         new._kernels = {}
         new._packed, new._packed_of = None, None
         if new.weight.device.type == "cpu":
-            new._calibrate()
+            new._choose()
         return new
 
     def forward(self, x: Tensor) -> Tensor:
-        """x ``N.. x I`` -> ``N.. x O``: the calibrated kernel for ``N..``'s row count, or
+        """x ``N.. x I`` -> ``N.. x O``: the chosen kernel for ``N..``'s row count, or
         the formula (see the class docstring)."""
         # _parameters directly: nn.Module's __getattr__ costs ~0.6 us per name, per call.
         weight, bias = self._parameters.get("weight"), self._parameters.get("bias", _ABSENT)
@@ -163,10 +166,10 @@ class InferenceLinear(nn.Linear):
         # oneDNN's opaque tensor cannot be copied or pickled; it is re-made on first use.
         return {**self.__dict__, "_packed": None, "_packed_of": None}
 
-    def _calibrate(self) -> dict[str, Kernel]:
+    def _choose(self) -> dict[str, Kernel]:
         """This weight's kernel per rows bucket, for its dtype and the thread count now
-        (measured on first need, then cached), with the weight re-stored to the layout they
-        run on."""
+        (:func:`~attnlab.kernels.calibration.plan`: a measured plan or the rule), with the
+        weight re-stored to the layout they run on."""
         weight = self.weight
         layouts = ("rows",) if self._keep_layout else ("rows", "columns")
         layout, picks = plan(weight.dtype, self.out_features, self.in_features, layouts=layouts,
@@ -179,9 +182,9 @@ class InferenceLinear(nn.Linear):
         return kernels
 
     def _kernel_for(self, rows: int, dtype: torch.dtype) -> Kernel:
-        """The planned kernel for ``rows`` rows of ``dtype`` (calibrated on first need). Each
+        """The planned kernel for ``rows`` rows of ``dtype`` (chosen on first need). Each
         bucket's kernel runs every row count of the bucket: the plan checked that."""
-        kernels = self._kernels.get((dtype, torch.get_num_threads())) or self._calibrate()
+        kernels = self._kernels.get((dtype, torch.get_num_threads())) or self._choose()
         return kernels[bucket_of(rows)]
 
     def _stored(self, kernel: Kernel, weight: Tensor) -> Tensor:

@@ -74,9 +74,10 @@ def install_modules(model: nn.Module) -> list[str]:
     """Swap every module of ``model`` but its Linears whose class is exactly a reference that
     a fast module stands in for (``RMSNorm``, ``GatedMLP``, ``FeedForward``,
     ``SelfAttention``, ``GreedyTokens``, a decoder's layer list) for that fast module, in
-    place (``optimize_for_inference`` calls it after swapping the Linears). Returns the names of the fast classes that could not be
-    installed because the C++ kernels are not available (empty when they are): the model then
-    runs the reference modules, unchanged, and a line on stderr says so, once a process."""
+    place (``optimize_for_inference`` calls it after swapping the Linears). Returns the names
+    of the fast classes that could not be installed because the C++ kernels are not available
+    (empty when they are): the model then runs the reference modules, unchanged, and a line
+    on stderr says so, once a process."""
     if not native.available():
         found = {FAST[type(m)].__name__ for m in model.modules() if type(m) in FAST}
         found |= {f"Fused{type(m).__name__}" for m in model.modules() if _is_layer_list(m)}

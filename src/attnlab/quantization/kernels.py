@@ -13,17 +13,17 @@ x, where BLAS has no fast bfloat16 GEMM), and
 a CPU that has AMX-BF16) for up to 32.
 Reading 1-2 bytes less per weight matters when a weight is read once per token (decoding);
 with many rows (prefill) the formula's one dequantization and a BLAS GEMM usually win, so the
-choice is made per rows bucket, by timing the candidates on this machine as
-:mod:`attnlab.kernels.calibration` does for float weights (cached on disk beside its file,
-``kernels-quantized.json``). ``$ATTNLAB_QUANTIZED_KERNELS`` (or a ``kernel`` argument) forces
-one kernel, ``dequantize`` falling in where the forced one cannot run.
+choice is made per rows bucket, by the same chooser as float weights' (one bucket table, one
+cache file, one environment switch; :mod:`attnlab.kernels.calibration`): the fixed rule
+(:func:`attnlab.kernels.rule.rule`) unless ``attnlab calibrate`` measured a plan for the exact
+key. ``$ATTNLAB_KERNELS`` (or a ``kernel`` argument) forces one kernel, ``dequantize``
+falling in where the forced one cannot run; ``$ATTNLAB_QUANTIZED_KERNELS`` is its old name.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import os
 import statistics
 import time
 import warnings
@@ -33,26 +33,22 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attnlab.kernels import BUCKETS, native
+from attnlab.kernels import BUCKETS, calibration, native
 from attnlab.kernels import cache as kernel_cache
-from attnlab.kernels.calibration import cold_copies
+from attnlab.kernels.calibration import cold_copies, forced_by_environment
 from attnlab.kernels.catalog import widened_product
+from attnlab.kernels.rule import features, largest, rule
 from attnlab.quantization.formats import BLOCK_ROWS, QuantizedWeight, blocked_int4, quantize
 
-__all__ = ["QUANTIZED_KERNELS", "QuantizedKernel", "forced_quantized_kernel", "measure",
-           "plan", "step_product"]
+__all__ = ["QUANTIZED_KERNELS", "QuantizedKernel", "cached", "forced_quantized_kernel",
+           "measure", "plan", "rule_plan", "step_product"]
 
-_ENV = "ATTNLAB_QUANTIZED_KERNELS"
 _MARGIN = 1.1  # how much faster than the formula a kernel must measure to be chosen
 _MIN_REPEATS, _MAX_REPEATS, _BUDGET_US = 3, 9, 10_000
-_TIMINGS: dict[str, dict[str, float]] = {}
-# Rows timed per bucket. A quantized kernel's cost grows with the rows while the formula's
-# dequantization is paid once, so "33+" is timed at a prefill chunk's 512 rows, not at 128:
-# a kernel that wins at 128 rows can lose 2x at 512.
-_ROWS = {"1": 1, "2-8": 8, "9-32": 16, "33+": 512}
 # The native GEMVs take any row count at a cost linear in it; offered up to the "9-32"
-# bucket, so that the layout they need is not lost for decoding to a bucket that no kernel
-# on it was offered (one layout is kept for every bucket: see ``plan``).
+# bucket, so that one loop serves every decoding batch (batch invariance) and the layout
+# they need is not lost for decoding to a bucket that no kernel on it was offered (one
+# layout is kept for every bucket: see ``plan``).
 _NATIVE_ROWS = 32
 
 
@@ -74,30 +70,37 @@ class QuantizedKernel:
 
 
 def forced_quantized_kernel(kernel: str | None = None) -> str | None:
-    """The kernel forced everywhere: ``kernel`` when given, else
-    ``$ATTNLAB_QUANTIZED_KERNELS`` when set and not empty, else None (measure)."""
-    source, name = ("kernel", kernel) if kernel is not None else (_ENV, os.environ.get(_ENV))
-    if name is None or (source == _ENV and not name.strip()):
-        return None
-    if not isinstance(name, str) or name.strip() not in QUANTIZED_KERNELS:
-        raise ValueError(f"{source}: expected one of {', '.join(QUANTIZED_KERNELS)}, got "
-                         f"{name!r}")
-    return name.strip()
+    """The kernel forced everywhere: ``kernel`` when given (one of
+    :data:`QUANTIZED_KERNELS`), else ``$ATTNLAB_KERNELS``'s where it names a quantized kernel
+    (``formula``, the float formula, means ``dequantize``), else None (plan or rule)."""
+    if kernel is not None:
+        if not isinstance(kernel, str) or kernel.strip() not in QUANTIZED_KERNELS:
+            raise ValueError(f"kernel: expected one of {', '.join(QUANTIZED_KERNELS)}, got "
+                             f"{kernel!r}")
+        return kernel.strip()
+    name = forced_by_environment()
+    name = "dequantize" if name == "formula" else name
+    return name if name in QUANTIZED_KERNELS else None
 
 
 def plan(weight: QuantizedWeight, dtype: torch.dtype, *, kernel: str | None = None,
-         bias: bool = True) -> dict[str, str]:
+         bias: bool = True, measure_now: bool = False) -> dict[str, str]:
     """``{rows bucket: kernel name}`` for ``weight`` with activations in ``dtype``, for a
-    module that adds a bias or not (``bias``): the forced kernel where it can run, else the
-    fastest measured (the formula unless another is faster by ``_MARGIN``, or an exact kernel
-    faster at all)."""
+    module that adds a bias or not (``bias``): the forced kernel where it can run; else,
+    when the cache holds timings for every bucket (``attnlab calibrate`` wrote them; with
+    ``measure_now`` what is missing is measured now), the fastest measured (the formula
+    unless another is faster by ``_MARGIN``, or an exact kernel faster at all); else the
+    rule (:func:`rule_plan`). Without ``measure_now`` nothing is timed."""
     forced = forced_quantized_kernel(kernel)
     names = [n for n, k in QUANTIZED_KERNELS.items() if k.available(weight, dtype)]
     if forced is not None:
         return {b: forced if forced in names and _takes_rows(forced, b) else "dequantize"
                 for b in BUCKETS}
-    timings = {b: measure(weight, dtype, b, [n for n in names if _takes_rows(n, b)], bias=bias)
+    lookup = measure if measure_now else cached
+    timings = {b: lookup(weight, dtype, b, [n for n in names if _takes_rows(n, b)], bias=bias)
                for b in BUCKETS}
+    if not all(timings.values()):
+        return rule_plan(weight, dtype)
     best = {b: min(t.values()) for b, t in timings.items()}
     # The codes are kept in one layout: the layout whose kernels lose least against each
     # bucket's fastest, summed over the buckets (the one kept now unless another is better
@@ -118,32 +121,55 @@ def plan(weight: QuantizedWeight, dtype: torch.dtype, *, kernel: str | None = No
     return options[chosen][1]
 
 
-def _takes_rows(name: str, bucket: str) -> bool:
+def rule_plan(weight: QuantizedWeight, dtype: torch.dtype) -> dict[str, str]:
+    """The rule's plan (:func:`attnlab.kernels.rule.rule` for ``int8``/``int4`` on this
+    machine's features): per bucket the first of the rule's kernels that can run ``weight``
+    with ``dtype`` activations for the bucket's every row count, else ``dequantize``."""
+    ruled = rule(f"int{weight.bits}", dtype, features())
+    return {b: next((n for n in names if QUANTIZED_KERNELS[n].available(weight, dtype)
+                     and _takes_rows(n, b, largest(b))), "dequantize")
+            for b, names in ruled.items()}
+
+
+def _takes_rows(name: str, bucket: str, rows: int | None = None) -> bool:
+    """Whether kernel ``name`` is offered ``rows`` (default the bucket's representative)."""
     most = QUANTIZED_KERNELS[name].max_rows
-    return most is None or _ROWS[bucket] <= most
+    return most is None or (BUCKETS[bucket][1] if rows is None else rows) <= most
+
+
+def cached(weight: QuantizedWeight, dtype: torch.dtype, bucket: str, names: list[str], *,
+           bias: bool = True) -> dict[str, float]:
+    """The timings of ``names`` that the cache holds for a weight of ``weight``'s format and
+    shape in ``bucket`` (``{}`` when none, or none of the formula); never times anything."""
+    stored = calibration.stored_timings(_key(weight, dtype, bucket, bias))
+    if "dequantize" not in stored:
+        return {}
+    return {n: stored[n] for n in names if n in stored and math.isfinite(stored[n])}
 
 
 def measure(weight: QuantizedWeight, dtype: torch.dtype, bucket: str,
             names: list[str], *, bias: bool = True) -> dict[str, float]:
     """Median microseconds per call of each kernel in ``names`` for a weight of ``weight``'s
-    format and shape, at the bucket's row count in ``_ROWS``, with a bias or not (``bias``):
-    read from the cache file, else timed now on random weights (each checked against the
-    formula) and added to it."""
+    format and shape, at the bucket's representative row count, with a bias or not
+    (``bias``): read from the cache file, else timed now on random weights (each checked
+    against the formula) and added to it (what ``attnlab calibrate`` runs; a load never
+    does)."""
+    key = _key(weight, dtype, bucket, bias)
+    known = calibration.stored_timings(key)
+    missing = [n for n in names if n not in known]
+    if missing:
+        timed = _time_kernels(weight, dtype, BUCKETS[bucket][1], missing, bias=bias)
+        known.update({n: timed.get(n, math.inf) for n in missing})
+        calibration.write_timings(key, known)
+    return {n: known[n] for n in names if math.isfinite(known[n])}
+
+
+def _key(weight: QuantizedWeight, dtype: torch.dtype, bucket: str, bias: bool) -> str:
+    """The cache key: the scheme (``int8``, ``int4 g64``) before the float key's parts."""
     rows, cols = weight.shape
     scheme = f"int{weight.bits}" + (f" g{weight.group_size}" if weight.bits == 4 else "")
     entry = kernel_cache.entry_key(dtype, rows, cols, bucket, bias=bias, build=native.build_id())
-    key = f"{scheme} | {entry} @{_ROWS[bucket]}"
-    path = kernel_cache.cache_file().with_name("kernels-quantized.json")
-    if key not in _TIMINGS:
-        _TIMINGS[key] = dict(kernel_cache.read_entries(path, QUANTIZED_KERNELS).get(key) or {})
-    missing = [n for n in names if n not in _TIMINGS[key]]
-    if missing:
-        timed = _time_kernels(weight, dtype, _ROWS[bucket], missing, bias=bias)
-        _TIMINGS[key].update({n: timed.get(n, math.inf) for n in missing})
-        entries = kernel_cache.read_entries(path, QUANTIZED_KERNELS)
-        entries[key] = {n: t for n, t in _TIMINGS[key].items() if math.isfinite(t)}
-        kernel_cache.write_entries(path, entries)
-    return {n: _TIMINGS[key][n] for n in names if math.isfinite(_TIMINGS[key][n])}
+    return f"{scheme} | {entry}"
 
 
 def _time_kernels(like: QuantizedWeight, dtype: torch.dtype, rows: int,

@@ -17,7 +17,8 @@ from torch import Tensor, nn
 
 from attnlab.kernels import bucket_of, native
 from attnlab.quantization.formats import QuantizedWeight, pack_int4, quantize, unblocked_int4
-from attnlab.quantization.kernels import QUANTIZED_KERNELS, QuantizedKernel, plan, step_product
+from attnlab.quantization.kernels import QUANTIZED_KERNELS, QuantizedKernel, step_product
+from attnlab.quantization.kernels import plan as kernel_plan
 
 __all__ = ["QuantizedEmbedding", "QuantizedLinear"]
 
@@ -25,9 +26,9 @@ __all__ = ["QuantizedEmbedding", "QuantizedLinear"]
 class QuantizedLinear(nn.Module):
     """``y = x W'^T + b`` (x ``N.. x I`` -> ``N.. x O``) with ``W'`` an int8 (per output row)
     or int4 (groups of ``group_size`` inputs) weight. Without gradients, on the CPU, each call
-    runs the kernel measured fastest here for its activation dtype and row count
-    (:mod:`attnlab.quantization.kernels`); otherwise, and as the reference, the formula
-    ``linear(x, dequantize(W'), b)``."""
+    runs the kernel chosen for its activation dtype and row count by the rule, or by the plan
+    that ``attnlab calibrate`` measured here (:mod:`attnlab.quantization.kernels`); otherwise,
+    and as the reference, the formula ``linear(x, dequantize(W'), b)``."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, bits: int = 8,
                  group_size: int = 64, scale_dtype: torch.dtype = torch.float32,
@@ -53,8 +54,8 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def from_linear(cls, module: nn.Linear, *, bits: int, group_size: int = 64,
                     kernel: str | None = None) -> QuantizedLinear:
-        """``module`` quantized (scales in its weight's dtype, its bias kept), calibrated now
-        for that dtype when it lives on the CPU; ``kernel`` forces one kernel."""
+        """``module`` quantized (scales in its weight's dtype, its bias kept), its kernels
+        chosen now for that dtype when it lives on the CPU; ``kernel`` forces one kernel."""
         w = module.weight
         new = cls(module.in_features, module.out_features, module.bias is not None, bits=bits,
                   group_size=group_size, scale_dtype=w.dtype, device="meta", kernel=kernel)
@@ -63,7 +64,7 @@ class QuantizedLinear(nn.Module):
             new.bias = nn.Parameter(module.bias.detach().clone(),
                                     requires_grad=module.bias.requires_grad)
         if w.device.type == "cpu":
-            new.calibrate(w.dtype)
+            new.plan(w.dtype)
         return new
 
     @property
@@ -78,11 +79,12 @@ class QuantizedLinear(nn.Module):
         self._plans.clear()
         self._states.clear()
 
-    def calibrate(self, dtype: torch.dtype) -> dict[str, QuantizedKernel]:
-        """The kernel per rows bucket for activations in ``dtype`` (measured or read from the
-        cache); the first calibration may re-store int4 codes in the other layout when the
-        kernels chosen read it (the plan keeps to one layout)."""
-        picks = plan(self.weight_format, dtype, kernel=self._kernel, bias=self.bias is not None)
+    def plan(self, dtype: torch.dtype) -> dict[str, QuantizedKernel]:
+        """The kernel per rows bucket for activations in ``dtype`` (the rule's, or a measured
+        plan from the cache; nothing is timed); the first plan may re-store int4 codes in the
+        other layout when the kernels chosen read it (a plan keeps to one layout)."""
+        picks = kernel_plan(self.weight_format, dtype, kernel=self._kernel,
+                            bias=self.bias is not None)
         needed = {QUANTIZED_KERNELS[n].layout for n in picks.values()} - {None}
         if needed and needed != {self.layout} and not self._plans:  # decided once, then kept
             self.set_weight(self.weight_format.with_layout(needed.pop()))
@@ -125,7 +127,7 @@ class QuantizedLinear(nn.Module):
     def _planned(self, rows: int, dtype: torch.dtype) -> tuple[QuantizedKernel, tuple]:
         """The planned kernel for ``rows`` rows of ``dtype`` and its prepared state (made once
         per kernel, dtype and weight storage)."""
-        kernels = self._plans.get(dtype) or self.calibrate(dtype)
+        kernels = self._plans.get(dtype) or self.plan(dtype)
         kernel = kernels[bucket_of(rows)]
         buffers = self._buffers
         key = (kernel.name, dtype, buffers["qweight"].data_ptr(), buffers["scales"].data_ptr())
