@@ -51,7 +51,7 @@ def _quantize(args: argparse.Namespace) -> int:
     if args.bits == 8 and args.group_size is not None:
         raise ValueError("--group-size: int8 scales whole rows; it applies to --bits 4 only")
     start = time.perf_counter()
-    # Writing the codes needs no kernel: the formula forced here, so nothing is calibrated
+    # Writing the codes needs no kernel: the formula forced here, so no kernel is chosen
     # (timing every kernel took ~45 s for a tiny checkpoint); the folder's loader measures.
     model = from_pretrained(source, dtype=args.dtype, kernels=False, quantize=f"int{args.bits}",
                             group_size=args.group_size, skip=args.skip,

@@ -109,8 +109,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, prefill: int,
 def ours_label(extra_memory: bool) -> str:
     """How ours was loaded, for a table's text."""
     return ("Ours: from_pretrained(..., extra_memory=True), oneDNN's packed copies beside the "
-            "weights where calibration finds them faster" if extra_memory else
-            "Ours: from_pretrained defaults (calibrated kernels, one copy of the weights)")
+            "weights where the kernel choice takes them" if extra_memory else
+            "Ours: from_pretrained defaults (the rule's kernels, one copy of the weights)")
 
 
 def start_run(args: argparse.Namespace, quick: Workload

@@ -243,11 +243,13 @@ class DecoderLM(PreTrainedModel):
         ``model_type``), in eval mode with trainable weights. ``dtype`` defaults to the
         stored one, ``device`` to the CPU.
 
-        ``kernels`` (on the CPU): swap every ``nn.Linear`` for an
-        ``attnlab.kernels.InferenceLinear``, which runs, without gradients, the kernel that a
-        calibration on this machine measured fastest for its shape (same Parameters, same
-        results within float rounding; ``ATTNLAB_KERNELS=formula`` forces the formula);
-        ``extra_memory`` also allows oneDNN's packed copies of the weights where they win.
+        ``kernels`` (on the CPU): ``attnlab.kernels.optimize_for_inference``, which swaps in
+        the fast inference modules: every ``nn.Linear`` becomes an
+        ``attnlab.kernels.InferenceLinear`` that runs, without gradients, the kernel the rule
+        names for its dtype, rows and this CPU (or a plan of ``attnlab calibrate``; same
+        Parameters, same results within float rounding; ``ATTNLAB_KERNELS=formula`` forces the
+        formula), and the norms, MLPs, attention layers and greedy choice their fast modules;
+        ``extra_memory`` also allows oneDNN's packed copies of the weights.
 
         ``quantize`` (``"int8"`` or ``"int4"``, with ``group_size`` and ``skip`` as in
         ``quantize``) quantizes each weight as it is read, never holding the float model; a
