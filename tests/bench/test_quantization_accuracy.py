@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import math
 import re
-import time
 from contextlib import contextmanager
 from dataclasses import replace
 from types import SimpleNamespace
@@ -215,21 +214,25 @@ def test_date_exact_match_is_the_projects_greedy_exact_match(tiny_dates, tiny_se
 
 def test_training_stops_at_the_deadline_and_says_how_far_it_got(tiny_settings,
                                                                  one_thread) -> None:
+    """On a clock that each training step moves (10 ms a step while the run is planned, then
+    50 ms: the machine slows down), not the machine's: the run stops after the step that
+    crosses the deadline."""
     settings = replace(tiny_settings, train_seconds=0.3, steps=None)
-    calls = []
+    calls, now = [], [0.0]
     real = timed_training.Trainer._train_step
 
-    def slower(self):  # the machine slows down once the run is planned
+    def slower(self):
         calls.append(1)
-        time.sleep(0.05 if len(calls) > timed_training._PROBE_STEPS + 1 else 0.0)
+        now[0] += 0.05 if len(calls) > timed_training._PROBE_STEPS + 1 else 0.01
         return real(self)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(timed_training.Trainer, "_train_step", slower)
+        patch.setattr(timed_training, "time", SimpleNamespace(perf_counter=lambda: now[0]))
         training = measure_lm(settings).training
-    assert 1 <= training.steps < training.planned
-    assert training.seconds < 0.3 + 0.5  # one slowed step past the deadline, and the probe
-    planned = measure_lm(replace(tiny_settings, train_seconds=60, steps=4)).training
+        assert 1 <= training.steps < training.planned
+        assert 0.3 < training.seconds <= 0.3 + 0.05 + 1e-9  # one slowed step past the deadline
+        planned = measure_lm(replace(tiny_settings, train_seconds=60, steps=4)).training
     assert planned.steps == planned.planned == 4
 
 

@@ -17,7 +17,8 @@ from fastapi import FastAPI
 
 from attnlab.cli_serve import ReadyServer
 
-START_TIMEOUT_S = 60.0
+# Hang guards, far above the expected times on a busy 2-core machine.
+START_TIMEOUT_S = STOP_TIMEOUT_S = HANG_S = 600.0
 
 
 @contextmanager
@@ -38,16 +39,16 @@ def live(app: FastAPI) -> Iterator[str]:
         yield server.url
     finally:
         server.should_exit = True
-        thread.join(15)
+        thread.join(STOP_TIMEOUT_S)
         assert not thread.is_alive(), "the test server did not stop"
 
 
-def client(url: str, timeout: float = 60.0) -> openai.OpenAI:
+def client(url: str, timeout: float = HANG_S) -> openai.OpenAI:
     """The official client on ``url``, without retries (a 429 must reach the test)."""
     return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=timeout)
 
 
-def wait_for(condition, timeout: float = 10.0, what: str = "a condition") -> None:
+def wait_for(condition, timeout: float = HANG_S, what: str = "a condition") -> None:
     """Poll ``condition()`` every 20 ms until it is true; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not condition():
@@ -57,7 +58,8 @@ def wait_for(condition, timeout: float = 10.0, what: str = "a condition") -> Non
 
 
 def raw(url: str, method: str, path: str, body: bytes | str | dict | None = None,
-        headers: dict[str, str] | None = None, timeout: float = 30.0) -> tuple[int, dict, str]:
+        headers: dict[str, str] | None = None, timeout: float = HANG_S
+        ) -> tuple[int, dict, str]:
     """One plain HTTP request (``http.client``: any bytes, any headers); a dict body is sent
     as JSON. Returns ``(status, headers with lower-case names, body text)``."""
     if isinstance(body, dict):

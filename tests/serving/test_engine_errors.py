@@ -277,16 +277,18 @@ def test_a_second_stepping_thread_is_refused(monkeypatch):
 
     def slow(x):
         inside.set()
-        release.wait(5)
+        release.wait(600)  # set by the test once the second step is refused
         return real(x)
 
     monkeypatch.setattr(model.lm_head, "forward", slow)
     thread = threading.Thread(target=engine.step)
     thread.start()
-    assert inside.wait(5)
-    with pytest.raises(RuntimeError, match="step: another thread is running step"):
-        engine.step()
-    release.set()
+    try:
+        assert inside.wait(600)
+        with pytest.raises(RuntimeError, match="step: another thread is running step"):
+            engine.step()
+    finally:
+        release.set()
     thread.join()
     assert engine.stats()["tokens_generated"] == 1
 

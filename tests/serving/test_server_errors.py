@@ -23,6 +23,8 @@ from attnlab.tokenizer import Tokenizer
 
 PROMPT = "once upon a time"
 CONTEXT = 256  # make_folder's max_position_embeddings
+HANG_S = 600  # a hang guard: far above any wait here on a busy 2-core machine
+PAUSE_AT = 20  # tokens after which a watched engine waits for an abort
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +209,7 @@ def test_full_queue_is_429_and_the_server_goes_on(qwen2_folder) -> None:
         for t in threads:
             t.start()
         for t in threads:
-            t.join(60)
+            t.join(HANG_S)
         refused = [r for r in results if isinstance(r, openai.RateLimitError)]
         served = [r for r in results if not isinstance(r, openai.RateLimitError)]
         assert len(results) == 6 and refused and served
@@ -219,47 +221,47 @@ def test_full_queue_is_429_and_the_server_goes_on(qwen2_folder) -> None:
         assert again.choices[0].text == served[0].choices[0].text
 
 
-def slow_steps(engine, monkeypatch) -> None:
-    """Each step takes 10 ms more, so that a request lasts longer than a disconnect takes to
-    be seen (the tiny model makes a token in about a millisecond)."""
-    real_step = engine.step
-
-    def slow():
-        time.sleep(0.01)
-        return real_step()
-
-    monkeypatch.setattr(engine, "step", slow)
-
-
-def slowed_and_watched(engine, monkeypatch) -> list[str]:
-    """``engine`` with slow steps (``slow_steps``); returns the ids of the requests that it
-    is asked to abort, as they come."""
-    slow_steps(engine, monkeypatch)
+def paused_and_watched(engine_thread, monkeypatch) -> list[str]:
+    """The server's (idle) engine pausing before each step once it has made ``PAUSE_AT``
+    tokens, until the server asks ``engine_thread`` to abort a request (the abort itself runs
+    on the engine's thread, between steps): a request then outlasts the time that its
+    client's leaving takes to be seen, however fast the machine (an event, not a time; the
+    tiny model makes a token in about a millisecond). Returns the ids of the requests that
+    the server asks to abort, as they come."""
+    engine = engine_thread.engine
+    start = engine.stats()["tokens_generated"]
+    real_step, real_abort, asked = engine.step, engine_thread.abort, threading.Event()
     aborted: list[str] = []
-    real_abort = engine.abort
+
+    def paused():
+        if engine.stats()["tokens_generated"] - start >= PAUSE_AT:
+            asked.wait(HANG_S)
+        return real_step()
 
     def spy(request_id: str) -> None:
         aborted.append(request_id)
         real_abort(request_id)
+        asked.set()
 
-    monkeypatch.setattr(engine, "abort", spy)
+    monkeypatch.setattr(engine, "step", paused)
+    monkeypatch.setattr(engine_thread, "abort", spy)
     return aborted
 
 
 def test_client_leaving_mid_stream_aborts_and_frees_pages(server, qwen2_folder,
                                                           monkeypatch) -> None:
-    aborted = slowed_and_watched(server[0].state.serving.engine.engine, monkeypatch)
     wait_for(lambda: idle(server[0]), what="an idle engine")
+    aborted = paused_and_watched(server[0].state.serving.engine, monkeypatch)
     before = server[0].state.serving.engine.stats["tokens_generated"]
     host, port = server[1].removeprefix("http://").split(":")
     body = json.dumps(completion(qwen2_folder, max_tokens=200, stream=True, temperature=1.0,
                                  seed=1)).encode()
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
+    with socket.create_connection((host, int(port)), timeout=HANG_S) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                      b"application/json\r\nContent-Length: " + str(len(body)).encode()
                      + b"\r\n\r\n" + body)
         received = b""
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + HANG_S
         while received.count(b"data: ") < 2 and time.monotonic() < deadline:
             received += sock.recv(4096)
         assert received.startswith(b"HTTP/1.1 200")
@@ -271,11 +273,11 @@ def test_client_leaving_mid_stream_aborts_and_frees_pages(server, qwen2_folder,
 
 def test_client_leaving_a_non_streaming_request_aborts_it(server, qwen2_folder,
                                                           monkeypatch) -> None:
-    aborted = slowed_and_watched(server[0].state.serving.engine.engine, monkeypatch)
     wait_for(lambda: idle(server[0]), what="an idle engine")
+    aborted = paused_and_watched(server[0].state.serving.engine, monkeypatch)
     host, port = server[1].removeprefix("http://").split(":")
     body = json.dumps(completion(qwen2_folder, max_tokens=200, n=2)).encode()
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
+    with socket.create_connection((host, int(port)), timeout=HANG_S) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                      b"application/json\r\nContent-Length: " + str(len(body)).encode()
                      + b"\r\n\r\n" + body)

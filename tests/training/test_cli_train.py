@@ -153,7 +153,7 @@ def test_torchrun_two_processes_reach_the_same_parameters_as_one(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert main([*common, "--out", str(tmp_path / "one")]) == 0

@@ -14,6 +14,8 @@ the next request that no client has taken, streamed (``POST /v1/completions``,
 ``stream: true`` with the usage chunk), over ``http.client``, and notes when each token
 arrives. A run ends when the requests are done or ``--time-limit`` seconds have passed: then
 no request is started and the streams still open are closed (the server frees their pages).
+``drive(..., cut_after=k)`` also closes each stream once ``k`` tokens have arrived, as a
+client that stops reading does.
 
 1. the requests with ``C`` clients for each ``C`` of ``--clients`` (the same requests each
    time; ``C = 1`` is one at a time): output tokens/s = output tokens / wall time, time to
@@ -103,7 +105,8 @@ class Outcome:
     """One request as its client saw it. ``ttft``: seconds from sending it to its first
     token (None if none came); ``gaps``: seconds between its successive tokens; ``tokens``:
     output tokens (the usage chunk's count, else the tokens seen); ``end``: when it ended,
-    in seconds from the run's start; ``error``: why it failed (``"cut"``: the time limit)."""
+    in seconds from the run's start; ``error``: why it failed (``"cut"``: closed by the
+    client, at the time limit or after ``cut_after`` tokens)."""
 
     ttft: float | None
     gaps: tuple[float, ...]
@@ -244,10 +247,11 @@ def summarize(outcomes: Sequence[Outcome], wall: float) -> dict:
             "tokens_per_s": tokens / wall if wall > 0 else None, **ms}
 
 
-def drive(url: str, jobs: Sequence[Job], clients: int, time_limit: float
-          ) -> tuple[list[Outcome], float]:
+def drive(url: str, jobs: Sequence[Job], clients: int, time_limit: float, *,
+          cut_after: int | None = None) -> tuple[list[Outcome], float]:
     """Send ``jobs`` to the server at ``url`` from ``clients`` threads, each taking the next
-    job not taken, until all are done or ``time_limit`` seconds have passed.
+    job not taken, until all are done or ``time_limit`` seconds have passed. With
+    ``cut_after``, each stream is closed (``"cut"``) once that many tokens have arrived.
 
     Returns the outcomes of the jobs started (in job order) and the wall time: from the
     start to the end of the last one.
@@ -256,6 +260,8 @@ def drive(url: str, jobs: Sequence[Job], clients: int, time_limit: float
     if not is_number(time_limit) or not 0 < time_limit <= MAX_SECONDS:
         raise ValueError(f"time_limit: expected seconds in (0, {MAX_SECONDS:g}], got "
                          f"{time_limit!r}")
+    if cut_after is not None:
+        check_positive("cut_after", cut_after)
     clients = min(clients, len(jobs))  # more threads than jobs would only wait
     start = time.perf_counter()
     deadline = start + time_limit
@@ -268,7 +274,7 @@ def drive(url: str, jobs: Sequence[Job], clients: int, time_limit: float
                 taken = next(todo, None)
             if taken is None:
                 return
-            outcomes[taken[0]] = _send(url, taken[1], start, deadline)
+            outcomes[taken[0]] = _send(url, taken[1], start, deadline, cut_after)
 
     threads = [threading.Thread(target=client, name=f"bench-client-{i}", daemon=True)
                for i in range(clients)]
@@ -322,8 +328,10 @@ def write_tokenizer(folder: str | Path, vocab_size: int) -> None:
     backend.save(str(Path(folder) / "tokenizer.json"))
 
 
-def _send(url: str, job: Job, start: float, deadline: float) -> Outcome:
-    """One streamed completion request; closes the stream once ``deadline`` passes."""
+def _send(url: str, job: Job, start: float, deadline: float, cut_after: int | None
+          ) -> Outcome:
+    """One streamed completion request; closes the stream once ``deadline`` passes or
+    ``cut_after`` tokens (None: no such cut) have arrived."""
     host, port = url.removeprefix("http://").split(":")
     body = json.dumps({"model": SERVED_NAME, "prompt": list(job.prompt),
                        "max_tokens": job.max_tokens, "temperature": 0, "stream": True,
@@ -357,6 +365,8 @@ def _send(url: str, job: Job, start: float, deadline: float) -> Outcome:
                 usage = usage if count is None else count
                 if text:
                     arrivals.append(now)
+                    if len(arrivals) == cut_after:
+                        error = "cut"
     except TimeoutError:
         error = "cut"
     except (OSError, http.client.HTTPException, ValueError) as failure:

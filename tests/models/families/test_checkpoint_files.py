@@ -109,7 +109,7 @@ def test_cli_model_nonexist_reports_the_folder(tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.run([sys.executable, "-m", "attnlab.cli", "generate", "--model",
                           "nonexist", "--prompt", "hi"], capture_output=True, text=True,
-                         cwd=tmp_path, env=env, timeout=120)
+                         cwd=tmp_path, env=env, timeout=600)
     assert run.returncode != 0
     assert "nonexist: no such folder" in run.stderr and "Traceback" not in run.stderr
 
