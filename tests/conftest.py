@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 
 import pytest
 import torch
@@ -139,3 +140,31 @@ def backend_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
         monkeypatch.setattr(owner, f"{kind}_attention", counted)
     return calls
+
+
+def pause_until_abort(engine_thread, monkeypatch: pytest.MonkeyPatch, after_tokens: int,
+                      hang_s: float = 600.0) -> tuple[list[str], threading.Event]:
+    """A server's engine (``engine_thread.engine``) pausing before each step once it has made
+    ``after_tokens`` more tokens, until the server asks ``engine_thread`` to abort a request
+    (the abort itself runs on the engine's thread, between steps): a request then outlasts
+    the time its client's leaving takes to be seen, however fast the machine (an event, not a
+    time). Returns the ids the server asks to abort, as they come, and the event set by the
+    first such request; ``hang_s`` is the pause's hang guard."""
+    engine = engine_thread.engine
+    start = engine.stats()["tokens_generated"]
+    real_step, real_abort = engine.step, engine_thread.abort
+    asked, aborted = [], threading.Event()
+
+    def paused():
+        if engine.stats()["tokens_generated"] - start >= after_tokens:
+            aborted.wait(hang_s)
+        return real_step()
+
+    def spy(request_id: str) -> None:
+        asked.append(request_id)
+        real_abort(request_id)
+        aborted.set()
+
+    monkeypatch.setattr(engine, "step", paused)
+    monkeypatch.setattr(engine_thread, "abort", spy)
+    return asked, aborted

@@ -27,6 +27,7 @@ from attnlab.bench.serve_report import targets
 from attnlab.bench.versus import random_checkpoint
 from attnlab.cli import build_parser, main
 from attnlab.tokenizer import Tokenizer
+from conftest import pause_until_abort
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -162,22 +163,7 @@ def test_load_generator_cuts_a_long_stream_after_k_tokens_and_counts_refusals(
     vocab, cut_after, paused_at = QUICK["vocab_size"], 5, 50
     long, refused = serve.Job((1, 2, 3), 500), serve.Job((vocab,), 4)  # id out of range
     with serve.serving(folder, max_batch=2, max_tokens_per_step=16) as (url, state):
-        engine = state.engine.engine
-        real_step, real_abort, aborted = engine.step, state.engine.abort, threading.Event()
-        asked: list[str] = []
-
-        def step():
-            if engine.stats()["tokens_generated"] >= paused_at:
-                aborted.wait(HANG_S)
-            return real_step()
-
-        def abort(request_id: str) -> None:
-            asked.append(request_id)
-            real_abort(request_id)
-            aborted.set()
-
-        monkeypatch.setattr(engine, "step", step)
-        monkeypatch.setattr(state.engine, "abort", abort)
+        asked, aborted = pause_until_abort(state.engine, monkeypatch, paused_at, HANG_S)
         outcomes, wall = serve.drive(url, [refused, long], 2, HANG_S, cut_after=cut_after)
         assert aborted.wait(HANG_S), "the server did not abort the stream its client closed"
         deadline = time.monotonic() + HANG_S

@@ -20,6 +20,7 @@ from attnlab.models.io import from_pretrained
 from attnlab.serving import engine as engine_module
 from attnlab.serving.server import create_app
 from attnlab.tokenizer import Tokenizer
+from conftest import pause_until_abort
 
 PROMPT = "once upon a time"
 CONTEXT = 256  # make_folder's max_position_embeddings
@@ -222,30 +223,10 @@ def test_full_queue_is_429_and_the_server_goes_on(qwen2_folder) -> None:
 
 
 def paused_and_watched(engine_thread, monkeypatch) -> list[str]:
-    """The server's (idle) engine pausing before each step once it has made ``PAUSE_AT``
-    tokens, until the server asks ``engine_thread`` to abort a request (the abort itself runs
-    on the engine's thread, between steps): a request then outlasts the time that its
-    client's leaving takes to be seen, however fast the machine (an event, not a time; the
-    tiny model makes a token in about a millisecond). Returns the ids of the requests that
-    the server asks to abort, as they come."""
-    engine = engine_thread.engine
-    start = engine.stats()["tokens_generated"]
-    real_step, real_abort, asked = engine.step, engine_thread.abort, threading.Event()
-    aborted: list[str] = []
-
-    def paused():
-        if engine.stats()["tokens_generated"] - start >= PAUSE_AT:
-            asked.wait(HANG_S)
-        return real_step()
-
-    def spy(request_id: str) -> None:
-        aborted.append(request_id)
-        real_abort(request_id)
-        asked.set()
-
-    monkeypatch.setattr(engine, "step", paused)
-    monkeypatch.setattr(engine_thread, "abort", spy)
-    return aborted
+    """The server's (idle) engine pausing once it has made ``PAUSE_AT`` tokens until the
+    server asks to abort a request (``conftest.pause_until_abort``); the ids it asks to
+    abort, as they come."""
+    return pause_until_abort(engine_thread, monkeypatch, PAUSE_AT, HANG_S)[0]
 
 
 def test_client_leaving_mid_stream_aborts_and_frees_pages(server, qwen2_folder,

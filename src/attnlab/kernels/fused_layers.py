@@ -177,7 +177,7 @@ class FusedLayers(nn.ModuleList):
     fast modules), the blocks' own forwards otherwise."""
 
     def forward(self, x: Tensor, *, rotary: tuple[Tensor, Tensor] | None = None,
-                mask: Tensor | None = None, is_causal: bool = True, cache=None,
+                mask: Tensor | None = None, is_causal: bool = True, cache: KVCache | None = None,
                 rows: Tensor | None = None) -> Tensor:
         fused = None if self.training else fused_layers(self, self.block_type, x, rotary,
                                                           mask, cache)
