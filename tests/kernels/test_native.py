@@ -108,6 +108,9 @@ def test_gemv_tiles_refuses_what_it_cannot_run() -> None:
     if not native.tiles_available():
         with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
             native.gemv_tiles(torch.randn(1, 64).bfloat16(), torch.randn(8, 64).bfloat16())
+        with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
+            native.gemv_int8_tiles(torch.randn(1, 64).bfloat16(),
+                                   torch.zeros(8, 64, dtype=torch.int8), torch.ones(8))
         return
     x, w = torch.randn(2, 64).bfloat16(), torch.randn(8, 64).bfloat16()
     with pytest.raises(RuntimeError, match="x: expected a contiguous 2-D bfloat16"):
