@@ -7,7 +7,9 @@ read one."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import pathlib
 import shutil
 import threading
 
@@ -42,9 +44,66 @@ def native_kernels() -> None:
     """Skips a test that forces the native kernels when the session has none: they are
     compiled by ``attnlab build`` (``make test`` runs it first), never by the tests."""
     if not native.available():
+        pytest.skip(native_lacks())
+
+
+# The native loops that only some CPUs run: the flag /proc/cpuinfo lists, the feature's name.
+_NATIVE_LOOPS = {
+    "pairs": (native.pairs_available, "avx512_bf16", "AVX512-BF16 (bfloat16 pair products)"),
+    "integers": (native.integers_available, "avx512_vnni",
+                 "AVX512-VNNI (exact integer products)"),
+    "tiles": (native.tiles_available, "amx_bf16", "AMX-BF16 (matrix tiles)"),
+}
+
+
+def native_lacks(loop: str | None = None) -> str | None:
+    """Why the native kernels (``loop``: None for the build itself, or ``"pairs"``,
+    ``"integers"``, ``"tiles"`` for its CPU-specific loops) cannot run here, in the words of
+    a skip; None when they can. Asked at collection too, so that a test is parametrized only
+    over what this machine runs: the library is loaded once per process, as the session
+    fixture loads it."""
+    if not native.available():
         reason = native.unavailable_reason()
-        pytest.skip("native kernels not built (run `attnlab build`)" if reason.startswith(
+        return ("native kernels not built (run `attnlab build`)" if reason.startswith(
             "not built") else f"native kernels not available: {reason}")
+    if loop is None:
+        return None
+    has_loop, flag, feature = _NATIVE_LOOPS[loop]
+    if has_loop():
+        return None
+    flags = _cpu_flags()
+    if flags is not None and flag not in flags:
+        return f"this CPU has no {feature}"
+    march = next(f for f in native.build_flags() if f.startswith("-march="))
+    if march != "-march=native":
+        return f"the native build targets {march} ($ATTNLAB_NATIVE_MARCH), without {feature}"
+    if loop == "tiles" and flags is not None:
+        return "this CPU has AMX-BF16 but the operating system lends this process no tiles"
+    return f"the native build has no {feature} loop"
+
+
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (None where there is none to read)."""
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    line = next((x for x in text.splitlines() if x.startswith("flags")), None)
+    return None if line is None else set(line.split(":", 1)[1].split())
+
+
+def parametrize_where(missing: str | None, argnames: str, *axes: list) -> pytest.MarkDecorator:
+    """``pytest.mark.parametrize(argnames, ...)`` over every combination of ``axes`` (a tuple
+    in an axis fills several names) where ``missing`` is None; else ONE case, skipped saying
+    ``missing``: a machine without a kernel gets one line that says why, not one per
+    combination that cannot apply to it."""
+    cases = [tuple(v for part in combo for v in (part if isinstance(part, tuple) else (part,)))
+             for combo in itertools.product(*axes)]
+    if missing is not None:
+        cases = [pytest.param(*cases[0], marks=pytest.mark.skip(reason=missing))]
+    elif len(cases[0]) == 1:  # one name: pytest takes each value as it is, not in a tuple
+        cases = [value for (value,) in cases]
+    return pytest.mark.parametrize(argnames, cases, ids=str)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -3,6 +3,7 @@ one row, a few rows, many rows; with and without bias; on one and two threads.""
 
 from __future__ import annotations
 
+import itertools
 import pathlib
 
 import pytest
@@ -14,22 +15,43 @@ from kernel_helpers import (
 
 import attnlab
 from attnlab.functional import linear
-from attnlab.kernels import KERNELS, catalog
+from attnlab.kernels import KERNELS, catalog, native
 from attnlab.kernels.catalog import _block_count, to_layout
+from conftest import native_lacks
 
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 2e-2)}
 
 
-@pytest.mark.parametrize("name", list(KERNELS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 70])
-@pytest.mark.parametrize("with_bias", [True, False])
-@pytest.mark.parametrize("threads", [1, 2])
+# The native kernels whose loop only some CPUs have: without it, one case says what is missing.
+_LOOPS = {"native_pairs": "pairs", "native_tiles": "tiles"}
+
+
+def _cases() -> list:
+    """(name, dtype, rows, with_bias, threads) for every kernel and case that it runs here
+    (``available``, asked on that many threads); a kernel that runs none of them here, for
+    want of a build or a CPU feature, as one case skipped saying so. What ``available``
+    refuses is the rule, checked by ``test_each_kernel_is_available_by_its_rule``."""
+    cases = []
+    for name, kernel in KERNELS.items():
+        runs = []
+        for dtype, rows, with_bias, threads in itertools.product(
+                (torch.float32, torch.bfloat16), (1, 5, 70), (True, False), (1, 2)):
+            with thread_count(threads):
+                if kernel.available(dtype, rows, 96):
+                    runs.append((name, dtype, rows, with_bias, threads))
+        if not runs:
+            missing = (native_lacks(_LOOPS.get(name)) if name.startswith("native") else
+                       "this torch build has no oneDNN linear ops (torch.ops.mkldnn)")
+            runs = [pytest.param(name, torch.bfloat16, 1, True, 1,
+                                 marks=pytest.mark.skip(reason=missing))]
+        cases += runs
+    return cases
+
+
+@pytest.mark.parametrize(("name", "dtype", "rows", "with_bias", "threads"), _cases(), ids=str)
 def test_kernel_equals_the_formula(name, dtype, rows, with_bias, threads) -> None:
     kernel = KERNELS[name]
     with thread_count(threads):
-        if not kernel.available(dtype, rows, 96):
-            pytest.skip(f"{name} cannot run {dtype} with {rows} rows on {threads} threads")
         g = torch.Generator().manual_seed(rows)
         w = torch.randn(96, 40, generator=g).to(dtype)
         x = torch.randn(rows, 40, generator=g).to(dtype)
@@ -41,6 +63,34 @@ def test_kernel_equals_the_formula(name, dtype, rows, with_bias, threads) -> Non
         rtol, atol = TOLERANCE[dtype]
         torch.testing.assert_close(actual.double(), expected, rtol=rtol, atol=atol)
         torch.testing.assert_close(actual, linear(x, w, b), rtol=rtol, atol=atol)
+
+
+def test_each_kernel_is_available_by_its_rule() -> None:
+    """The cases above are what each kernel's ``available`` takes here; what it refuses is its
+    rule: bfloat16 activations only for the widened, pair and tile kernels; the native ones up
+    to their row counts, where the build has their loop (the pairs: AVX512-BF16; the tiles:
+    AMX-BF16 lent by the operating system); ``blocks_gemv`` one row over two threads or more
+    that divide the output rows; the others every row count of either dtype."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    for name in ("widened", "native_pairs", "native_tiles"):
+        assert not KERNELS[name].available(f32, 1, 96), name
+    assert KERNELS["widened"].available(bf16, 70, 96)
+    gemv, pairs, tiles = (KERNELS[f"native_{n}"] for n in ("gemv", "pairs", "tiles"))
+    for dtype in (f32, bf16):
+        assert gemv.available(dtype, native.MAX_ROWS, 96) == native.available()
+        assert not gemv.available(dtype, native.MAX_ROWS + 1, 96)
+    assert pairs.available(bf16, 32, 96) == native.pairs_available()
+    assert not pairs.available(bf16, 33, 96)
+    assert tiles.available(bf16, native.TILES_MAX_ROWS, 96) == native.tiles_available()
+    assert not tiles.available(bf16, native.TILES_MAX_ROWS + 1, 96)
+    with thread_count(1):
+        assert not KERNELS["blocks_gemv"].available(f32, 1, 96)
+    with thread_count(2):
+        assert KERNELS["blocks_gemv"].available(bf16, 1, 96)
+        assert not KERNELS["blocks_gemv"].available(f32, 2, 96)
+        assert not KERNELS["blocks_gemv"].available(f32, 1, 95)
+    for name in ("formula", "columns", "rows_gemv"):
+        assert all(KERNELS[name].available(d, rows, 96) for d in (f32, bf16) for rows in (1, 70))
 
 
 @pytest.mark.parametrize(("out_features", "blocks"), [(16, 8), (12, 4), (6, 2)])

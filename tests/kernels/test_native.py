@@ -14,6 +14,7 @@ from kernel_helpers import built_for, thread_count
 
 from attnlab.kernels import native
 from attnlab.quantization import quantize
+from conftest import native_lacks, parametrize_where
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
 
@@ -26,13 +27,32 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
     torch.testing.assert_close(actual.double(), expected, rtol=rtol, atol=atol)
 
 
-# (dtype, pairs): the pair products run bfloat16 only.
-GEMV_CASES = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+# (dtype, pairs): the pair products take bfloat16 only, and run where the build has their
+# loop (test_the_pair_products_run_where_the_build_has_them: the rule itself).
+GEMV_CASES = [(torch.float32, False), (torch.bfloat16, False),
+              *([(torch.bfloat16, True)] if native.pairs_available() else [])]
+# The tile and integer-product tests: every case where this machine runs them, else one
+# skipped case that names what it lacks.
+TILES = native_lacks("tiles")
+INTEGERS = native_lacks("integers")
 
 
-def _skip_without_pairs(pairs: bool) -> None:
-    if pairs and not native.pairs_available():
-        pytest.skip("this CPU has no AVX512-BF16 (no pair products)")
+def test_the_pair_products_run_where_the_build_has_them() -> None:
+    """``pairs=True`` takes bfloat16 x in a build with the pair loop (AVX512-BF16), and is
+    refused by name otherwise: float32 x everywhere, any x in a build without the loop."""
+    w, x = torch.randn(8, 64).bfloat16(), torch.randn(2, 64).bfloat16()
+    weight = quantize(torch.randn(8, 64), 4, 32)
+    with pytest.raises(RuntimeError, match="pairs: expected bfloat16"):
+        native.gemv(x.float(), w.float(), pairs=True)
+    with pytest.raises(RuntimeError, match="pairs: expected bfloat16 x"):
+        native.gemv_int4(x.float(), weight.data, weight.scales, weight.zeros, 32, pairs=True)
+    if native.pairs_available():
+        _close(native.gemv(x, w, pairs=True), x.double() @ w.double().t(), torch.bfloat16)
+        return
+    with pytest.raises(RuntimeError, match="a build with AVX512-BF16"):
+        native.gemv(x, w, pairs=True)
+    with pytest.raises(RuntimeError, match="a build with AVX512-BF16"):
+        native.gemv_int4(x, weight.data, weight.scales, weight.zeros, 32, pairs=True)
 
 
 @pytest.mark.parametrize(("dtype", "pairs"), GEMV_CASES)
@@ -42,7 +62,6 @@ def _skip_without_pairs(pairs: bool) -> None:
 @pytest.mark.parametrize("threads", [1, 2])
 def test_gemv_equals_the_formula(dtype, pairs, rows, out_features, in_features,
                                  threads) -> None:
-    _skip_without_pairs(pairs)
     g = torch.Generator().manual_seed(rows * out_features)
     w = torch.randn(out_features, in_features, generator=g).to(dtype)
     x = torch.randn(rows, in_features, generator=g).to(dtype)
@@ -53,14 +72,10 @@ def test_gemv_equals_the_formula(dtype, pairs, rows, out_features, in_features,
 
 # rows: one and two B tiles (16 each) and a second pass past 32; out_features: whole blocks of
 # 32 weight rows and a zero-padded last block; in_features: whole tiles of 32 and a tail.
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33])
-@pytest.mark.parametrize(("out_features", "in_features"), [(64, 64), (37, 70), (96, 160),
-                                                            (5, 33), (9, 31)])
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("threads", [1, 2])
+@parametrize_where(TILES, "rows, out_features, in_features, bias, threads",
+                   [1, 5, 16, 17, 32, 33], [(64, 64), (37, 70), (96, 160), (5, 33), (9, 31)],
+                   [False, True], [1, 2])
 def test_gemv_tiles_equals_the_formula(rows, out_features, in_features, bias, threads) -> None:
-    if not native.tiles_available():
-        pytest.skip("this CPU (or its kernel) lends no AMX-BF16 tiles")
     g = torch.Generator().manual_seed(rows * out_features + in_features)
     w = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
     x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
@@ -71,14 +86,11 @@ def test_gemv_tiles_equals_the_formula(rows, out_features, in_features, bias, th
     _close(y, expected, torch.bfloat16)
 
 
-@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 16, 17, 33])
-@pytest.mark.parametrize(("out_features", "in_features"), [(64, 64), (37, 70), (9, 31)])
-@pytest.mark.parametrize("threads", [1, 2])
+@parametrize_where(TILES, "scale_dtype, rows, out_features, in_features, threads",
+                   [torch.float32, torch.bfloat16], [1, 16, 17, 33],
+                   [(64, 64), (37, 70), (9, 31)], [1, 2])
 def test_int8_tiles_equal_dequantize_then_linear(scale_dtype, rows, out_features, in_features,
                                                  threads) -> None:
-    if not native.tiles_available():
-        pytest.skip("this CPU (or its kernel) lends no AMX-BF16 tiles")
     g = torch.Generator().manual_seed(rows + out_features)
     weight = quantize(torch.randn(out_features, in_features, generator=g), 8,
                       scale_dtype=scale_dtype)
@@ -91,9 +103,14 @@ def test_int8_tiles_equal_dequantize_then_linear(scale_dtype, rows, out_features
 
 
 def test_gemv_tiles_refuses_what_it_cannot_run() -> None:
+    """Without tiles (no AMX-BF16, or none lent to this process) the tile kernels are refused
+    by name; with them, what they cannot take is."""
     if not native.tiles_available():
         with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
             native.gemv_tiles(torch.randn(1, 64).bfloat16(), torch.randn(8, 64).bfloat16())
+        with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
+            native.gemv_int8_tiles(torch.randn(1, 64).bfloat16(),
+                                   torch.zeros(8, 64, dtype=torch.int8), torch.ones(8))
         return
     x, w = torch.randn(2, 64).bfloat16(), torch.randn(8, 64).bfloat16()
     with pytest.raises(RuntimeError, match="x: expected a contiguous 2-D bfloat16"):
@@ -143,17 +160,14 @@ def _integers_formula(x: torch.Tensor, w: torch.Tensor, block: int
     return y, bound
 
 
-@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17])
-@pytest.mark.parametrize("in_features", [64, 70, 200, 256, 300, 600])
-@pytest.mark.parametrize("threads", [1, 2])
+@parametrize_where(INTEGERS, "scale_dtype, rows, in_features, threads",
+                   [torch.float32, torch.bfloat16], [1, 2, 3, 8, 9, 17],
+                   [64, 70, 200, 256, 300, 600], [1, 2])
 def test_int8_integers_equal_their_formula(scale_dtype, rows, in_features, threads) -> None:
     """The integer products: within one bfloat16 rounding of their own formula (exact
     integers; only the float32 sum of the block sums is reordered), and that formula within
     its bound of dequantize + linear. 70, 200, 300: a block's last 32 inputs ragged; 600: two
     whole blocks of 256 and a third of 88; rows of x two at a time and past a block of 8."""
-    if not native.integers_available():
-        pytest.skip("this CPU has no AVX512-VNNI (no integer products)")
     g = torch.Generator().manual_seed(rows * in_features)
     weight = quantize(torch.randn(69, in_features, generator=g), 8, scale_dtype=scale_dtype)
     x = torch.randn(rows, in_features, generator=g)
@@ -206,7 +220,6 @@ def test_int4_equals_dequantize_then_linear(dtype, pairs, scale_dtype, group_siz
                                             in_features, rows) -> None:
     """1088 / 32 = 34 groups: more than the 16 whose scales the pair loop reads at once;
     1088 = 8 x 128 + 64: the pair loop's last block is 64 codes (its blocks are 128)."""
-    _skip_without_pairs(pairs)
     g = torch.Generator().manual_seed(group_size + rows)
     weight = quantize(torch.randn(67, in_features, generator=g), 4, group_size, scale_dtype)
     x = torch.randn(rows, in_features, generator=g).to(dtype)
@@ -217,17 +230,15 @@ def test_int4_equals_dequantize_then_linear(dtype, pairs, scale_dtype, group_siz
     _close(y, x.double() @ weight.dequantize(torch.float64).t(), dtype, float32_tol=1e-4)
 
 
-@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("group_size", "in_features"), [(64, 512), (128, 512), (256, 512),
-                                                         (64, 1088), (64, 2112), (128, 1152)])
-@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+@parametrize_where(INTEGERS, "scale_dtype, group_size, in_features, rows",
+                   [torch.float32, torch.bfloat16],
+                   [(64, 512), (128, 512), (256, 512), (64, 1088), (64, 2112), (128, 1152)],
+                   [1, 3, 8, 11])
 def test_int4_integers_equal_their_formula(scale_dtype, group_size, in_features, rows) -> None:
     """The formula on x rounded to integers a row (within bfloat16 rounding: the float32 sums
     of the 128-code blocks and the shift term are reordered), and that formula within its
     bound of dequantize + linear. 1088 and 2112: a last block of 64 codes, 2112 / 64 = 33
     groups past two windows of 16."""
-    if not native.integers_available():
-        pytest.skip("this CPU has no AVX512-VNNI (no integer products)")
     g = torch.Generator().manual_seed(group_size + rows + in_features)
     weight = quantize(torch.randn(67, in_features, generator=g), 4, group_size, scale_dtype)
     x = torch.randn(rows, in_features, generator=g)
@@ -370,16 +381,16 @@ def test_the_sources_build_for_a_cpu_without_avx512_or_amx(target: str, build_fo
 
 
 def test_a_native_build_has_every_loop_this_cpu_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The pair and integer tests skip on a CPU without those instructions, so a build that
-    silently left them out would pass: on a CPU whose flags list them, a -march=native build
+    """The pair and integer tests are left out where the build lacks those loops, so a build
+    that silently left them out would pass: on a CPU whose flags list them, a -march=native build
     must have them."""
     import platform
 
     cpuinfo = Path("/proc/cpuinfo")
     if platform.machine() not in ("x86_64", "AMD64") or not cpuinfo.exists():
-        pytest.skip("x86-64 Linux: the CPU's flags from /proc/cpuinfo")
+        pytest.skip("reads the CPU's flags from /proc/cpuinfo: x86-64 Linux only")
     if "-march=native" not in native.build_flags():
-        pytest.skip("built for another target")
+        pytest.skip("the native build targets another CPU ($ATTNLAB_NATIVE_MARCH), not this one")
     flags = set()
     for line in cpuinfo.read_text().splitlines():
         if line.startswith("flags"):
@@ -505,8 +516,6 @@ def test_activation_refuses_bad_input_by_name() -> None:
     g = torch.randn(4, 8)
     with pytest.raises(ValueError, match="name: expected one of"):
         native.activation(g, None, "gelu")
-    if not native.available():
-        pytest.skip("no native build")
     with pytest.raises(RuntimeError, match="up: expected a contiguous tensor of gate's shape"):
         native.activation(g, torch.randn(4, 9), "silu")
     with pytest.raises(RuntimeError, match="up: expected"):

@@ -9,9 +9,10 @@ import json
 import pytest
 import torch
 
-from attnlab.kernels import calibration
+from attnlab.kernels import calibration, native
 from attnlab.quantization import QUANTIZED_KERNELS, QuantizedLinear, quantize
 from attnlab.quantization import kernels as qkernels
+from conftest import native_lacks
 
 
 def _linear(rows: int = 128, cols: int = 256, bias: bool = True,
@@ -24,19 +25,52 @@ CASES = [("int8_mm", 8), ("int4_mm", 4), ("int8_native", 8), ("int8_tiles", 8),
          ("int8_integers", 8), ("int4_integers", 4), ("int4_native", 4),
          ("int4_native_pairs", 4), ("native_dequantize", 8), ("native_dequantize", 4),
          ("native_widened", 8), ("native_widened", 4), ("dequantize", 8), ("dequantize", 4)]
+# The kernels that take bfloat16 activations only (test_bfloat16_only_kernels_refuse_float32),
+# by the native loop that each needs (None: the build alone).
+BFLOAT16_ONLY = {"int8_tiles": "tiles", "int8_integers": "integers",
+                 "int4_integers": "integers", "int4_native_pairs": "pairs",
+                 "native_widened": None}
 
 
-@pytest.mark.parametrize(("kernel", "bits"), CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 70])
-@pytest.mark.parametrize("bias", [True, False])
+def _weight(kernel: str, bits: int, dtype: torch.dtype, bias: bool = True):
+    """The module of the cases below (128 x 256, groups of 64), ``kernel`` forced."""
+    return QuantizedLinear.from_linear(_linear(bias=bias, dtype=dtype), bits=bits,
+                                       group_size=64, kernel=kernel)
+
+
+def _why_not(kernel: str, bits: int) -> str:
+    """Why ``kernel`` runs no case here: the native build or its CPU-specific loop missing,
+    or the private op of this torch build that it calls."""
+    if kernel == "int8_mm":
+        return "this torch build has no _weight_int8pack_mm"
+    if kernel == "int4_mm":
+        return ("this torch build has no int4 CPU kernel that reads attnlab's blocked layout "
+                "(_weight_int4pack_mm_for_cpu)")
+    return native_lacks(BFLOAT16_ONLY.get(kernel)) or f"{kernel} takes no int{bits} weight here"
+
+
+def _cases() -> list:
+    """(kernel, bits, dtype, rows, bias) for every case that runs here (``available``): a
+    bfloat16-only kernel in bfloat16 alone; a kernel that runs neither dtype here as one
+    case, skipped saying why. What ``available`` refuses is the rule, checked by
+    ``test_each_kernel_is_available_by_its_rule``."""
+    cases = []
+    for kernel, bits in CASES:
+        dtypes = [torch.bfloat16] if kernel in BFLOAT16_ONLY else [torch.float32,
+                                                                   torch.bfloat16]
+        runs = [(kernel, bits, d, rows, bias) for d in dtypes
+                if QUANTIZED_KERNELS[kernel].available(
+                    _weight(kernel, bits, d).weight_format.with_layout("blocked"), d)
+                for rows in (1, 3, 70) for bias in (True, False)]
+        cases += runs or [pytest.param(kernel, bits, torch.bfloat16, 1, True,
+                                       marks=pytest.mark.skip(reason=_why_not(kernel, bits)))]
+    return cases
+
+
+@pytest.mark.parametrize(("kernel", "bits", "dtype", "rows", "bias"), _cases(), ids=str)
 def test_each_kernel_equals_the_formula(kernel: str, bits: int, dtype: torch.dtype, rows: int,
                                         bias: bool) -> None:
-    module = QuantizedLinear.from_linear(_linear(bias=bias, dtype=dtype), bits=bits,
-                                         group_size=64, kernel=kernel)
-    weight = module.weight_format
-    if not QUANTIZED_KERNELS[kernel].available(weight.with_layout("blocked"), dtype):
-        pytest.skip(f"{kernel} cannot run {dtype} on this torch build")
+    module = _weight(kernel, bits, dtype, bias)
     most = QUANTIZED_KERNELS[kernel].max_rows
     assert {b: k.name for b, k in module.plan(dtype).items()} == {
         b: kernel if most is None or most >= top else "dequantize"
@@ -50,6 +84,34 @@ def test_each_kernel_equals_the_formula(kernel: str, bits: int, dtype: torch.dty
     torch.testing.assert_close(y.double(), expected, rtol=tol, atol=tol * 10)
     assert y.dtype == dtype and y.shape == (2, rows, 128)
 
+
+def test_each_kernel_is_available_by_its_rule() -> None:
+    """The cases above are what each kernel's ``available`` takes here; what it refuses is
+    its rule: bfloat16 activations only for the integer-product, pair, tile and widened
+    kernels; the native ones where the build has them and their loop (the pairs:
+    AVX512-BF16; the integers: AVX512-VNNI, int4 in groups of a multiple of 64; the tiles:
+    AMX-BF16 lent by the operating system), each on its own width of codes."""
+    int8, int4 = quantize(torch.randn(128, 256), 8), quantize(torch.randn(128, 256), 4, 64)
+    f32, bf16 = torch.float32, torch.bfloat16
+    for kernel, bits in CASES:
+        weight = int8 if bits == 8 else int4
+        assert QUANTIZED_KERNELS[kernel].available(weight, f32) == (
+            kernel not in BFLOAT16_ONLY and QUANTIZED_KERNELS[kernel].available(weight, bf16)
+        ), kernel
+    built = native.available()
+    for kernel, weight, has_loop in (
+            ("int8_native", int8, built), ("int4_native", int4, built),
+            ("native_dequantize", int8, built), ("native_dequantize", int4, built),
+            ("native_widened", int8, built), ("native_widened", int4, built),
+            ("int8_tiles", int8, native.tiles_available()),
+            ("int8_integers", int8, native.integers_available()),
+            ("int4_integers", int4, native.integers_available()),
+            ("int4_native_pairs", int4, native.pairs_available())):
+        assert QUANTIZED_KERNELS[kernel].available(weight, bf16) == has_loop, kernel
+    for kernel, weight in (("int8_native", int4), ("int8_tiles", int4), ("int4_native", int8),
+                           ("int8_integers", int4), ("int4_native_pairs", int8),
+                           ("int4_integers", quantize(torch.randn(128, 256), 4, 32))):
+        assert not QUANTIZED_KERNELS[kernel].available(weight, bf16), kernel
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -173,7 +235,7 @@ def test_one_row_decoding_keeps_the_pair_kernel_when_it_loses_only_at_16_rows(
     layout."""
     weight = quantize(torch.randn(128, 256), 4, 64, torch.bfloat16)
     if not QUANTIZED_KERNELS["int4_native_pairs"].available(weight, torch.bfloat16):
-        pytest.skip("no native pair kernel on this machine")
+        pytest.skip(native_lacks("pairs"))
     measured = {
         "1": {"dequantize": 300_000, "int4_mm": 6_981, "int4_native": 6_816,
               "int4_native_pairs": 3_305, "native_dequantize": 98_867},
