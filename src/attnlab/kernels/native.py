@@ -294,7 +294,7 @@ def decode_layers(x: Tensor, layers: list[tuple], config: tuple, cos: Tensor | N
     x max_len x D``. ``config``: ``(norm 0 rms /
     1 rms 1 + w / 2 layer, activation 0 silu / 1 gelu tanh / 2 gelu / 3 relu, H, G, D,
     offset, eps, scale, gated, interleaved)``; cos and sin ``(B or 1) x 1 x R`` in x's dtype
-    or None; mask ``B x H x 1 x (offset + 1)`` bool or None. ``attnlab.models.fused_decode``
+    or None; mask ``B x H x 1 x (offset + 1)`` bool or None. ``attnlab.kernels.fused_layers``
     builds these from a model's modules."""
     return _require().decode_layers(x, layers, config, cos, sin, mask)
 
