@@ -106,12 +106,13 @@ def _is_layer_list(module: nn.Module) -> bool:
 
 def _fused_class(reference: type[nn.Module]) -> type[nn.Module]:
     """``Fused<Name>``: :class:`FusedLayers` mixed into the layer list's class (made once)."""
-    for fast, ref in REFERENCE.items():
-        if ref is reference and issubclass(fast, FusedLayers):
-            return fast
-    fast = type(f"Fused{reference.__name__}", (FusedLayers, reference),
-                {"__module__": __name__, "__doc__": FusedLayers.__doc__})
-    REFERENCE[fast] = reference
+    fast = _FUSED.get(reference)
+    if fast is None:
+        fast = _FUSED[reference] = type(f"Fused{reference.__name__}", (FusedLayers, reference),
+                                        {"__module__": __name__,
+                                         "__doc__": FusedLayers.__doc__})
+        REFERENCE[fast] = reference
     return fast
 
 
+_FUSED: dict[type[nn.Module], type[nn.Module]] = {}  # a layer list's class -> its fused class
