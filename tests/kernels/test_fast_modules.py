@@ -108,6 +108,9 @@ def test_optimized_model_shows_its_fast_modules_and_keeps_its_state(name) -> Non
     assert str(fast) == str(reference)
     assert all(type(a) is type(b) for a, b in zip(fast.modules(), reference.modules()))
     assert all(p.is_contiguous() for p in fast.parameters())
+    for call in (optimize_for_inference, restore_reference):
+        with pytest.raises(TypeError, match=r"model: expected a torch\.nn\.Module, got dict"):
+            call({})
 
 
 @needs_build

@@ -58,6 +58,8 @@ def restore_reference(model: nn.Module) -> nn.Module:
     """``model`` with every fast module of :func:`optimize_for_inference` back to the
     reference class it replaced (``InferenceLinear`` to ``nn.Linear``, its weight row-major
     again), in place; returned for chaining."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     for module in model.modules():
         if type(module) is InferenceLinear:
             to_linear(module)
