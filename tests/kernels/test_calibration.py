@@ -198,9 +198,8 @@ def test_an_unknown_forced_kernel_is_refused_naming_where_it_came_from(monkeypat
 def test_measuring_runs_under_inference_mode(monkeypatch):
     seen = []
     kernel = KERNELS["columns"]
-    spy = type(kernel)(kernel.name, kernel.layout, kernel.prepare,
-                       lambda *a: seen.append(torch.is_inference_mode_enabled())
-                       or kernel.run(*a), kernel.available)
+    spy = dataclasses.replace(kernel, run=lambda *a: seen.append(
+        torch.is_inference_mode_enabled()) or kernel.run(*a))
     monkeypatch.setitem(KERNELS, "columns", spy)
     calibration.measure_rows(torch.float32, *SHAPE, 3, ["columns"])
     assert len(seen) >= 4 and all(seen)  # the check-and-warm-up call and >= 3 repeats
@@ -208,8 +207,7 @@ def test_measuring_runs_under_inference_mode(monkeypatch):
 
 def test_a_wrong_kernel_is_left_out_with_a_warning(monkeypatch):
     kernel = KERNELS["columns"]
-    wrong = type(kernel)(kernel.name, kernel.layout, kernel.prepare,
-                         lambda *a: kernel.run(*a) + 1, kernel.available)
+    wrong = dataclasses.replace(kernel, run=lambda *a: kernel.run(*a) + 1)
     monkeypatch.setitem(KERNELS, "columns", wrong)
     with pytest.warns(UserWarning, match="kernel columns: left out, its result differs"):
         timings = calibration.measure_rows(torch.float32, *SHAPE, 3)
@@ -228,9 +226,7 @@ def test_a_hopelessly_slow_kernel_is_timed_once(monkeypatch):
         time.sleep(1.0)
         return kernel.run(*args)
 
-    monkeypatch.setitem(KERNELS, "rows_gemv", type(kernel)(kernel.name, kernel.layout,
-                                                           kernel.prepare, slow,
-                                                           kernel.available))
+    monkeypatch.setitem(KERNELS, "rows_gemv", dataclasses.replace(kernel, run=slow))
     timings = calibration.measure_rows(torch.float32, *SHAPE, 2, ["formula", "rows_gemv"])
     assert len(calls) == 2  # the checked warm-up and one timing
     assert timings["rows_gemv"] >= 1_000_000 > timings["formula"]

@@ -16,13 +16,14 @@ from kernel_helpers import (
 from torch import nn
 
 from attnlab.kernels import KERNELS, InferenceLinear, calibration, optimize_for_inference
+from attnlab.kernels.calibration import weight_like
 
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 2e-2)}
 ROWS_OF_EACH_BUCKET = (1, 3, 20, 70)
 
 
 def runnable(name: str, dtype: torch.dtype = torch.float32, rows: int = 1) -> bool:
-    return KERNELS[name].available(dtype, rows, 32)
+    return KERNELS[name].available(weight_like(dtype, 32, 8), dtype, rows)
 
 
 def reference(seed: int = 0, dtype: torch.dtype = torch.float32, bias: bool = True) -> nn.Linear:

@@ -16,7 +16,9 @@ from kernel_helpers import (
 import attnlab
 from attnlab.functional import linear
 from attnlab.kernels import KERNELS, catalog, native
+from attnlab.kernels.calibration import weight_like
 from attnlab.kernels.catalog import _block_count, to_layout
+from attnlab.kernels.rule import DECODING_ROWS
 from conftest import native_lacks
 
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 2e-2)}
@@ -37,7 +39,7 @@ def _cases() -> list:
         for dtype, rows, with_bias, threads in itertools.product(
                 (torch.float32, torch.bfloat16), (1, 5, 70), (True, False), (1, 2)):
             with thread_count(threads):
-                if kernel.available(dtype, rows, 96):
+                if kernel.available(weight_like(dtype, 96, 8), dtype, rows):
                     runs.append((name, dtype, rows, with_bias, threads))
         if not runs:
             missing = (native_lacks(_LOOPS.get(name)) if name.startswith("native") else
@@ -57,7 +59,7 @@ def test_kernel_equals_the_formula(name, dtype, rows, with_bias, threads) -> Non
         x = torch.randn(rows, 40, generator=g).to(dtype)
         b = torch.randn(96, generator=g).to(dtype) if with_bias else None
         with torch.inference_mode():
-            actual = kernel.run(x, kernel.prepare(w), b)
+            actual = kernel.run(x, kernel.prepare(w, w.dtype), b)
         expected = x.double() @ w.double().t() + (b.double() if with_bias else 0)
         assert actual.shape == (rows, 96) and actual.dtype == dtype
         rtol, atol = TOLERANCE[dtype]
@@ -72,25 +74,27 @@ def test_each_kernel_is_available_by_its_rule() -> None:
     AMX-BF16 lent by the operating system); ``blocks_gemv`` one row over two threads or more
     that divide the output rows; the others every row count of either dtype."""
     f32, bf16 = torch.float32, torch.bfloat16
+    w32, w16 = weight_like(f32, 96, 8), weight_like(bf16, 96, 8)
     for name in ("widened", "native_pairs", "native_tiles"):
-        assert not KERNELS[name].available(f32, 1, 96), name
-    assert KERNELS["widened"].available(bf16, 70, 96)
+        assert not KERNELS[name].available(w32, f32, 1), name
+    assert KERNELS["widened"].available(w16, bf16, 70)
     gemv, pairs, tiles = (KERNELS[f"native_{n}"] for n in ("gemv", "pairs", "tiles"))
-    for dtype in (f32, bf16):
-        assert gemv.available(dtype, native.MAX_ROWS, 96) == native.available()
-        assert not gemv.available(dtype, native.MAX_ROWS + 1, 96)
-    assert pairs.available(bf16, 32, 96) == native.pairs_available()
-    assert not pairs.available(bf16, 33, 96)
-    assert tiles.available(bf16, native.TILES_MAX_ROWS, 96) == native.tiles_available()
-    assert not tiles.available(bf16, native.TILES_MAX_ROWS + 1, 96)
+    for w, dtype in ((w32, f32), (w16, bf16)):
+        assert gemv.available(w, dtype, DECODING_ROWS) == native.available()
+        assert not gemv.available(w, dtype, DECODING_ROWS + 1)
+    assert pairs.available(w16, bf16, DECODING_ROWS) == native.pairs_available()
+    assert not pairs.available(w16, bf16, DECODING_ROWS + 1)
+    assert tiles.available(w16, bf16, DECODING_ROWS) == native.tiles_available()
+    assert not tiles.available(w16, bf16, DECODING_ROWS + 1)
     with thread_count(1):
-        assert not KERNELS["blocks_gemv"].available(f32, 1, 96)
+        assert not KERNELS["blocks_gemv"].available(w32, f32, 1)
     with thread_count(2):
-        assert KERNELS["blocks_gemv"].available(bf16, 1, 96)
-        assert not KERNELS["blocks_gemv"].available(f32, 2, 96)
-        assert not KERNELS["blocks_gemv"].available(f32, 1, 95)
+        assert KERNELS["blocks_gemv"].available(w16, bf16, 1)
+        assert not KERNELS["blocks_gemv"].available(w32, f32, 2)
+        assert not KERNELS["blocks_gemv"].available(weight_like(f32, 95, 8), f32, 1)
     for name in ("formula", "columns", "rows_gemv"):
-        assert all(KERNELS[name].available(d, rows, 96) for d in (f32, bf16) for rows in (1, 70))
+        assert all(KERNELS[name].available(w, d, rows) for w, d in ((w32, f32), (w16, bf16))
+                   for rows in (1, 70))
 
 
 @pytest.mark.parametrize(("out_features", "blocks"), [(16, 8), (12, 4), (6, 2)])
@@ -125,11 +129,11 @@ def test_the_widened_kernel_rounds_each_float32_sum_once_block_by_block(monkeypa
 
 
 def test_the_formula_kernel_takes_every_dtype_the_fast_ones_only_theirs() -> None:
-    assert KERNELS["formula"].available(torch.float64, 3, 8)
+    assert KERNELS["formula"].available(weight_like(torch.float64, 8, 8), torch.float64, 3)
     for name, kernel in KERNELS.items():
         if name != "formula":
-            assert not kernel.available(torch.float64, 1, 8), name
-            assert not kernel.available(torch.float16, 1, 8), name
+            assert not kernel.available(weight_like(torch.float64, 8, 8), torch.float64, 1), name
+            assert not kernel.available(weight_like(torch.float16, 8, 8), torch.float16, 1), name
 
 
 @pytest.mark.parametrize("layout", ["rows", "columns"])

@@ -14,15 +14,16 @@ from kernel_helpers import (
 
 from attnlab.functional import linear
 from attnlab.kernels import KERNELS
+from attnlab.kernels.calibration import weight_like
 
 
 def run(name: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """Kernel ``name`` on ``x`` (``M x I``) and ``w`` prepared by it, under no_grad."""
     kernel = KERNELS[name]
-    if not kernel.available(w.dtype, x.shape[0], w.shape[0]):
+    if not kernel.available(w, w.dtype, x.shape[0]):
         pytest.skip(f"{name} cannot run {w.dtype} here")
     with torch.no_grad():
-        return kernel.run(x, kernel.prepare(w), b)
+        return kernel.run(x, kernel.prepare(w, w.dtype), b)
 
 
 @pytest.mark.parametrize("name", ["columns", "onednn_columns", "rows_gemv"])
@@ -33,7 +34,7 @@ def test_column_major_one_row_matches_matmul(name, dtype, threads) -> None:
         g = torch.Generator().manual_seed(0)
         w = torch.randn(300, 70, generator=g).to(dtype)
         x, b = torch.randn(1, 70, generator=g).to(dtype), torch.randn(300).to(dtype)
-        assert KERNELS[name].prepare(w).t().is_contiguous()  # the column-major layout
+        assert KERNELS[name].prepare(w, w.dtype).t().is_contiguous()  # the column-major layout
         expected = (x.double() @ w.double().t() + b.double()).to(dtype)
         actual = run(name, x, w, b)
         assert actual.shape == (1, 300) and actual.dtype == dtype
@@ -88,8 +89,9 @@ def test_one_row_times_a_large_row_major_matrix(out_features, splits) -> None:
         w = torch.randn(out_features, 512, generator=g)
         x, b = torch.randn(1, 512, generator=g), torch.randn(out_features, generator=g)
         blocks = KERNELS["blocks_gemv"]
-        assert blocks.available(torch.float32, 1, out_features) is splits
-        assert not blocks.available(torch.float32, 2, out_features)
+        like = weight_like(torch.float32, out_features, 8)
+        assert blocks.available(like, torch.float32, 1) is splits
+        assert not blocks.available(like, torch.float32, 2)
         if splits:
             expected = x.double() @ w.double().t() + b.double()
             torch.testing.assert_close(run("blocks_gemv", x, w, b).double(), expected,

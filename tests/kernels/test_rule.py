@@ -10,17 +10,19 @@ import types
 
 import pytest
 import torch
-from kernel_helpers import own_cache_fixture  # noqa: F401 (an autouse fixture)
+from kernel_helpers import own_cache_fixture, thread_count  # noqa: F401 (an autouse fixture)
 from torch import nn
 
 from attnlab.cli import main as cli_main
 from attnlab.kernels import KERNELS, InferenceLinear, calibration, optimize_for_inference, rule
 from attnlab.kernels.cache import _VERSION, entry_key
+from attnlab.kernels.calibration import weight_like
 from attnlab.kernels.native import build_id
 from attnlab.kernels.rule import (
     BATCH_INVARIANT,
     BUCKETS,
     DECODING,
+    DECODING_ROWS,
     QUANTIZED_NAMES,
     Features,
     batch_invariant,
@@ -44,9 +46,10 @@ def _first(scheme, dtype, cpu, **kwargs):
 
 
 @pytest.mark.parametrize(("scheme", "dtype", "cpu", "expected"), [
-    # float32: our GEMV for decoding, BLAS from 9 rows; BLAS alone without the build.
-    ("float32", F32, AMX, ("native_gemv", "native_gemv", "formula", "formula")),
-    ("float32", F32, V3, ("native_gemv", "native_gemv", "formula", "formula")),
+    # float32: our GEMV for every decoding bucket (one batch-invariant loop), BLAS from 33
+    # rows; BLAS alone without the build.
+    ("float32", F32, AMX, ("native_gemv", "native_gemv", "native_gemv", "formula")),
+    ("float32", F32, V3, ("native_gemv", "native_gemv", "native_gemv", "formula")),
     ("float32", F32, BARE, ("formula", "formula", "formula", "formula")),
     # bfloat16: tiles, else pairs, for every decoding bucket (one batch-invariant loop).
     ("bfloat16", B16, AMX, ("native_tiles", "native_tiles", "native_tiles", "formula")),
@@ -77,8 +80,9 @@ def test_the_rule_falls_back_in_order_and_names_only_real_kernels():
     assert rule("int4", B16, BF16)["1"] == ("int4_integers", "int4_native_pairs",
                                             "int4_native", "int4_mm")
     assert rule("int8", B16, BF16)["2-8"] == ("int8_integers", "int8_native", "int8_mm")
-    # extra_memory: oneDNN's packed copy where the rule says BLAS for a server's batch.
-    assert rule("float32", F32, AMX, extra_memory=True)["9-32"] == ("onednn_packed", "formula")
+    # extra_memory: oneDNN's packed copy first for a server's batch (not batch-invariant).
+    assert rule("float32", F32, AMX, extra_memory=True)["9-32"] == ("onednn_packed",
+                                                                     "native_gemv")
     assert rule("float32", F32, AMX, extra_memory=True)["33+"] == ("formula",)
     assert tuple(QUANTIZED_KERNELS) == QUANTIZED_NAMES
     for cpu in (AMX, BF16, V3, BARE):
@@ -109,13 +113,16 @@ def test_the_plan_follows_the_rule_on_this_machine():
         ruled = rule(str(dtype)[6:], dtype, cpu)
         assert layout == "rows"
         for bucket, pick in picks.items():
-            runs = [n for n in ruled[bucket] if KERNELS[n].available(dtype, largest(bucket), 64)]
+            like = weight_like(dtype, 64, 32)
+            runs = [n for n in ruled[bucket] if KERNELS[n].available(like, dtype, largest(bucket))]
             assert pick == (runs[0] if runs else "formula")
     assert calibration.plan(torch.float64, 64, 32) == ("rows", dict.fromkeys(BUCKETS, "formula"))
 
 
 @pytest.mark.parametrize("plan, invariant", [
     ({"1": "native_pairs", "2-8": "native_pairs", "9-32": "native_pairs", "33+": "formula"},
+     True),
+    ({"1": "native_gemv", "2-8": "native_gemv", "9-32": "native_gemv", "33+": "formula"},
      True),
     ({"1": "native_gemv", "2-8": "native_gemv", "9-32": "formula", "33+": "formula"}, False),
     ({"1": "int4_integers", "2-8": "int4_native", "9-32": "int4_native", "33+": "x"}, False),
@@ -124,6 +131,60 @@ def test_batch_invariance_needs_one_invariant_kernel_for_every_decoding_bucket(p
                                                                                invariant):
     assert batch_invariant(plan) is invariant
     assert DECODING == ("1", "2-8", "9-32")
+
+
+def _invariant_cases() -> list[tuple[str, torch.dtype]]:
+    """(kernel, activations' dtype) for each kernel of ``BATCH_INVARIANT`` that runs here
+    (float32 only for ``native_gemv``: the AVX2 build's bfloat16 loop is not invariant)."""
+    cases = []
+    for name in sorted(BATCH_INVARIANT):
+        for dtype in ((F32,) if name == "native_gemv" else (F32, B16)):
+            if name in KERNELS:
+                runs = KERNELS[name].available(weight_like(dtype, 40, 8), dtype, DECODING_ROWS)
+            else:
+                weight = _quantized(name, torch.zeros(_shape(name)))
+                runs = QUANTIZED_KERNELS[name].takes(weight, dtype)
+            if runs:
+                cases.append((name, dtype))
+    return cases
+
+
+def _shape(name: str) -> tuple[int, int]:
+    """The weight's shape for kernel ``name`` in the test below."""
+    return (128, 192) if name.startswith("int4") else (40, 136)
+
+
+def _quantized(name: str, w: torch.Tensor):
+    """``w`` quantized as quantized kernel ``name`` reads it (int8 per row, int4 in groups of
+    64), in the layout it needs."""
+    bits = 8 if name.startswith("int8") else 4
+    weight = quantized_kernels.quantize(w, bits, 64 if bits == 4 else None)
+    layout = QUANTIZED_KERNELS[name].layout
+    return weight if layout is None else weight.with_layout(layout)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("name", "dtype"), _invariant_cases())
+def test_an_invariant_kernel_gives_a_row_the_same_sums_beside_any_rows(name, dtype, threads):
+    """Row 0 of ``x W^T + b`` bit for bit the same with 1 to 32 rows beside it, on 1 and 2
+    threads, for a shape with the remainder paths (136 inputs: 4 blocks of 32 and 8 more;
+    40 outputs, not a multiple of the row groups; int4 128 x 192, 3 groups of 64, in the
+    blocks of 64 rows of PyTorch's layout)."""
+    torch.manual_seed(0)
+    outputs, inputs = _shape(name)
+    w, b = torch.randn(outputs, inputs), torch.randn(outputs)
+    x = torch.randn(DECODING_ROWS, inputs).to(dtype)
+    if name in KERNELS:
+        kernel = KERNELS[name]
+        stored, run = kernel.prepare(w.to(dtype), dtype), kernel.run
+    else:
+        kernel = QUANTIZED_KERNELS[name]
+        stored, run = kernel.prepare(_quantized(name, w), dtype), kernel.run
+    with thread_count(threads):
+        alone = run(x[:1].contiguous(), stored, b.to(dtype))
+        for rows in range(2, DECODING_ROWS + 1):
+            beside = run(x[:rows].contiguous(), stored, b.to(dtype))
+            assert torch.equal(beside[0], alone[0]), f"{name} with {rows} rows"
 
 
 def _model(seed: int = 0) -> DecoderLM:
@@ -163,8 +224,7 @@ SCHEMES = ["float32", "bfloat16", "int8", "int4"]
 def test_a_load_times_no_kernel(folder, scheme, monkeypatch, own_cache):
     """With the timer made to raise (and the measuring functions too), a model loads, runs
     and generates; nothing is written to the kernel cache."""
-    monkeypatch.setattr(calibration, "time", _no_timer())
-    monkeypatch.setattr(quantized_kernels, "time", _no_timer())
+    monkeypatch.setattr(calibration, "time", _no_timer())  # both kinds' only timer
     monkeypatch.setattr(calibration, "measure_rows", lambda *a, **k: pytest.fail("measured"))
     monkeypatch.setattr(quantized_kernels, "_time_kernels",
                         lambda *a, **k: pytest.fail("measured"))

@@ -59,7 +59,7 @@ def _cases() -> list:
         dtypes = [torch.bfloat16] if kernel in BFLOAT16_ONLY else [torch.float32,
                                                                    torch.bfloat16]
         runs = [(kernel, bits, d, rows, bias) for d in dtypes
-                if QUANTIZED_KERNELS[kernel].available(
+                if QUANTIZED_KERNELS[kernel].takes(
                     _weight(kernel, bits, d).weight_format.with_layout("blocked"), d)
                 for rows in (1, 3, 70) for bias in (True, False)]
         cases += runs or [pytest.param(kernel, bits, torch.bfloat16, 1, True,
@@ -95,8 +95,8 @@ def test_each_kernel_is_available_by_its_rule() -> None:
     f32, bf16 = torch.float32, torch.bfloat16
     for kernel, bits in CASES:
         weight = int8 if bits == 8 else int4
-        assert QUANTIZED_KERNELS[kernel].available(weight, f32) == (
-            kernel not in BFLOAT16_ONLY and QUANTIZED_KERNELS[kernel].available(weight, bf16)
+        assert QUANTIZED_KERNELS[kernel].takes(weight, f32) == (
+            kernel not in BFLOAT16_ONLY and QUANTIZED_KERNELS[kernel].takes(weight, bf16)
         ), kernel
     built = native.available()
     for kernel, weight, has_loop in (
@@ -107,11 +107,11 @@ def test_each_kernel_is_available_by_its_rule() -> None:
             ("int8_integers", int8, native.integers_available()),
             ("int4_integers", int4, native.integers_available()),
             ("int4_native_pairs", int4, native.pairs_available())):
-        assert QUANTIZED_KERNELS[kernel].available(weight, bf16) == has_loop, kernel
+        assert QUANTIZED_KERNELS[kernel].takes(weight, bf16) == has_loop, kernel
     for kernel, weight in (("int8_native", int4), ("int8_tiles", int4), ("int4_native", int8),
                            ("int8_integers", int4), ("int4_native_pairs", int8),
                            ("int4_integers", quantize(torch.randn(128, 256), 4, 32))):
-        assert not QUANTIZED_KERNELS[kernel].available(weight, bf16), kernel
+        assert not QUANTIZED_KERNELS[kernel].takes(weight, bf16), kernel
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -125,7 +125,7 @@ def test_native_widened_makes_the_weight_a_block_of_rows_at_a_time(
     monkeypatch.setattr(catalog, "_WIDEN_BYTES", 4 * 256 * 24)
     module = QuantizedLinear.from_linear(_linear(bias=bias, dtype=torch.bfloat16), bits=bits,
                                          group_size=64, kernel="native_widened")
-    assert not QUANTIZED_KERNELS["native_widened"].available(module.weight_format,
+    assert not QUANTIZED_KERNELS["native_widened"].takes(module.weight_format,
                                                              torch.float32)
     x = torch.randn(70, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     with torch.inference_mode():
@@ -191,7 +191,7 @@ def test_forced_kernel_is_checked_and_falls_back_to_the_formula(
 
 def test_int4_kernel_needs_rows_in_blocks_of_64() -> None:
     odd = quantize(torch.randn(96, 64), 4, 32)
-    assert not QUANTIZED_KERNELS["int4_mm"].available(odd, torch.bfloat16)
+    assert not QUANTIZED_KERNELS["int4_mm"].takes(odd, torch.bfloat16)
     module = QuantizedLinear.from_linear(torch.nn.Linear(64, 96), bits=4, group_size=32,
                                          kernel="int4_mm")
     assert module.layout == "plain"
@@ -215,7 +215,7 @@ def test_the_plan_keeps_the_codes_in_one_layout(monkeypatch: pytest.MonkeyPatch,
                "2-8": {"dequantize": 100.0, "int4_native": 50.0, "int4_mm": 20.0},
                "9-32": {"dequantize": 100.0, "int4_mm": 150.0},
                "33+": {"dequantize": 100.0, "int4_mm": 300.0}}
-    every = {n: dataclasses.replace(k, available=lambda w, d: True)
+    every = {n: dataclasses.replace(k, takes=lambda w, d: True)
              for n, k in QUANTIZED_KERNELS.items()}
     monkeypatch.setattr(qkernels, "QUANTIZED_KERNELS", every)
     monkeypatch.setattr(qkernels, "cached", lambda w, d, b, names, bias=True: {
@@ -234,7 +234,7 @@ def test_one_row_decoding_keeps_the_pair_kernel_when_it_loses_only_at_16_rows(
     alone stood for the plain layout there, 3.9x slower, and pulled the weight to the blocked
     layout."""
     weight = quantize(torch.randn(128, 256), 4, 64, torch.bfloat16)
-    if not QUANTIZED_KERNELS["int4_native_pairs"].available(weight, torch.bfloat16):
+    if not QUANTIZED_KERNELS["int4_native_pairs"].takes(weight, torch.bfloat16):
         pytest.skip(native_lacks("pairs"))
     measured = {
         "1": {"dequantize": 300_000, "int4_mm": 6_981, "int4_native": 6_816,

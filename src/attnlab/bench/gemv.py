@@ -44,10 +44,10 @@ from attnlab.bench.harness import (
     write_with_history,
 )
 from attnlab.durable import write_text_atomic
-from attnlab.kernels import KERNELS
+from attnlab.kernels import KERNELS, Kernel
 from attnlab.quantization import quantize
 from attnlab.quantization.formats import GROUP_SIZES, QuantizedWeight
-from attnlab.quantization.kernels import QUANTIZED_KERNELS, QuantizedKernel
+from attnlab.quantization.kernels import QUANTIZED_KERNELS
 
 __all__ = ["add_arguments", "run"]
 
@@ -187,23 +187,24 @@ def _runners(scheme: str, group_size: int) -> dict[str, _Runner]:
     64 x 128 weight; ``prepare`` refuses a shape that a kernel does not run)."""
     if scheme in _DTYPES:
         dtype = _DTYPES[scheme]
-        return {name: (lambda w, k=k: k.prepare(w.to(dtype)),
+        return {name: (lambda w, k=k: k.prepare(w.to(dtype), dtype),
                        lambda x, s, k=k: k.run(x, s, None),
-                       lambda m, o, k=k: k.available(dtype, m, o))
+                       lambda m, o, k=k: k.available(torch.empty(o, 1, dtype=dtype,
+                                                                 device="meta"), dtype, m))
                 for name, k in KERNELS.items()}
     bits = 8 if scheme == "int8" else 4
     g = group_size if bits == 4 else None
 
-    def prepare(w: Tensor, k: QuantizedKernel) -> tuple:
+    def prepare(w: Tensor, k: Kernel) -> tuple:
         q = quantize(w, bits, g, torch.bfloat16)
-        if not k.available(q, torch.bfloat16):
+        if not k.takes(q, torch.bfloat16):
             raise ValueError(f"{k.name} does not run {scheme} {tuple(w.shape)}")
         return k.prepare(q.with_layout(k.layout or q.layout), torch.bfloat16)
 
     like = quantize(torch.ones(64, 128), bits, g, torch.bfloat16)
     return {name: (lambda w, k=k: prepare(w, k), lambda x, s, k=k: k.run(x, s, None),
                    lambda m, o, k=k: k.max_rows is None or m <= k.max_rows)
-            for name, k in QUANTIZED_KERNELS.items() if k.available(like, torch.bfloat16)}
+            for name, k in QUANTIZED_KERNELS.items() if k.takes(like, torch.bfloat16)}
 
 
 def _reason(error: Exception) -> str:

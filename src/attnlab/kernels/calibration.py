@@ -30,7 +30,7 @@ from torch import Tensor
 
 from attnlab._checks import check_positive
 from attnlab.kernels import cache, native
-from attnlab.kernels.catalog import KERNELS, LAYOUTS
+from attnlab.kernels.catalog import KERNELS, LAYOUTS, Kernel
 from attnlab.kernels.rule import BUCKETS, QUANTIZED_NAMES, bucket_of, features, largest, rule
 
 __all__ = [
@@ -48,6 +48,8 @@ __all__ = [
     "plan",
     "rule_plan",
     "stored_timings",
+    "time_kernels",
+    "weight_like",
     "write_timings",
 ]
 
@@ -79,7 +81,8 @@ def choose(dtype: torch.dtype, out_features: int, in_features: int, rows_bucket:
     _check_bucket(rows_bucket)
     if forced is not None:
         lowest = BUCKETS[rows_bucket][0]
-        return forced if KERNELS[forced].available(dtype, lowest, out_features) else "formula"
+        like = weight_like(dtype, out_features, in_features)
+        return forced if KERNELS[forced].available(like, dtype, lowest) else "formula"
     timings = cached(dtype, out_features, in_features, rows_bucket, kernels, bias=bias)
     if timings:
         return min(timings, key=timings.__getitem__)
@@ -133,8 +136,9 @@ def rule_plan(dtype: torch.dtype, out_features: int, in_features: int, *,
         return "rows", dict.fromkeys(BUCKETS, "formula")
     scheme = str(dtype).removeprefix("torch.")
     ruled = rule(scheme, dtype, features(), extra_memory=extra_memory)
-    return "rows", {b: next((n for n in names if KERNELS[n].available(
-        dtype, largest(b), out_features)), "formula") for b, names in ruled.items()}
+    like = weight_like(dtype, out_features, in_features)
+    return "rows", {b: next((n for n in names if KERNELS[n].available(like, dtype, largest(b))),
+                            "formula") for b, names in ruled.items()}
 
 
 def measured_plan(timings: dict[str, dict[str, float]], layouts: Sequence[str],
@@ -182,9 +186,10 @@ def cached(dtype: torch.dtype, out_features: int, in_features: int, rows_bucket:
     stored = stored_timings(key)
     if "formula" not in stored:
         return {}
+    like = weight_like(dtype, out_features, in_features)
     return {n: stored[n] for n in dict.fromkeys(("formula", *names))
             if n in stored and math.isfinite(stored[n])
-            and KERNELS[n].available(dtype, rows, out_features)}
+            and KERNELS[n].available(like, dtype, rows)}
 
 
 def measure(dtype: torch.dtype, out_features: int, in_features: int, rows_bucket: str,
@@ -195,8 +200,9 @@ def measure(dtype: torch.dtype, out_features: int, in_features: int, rows_bucket
     never does). At least ``"formula"`` is always there."""
     names = _check_names("kernels", KERNELS if kernels is None else kernels)
     rows = BUCKETS[_check_bucket(rows_bucket)][1]
-    names = [n for n in dict.fromkeys(("formula", *names))
-             if KERNELS[n].available(dtype, rows, out_features)]
+    like = weight_like(dtype, out_features, in_features)
+    names = [n for n in dict.fromkeys(("formula", *names)) if KERNELS[n].available(like, dtype,
+                                                                                    rows)]
     key = cache.entry_key(dtype, out_features, in_features, rows_bucket, bias=bias,
                           build=native.build_id())
     known = stored_timings(key)
@@ -244,7 +250,8 @@ def measure_rows(dtype: torch.dtype, out_features: int, in_features: int, rows: 
         raise ValueError(f"dtype: expected a floating-point torch.dtype, got {dtype!r}")
     if not isinstance(bias, bool):
         raise TypeError(f"bias: expected a bool, got {bias!r}")
-    names = [n for n in names if KERNELS[n].available(dtype, rows, out_features)]
+    like = weight_like(dtype, out_features, in_features)
+    names = [n for n in names if KERNELS[n].available(like, dtype, rows)]
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         weight = (torch.randn(out_features, in_features, generator=g) / in_features**0.5)
@@ -255,12 +262,14 @@ def measure_rows(dtype: torch.dtype, out_features: int, in_features: int, rows: 
         expected = KERNELS["formula"].run(x, weight, b)
         timings: dict[str, float] = {}
         count = cold_copies(weight.numel() * weight.element_size())
+        tolerance = (1e-4, 1e-4) if dtype == torch.float32 else (3e-2, 3e-2)
         for layout in dict.fromkeys(KERNELS[n].layout for n in names):
             group = [n for n in names if KERNELS[n].layout == layout]
-            copies = [KERNELS[group[0]].prepare(weight.clone() if i else weight)
+            copies = [KERNELS[group[0]].prepare(weight.clone() if i else weight, dtype)
                       for i in range(count)]
-            timings.update(_time_group(group, x, copies, b, expected,
-                                       min(timings.values(), default=math.inf)))
+            timings.update(time_kernels({n: (KERNELS[n], copies) for n in group}, x, b,
+                                        expected, tolerance,
+                                        fastest_us=min(timings.values(), default=math.inf)))
             del copies
     return timings
 
@@ -272,6 +281,12 @@ def cold_copies(bytes_each: int) -> int:
     check_positive("bytes_each", bytes_each)
     cold = min(_MAX_COLD_BYTES, max(_COLD_BYTES, 2 * _last_level_cache_bytes()))
     return max(1, min(-(-cold // bytes_each), _MAX_COPIES))
+
+
+def weight_like(dtype: torch.dtype, out_features: int, in_features: int) -> Tensor:
+    """A weight's stand-in for :meth:`Kernel.available <attnlab.kernels.catalog.Kernel>`:
+    its shape and dtype, no storage (``meta``)."""
+    return torch.empty(out_features, in_features, dtype=dtype, device="meta")
 
 
 def forced_kernel(kernel: str | None = None) -> str | None:
@@ -330,19 +345,23 @@ def _pick(names: list[str], timings: dict[str, float]) -> str:
     return fastest
 
 
-def _time_group(names: list[str], x: Tensor, copies: list[Tensor], bias: Tensor | None,
-                expected: Tensor, fastest_us: float) -> dict[str, float]:
-    """Median microseconds per call of each kernel in ``names`` on a prepared weight (each
-    call on the next of its ``copies``, so that none is still in a cache), after a warm-up
-    call that also checks the result. A kernel whose first timed call takes
-    longer than the budget and ``_HOPELESS`` times the fastest so far (``fastest_us`` from
-    other layouts) keeps that one timing: repeats would take seconds and only confirm that
-    it loses."""
-    rtol, atol = (1e-4, 1e-4) if x.dtype == torch.float32 else (3e-2, 3e-2)
+def time_kernels(prepared: dict[str, tuple[Kernel, list]], x: Tensor, bias: Tensor | None,
+                 expected: Tensor, tolerance: tuple[float, float], *,
+                 fastest_us: float = math.inf) -> dict[str, float]:
+    """Median microseconds per call of each kernel, float or quantized, ``{name: (kernel,
+    stored copies)}`` (what its ``prepare`` made of copies of one weight that together
+    exceed the caches: each call reads the next, as a decoder reads each weight from memory
+    once per token), timed in interleaved rounds so that a burst of load on a shared machine
+    hits them alike. A warm-up call checks each against ``expected`` (``(rtol, atol)``
+    ``tolerance``); a kernel that raises or differs is left out with a warning. A kernel
+    whose first timed call takes longer than the budget and ``_HOPELESS`` times the fastest
+    so far (``fastest_us`` from other calls) keeps that one timing: repeats would take
+    seconds and only confirm that it loses. What ``attnlab calibrate`` runs, for both."""
+    rtol, atol = tolerance
     working = []
-    for name in names:
+    for name, (kernel, copies) in prepared.items():
         try:
-            y = KERNELS[name].run(x, copies[0], bias)
+            y = kernel.run(x, copies[0], bias)
         except RuntimeError as error:
             warnings.warn(f"kernel {name}: left out, it raised {error}", stacklevel=4)
             continue
@@ -353,7 +372,15 @@ def _time_group(names: list[str], x: Tensor, copies: list[Tensor], bias: Tensor 
             continue
         working.append(name)
     turn = itertools.count()
-    first = {name: _timed(name, x, copies[next(turn) % len(copies)], bias) for name in working}
+
+    def timed(name: str) -> float:
+        kernel, copies = prepared[name]
+        stored = copies[next(turn) % len(copies)]
+        start = time.perf_counter()
+        kernel.run(x, stored, bias)
+        return (time.perf_counter() - start) * 1e6
+
+    first = {name: timed(name) for name in working}
     fastest_us = min(fastest_us, *first.values()) if first else fastest_us
     hopeless = {name: us for name, us in first.items()
                 if us > _HOPELESS * fastest_us and us > _BUDGET_US}
@@ -362,16 +389,8 @@ def _time_group(names: list[str], x: Tensor, copies: list[Tensor], bias: Tensor 
         if repeat >= _MIN_REPEATS and all(sum(t) > _BUDGET_US for t in samples.values()):
             break
         for name, taken in samples.items():
-            taken.append(_timed(name, x, copies[next(turn) % len(copies)], bias))
+            taken.append(timed(name))
     return hopeless | {name: statistics.median(taken) for name, taken in samples.items()}
-
-
-def _timed(name: str, x: Tensor, stored: Tensor, bias: Tensor | None) -> float:
-    """Microseconds of one call of kernel ``name``."""
-    run = KERNELS[name].run
-    start = time.perf_counter()
-    run(x, stored, bias)
-    return (time.perf_counter() - start) * 1e6
 
 
 def _check_names(argument: str, names: Iterable[str]) -> list[str]:

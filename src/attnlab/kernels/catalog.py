@@ -1,13 +1,14 @@
 """The CPU kernels for ``y = x W^T + b`` that the rule (or a measured plan) chooses among.
 
-Each kernel is a pure function ``run(x, stored, bias)``: x ``M x I`` (contiguous), ``stored``
-what its ``prepare(weight)`` made of a weight ``O x I``, bias ``O`` or None -> ``M x O``.
+Each kernel (:class:`Kernel`, the one protocol of float and quantized kernels) is a pure
+function ``run(x, stored, bias)``: x ``M x I`` (contiguous), ``stored`` what its
+``prepare(weight, dtype)`` made of a weight ``O x I``, bias ``O`` or None -> ``M x O``.
 They differ in speed, which depends on the CPU, the shape and the row count, and in the
 order of their sums, so none is chosen here: :mod:`attnlab.kernels.rule` names one per
 case and :mod:`attnlab.kernels.calibration` applies it (or a plan that ``attnlab
 calibrate`` measured). A kernel that cannot run a
 call (dtype, device, a private op missing from this torch build) says so through its
-``available`` predicate, which asks torch, never a CPU family.
+``takes`` predicate, which asks torch and the native build, never a CPU family.
 
 ``layout`` says what ``prepare`` keeps: ``"rows"`` the weight as stored (row-major, no
 copy), ``"columns"`` the same values column-major (``W^T`` contiguous; it can replace the
@@ -19,32 +20,50 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from attnlab.kernels import native
+from attnlab.kernels.rule import DECODING_ROWS
 
 __all__ = ["KERNELS", "LAYOUTS", "Kernel", "to_layout", "widened_product"]
 
 LAYOUTS = ("rows", "columns", "packed")
 # The dtypes the fast paths are written and tested for; the formula takes every dtype.
 _FAST_DTYPES = (torch.float32, torch.bfloat16)
-# The pair kernel sums each row alike whatever the rows: offered for every decoding bucket
-# (up to 32 rows), so that the rule can run one loop for any decoding batch.
-_DECODING_ROWS = 32
 
 
 @dataclass(frozen=True)
 class Kernel:
-    """One way to compute ``x W^T + b``: ``prepare(weight O x I) -> stored``, ``run(x M x I,
-    stored, bias O | None) -> M x O``, ``available(dtype, rows M, out_features O) -> bool``."""
+    """One way to compute ``y = x W^T + b``, for float weights (:data:`KERNELS`) and quantized
+    ones (``attnlab.quantization.QUANTIZED_KERNELS``) alike:
+
+    - ``prepare(weight, dtype) -> stored``: what ``run`` reads, made once per weight and
+      activations' ``dtype`` (``weight`` a float ``O x I`` tensor in the activations' dtype,
+      or a ``QuantizedWeight``);
+    - ``run(x M x I, stored, bias O | None) -> M x O`` in x's dtype;
+    - ``takes(weight, dtype) -> bool``: whether it runs ``weight`` with ``dtype``
+      activations on this machine and build (it reads the weight's shape, dtype and format,
+      never its values: a ``meta`` tensor will do);
+    - ``max_rows``: the most rows of x it is offered (None: any);
+    - ``layout``: how ``prepare`` keeps the weight (float: ``rows``, ``columns``,
+      ``packed``; int4 codes: ``plain``, ``blocked``; None: as it is);
+    - ``exact``: whether it computes the formula's numbers bit for bit.
+    """
 
     name: str
-    layout: str
-    prepare: Callable[[Tensor], Tensor]
-    run: Callable[[Tensor, Tensor, Tensor | None], Tensor]
-    available: Callable[[torch.dtype, int, int], bool]
+    layout: str | None
+    prepare: Callable[[Any, torch.dtype], Any]
+    run: Callable[[Tensor, Any, Tensor | None], Tensor]
+    takes: Callable[[Any, torch.dtype], bool]
+    max_rows: int | None = None
+    exact: bool = False
+
+    def available(self, weight: Any, dtype: torch.dtype, rows: int) -> bool:
+        """Whether it runs ``rows`` rows of ``dtype`` activations against ``weight``."""
+        return (self.max_rows is None or rows <= self.max_rows) and self.takes(weight, dtype)
 
 
 def to_layout(weight: Tensor, layout: str) -> Tensor:
@@ -176,68 +195,72 @@ def _onednn_takes(dtype: torch.dtype, ops: tuple[str, ...]) -> bool:
     return dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _any_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
+def _fast_dtype(weight: Tensor, dtype: torch.dtype) -> bool:
     return dtype in _FAST_DTYPES
 
 
-def _one_row_over_threads(dtype: torch.dtype, rows: int, out_features: int) -> bool:
+def _over_threads(weight: Tensor, dtype: torch.dtype) -> bool:
     T = torch.get_num_threads()
-    return dtype in _FAST_DTYPES and rows == 1 and T > 1 and out_features % T == 0
+    return dtype in _FAST_DTYPES and T > 1 and weight.shape[0] % T == 0
 
 
-def _bfloat16_any_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
+def _bfloat16(weight: Tensor, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16
 
 
-def _native_few_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
-    return dtype in _FAST_DTYPES and rows <= native.MAX_ROWS and native.available()
+# The GEMVs sum each row alike whatever the rows: offered for every decoding bucket
+# (DECODING_ROWS), so that the rule can run one loop for any decoding batch.
+def _native(weight: Tensor, dtype: torch.dtype) -> bool:
+    return dtype in _FAST_DTYPES and native.available()
 
 
-def _native_pairs_decoding_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
-    return dtype == torch.bfloat16 and rows <= _DECODING_ROWS and native.pairs_available()
+def _native_pairs_takes(weight: Tensor, dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and native.pairs_available()
 
 
-def _native_tiles_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
-    return dtype == torch.bfloat16 and rows <= native.TILES_MAX_ROWS and native.tiles_available()
+def _native_tiles_takes(weight: Tensor, dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and native.tiles_available()
 
 
-def _onednn_any_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
+def _onednn_plain(weight: Tensor, dtype: torch.dtype) -> bool:
     return _onednn_takes(dtype, ("_linear_pointwise",))
 
 
-def _onednn_packed_any_rows(dtype: torch.dtype, rows: int, out_features: int) -> bool:
+def _onednn_packed(weight: Tensor, dtype: torch.dtype) -> bool:
     return _onednn_takes(dtype, ("_linear_pointwise", "_reorder_linear_weight"))
 
 
-def _every_dtype(dtype: torch.dtype, rows: int, out_features: int) -> bool:
+def _every_dtype(weight: Tensor, dtype: torch.dtype) -> bool:
     return True
 
 
-def _rows(weight: Tensor) -> Tensor:
+def _rows(weight: Tensor, dtype: torch.dtype) -> Tensor:
     return to_layout(weight, "rows")
 
 
-def _columns(weight: Tensor) -> Tensor:
+def _columns(weight: Tensor, dtype: torch.dtype) -> Tensor:
     return to_layout(weight, "columns")
 
 
-def _packed(weight: Tensor) -> Tensor:
+def _packed(weight: Tensor, dtype: torch.dtype) -> Tensor:
     return to_layout(weight, "packed")
 
 
 KERNELS: dict[str, Kernel] = {
     kernel.name: kernel
     for kernel in (
-        Kernel("formula", "rows", _rows, _formula, _every_dtype),
-        Kernel("columns", "columns", _columns, _formula, _any_rows),
-        Kernel("onednn", "rows", _rows, _onednn, _onednn_any_rows),
-        Kernel("onednn_columns", "columns", _columns, _onednn, _onednn_any_rows),
-        Kernel("onednn_packed", "packed", _packed, _onednn, _onednn_packed_any_rows),
-        Kernel("rows_gemv", "columns", _columns, _rows_gemv, _any_rows),
-        Kernel("blocks_gemv", "rows", _rows, _blocks_gemv, _one_row_over_threads),
-        Kernel("widened", "rows", _rows, _widened, _bfloat16_any_rows),
-        Kernel("native_gemv", "rows", _rows, _native_gemv, _native_few_rows),
-        Kernel("native_pairs", "rows", _rows, _native_pairs, _native_pairs_decoding_rows),
-        Kernel("native_tiles", "rows", _rows, _native_tiles, _native_tiles_rows),
+        Kernel("formula", "rows", _rows, _formula, _every_dtype, exact=True),
+        Kernel("columns", "columns", _columns, _formula, _fast_dtype),
+        Kernel("onednn", "rows", _rows, _onednn, _onednn_plain),
+        Kernel("onednn_columns", "columns", _columns, _onednn, _onednn_plain),
+        Kernel("onednn_packed", "packed", _packed, _onednn, _onednn_packed),
+        Kernel("rows_gemv", "columns", _columns, _rows_gemv, _fast_dtype),
+        Kernel("blocks_gemv", "rows", _rows, _blocks_gemv, _over_threads, max_rows=1),
+        Kernel("widened", "rows", _rows, _widened, _bfloat16),
+        Kernel("native_gemv", "rows", _rows, _native_gemv, _native, DECODING_ROWS),
+        Kernel("native_pairs", "rows", _rows, _native_pairs, _native_pairs_takes,
+               DECODING_ROWS),
+        Kernel("native_tiles", "rows", _rows, _native_tiles, _native_tiles_takes,
+               DECODING_ROWS),
     )
 }

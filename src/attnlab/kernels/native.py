@@ -51,7 +51,7 @@ from torch import Tensor
 from attnlab.durable import write_file_atomic, write_text_atomic
 from attnlab.kernels import cache
 
-__all__ = ["ACTIVATIONS", "DTYPES", "MAX_ROWS", "STEP_CALL", "STEP_KINDS", "TILES_MAX_ROWS",
+__all__ = ["ACTIVATIONS", "DTYPES", "MAX_ROWS", "STEP_CALL", "STEP_KINDS",
            "BuildError", "MissingToolError", "activation", "activation_available", "argmax_rows",
            "available", "build", "build_flags", "build_id",
            "decode_attention", "decode_layers", "dequantize_int4", "dequantize_int8", "gemv",
@@ -60,13 +60,9 @@ __all__ = ["ACTIVATIONS", "DTYPES", "MAX_ROWS", "STEP_CALL", "STEP_KINDS", "TILE
            "pairs_available", "rms_norm", "rotary", "takes", "tiles_available",
            "unavailable_reason"]
 
-# The float GEMVs and the attention kernel are offered for the decoding buckets only: past 8
-# rows a BLAS GEMM reuses each weight better. (The quantized plan offers its GEMVs further, for
-# the layout they need: attnlab.quantization.kernels._NATIVE_ROWS.)
+# The most queries a row that decode_attention takes (a decoding step, or a few speculated
+# tokens); the GEMVs' rows are the rule's (attnlab.kernels.rule.DECODING_ROWS).
 MAX_ROWS = 8
-# The tile kernel does not run out of arithmetic before memory up to a serving batch: it is
-# offered for the decoding and serving buckets (prefill belongs to oneDNN's GEMMs).
-TILES_MAX_ROWS = 32
 DTYPES = (torch.float32, torch.bfloat16)  # the activations' dtypes the kernels take
 # The activations that :func:`activation` computes, by their name in attnlab.layers.
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}

@@ -174,42 +174,6 @@ inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// y[m, o] = row_scale(o) * sum_k W[o, k] x[m, k] for MB rows of x (float32), o in
-// [begin, end); two sums per row of x keep two FMA chains in flight.
-template <int MB, typename W, typename Scale>
-void widened_rows(const W* w, const float* x, float* y, int64_t O, int64_t K, int64_t begin,
-                  int64_t end, Scale row_scale) {
-  for (int64_t o = begin; o < end; ++o) {
-    const W* row = w + o * K;
-    __m512 acc[MB], acc2[MB];
-    for (int m = 0; m < MB; ++m) acc[m] = acc2[m] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-      // int8 16 KiB ahead whatever the rows (A/B in turns on the Xeon, vs 4 rows ahead into
-      // L1, before the row groups below took three rows and more: the 151936 x 896 table
-      // 1.13-1.15x at one row, 1.06x at eight; 896 x 4864 at eight float32 rows 0.94x, the
-      // other block shapes 1.00-1.09x)
-      ahead<(sizeof(W) == 1 ? 1 : sizeof(W) / 2),
-            (sizeof(W) == 1 || MB > 2 ? kAheadManyRows : kAheadBytes)>(row + k);
-      const __m512 a = load16(row + k), b = load16(row + k + 16);
-      for (int m = 0; m < MB; ++m) {
-        acc[m] = _mm512_fmadd_ps(a, _mm512_loadu_ps(x + m * K + k), acc[m]);
-        acc2[m] = _mm512_fmadd_ps(b, _mm512_loadu_ps(x + m * K + k + 16), acc2[m]);
-      }
-    }
-    for (; k + 16 <= K; k += 16) {
-      const __m512 a = load16(row + k);
-      for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(a, _mm512_loadu_ps(x + m * K + k), acc[m]);
-    }
-    const float scale = row_scale(o);
-    for (int m = 0; m < MB; ++m) {
-      float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], acc2[m]));
-      for (int64_t t = k; t < K; ++t) sum += load(row[t]) * x[m * K + t];
-      y[m * O + o] = sum * scale;
-    }
-  }
-}
-
 // The vector lanes that `row_groups` is written over.
 struct Lanes {
   using V = __m512;
@@ -277,7 +241,8 @@ struct Lanes {
 
 #if defined(ATTNLAB_AVX512) || defined(ATTNLAB_AVX2)
 // The sums for R rows of W at a time, R x MB independent FMA chains, each load of x feeding R
-// of them. With three or more rows of x, one row of W at a time spent more on loading x (MB
+// of them. Each output's sum is one chain over the inputs whatever MB and R, so a row of x gets
+// the same sums beside any other rows (batch invariance; attnlab.kernels.rule.BATCH_INVARIANT). With three or more rows of x, one row of W at a time spent more on loading x (MB
 // loads a vector of weights) than the weights took to stream: on the Xeon a float32 GEMV of
 // 8 rows read 17-25 GB/s of the 30 one row reads; R = 3 (MB > 5) or 4 gave 1.1-1.5x (A/B in
 // turns, 15 rounds, cold copies). Built for AVX2, the compiler's vectorised loop kept one
@@ -363,10 +328,8 @@ void rows_times_x(const W* w, const float* x, float* y, int64_t M, int64_t O, in
     const float* xm = x + m0 * K;
     float* ym = y + m0 * O;
 #ifdef ATTNLAB_AVX512
-    if constexpr (MB <= 2)
-      widened_rows<MB>(w, xm, ym, O, K, begin, end, row_scale);
-    else
-      row_groups<MB, (MB > 5 ? 3 : 4)>(w, xm, ym, O, K, begin, end, row_scale);
+    row_groups<MB, (MB <= 2 ? 4 : MB > 5 ? 3 : 4)>(w, xm, ym, O, K, begin, end,
+                                                                 row_scale);
 #else
     // bfloat16 weights: two rows of W at a time with one row of x streamed 1.25x faster than
     // six; their two parts a load (Lanes::load_parts) take twice the registers.

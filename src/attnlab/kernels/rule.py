@@ -33,27 +33,33 @@ import torch
 
 from attnlab.kernels import native
 
-__all__ = ["BATCH_INVARIANT", "BUCKETS", "DECODING", "QUANTIZED_NAMES", "Features",
+__all__ = ["BATCH_INVARIANT", "BUCKETS", "DECODING", "DECODING_ROWS", "QUANTIZED_NAMES", "Features",
            "batch_invariant", "bucket_of", "features", "largest", "rule"]
 
 # name -> (smallest row count, representative row count)
 BUCKETS: dict[str, tuple[int, int]] = {"1": (1, 1), "2-8": (2, 8), "9-32": (9, 16),
                                        "33+": (33, 512)}
 DECODING = ("1", "2-8", "9-32")  # the buckets that one batch-invariant kernel covers
+# The most rows a decoding kernel is offered: the top of the last decoding bucket.
+DECODING_ROWS = BUCKETS["33+"][0] - 1
 # The kernels of attnlab.quantization.kernels (a layer above this package, so named here;
 # a test checks that the two lists agree): ATTNLAB_KERNELS may name any of them.
 QUANTIZED_NAMES = ("dequantize", "int8_mm", "int4_mm", "native_dequantize", "native_widened",
                    "int8_native", "int8_integers", "int8_tiles", "int4_native",
                    "int4_native_pairs", "int4_integers")
 
-# The kernels that add each row's products in the same order whatever the rows beside it (the
-# C++ loops keep per-row sums that do not depend on the block of rows; x padded to a tile;
-# PyTorch's int8/int4 ops as measured on the EPYC, 1 and 2 threads, 1-33 rows). Not here:
-# native_gemv and int8_native (an AVX-512 build sums a row in two chains in blocks of 1-2 rows,
-# in one in blocks of 3-8), BLAS (the formula, its GEMM blocking follows the rows), rows_gemv
-# and blocks_gemv (their split follows rows and threads).
-BATCH_INVARIANT = frozenset({"native_tiles", "native_pairs", "int8_integers", "int4_integers",
-                             "int4_native_pairs", "int4_native", "int8_mm", "int4_mm"})
+# The kernels that add each row's products in the same order whatever the rows beside it: the
+# C++ loops keep one chain of sums per output and row of x, whatever the block of rows or the
+# threads' split of the outputs (native_gemv, int8_native: each sum one chain over 16 inputs
+# on an AVX-512 build, over 8 on a 256-bit (x86-64-v3) build, one `omp simd` loop without
+# either; the 256-bit build's bfloat16 weights are the exception, the two halves of a load
+# summed apart or together as the registers allow, so the rule does not count on native_gemv
+# for bfloat16); x padded to a tile; PyTorch's int8/int4 ops as measured on the EPYC, 1 and 2
+# threads, 1-33 rows. Not here: BLAS (the formula, its GEMM blocking follows the rows),
+# rows_gemv and blocks_gemv (their split follows rows and threads).
+BATCH_INVARIANT = frozenset({"native_gemv", "native_tiles", "native_pairs", "int8_native",
+                             "int8_integers", "int4_integers", "int4_native_pairs",
+                             "int4_native", "int8_mm", "int4_mm"})
 
 
 @dataclass(frozen=True)
@@ -97,12 +103,11 @@ def rule(scheme: str, dtype: torch.dtype, cpu: Features, *, extra_memory: bool =
     step streams every weight once; Xeon: AVX-512 with AMX, EPYC: AVX-512 BF16 and VNNI, v3:
     the Xeon held to 256-bit vectors, x86-64-v3, in the benchmarks folder beside them):
 
-    - float32, native: ``native_gemv`` for 1-8 rows (Xeon 103-119% at one row, 100% at
-      eight, where BLAS reads 48%; EPYC 84%; v3 122% / 87%); BLAS (the formula) from 9
-      rows, where a GEMM reuses each weight. Not batch-invariant: the AVX-512 build sums a
-      row in two chains over 32 inputs in blocks of 1-2 rows and in one chain over 16 in
-      blocks of 3-8 (``widened_rows`` / ``row_groups`` in ``native_gemv.cpp``), and BLAS
-      changes its order with the rows.
+    - float32, native: ``native_gemv`` for 1-32 rows (Xeon 103-119% at one row, 100% at
+      eight, where BLAS reads 48%; EPYC 84%; v3 122% / 87%), batch-invariant (each output a
+      single chain of sums whatever the rows); from 9 rows it reads each weight once per 8
+      rows where a BLAS GEMM reads it once, the price of one order of sums for every
+      decoding batch (``extra_memory`` trades it back). BLAS (the formula) from 33 rows.
     - bfloat16 with AMX tiles: ``native_tiles`` for 1-32 rows (109% at one row, 105% at
       eight) and batch-invariant: a tile sums each row's products in the same order
       whatever the rows (x is padded to 16).
@@ -111,28 +116,27 @@ def rule(scheme: str, dtype: torch.dtype, cpu: Features, *, extra_memory: bool =
       118%); at eight ~15% behind ``native_gemv`` (Xeon 66% vs 78%), the price of
       invariance.
     - bfloat16, native without either: ``native_gemv`` for 1-8 (v3 110% / 59%; BLAS 53% /
-      17%); not batch-invariant (its loops depend on the rows, as float32's).
+      17%); not counted batch-invariant (the 256-bit build sums the two halves of a bfloat16
+      load apart or together as its registers allow, which depends on the rows).
     - bfloat16 from 9 rows (from 33 with tiles or pairs): the formula where torch's GEMM
       has bfloat16 arithmetic, else ``widened`` (float32 BLAS on the weight widened 16 MiB
       at a time: v3 prefill 0.99x -> 4.67x of transformers).
     - int8, bfloat16 x: ``int8_integers`` for 1-32 rows with VNNI (106% at one row, 47% at
       eight vs ``int8_native``'s 53%), batch-invariant (x rounded per row, exact integer
-      sums); else ``int8_native`` (90%; v3 82%), not batch-invariant on an AVX-512 build (as
-      float32's ``native_gemv``).
+      sums); else ``int8_native`` (90%; v3 82%), batch-invariant as float32's ``native_gemv``.
     - int4, bfloat16 x: ``int4_integers`` (77% / 24% of the bandwidth at one / eight rows,
       the best at both; groups of a multiple of 64), else ``int4_native_pairs`` (72%), else
       ``int4_native`` (56%; v3 47%), all three batch-invariant, for 1-32 rows.
     - int8 / int4, float32 x: ``int8_native`` / ``int4_native`` for 1-32 (integers and
-      pairs take bfloat16 x only); ``int4_native`` is batch-invariant, ``int8_native``
-      not on an AVX-512 build.
+      pairs take bfloat16 x only), both batch-invariant.
     - int8 / int4 without native kernels: PyTorch's ``int8_mm`` / ``int4_mm`` for 1-32
       (61% / 51%, vs the formula's 12% / 2%), batch-invariant as measured.
     - int8 / int4 from 33 rows: the formula, its ``W'`` made by the C++ dequantization
       (``native_dequantize``: the same numbers, one pass) for a BLAS GEMM; for bfloat16 x
       without bfloat16 GEMM arithmetic, ``native_widened`` (float32 BLAS).
-    - ``extra_memory``: oneDNN's packed copy (``onednn_packed``) where a float weight's rule
-      says the formula for 9-32 rows (82% vs 48-58% at eight rows on the Xeon); prefill
-      keeps the formula.
+    - ``extra_memory``: oneDNN's packed copy (``onednn_packed``) first for a float weight's
+      9-32 rows (82% vs 48-58% at eight rows on the Xeon), giving up batch invariance for
+      a server's batches; prefill keeps the formula.
     """
     if scheme not in ("float32", "bfloat16", "int8", "int4"):
         raise ValueError(f"scheme: expected 'float32', 'bfloat16', 'int8' or 'int4', got "
@@ -174,6 +178,11 @@ def _float_rule(scheme: str, cpu: Features, extra_memory: bool) -> dict[str, tup
         decoding = ("native_tiles",)
     elif scheme == "bfloat16" and cpu.pairs:
         decoding = ("native_pairs",)
+    elif cpu.native and scheme == "float32":
+        decoding = ("native_gemv",)
+        if extra_memory:
+            return {"1": decoding, "2-8": decoding, "9-32": ("onednn_packed", *decoding),
+                    "33+": gemm}
     elif cpu.native:
         few = {"1": ("native_gemv",), "2-8": ("native_gemv",)}
         batch = ("onednn_packed", *gemm) if extra_memory else gemm

@@ -22,13 +22,9 @@ falling in where the forced one cannot run; ``$ATTNLAB_QUANTIZED_KERNELS`` is it
 
 from __future__ import annotations
 
-import itertools
 import math
-import statistics
-import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -36,37 +32,18 @@ from torch import Tensor
 from attnlab.kernels import BUCKETS, calibration, native
 from attnlab.kernels import cache as kernel_cache
 from attnlab.kernels.calibration import cold_copies, forced_by_environment
-from attnlab.kernels.catalog import widened_product
-from attnlab.kernels.rule import features, largest, rule
+from attnlab.kernels.catalog import Kernel, widened_product
+from attnlab.kernels.rule import DECODING_ROWS, features, largest, rule
 from attnlab.quantization.formats import BLOCK_ROWS, QuantizedWeight, blocked_int4, quantize
 
-__all__ = ["QUANTIZED_KERNELS", "QuantizedKernel", "cached", "forced_quantized_kernel",
+__all__ = ["QUANTIZED_KERNELS", "cached", "forced_quantized_kernel",
            "measure", "plan", "rule_plan", "step_product"]
 
 _MARGIN = 1.1  # how much faster than the formula a kernel must measure to be chosen
-_MIN_REPEATS, _MAX_REPEATS, _BUDGET_US = 3, 9, 10_000
 # The native GEMVs take any row count at a cost linear in it; offered up to the "9-32"
-# bucket, so that one loop serves every decoding batch (batch invariance) and the layout
-# they need is not lost for decoding to a bucket that no kernel on it was offered (one
-# layout is kept for every bucket: see ``plan``).
-_NATIVE_ROWS = 32
-
-
-@dataclass(frozen=True)
-class QuantizedKernel:
-    """One way to compute ``x W'^T + b``: ``prepare(weight, dtype) -> state`` (what it reads,
-    made once per activation dtype), ``run(x M x I, state, bias O | None) -> M x O``,
-    ``available(weight, dtype) -> bool``; ``layout`` the int4 layout it needs (None: any);
-    ``max_rows`` the most rows it is offered for (None: any); ``exact`` whether it computes
-    the formula's numbers bit for bit (then it needs no margin over the formula)."""
-
-    name: str
-    layout: str | None
-    prepare: Callable[[QuantizedWeight, torch.dtype], tuple]
-    run: Callable[[Tensor, tuple, Tensor | None], Tensor]
-    available: Callable[[QuantizedWeight, torch.dtype], bool]
-    max_rows: int | None = None
-    exact: bool = False
+# bucket (DECODING_ROWS), so that one loop serves every decoding batch (batch invariance) and
+# the layout they need is not lost for decoding to a bucket that no kernel on it was offered
+# (one layout is kept for every bucket: see ``plan``).
 
 
 def forced_quantized_kernel(kernel: str | None = None) -> str | None:
@@ -92,13 +69,13 @@ def plan(weight: QuantizedWeight, dtype: torch.dtype, *, kernel: str | None = No
     unless another is faster by ``_MARGIN``, or an exact kernel faster at all); else the
     rule (:func:`rule_plan`). Without ``measure_now`` nothing is timed."""
     forced = forced_quantized_kernel(kernel)
-    names = [n for n, k in QUANTIZED_KERNELS.items() if k.available(weight, dtype)]
+    names = [n for n, k in QUANTIZED_KERNELS.items() if k.takes(weight, dtype)]
     if forced is not None:
-        return {b: forced if forced in names and _takes_rows(forced, b) else "dequantize"
-                for b in BUCKETS}
+        return {b: forced if QUANTIZED_KERNELS[forced].available(weight, dtype, BUCKETS[b][1])
+                else "dequantize" for b in BUCKETS}
     lookup = measure if measure_now else cached
-    timings = {b: lookup(weight, dtype, b, [n for n in names if _takes_rows(n, b)], bias=bias)
-               for b in BUCKETS}
+    timings = {b: lookup(weight, dtype, b, [n for n in names if QUANTIZED_KERNELS[n].available(
+        weight, dtype, BUCKETS[b][1])], bias=bias) for b in BUCKETS}
     if not all(timings.values()):
         return rule_plan(weight, dtype)
     best = {b: min(t.values()) for b, t in timings.items()}
@@ -126,15 +103,9 @@ def rule_plan(weight: QuantizedWeight, dtype: torch.dtype) -> dict[str, str]:
     machine's features): per bucket the first of the rule's kernels that can run ``weight``
     with ``dtype`` activations for the bucket's every row count, else ``dequantize``."""
     ruled = rule(f"int{weight.bits}", dtype, features())
-    return {b: next((n for n in names if QUANTIZED_KERNELS[n].available(weight, dtype)
-                     and _takes_rows(n, b, largest(b))), "dequantize")
-            for b, names in ruled.items()}
-
-
-def _takes_rows(name: str, bucket: str, rows: int | None = None) -> bool:
-    """Whether kernel ``name`` is offered ``rows`` (default the bucket's representative)."""
-    most = QUANTIZED_KERNELS[name].max_rows
-    return most is None or (BUCKETS[bucket][1] if rows is None else rows) <= most
+    return {b: next((n for n in names if QUANTIZED_KERNELS[n].available(weight, dtype,
+                                                                       largest(b))),
+                    "dequantize") for b, names in ruled.items()}
 
 
 def cached(weight: QuantizedWeight, dtype: torch.dtype, bucket: str, names: list[str], *,
@@ -174,10 +145,9 @@ def _key(weight: QuantizedWeight, dtype: torch.dtype, bucket: str, bias: bool) -
 
 def _time_kernels(like: QuantizedWeight, dtype: torch.dtype, rows: int,
                   names: list[str], *, bias: bool) -> dict[str, float]:
-    """Median microseconds per call of each kernel (with a random bias when ``bias``), timed
-    in interleaved rounds on copies of a random weight that together exceed the caches (a
-    decoder reads each weight from memory once per token). A kernel that raises or differs
-    from the formula is left out."""
+    """Median microseconds per call of each kernel (with a random bias when ``bias``) on
+    copies of a random weight of ``like``'s format and shape that together exceed the caches,
+    by the float kernels' timing (:func:`attnlab.kernels.calibration.time_kernels`)."""
     n_out, n_in = like.shape
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -190,35 +160,20 @@ def _time_kernels(like: QuantizedWeight, dtype: torch.dtype, rows: int,
         count = cold_copies(base.data.numel() * base.data.element_size())
         # One set of copies per layout, shared by the kernels that read it as it is.
         copies: dict[str, list[QuantizedWeight]] = {}
-        states: dict[str, list[tuple]] = {}
+        prepared: dict[str, tuple[Kernel, list[tuple]]] = {}
         for name in names:
             layout = QUANTIZED_KERNELS[name].layout or base.layout
             if layout not in copies:
                 weight = base.with_layout(layout)
                 copies[layout] = [weight, *(_copy(weight) for _ in range(count - 1))]
             try:
-                first = _prepare(name, copies[layout][0], dtype)
-                y = QUANTIZED_KERNELS[name].run(x, first, b)
+                states = [_prepare(name, copy, dtype) for copy in copies[layout]]
             except RuntimeError as error:
                 warnings.warn(f"quantized kernel {name}: left out, it raised {error}",
                               stacklevel=4)
                 continue
-            if not torch.allclose(y.float(), expected.float(), rtol=3e-2, atol=3e-2):
-                warnings.warn(f"quantized kernel {name}: left out, its result differs from "
-                              "the formula's", stacklevel=4)
-                continue
-            states[name] = [first, *(_prepare(name, copy, dtype) for copy in copies[layout][1:])]
-        samples: dict[str, list[float]] = {n: [] for n in states}
-        turn = itertools.count()
-        for repeat in range(_MAX_REPEATS):
-            if repeat >= _MIN_REPEATS and all(sum(t) > _BUDGET_US for t in samples.values()):
-                break
-            for name, taken in samples.items():
-                state = states[name][next(turn) % len(states[name])]
-                start = time.perf_counter()
-                QUANTIZED_KERNELS[name].run(x, state, b)
-                taken.append((time.perf_counter() - start) * 1e6)
-    return {name: statistics.median(taken) for name, taken in samples.items()}
+            prepared[name] = (QUANTIZED_KERNELS[name], states)
+        return calibration.time_kernels(prepared, x, b, expected, (3e-2, 3e-2))
 
 
 def _prepare(name: str, weight: QuantizedWeight, dtype: torch.dtype) -> tuple:
@@ -341,7 +296,7 @@ def _native_widened_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
     return widened_product(x, data.shape[0], block, bias)
 
 
-def step_product(kernel: QuantizedKernel, state: tuple, bias: Tensor | None) -> tuple:
+def step_product(kernel: Kernel, state: tuple, bias: Tensor | None) -> tuple:
     """``kernel`` with its prepared ``state`` as ``attnlab.kernels.native.decode_layers``
     takes a product: ``(kind, codes, scales, zeros, group size, bias)`` for a kernel it runs
     itself, ``(STEP_CALL, x -> y, None, None, 0, None)`` for another."""
@@ -360,7 +315,10 @@ def _any(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
 
 
 def _int8_takes(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
+    # PyTorch's bfloat16 loop reads x 16 inputs at a time with no remainder: another input
+    # count gives wrong sums for one row and a crash for two or more (torch 2.13).
     return (weight.bits == 8 and weight.data.is_cpu and dtype in _KERNEL_DTYPES
+            and (dtype != torch.bfloat16 or weight.shape[1] % 16 == 0)
             and hasattr(torch.ops.aten, "_weight_int8pack_mm"))
 
 
@@ -378,7 +336,7 @@ def _native_takes(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
 
 def _bfloat16_native(bits: int, built: Callable[[], bool], *, groups_of: int = 1
                      ) -> Callable[[QuantizedWeight, torch.dtype], bool]:
-    """``available`` of a C++ kernel that takes ``bits``-bit codes (int4 in groups of a
+    """``takes`` of a C++ kernel that takes ``bits``-bit codes (int4 in groups of a
     multiple of ``groups_of``) and bfloat16 x, in a build that has its loop (``built()``)."""
     return lambda w, d: (w.bits == bits and d == torch.bfloat16 and _native_takes(w, d)
                          and (bits == 8 or w.group_size % groups_of == 0) and built())
@@ -406,29 +364,29 @@ def _blocked_layout_is_torchs() -> bool:
     return _BLOCKED_CHECKED[0]
 
 
-QUANTIZED_KERNELS: dict[str, QuantizedKernel] = {
+QUANTIZED_KERNELS: dict[str, Kernel] = {
     k.name: k for k in (
-        QuantizedKernel("dequantize", None, _dequantize_prepare, _dequantize_run, _any),
-        QuantizedKernel("int8_mm", None, _int8_prepare, _int8_run, _int8_takes),
-        QuantizedKernel("int4_mm", "blocked", _int4_prepare, _int4_run, _int4_takes),
-        QuantizedKernel("native_dequantize", "plain", _native_dequantize_prepare,
-                        _native_dequantize_run, _native_takes, exact=True),
-        QuantizedKernel("native_widened", "plain", _native_codes, _native_widened_run,
-                        lambda w, d: d == torch.bfloat16 and _native_takes(w, d)),
-        QuantizedKernel("int8_native", None, _int8_native_prepare, _int8_native_run,
-                        lambda w, d: w.bits == 8 and _native_takes(w, d), _NATIVE_ROWS),
+        Kernel("dequantize", None, _dequantize_prepare, _dequantize_run, _any),
+        Kernel("int8_mm", None, _int8_prepare, _int8_run, _int8_takes),
+        Kernel("int4_mm", "blocked", _int4_prepare, _int4_run, _int4_takes),
+        Kernel("native_dequantize", "plain", _native_dequantize_prepare,
+               _native_dequantize_run, _native_takes, exact=True),
+        Kernel("native_widened", "plain", _native_codes, _native_widened_run,
+               lambda w, d: d == torch.bfloat16 and _native_takes(w, d)),
+        Kernel("int8_native", None, _int8_native_prepare, _int8_native_run,
+               lambda w, d: w.bits == 8 and _native_takes(w, d), DECODING_ROWS),
         # bfloat16 x only: its own rounding (2^-9) is far above the integers' 2^-16 of a
         # block's largest input; a float32 x would lose digits it has.
-        QuantizedKernel("int8_integers", None, _int8_native_prepare, _int8_integers_run,
-                        _bfloat16_native(8, native.integers_available), _NATIVE_ROWS),
-        QuantizedKernel("int8_tiles", None, _int8_native_prepare, _int8_tiles_run,
-                        _bfloat16_native(8, native.tiles_available), _NATIVE_ROWS),
-        QuantizedKernel("int4_native", "plain", _native_codes, _int4_native_run,
-                        lambda w, d: w.bits == 4 and _native_takes(w, d), _NATIVE_ROWS),
-        QuantizedKernel("int4_native_pairs", "plain", _native_codes, _int4_pairs_run,
-                        _bfloat16_native(4, native.pairs_available), _NATIVE_ROWS),
-        QuantizedKernel("int4_integers", "plain", _native_codes, _int4_integers_run,
-                        _bfloat16_native(4, native.integers_available, groups_of=64),
-                        _NATIVE_ROWS),
+        Kernel("int8_integers", None, _int8_native_prepare, _int8_integers_run,
+               _bfloat16_native(8, native.integers_available), DECODING_ROWS),
+        Kernel("int8_tiles", None, _int8_native_prepare, _int8_tiles_run,
+               _bfloat16_native(8, native.tiles_available), DECODING_ROWS),
+        Kernel("int4_native", "plain", _native_codes, _int4_native_run,
+               lambda w, d: w.bits == 4 and _native_takes(w, d), DECODING_ROWS),
+        Kernel("int4_native_pairs", "plain", _native_codes, _int4_pairs_run,
+               _bfloat16_native(4, native.pairs_available), DECODING_ROWS),
+        Kernel("int4_integers", "plain", _native_codes, _int4_integers_run,
+               _bfloat16_native(4, native.integers_available, groups_of=64),
+               DECODING_ROWS),
     )
 }

@@ -16,8 +16,9 @@ import torch
 from torch import Tensor, nn
 
 from attnlab.kernels import bucket_of, native
+from attnlab.kernels.catalog import Kernel
 from attnlab.quantization.formats import QuantizedWeight, pack_int4, quantize, unblocked_int4
-from attnlab.quantization.kernels import QUANTIZED_KERNELS, QuantizedKernel, step_product
+from attnlab.quantization.kernels import QUANTIZED_KERNELS, step_product
 from attnlab.quantization.kernels import plan as kernel_plan
 
 __all__ = ["QuantizedEmbedding", "QuantizedLinear"]
@@ -48,7 +49,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("zeros", None if bits == 8 else torch.empty_like(self.scales))
         empty = torch.empty(rows, dtype=scale_dtype, device=device)
         self.bias = nn.Parameter(empty) if bias else None
-        self._plans: dict[torch.dtype, dict[str, QuantizedKernel]] = {}
+        self._plans: dict[torch.dtype, dict[str, Kernel]] = {}
         self._states: dict[tuple, tuple] = {}
 
     @classmethod
@@ -79,7 +80,7 @@ class QuantizedLinear(nn.Module):
         self._plans.clear()
         self._states.clear()
 
-    def plan(self, dtype: torch.dtype) -> dict[str, QuantizedKernel]:
+    def plan(self, dtype: torch.dtype) -> dict[str, Kernel]:
         """The kernel per rows bucket for activations in ``dtype`` (the rule's, or a measured
         plan from the cache; nothing is timed); the first plan may re-store int4 codes in the
         other layout when the kernels chosen read it (a plan keeps to one layout)."""
@@ -124,7 +125,7 @@ class QuantizedLinear(nn.Module):
         kernel, state = self._planned(rows, dtype)
         return step_product(kernel, state, None if self.bias is None else self.bias.to(dtype))
 
-    def _planned(self, rows: int, dtype: torch.dtype) -> tuple[QuantizedKernel, tuple]:
+    def _planned(self, rows: int, dtype: torch.dtype) -> tuple[Kernel, tuple]:
         """The planned kernel for ``rows`` rows of ``dtype`` and its prepared state (made once
         per kernel, dtype and weight storage)."""
         kernels = self._plans.get(dtype) or self.plan(dtype)
