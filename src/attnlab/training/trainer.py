@@ -14,8 +14,9 @@ same step. So a resumed run reaches, bit for bit, the weights and loss of an uni
 
 A step whose loss (or clipped gradient norm) is not finite stops the run before the optimizer
 moves (``NonFiniteLossError``, naming the step), or with ``skip_nonfinite`` is skipped (no
-update; the schedule and the data move on; ``metrics.jsonl`` marks it ``"skipped": true``). A checkpoint that cannot be written (a full disk) raises
-an ``OSError`` in one sentence naming the previous checkpoint, which is intact.
+update; the schedule and the data move on; ``metrics.jsonl`` marks it ``"skipped": true``).
+A checkpoint that cannot be written (a full disk) raises an ``OSError`` in one sentence naming
+the previous checkpoint, which is intact.
 """
 
 from __future__ import annotations
