@@ -23,6 +23,8 @@ import shutil
 import time
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from attnlab.durable import new_folder, swap_in
 from attnlab.models.hf_loading import CONFIG_NAME, WEIGHTS_NAME, check_folder, weight_files
 from attnlab.models.io import from_pretrained
@@ -80,6 +82,9 @@ def _quantize(args: argparse.Namespace) -> int:
         marker = {"format": MARKER_FORMAT, "source": str(source.resolve())}
         (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
         swap_in(tmp, out)
+    except (OSError, SafetensorError) as error:  # a full disk (safetensors has its own type)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(f"out: cannot write {out} ({error}); it is as it was before") from error
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -100,6 +105,9 @@ def _check_out(out: Path, source: Path, force: bool) -> None:
     if not out.is_dir():
         raise ValueError(f"out: {out} is a file; expected a folder to write the quantized "
                          "model in")
+    if source.resolve().is_relative_to(out.resolve()):  # replacing OUT would delete FOLDER
+        raise ValueError(f"out: {out} holds FOLDER {source}; write the quantized copy "
+                         "elsewhere")
     held = sorted(path.name for path in out.iterdir())
     if not held or force:
         return

@@ -4,6 +4,7 @@ for the same FOLDER is replaced, and an interrupted run leaves OUT absent or as 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -111,3 +112,31 @@ def test_out_follows_the_users_umask(folders, tmp_path):
         os.umask(previous)
     assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755
     assert {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "out").iterdir()} == {0o644}
+
+
+def test_an_out_holding_folder_is_refused_even_with_force(tmp_path, capsys):
+    source = tmp_path / "out" / "model"
+    source.mkdir(parents=True)
+    make_folder(source)
+    assert main(["quantize", str(source), str(tmp_path / "out"), "--force"]) == 2
+    assert "holds FOLDER" in capsys.readouterr().err
+    assert (source / "model.safetensors").is_file()
+
+
+def test_a_full_disk_leaves_out_as_it_was_in_one_line(folders, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    assert main(["quantize", str(folders[0]), str(out)]) == 0
+    before = contents(out)
+    capsys.readouterr()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(cli_quantize.shutil, "copyfile", disk_full)
+    assert main(["quantize", str(folders[0]), str(out), "--bits", "4", "--group-size", "32"]) == 2
+    err = capsys.readouterr().err
+    error = err.strip().splitlines()[-1]  # after the "loading ..." progress line
+    assert "Traceback" not in err and "No space left on device" in error
+    assert f"cannot write {out}" in error and "it is as it was before" in error
+    assert contents(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
