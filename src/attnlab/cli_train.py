@@ -3,7 +3,11 @@
 Training runs unchanged under ``torchrun`` (one process per device; only rank 0 writes).
 Every command ends by naming the folder it wrote. SIGINT (Ctrl-C) and SIGTERM stop a run at
 the end of its step with a checkpoint (exit status 130 and 143); ``--resume`` continues it
-exactly, and refuses options that contradict the saved run.
+exactly, and refuses options that contradict the saved run. One run at a time uses a run
+folder (``training.run_lock``: a second is refused naming the first's process). A NaN or
+infinite loss stops the run naming the step (``--skip-nonfinite`` skips such steps), and a
+checkpoint that cannot be written (a full disk) ends it in one line naming the previous
+checkpoint, which is intact.
 """
 
 from __future__ import annotations
@@ -11,10 +15,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import sys
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from attnlab.arg_types import (
     fraction,
@@ -28,6 +34,7 @@ from attnlab.models.transformer import Transformer, TransformerConfig
 from attnlab.threads import add_threads_option
 from attnlab.training.checkpoint import checkpoint_folder, load_config, load_trainer_state
 from attnlab.training.distributed import cleanup_distributed, init_distributed
+from attnlab.training.run_lock import RunLock
 from attnlab.training.tasks.seq2seq import SEQ2SEQ_TASKS, make_seq2seq_task
 from attnlab.training.tasks.text import CharLMTask, read_text
 from attnlab.training.trainer import TrainConfig, Trainer, TrainingInterrupted
@@ -35,7 +42,8 @@ from attnlab.training.trainer import TrainConfig, Trainer, TrainingInterrupted
 __all__ = ["RESUME_MAY_CHANGE", "add_commands"]
 
 # Options that a resumed run may set anew; none changes the arithmetic of the steps done.
-RESUME_MAY_CHANGE = ("--steps", "--eval-every", "--log-every", "--patience", "--no-progress")
+RESUME_MAY_CHANGE = ("--steps", "--eval-every", "--log-every", "--patience", "--no-progress",
+                     "--skip-nonfinite")
 # Options that are not part of a run's recipe.
 _NOT_RECIPE = ("command", "kind", "handler", "out", "resume", "text", "threads")
 
@@ -105,6 +113,9 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
         "continue the run saved in OUT/last exactly where it stopped; every other option "
         "must equal the saved run's, except " + ", ".join(RESUME_MAY_CHANGE)
         + " (a larger --steps extends the run: the schedule stretches from the resumed step)"))
+    p.add_argument("--skip-nonfinite", action="store_true", help=(
+        "skip a step whose loss or gradient norm is NaN or infinite (no update; recorded in "
+        "metrics.jsonl as skipped) instead of stopping the run there"))
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_threads_option(p)
 
@@ -124,6 +135,7 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
         log_every=args.log_every,
         patience=args.patience,
         seed=args.seed,
+        skip_nonfinite=args.skip_nonfinite,
     )
 
 
@@ -138,57 +150,79 @@ def _run(
     device = init_distributed()
     try:
         out = Path(args.out)
-        saved = checkpoint_folder(out / "last")
-        if args.resume:
-            if saved is None:
-                raise ValueError(f"--resume: {str(out)!r} holds no run to resume (no checkpoint "
-                                 "'last'); leave out --resume to start a new run")
-            _check_same_run(saved, save_info["extra"])
-        elif saved is not None:
-            raise ValueError(f"--out: {str(out)!r} already holds a run; pass --resume to "
-                             "continue it or choose another folder")
-        with Trainer(
-            model,
-            task,
-            _train_config(args),
-            out_dir=out,
-            save_info=save_info,
-            metric=metric,
-            higher_is_better=higher_is_better,
-            d_model=args.d_model,
-            progress=not args.no_progress,
-            device=device,
-        ) as trainer:
-            if args.resume:
-                trainer.resume()
-                if trainer.is_main:
-                    print(f"resumed from {saved} at step {trainer.step}")
-            if trainer.step >= args.steps:
-                if trainer.is_main:
-                    print(f"the run in {out} is already at step {trainer.step} of --steps "
-                          f"{args.steps}: nothing to do (a larger --steps trains further)")
-                return 0
-            if trainer.is_main:
-                print(_time_estimate(trainer.estimate_step_seconds(), args.steps - trainer.step))
-            try:
-                result = trainer.fit()
-            except TrainingInterrupted as stop:
-                if trainer.is_main:
-                    print(f"stopped after step {stop.step}: checkpoint saved in {stop.saved}; "
-                          "continue with --resume", file=sys.stderr)
-                return stop.exit_code
-            except KeyboardInterrupt:
-                if trainer.is_main:
-                    print("stopped at once: nothing saved since the last checkpoint in "
-                          f"{out / 'last'}; continue with --resume", file=sys.stderr)
-                return 130
-            if trainer.is_main:
-                how = "stopped early at" if result.stopped_early else "reached"
-                print(f"{how} step {result.step}: loss {result.final_loss:.4f}, best {metric} "
-                      f"{result.best_metric}; outputs in {out}")
-            return 0
+        _saved_run(out, args.resume)  # refused before the lock, which makes the folder
+        with _lock(out):
+            return _train(model, task, args, save_info, metric, higher_is_better, device)
     finally:
         cleanup_distributed()
+
+
+def _lock(out: Path) -> AbstractContextManager:
+    """The run folder's lock, held by rank 0 (the only writer) while the run lasts."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return nullcontext()
+    return RunLock(out)
+
+
+def _saved_run(out: Path, resume: bool) -> Path | None:
+    """The checkpoint ``last`` to resume; refuses a missing one, and a new run on an old."""
+    saved = checkpoint_folder(out / "last")
+    if resume and saved is None:
+        raise ValueError(f"--resume: {str(out)!r} holds no run to resume (no checkpoint "
+                         "'last'); leave out --resume to start a new run")
+    if not resume and saved is not None:
+        raise ValueError(f"--out: {str(out)!r} already holds a run; pass --resume to "
+                         "continue it or choose another folder")
+    return saved
+
+
+def _train(model: torch.nn.Module, task: object, args: argparse.Namespace, save_info: dict,
+           metric: str, higher_is_better: bool, device: torch.device) -> int:
+    """The run itself, under the lock of its folder ``args.out``."""
+    out = Path(args.out)
+    saved = _saved_run(out, args.resume)  # again: another run may have saved meanwhile
+    if saved is not None:
+        _check_same_run(saved, save_info["extra"])
+    with Trainer(
+        model,
+        task,
+        _train_config(args),
+        out_dir=out,
+        save_info=save_info,
+        metric=metric,
+        higher_is_better=higher_is_better,
+        d_model=args.d_model,
+        progress=not args.no_progress,
+        device=device,
+    ) as trainer:
+        if args.resume:
+            trainer.resume()
+            if trainer.is_main:
+                print(f"resumed from {saved} at step {trainer.step}")
+        if trainer.step >= args.steps:
+            if trainer.is_main:
+                print(f"the run in {out} is already at step {trainer.step} of --steps "
+                      f"{args.steps}: nothing to do (a larger --steps trains further)")
+            return 0
+        if trainer.is_main:
+            print(_time_estimate(trainer.estimate_step_seconds(), args.steps - trainer.step))
+        try:
+            result = trainer.fit()
+        except TrainingInterrupted as stop:
+            if trainer.is_main:
+                print(f"stopped after step {stop.step}: checkpoint saved in {stop.saved}; "
+                      "continue with --resume", file=sys.stderr)
+            return stop.exit_code
+        except KeyboardInterrupt:
+            if trainer.is_main:
+                print("stopped at once: nothing saved since the last checkpoint in "
+                      f"{out / 'last'}; continue with --resume", file=sys.stderr)
+            return 130
+        if trainer.is_main:
+            how = "stopped early at" if result.stopped_early else "reached"
+            print(f"{how} step {result.step}: loss {result.final_loss:.4f}, best {metric} "
+                  f"{result.best_metric}; outputs in {out}")
+        return 0
 
 
 def _check_same_run(saved: Path, extra: dict[str, Any]) -> None:

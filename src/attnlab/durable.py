@@ -5,6 +5,11 @@ hidden ``.name.tmp-*`` folder, the current ``name`` becomes ``.name.old``, the n
 ``name``, and only then is ``.name.old`` removed. At every moment a complete copy exists:
 ``name`` itself or, after a crash between the two renames, ``.name.old``, which
 ``existing_folder`` finds. Leftovers of killed writers are removed by the next write.
+
+What is written gets the modes that the user's umask gives a plain ``mkdir`` or ``open``
+(0755 folders and 0644 files under the usual 022): ``mkdtemp`` makes 0700 folders and
+safetensors writes 0600 files, both meant for private temporary files, not for a
+checkpoint or a model that other users or a server account may need to read.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["existing_folder", "fsync_path", "new_folder", "swap_in", "write_file_atomic",
-           "write_text_atomic"]
+__all__ = ["existing_folder", "fsync_path", "new_folder", "swap_in", "umask_mode",
+           "write_file_atomic", "write_text_atomic"]
 
 
 def new_folder(target: Path) -> Path:
@@ -26,12 +31,18 @@ def new_folder(target: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     for stale in target.parent.glob(f".{glob.escape(target.name)}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    folder = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    folder.chmod(umask_mode(0o777))
+    return folder
 
 
 def swap_in(new: Path, target: Path) -> None:
-    """Make the complete folder ``new`` (from ``new_folder``) the one at ``target``."""
+    """Make the complete folder ``new`` (from ``new_folder``) the one at ``target``; its
+    files get the umask's mode (module docstring)."""
+    file_mode = umask_mode(0o666)
     for path in new.iterdir():
+        if path.is_file() and not path.is_symlink():
+            path.chmod(file_mode)
         fsync_path(path)
     fsync_path(new)
     old = _old(target)
@@ -69,6 +80,7 @@ def write_file_atomic(path: Path, write: Callable[[Path], object]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write(tmp)
+        tmp.chmod(umask_mode(0o666))
         fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
@@ -84,6 +96,22 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def umask_mode(mode: int) -> int:
+    """``mode`` (0o777 for a folder, 0o666 for a file) less the process's umask: what
+    ``mkdir`` or ``open`` would give. Read from ``/proc/self/status`` where it exists, since
+    reading it with ``os.umask`` means setting it for a moment, for every thread."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return mode & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mode & ~mask
 
 
 def _old(target: Path) -> Path:

@@ -3,6 +3,7 @@ hostile file gives a ValueError naming it (never code execution, never a traceba
 deep inside), and a crash at any moment of a save leaves a complete checkpoint."""
 
 import json
+import math
 import os
 import shutil
 
@@ -83,7 +84,7 @@ def test_pickled_trainer_state_never_runs_and_is_refused(copy, tmp_path, capsys)
         (lambda s: s.update(step="7"), r"'step' is '7'; expected a non-negative int"),
         (lambda s: s.update(step=-1), r"'step' is -1"),
         (lambda s: s.update(step=True), r"'step' is True"),
-        (lambda s: s.update(best="high"), r"'best' is 'high'; expected a number or null"),
+        (lambda s: s.update(best="high"), r"'best' is 'high'; expected a finite number or null"),
         (lambda s: s.update(bad_evals=1.5), r"'bad_evals' is 1.5"),
         (lambda s: s.update(train_config=None), r"'train_config' is None; expected an object"),
         (lambda s: s.update(python_rng=[3, [1, 2], None]), r"'python_rng' is .* random"),
@@ -148,6 +149,47 @@ def test_optimizer_tensors_that_do_not_fit_are_refused(copy):
             trainer_for(out).resume()
     save_file({k: v for k, v in tensors.items() if k != "rng.torch.0"}, path)
     with pytest.raises(ValueError, match="RNG states"):
+        trainer_for(out).resume()
+
+
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("step", torch.tensor(-3.0), r"step is -3.0; expected a whole number from 0 to the run's "
+                                 r"step 2"),
+    ("step", torch.tensor(2.5), "step is 2.5"),
+    ("step", torch.tensor(9.0), "step is 9.0"),
+    ("exp_avg", None, r"exp_avg holds \[nan"),
+    ("exp_avg_sq", None, r"exp_avg_sq holds \[-1.0.*expected finite values >= 0"),
+])
+def test_optimizer_values_adamw_cannot_have_are_refused_naming_the_file(copy, capsys, name,
+                                                                         value, message):
+    out, args = copy
+    path = out / "last" / "trainer_state.safetensors"
+    tensors = load_file(path)
+    key = f"optimizer.0.{name}"
+    if value is None:  # a moment tensor with one bad entry
+        value = tensors[key].clone()
+        value.view(-1)[0] = math.nan if name == "exp_avg" else -1.0
+    save_file({**tensors, key: value}, path)
+    with pytest.raises(ValueError, match=rf"trainer_state\.safetensors'?: optimizer state of "
+                                         rf"parameter 0: {message}"):
+        trainer_for(out).resume()
+    # the command line says the same in one line, before any step (a negative step ended in
+    # "ComplexFloat can't be cast" deep inside AdamW)
+    assert main([*args, "--resume", "--steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "trainer_state.safetensors" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("key", ["best", "loss"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_best_or_loss_is_refused_naming_the_file(copy, key, value):
+    out, _ = copy
+    path = out / "last" / "trainer_state.json"
+    state = json.loads(path.read_text())
+    state[key] = value
+    path.write_text(json.dumps(state))  # NaN / Infinity: what Python's json writes
+    with pytest.raises(ValueError, match=rf"trainer_state\.json'?: '{key}' is .*; expected a "
+                                         "finite number or null"):
         trainer_for(out).resume()
 
 

@@ -11,6 +11,12 @@ same parameters as one.
 Checkpoints are written only at step boundaries: SIGINT and SIGTERM ask the loop to stop, it
 finishes the step, saves ``last`` and raises ``TrainingInterrupted``; every rank stops at the
 same step. So a resumed run reaches, bit for bit, the weights and loss of an uninterrupted one.
+
+A step whose loss (or clipped gradient norm) is not finite stops the run before the optimizer
+moves (``NonFiniteLossError``, naming the step), or with ``skip_nonfinite`` is skipped (no
+update; the schedule and the data move on; ``metrics.jsonl`` marks it ``"skipped": true``).
+A checkpoint that cannot be written (a full disk) raises an ``OSError`` in one sentence naming
+the previous checkpoint, which is intact.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import copy
 import gc
 import math
 import random
+import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -28,6 +35,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from torch import Tensor, nn
 from tqdm import tqdm
 
@@ -45,17 +53,20 @@ from attnlab.training.metrics_log import append_record, drop_records_after
 from attnlab.training.schedules import make_schedule
 from attnlab.training.trainer_state import TrainerState, check_resumable, checked_optimizer_state
 
-__all__ = ["RESUMABLE_CHANGES", "Task", "TrainConfig", "TrainResult", "Trainer",
-           "TrainingInterrupted"]
+__all__ = ["RESUMABLE_CHANGES", "NonFiniteLossError", "Task", "TrainConfig", "TrainResult",
+           "Trainer", "TrainingInterrupted"]
 
 # TrainConfig fields that a resumed run may change: none of them alters the steps' arithmetic
-# (a longer ``steps`` stretches the schedule from the resumed step on).
-RESUMABLE_CHANGES = ("steps", "eval_every", "checkpoint_every", "log_every", "patience")
+# (a longer ``steps`` stretches the schedule from the resumed step on; ``skip_nonfinite``
+# acts only on a step that would otherwise stop the run).
+RESUMABLE_CHANGES = ("steps", "eval_every", "checkpoint_every", "log_every", "patience",
+                     "skip_nonfinite")
 
 
 @dataclass(frozen=True)
 class TrainConfig(ConfigMixin):
-    """Options of a training run (serialisable to JSON)."""
+    """Options of a training run (serialisable to JSON). ``skip_nonfinite``: skip a step
+    whose loss or gradient norm is NaN or infinite instead of stopping the run."""
 
     steps: int = 2000
     batch_size: int = 64
@@ -72,6 +83,7 @@ class TrainConfig(ConfigMixin):
     checkpoint_every: int = 500
     log_every: int = 10
     seed: int = 0
+    skip_nonfinite: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -96,6 +108,15 @@ class TrainConfig(ConfigMixin):
             raise ValueError(f"grad_clip: expected None or > 0, got {self.grad_clip}")
         if self.patience is not None:
             check_positive("patience", self.patience)
+
+
+class NonFiniteLossError(ValueError):
+    """A training step gave a NaN or infinite loss or gradient norm; the run stopped before
+    the optimizer applied it. ``step`` is that step (1-based, as in ``metrics.jsonl``)."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 class Task(Protocol):
@@ -189,6 +210,7 @@ class Trainer:
         self.bad_evals = 0
         self.last_loss: float | None = None
         self.last_eval: dict[str, float] = {}
+        self.saved_step: int | None = None  # the step of the checkpoint ``last`` on disk
         self.history: list[dict[str, Any]] = []
         self._stops = StopRequests()
         self._closed = False
@@ -244,6 +266,7 @@ class Trainer:
                 self.optimizer, self.schedule.lr_at, last_epoch=state.step - 1
             )
         self.step, self.best, self.bad_evals = state.step, state.best, state.bad_evals
+        self.saved_step = state.step
         self.last_loss = state.loss
         torch.set_rng_state(state.torch_rng[self.rank])
         if state.cuda_rng:
@@ -300,16 +323,23 @@ class Trainer:
         try:
             with self._stops:
                 while self.step < c.steps and not stopped:
-                    self.last_loss, n_tokens = self._train_step()
+                    loss, n_tokens = self._train_step()
                     self.step += 1
                     tokens += n_tokens
+                    skipped = not math.isfinite(loss)
+                    if not skipped:
+                        self.last_loss = loss
+                    elif self.is_main:
+                        bar.write(f"step {self.step}: non-finite loss or gradient norm; step "
+                                  "skipped (skip_nonfinite)", file=sys.stderr)
                     if self.on_step is not None:
-                        self.on_step(self.step, self.last_loss)
+                        self.on_step(self.step, loss)
                     if self.step % c.log_every == 0 or self.step == c.steps:
                         rate = tokens / max(time.perf_counter() - t0, 1e-9)
                         lr = self.scheduler.get_last_lr()[0]
-                        self._log({"step": self.step, "loss": self.last_loss, "lr": lr,
-                                   "tokens_per_s": rate})
+                        record = {"step": self.step, "loss": None if skipped else loss, "lr": lr,
+                                  "tokens_per_s": rate}
+                        self._log({**record, "skipped": True} if skipped else record)
                         bar.set_postfix(self._postfix(lr, rate), refresh=False)
                         tokens, t0 = 0, time.perf_counter()
                     bar.update(1)
@@ -355,15 +385,37 @@ class Trainer:
                 loss_sum = self.task.loss(module, batch)
                 (loss_sum * scale).backward()
             running += loss_sum.item()
-        if c.grad_clip is not None:
-            nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        # The global mean loss and the gradient norm are the same on every rank, so every
+        # rank takes the same decision on a non-finite step, before the optimizer moves.
         mean = torch.tensor([running, float(local_tokens)], device=self.device)
         if self.world > 1:
             dist.all_reduce(mean)
-        return (mean[0] / mean[1].clamp_min(1)).item(), int(mean[1].item())
+        loss, tokens = (mean[0] / mean[1].clamp_min(1)).item(), int(mean[1].item())
+        norm = 0.0
+        if c.grad_clip is not None:
+            norm = nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip).item()
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            if not c.skip_nonfinite:
+                raise self._non_finite(loss, norm)
+            self.scheduler.step()  # the learning rate stays a function of the step
+            return math.nan, tokens
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return loss, tokens
+
+    def _non_finite(self, loss: float, norm: float) -> NonFiniteLossError:
+        step = self.step + 1
+        what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {norm}"
+        kept = "no checkpoint 'last' was saved"
+        if self.out_dir is not None and self.saved_step is not None:
+            kept = f"the checkpoint {str(self.out_dir / 'last')!r} of step {self.saved_step} " \
+                   "is intact"
+        return NonFiniteLossError(
+            f"training: the {what} at step {step}; stopped before applying it ({kept}). Lower "
+            "the learning rate, or set skip_nonfinite (--skip-nonfinite) to skip such steps",
+            step)
 
     def _evaluate(self) -> bool:
         """Evaluate on rank 0; returns whether to stop early (agreed by every rank)."""
@@ -376,9 +428,9 @@ class Trainer:
             self.last_eval = metrics
             value = metrics.get(self.metric)
             if value is not None:
-                better = self.best is None or (
-                    value > self.best if self.higher_is_better else value < self.best
-                )
+                # A NaN is never better: saved as best, no later value would improve on it.
+                better = math.isfinite(value) and (self.best is None or (
+                    value > self.best if self.higher_is_better else value < self.best))
                 if better:
                     self.best, self.bad_evals = value, 0
                     self._save("best")
@@ -408,13 +460,26 @@ class Trainer:
             python_rng=random.getstate(),
         )
         self._save("last", state)
+        self.saved_step = self.step
 
     def _save(self, name: str, state: TrainerState | None = None) -> None:
+        """Write checkpoint ``name``; a failed write (a full disk) leaves the previous one
+        intact and raises an ``OSError`` that says so in one sentence."""
         if not self.is_main or self.out_dir is None:
             return
+        target = self.out_dir / name
         with self._stops.saving():
-            save_checkpoint(self.out_dir / name, self.model, trainer_state=state,
-                            **self.save_info)
+            try:
+                save_checkpoint(target, self.model, trainer_state=state, **self.save_info)
+            except (OSError, SafetensorError) as error:
+                previous = checkpoint_folder(target)
+                if previous is None:
+                    kept = f"no earlier checkpoint {name!r} exists"
+                else:
+                    of_step = f" of step {self.saved_step}" if name == "last" else ""
+                    kept = f"the previous checkpoint {str(previous)!r}{of_step} is intact"
+                raise OSError(f"checkpoint: cannot save {name!r} at step {self.step} in "
+                              f"{str(target)!r} ({error}); {kept}") from error
 
     def _gather(self, tensor: Tensor) -> tuple[Tensor, ...]:
         """``tensor`` of every rank, in rank order (the RNG states differ by rank)."""
@@ -435,7 +500,8 @@ class Trainer:
         return signum
 
     def _postfix(self, lr: float, rate: float) -> dict[str, str]:
-        shown = {"loss": f"{self.last_loss:.4f}", "lr": f"{lr:.2e}", "tok_s": f"{rate:,.0f}"}
+        shown = {"loss": f"{self.last_loss:.4f}" if self.last_loss is not None else "-",
+                 "lr": f"{lr:.2e}", "tok_s": f"{rate:,.0f}"}
         if self.metric in self.last_eval:
             shown[self.metric] = f"{self.last_eval[self.metric]:.4g}"
         return shown

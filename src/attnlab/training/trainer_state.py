@@ -124,12 +124,17 @@ def check_resumable(state: TrainerState, config: dict[str, Any], may_change: tup
 
 def checked_optimizer_state(state: TrainerState, optimizer: torch.optim.Optimizer,
                             folder: Path) -> dict[int, dict[str, Tensor]]:
-    """The saved AdamW state, after checking that it fits ``optimizer``'s parameters (a
-    misfit would fail only at the next step, deep inside the optimizer)."""
+    """The saved AdamW state, after checking that it fits ``optimizer``'s parameters and
+    holds values AdamW can have: ``step`` a whole number in ``[0, state.step]`` (a parameter
+    without a gradient skips a step), ``exp_avg`` finite, ``exp_avg_sq`` finite and
+    ``>= 0``. A misfit would fail only at the next step, deep inside the optimizer (a
+    negative ``step`` makes ``1 - beta ** step`` negative and its square root complex), or
+    train on NaN."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     names = {"step", "exp_avg", "exp_avg_sq"}
     for index, entry in state.optimizer.items():
-        where = f"checkpoint: {str(folder)!r}: optimizer state of parameter {index}"
+        where = (f"checkpoint: {str(folder / TENSORS)!r}: optimizer state of parameter "
+                 f"{index}")
         if index >= len(params):
             raise ValueError(f"{where}: the model has only {len(params)} parameters")
         if set(entry) != names:
@@ -140,6 +145,17 @@ def checked_optimizer_state(state: TrainerState, optimizer: torch.optim.Optimize
                 raise ValueError(f"{where}: {name} is a {value.dtype} tensor of shape "
                                  f"{tuple(value.shape)}; expected a float tensor of shape "
                                  f"{shape}")
+        step = entry["step"].item()
+        if not (0 <= step <= state.step and step == int(step)):
+            raise ValueError(f"{where}: step is {step}; expected a whole number from 0 to "
+                             f"the run's step {state.step}")
+        mean, square = entry["exp_avg"], entry["exp_avg_sq"]
+        for name, bad, expected in (("exp_avg", ~torch.isfinite(mean), "finite values"),
+                                    ("exp_avg_sq", ~(torch.isfinite(square) & (square >= 0)),
+                                     "finite values >= 0")):
+            if bad.any():
+                raise ValueError(f"{where}: {name} holds {entry[name][bad][:3].tolist()}; "
+                                 f"expected {expected}")
     return state.optimizer
 
 
@@ -161,9 +177,10 @@ def _parse(info: Any, tensors: dict[str, Tensor], info_path: Path,
         if not is_int(info[key]) or info[key] < 0:
             raise bad(key, info[key], "a non-negative int")
     for key in ("best", "loss"):
+        # A NaN best would never be improved on (every comparison with NaN is false).
         value = info[key]
-        if value is not None and not is_number(value):
-            raise bad(key, value, "a number or null")
+        if value is not None and not is_number(value, finite=True):
+            raise bad(key, value, "a finite number or null")
     if not isinstance(info["train_config"], dict):
         raise bad("train_config", info["train_config"], "an object")
     return TrainerState(
