@@ -200,7 +200,8 @@ def test_bad_arguments(tmp_path) -> None:
         tok.batch_encode("hello")
     with pytest.raises(TypeError, match="messages: expected a list of dicts"):
         tok.apply_chat_template({"role": "user", "content": "hi"})
-    with pytest.raises(ValueError, match="messages: the chat template cannot render them"):
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: the chat template cannot "
+                       r"render the messages \(UndefinedError, template line 3: "):
         tok.apply_chat_template([{"role": "user"}])  # no content: the template fails
     with pytest.raises(TypeError, match="chat_template: expected a string or None"):
         Tokenizer(tok.backend, chat_template=["x"])
