@@ -37,7 +37,7 @@ import jinja2
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["DEFAULT_RENDERER", "TemplateRenderer", "compile_template"]
+__all__ = ["DEFAULT_RENDERER", "TemplateRenderer", "check_template"]
 
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_MEMORY_BYTES = 2**30
@@ -120,17 +120,24 @@ class TemplateRenderer:
         return _Worker(self.memory_bytes, self.max_chars)
 
 
-def compile_template(source: str) -> jinja2.Template:
-    """``source`` parsed as transformers does: a sandboxed environment with
-    ``trim_blocks``/``lstrip_blocks``, ``loopcontrols``, ``{% generation %}``,
-    ``raise_exception``, ``strftime_now`` and a ``tojson`` that keeps non-ASCII characters.
-    Raises ``jinja2.TemplateSyntaxError`` (or ``RecursionError``, too deeply nested)."""
+def check_template(source: str) -> None:
+    """Parse ``source`` (in this process: no render, no code generated), raising
+    ``jinja2.TemplateSyntaxError`` (or ``RecursionError``, nested too deeply) where it is not
+    a template. Only the worker compiles: Jinja's compiler evaluates constant expressions
+    (``{{ 'a' * 10**10 }}`` allocates its 10 GB while compiling)."""
+    _environment().parse(source)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    """The environment transformers renders in: sandboxed, ``trim_blocks``/``lstrip_blocks``,
+    ``loopcontrols``, ``{% generation %}``, ``raise_exception``, ``strftime_now`` and a
+    ``tojson`` that keeps non-ASCII characters."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_GenerationTag, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+    return env
 
 
 class _Worker:
@@ -261,7 +268,7 @@ def _serve(memory_bytes: int, max_chars: int) -> None:
             if source not in templates:
                 if len(templates) >= 8:  # a server renders one template; a test, a few
                     templates.clear()
-                templates[source] = compile_template(source)
+                templates[source] = _environment().from_string(source)
             text = templates[source].render(**request["variables"])
             answer = {"text": text} if len(text) <= max_chars else {
                 "error": f"it renders {len(text)} characters, more than the limit of "

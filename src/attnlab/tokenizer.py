@@ -26,7 +26,7 @@ from tokenizers import Tokenizer as _Backend
 from torch import Tensor
 
 from attnlab._checks import is_int
-from attnlab.chat_render import DEFAULT_RENDERER, compile_template
+from attnlab.chat_render import DEFAULT_RENDERER, check_template
 from attnlab.models.hf_loading import check_folder, read_json
 
 __all__ = ["TextStreamer", "Tokenizer"]
@@ -109,7 +109,7 @@ class Tokenizer:
             templates["default"] = template
         for name, text in templates.items():
             try:
-                compile_template(text)
+                check_template(text)
             except jinja2.TemplateSyntaxError as error:
                 raise ValueError(f"{source}: chat_template {name!r} is not a valid Jinja "
                                  f"template ({error.message}, line {error.lineno})") from None
