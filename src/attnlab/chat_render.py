@@ -55,9 +55,9 @@ _BOOT = ("import sys; del sys.path[0]; sys.argv = sys.argv[1:]; import runpy; "
 
 class TemplateRenderer:
     """Renders Jinja chat templates in up to ``workers`` worker processes, each under
-    ``memory_bytes`` of address space, each render under ``timeout_s`` seconds (both
-    attributes may be changed between renders) and at most ``max_chars`` characters long.
-    Workers start on the first render that needs one; ``close`` ends them."""
+    ``memory_bytes`` of address space, each render under ``timeout_s`` seconds and at most
+    ``max_chars`` characters long. Workers start on the first render that needs one (and keep
+    the limits they started with; ``timeout_s`` is read at each render); ``close`` ends them."""
 
     def __init__(self, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  memory_bytes: int = DEFAULT_MEMORY_BYTES, workers: int = 2,

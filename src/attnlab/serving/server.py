@@ -10,9 +10,11 @@ server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``.
 
 Refusals use OpenAI's error JSON (``api.error_body``): 400 for a body that is not JSON, a
 field of the wrong type or out of range, a prompt that does not fit the context (naming
-the field); 404 for another model's name; 429 when the engine's queue is full; 500 when the
-engine or a handler failed (the server goes on). A client that goes away mid-request has its
-engine requests aborted, which frees their KV cache pages.
+the field), a chat template that fails or passes its time or memory limit (naming its file:
+it renders in a worker process, ``attnlab.chat_render``); 404 for another model's name;
+429 when the engine's queue is full; 500 when the engine or a handler failed (the server
+goes on). A client that goes away mid-request has its engine requests aborted, which frees
+their KV cache pages.
 """
 
 from __future__ import annotations
