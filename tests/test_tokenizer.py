@@ -228,7 +228,7 @@ def test_encode_lets_other_threads_run(tmp_path) -> None:
     thread = threading.Thread(target=work)
     thread.start()
     started.wait()
-    for _ in range(10):
+    for _ in range(3):
         time.sleep(0.001)  # gives the GIL up and takes it back
     still_encoding = thread.is_alive()
     thread.join()
