@@ -344,3 +344,22 @@ def test_sampling_flags_without_sampling_are_pointed_out(folder, capsys) -> None
     _, greedy_out, _ = run(folder, capsys, "--max-new-tokens", "3")
     assert code == 0 and out == greedy_out
     assert "note: --temperature, --top-k unused: greedy decoding (add --do-sample" in err
+
+
+@pytest.mark.parametrize(("template", "error"), [
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    ("{% import 'other.jinja' as other %}", "TypeError"),
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
+    ("{{ 'a' * 10**10 }}", "MemoryError"),  # refused by the render's 1 GiB, nothing allocated
+])
+def test_a_failing_chat_template_is_one_line_naming_its_file(qwen2_folder, tmp_path, capsys,
+                                                              template, error) -> None:
+    folder = tmp_path / "model"
+    shutil.copytree(qwen2_folder, folder)
+    (folder / "chat_template.jinja").write_text(template)
+    assert main(["generate", "--model", str(folder), "--prompt", "hi", "--chat"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.endswith("\n")
+    assert err.splitlines()[-1].startswith(
+        f"attnlab: error: {folder / 'chat_template.jinja'}: the chat template cannot render the "
+        f"messages ({error}, template line 1")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -200,7 +202,8 @@ def test_bad_arguments(tmp_path) -> None:
         tok.batch_encode("hello")
     with pytest.raises(TypeError, match="messages: expected a list of dicts"):
         tok.apply_chat_template({"role": "user", "content": "hi"})
-    with pytest.raises(ValueError, match="messages: the chat template cannot render them"):
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: the chat template cannot "
+                       r"render the messages \(UndefinedError, template line 3: "):
         tok.apply_chat_template([{"role": "user"}])  # no content: the template fails
     with pytest.raises(TypeError, match="chat_template: expected a string or None"):
         Tokenizer(tok.backend, chat_template=["x"])
@@ -208,3 +211,48 @@ def test_bad_arguments(tmp_path) -> None:
         Tokenizer(tok.backend, special_tokens={"eos_token": 3})  # was a bare TypeError
     with pytest.raises(ValueError, match=r"special_tokens: unknown roles \['eos'\]"):
         Tokenizer(tok.backend, special_tokens={"eos": "<|im_end|>"})  # was silently ignored
+
+
+def test_encode_lets_other_threads_run(tmp_path) -> None:
+    """A large text's encoding (seconds) leaves the GIL to other threads (a server's event
+    loop): this thread's small steps, each needing the GIL, all run while it is encoding."""
+    make_tokenizer(tmp_path)
+    tok = Tokenizer.from_pretrained(tmp_path)
+    text = "the quick brown fox jumps over the world " * 30_000  # 1.2 MB
+    started, ids = threading.Event(), []
+
+    def work() -> None:
+        started.set()
+        ids.append(tok.encode(text))
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    started.wait()
+    for _ in range(3):
+        time.sleep(0.001)  # gives the GIL up and takes it back
+    still_encoding = thread.is_alive()
+    thread.join()
+    assert still_encoding, "encode held the GIL: no other thread ran until it ended"
+    assert ids[0] == tok.backend.encode(text).ids
+
+
+@pytest.mark.parametrize(("template", "error"), [
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    ("{% include 'x' %}", "TypeError"),
+    ("{{ 'a' * 10**10 }}", "MemoryError"),  # refused by the worker's 1 GiB, nothing allocated
+])
+def test_a_failing_template_file_is_named(tmp_path, template, error) -> None:
+    make_tokenizer(tmp_path, inline_template=False)
+    (tmp_path / "chat_template.jinja").write_text(template)
+    tok = Tokenizer.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'chat_template.jinja'}: the chat "
+                       rf"template cannot render the messages \({error}, template line 1"):
+        tok.apply_chat_template(MESSAGES)
+
+
+def test_a_template_too_deeply_nested_is_refused_at_load(tmp_path) -> None:
+    make_tokenizer(tmp_path, inline_template=False)
+    (tmp_path / "chat_template.jinja").write_text("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}")
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'chat_template.jinja'}: chat_template "
+                       r"'default' is nested too deeply to parse"):
+        Tokenizer.from_pretrained(tmp_path)

@@ -5,9 +5,10 @@ post-processor, decoder), which the ``tokenizers`` library runs. ``tokenizer_con
 adds what that file lacks: the special tokens' roles (``eos_token``, ``pad_token``, ...) and
 the chat template, a Jinja program that turns a list of messages into the prompt text the
 model was trained on. It may also sit in ``chat_template.jinja`` (transformers 5 writes it
-there). The template is rendered as transformers does: a sandboxed Jinja environment with
-``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``strftime_now`` and a ``tojson``
-that keeps non-ASCII characters, with the special tokens as variables.
+there). The template is rendered as transformers does (``attnlab.chat_render``: a sandboxed
+Jinja environment), with the special tokens as variables, but in a worker process with a time
+and a memory limit: a template comes with a model folder, and a hostile one must not hang or
+flood the program (``Tokenizer.renderer``).
 
 ``TextStreamer`` turns generated ids into text as they arrive, holding back a partial
 UTF-8 character until it is complete.
@@ -15,20 +16,17 @@ UTF-8 character until it is complete.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable, Sequence
-from datetime import datetime
 from pathlib import Path
 
 import jinja2
 import torch
-from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
 from torch import Tensor
 
 from attnlab._checks import is_int
+from attnlab.chat_render import DEFAULT_RENDERER, check_template
 from attnlab.models.hf_loading import check_folder, read_json
 
 __all__ = ["TextStreamer", "Tokenizer"]
@@ -40,11 +38,15 @@ class Tokenizer:
     """``encode``/``decode``/``batch_encode`` and ``apply_chat_template`` over ``tokenizers``.
 
     ``bos_token``, ``eos_token``, ``unk_token``, ``pad_token`` are strings or ``None``; the
-    ``*_id`` properties give their ids. ``chat_template`` is the Jinja source or ``None``.
+    ``*_id`` properties give their ids. ``chat_template`` is the Jinja source or ``None``;
+    ``template_file`` the file it was read from (named by render errors); ``renderer`` the
+    ``chat_render.TemplateRenderer`` that renders it (a shared one with its default limits:
+    10 s, 1 GiB; assign another to change them).
     """
 
     def __init__(self, backend: _Backend, *, special_tokens: dict[str, str | None] | None = None,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, template_file: str | Path | None = None
+                 ) -> None:
         if not isinstance(backend, _Backend):
             raise TypeError(f"backend: expected a tokenizers.Tokenizer, got "
                             f"{type(backend).__name__}")
@@ -63,8 +65,12 @@ class Tokenizer:
         if chat_template is not None and not isinstance(chat_template, str):
             raise TypeError(f"chat_template: expected a string or None, got "
                             f"{type(chat_template).__name__}")
-        self.chat_template = chat_template
+        if template_file is not None and not isinstance(template_file, (str, Path)):
+            raise TypeError(f"template_file: expected a path or None, got "
+                            f"{type(template_file).__name__}")
+        self.chat_template, self.template_file = chat_template, template_file
         self.chat_templates = {} if chat_template is None else {"default": chat_template}
+        self.renderer = DEFAULT_RENDERER
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
@@ -75,7 +81,7 @@ class Tokenizer:
         a list of ``{"name": ..., "template": ...}``, of which the one named ``"default"`` is
         used (all of them are in ``chat_templates``). A missing folder, an unreadable file, a
         special token or template of the wrong type, or a template that is not valid Jinja
-        raise naming the file.
+        raise naming the file (rendering needs messages: its errors come then, naming it too).
         """
         folder = check_folder(path, needs="tokenizer.json (and tokenizer_config.json)")
         file = folder / "tokenizer.json"
@@ -103,12 +109,16 @@ class Tokenizer:
             templates["default"] = template
         for name, text in templates.items():
             try:
-                _compile(text)
+                check_template(text)
             except jinja2.TemplateSyntaxError as error:
                 raise ValueError(f"{source}: chat_template {name!r} is not a valid Jinja "
                                  f"template ({error.message}, line {error.lineno})") from None
+            except RecursionError:
+                raise ValueError(f"{source}: chat_template {name!r} is nested too deeply to "
+                                 "parse") from None
         try:
-            tokenizer = cls(backend, special_tokens=special, chat_template=template)
+            tokenizer = cls(backend, special_tokens=special, chat_template=template,
+                            template_file=source)
         except ValueError as error:
             raise ValueError(f"{config_file}: {error}") from None
         tokenizer.chat_templates = templates
@@ -155,7 +165,9 @@ class Tokenizer:
         """``text`` -> token ids (BOS/EOS added by the file's post-processor when asked)."""
         if not isinstance(text, str):
             raise TypeError(f"text: expected a str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works, encode holds it: a 7 MB text would
+        # stop every other thread (a server's event loop) for seconds.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int] | Tensor, skip_special_tokens: bool = False) -> str:
         """Token ids (a list or a 1-D integer tensor, each id >= 0) -> text.
@@ -202,8 +214,10 @@ class Tokenizer:
 
         The template sees ``messages``, ``add_generation_prompt``, ``tools=None``,
         ``documents=None``, the special tokens (``bos_token``, ``eos_token``, ...) and
-        ``kwargs``. ``tokenize=True`` returns ids (encoded without adding special tokens,
-        since the template writes them).
+        ``kwargs`` (JSON values). ``tokenize=True`` returns ids (encoded without adding special
+        tokens, since the template writes them). It renders in ``renderer``'s worker process:
+        every failure of the template (an exception it raises, its time or memory limit) is a
+        ``ValueError`` naming ``template_file``.
         """
         if self.chat_template is None and self.chat_templates:
             raise ValueError(f"chat_template: none is named 'default'; this tokenizer has "
@@ -216,11 +230,8 @@ class Tokenizer:
             raise TypeError(f"messages: expected a list of dicts, got {messages!r}")
         variables = {"tools": None, "documents": None, **self.special_tokens, **kwargs,
                      "messages": list(messages), "add_generation_prompt": add_generation_prompt}
-        try:
-            text = _compile(self.chat_template).render(**variables)
-        except jinja2.TemplateError as error:  # raise_exception(...) or a missing key
-            raise ValueError(f"messages: the chat template cannot render them "
-                             f"({type(error).__name__}: {error})") from None
+        origin = "chat_template" if self.template_file is None else str(self.template_file)
+        text = self.renderer.render(self.chat_template, variables, origin=origin)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _id(self, role: str) -> int | None:
@@ -298,39 +309,3 @@ def _named_templates(value: object) -> dict[str, str]:
     shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
     raise TypeError(f"chat_template: expected a string or a list of {{\"name\": string, "
                     f"\"template\": string}}, got {shown}")
-
-
-class _GenerationTag(Extension):
-    """``{% generation %} ... {% endgeneration %}`` (transformers' assistant-mask tag) renders
-    its body unchanged."""
-
-    tags = {"generation"}  # noqa: RUF012 (jinja's Extension API)
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.Scope(body).set_lineno(lineno)
-
-
-def _tojson(x: object, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-_TEMPLATES: dict[str, jinja2.Template] = {}
-
-
-def _compile(source: str) -> jinja2.Template:
-    if source not in _TEMPLATES:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[_GenerationTag, loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        _TEMPLATES[source] = env.from_string(source)
-    return _TEMPLATES[source]

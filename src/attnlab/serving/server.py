@@ -10,9 +10,11 @@ server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``.
 
 Refusals use OpenAI's error JSON (``api.error_body``): 400 for a body that is not JSON, a
 field of the wrong type or out of range, a prompt that does not fit the context (naming
-the field); 404 for another model's name; 429 when the engine's queue is full; 500 when the
-engine or a handler failed (the server goes on). A client that goes away mid-request has its
-engine requests aborted, which frees their KV cache pages.
+the field), a chat template that fails or passes its time or memory limit (naming its file:
+it renders in a worker process, ``attnlab.chat_render``); 404 for another model's name;
+429 when the engine's queue is full; 500 when the engine or a handler failed (the server
+goes on). A client that goes away mid-request has its engine requests aborted, which frees
+their KV cache pages.
 """
 
 from __future__ import annotations
@@ -164,9 +166,11 @@ class ServerState:
             raise ApiError(404, f"The model {name!r} does not exist; this server serves "
                            f"{self.name!r}", param="model", code="model_not_found")
 
-    def encode(self, prompt: str | list[int], field: str) -> list[int]:
+    async def encode(self, prompt: str | list[int], field: str) -> list[int]:
+        """``prompt``'s ids (text tokenized in a thread: a large prompt takes seconds, which
+        the event loop spends serving the others), checked against the vocabulary."""
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
             if not ids:
                 raise ApiError(400, f"{field}: encodes to no tokens, got {prompt!r}",
                                param=field)
@@ -177,6 +181,20 @@ class ServerState:
             raise ApiError(400, f"{field}: token id {bad} is out of range; expected ids in "
                            f"[0, {vocab})", param=field)
         return list(prompt)
+
+    async def chat_ids(self, messages: list[dict]) -> list[int]:
+        """The chat template's prompt ids for ``messages``, rendered (in the template's worker
+        process, with its time and memory limits) and tokenized in a thread, off the event
+        loop; a template that fails or exceeds a limit is a 400 naming its file."""
+        try:
+            ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages,
+                                          add_generation_prompt=True, tokenize=True)
+        except ValueError as error:
+            raise ApiError(400, f"messages: {error}", param="messages") from None
+        if not ids:
+            raise ApiError(400, "messages: the chat template renders them as no tokens",
+                           param="messages")
+        return ids
 
     def params(self, body: CompletionRequest | ChatRequest, prompt_length: int,
                asked: int | None, field: str, choice: int) -> SamplingParams:
@@ -229,7 +247,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
-        prompts = [state.encode(p, "prompt") for p in body.prompt]
+        prompts = [await state.encode(p, "prompt") for p in body.prompt]
         job = _Job(state, body, prompts, body.max_tokens, "max_tokens", chat=False)
         return await job.respond(request)
 
@@ -237,14 +255,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         state.check_model(body.model)
         messages = [{"role": m.role, "content": m.text} for m in body.messages]
-        try:
-            ids = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                      tokenize=True)
-        except ValueError as error:
-            raise ApiError(400, f"messages: {error}", param="messages") from None
-        if not ids:
-            raise ApiError(400, "messages: the chat template renders them as no tokens",
-                           param="messages")
+        ids = await state.chat_ids(messages)
         asked, field = body.new_tokens
         job = _Job(state, body, [ids], asked, field, chat=True)
         return await job.respond(request)
