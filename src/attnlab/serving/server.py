@@ -9,9 +9,10 @@ choice of a request (``n`` per prompt) is one engine request; ``stream: true`` a
 server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``.
 
 Refusals use OpenAI's error JSON (``api.error_body``): 400 for a body that is not JSON, a
-field of the wrong type or out of range, a prompt that does not fit the context (naming
-the field); 404 for another model's name; 429 when the engine's queue is full; 500 when the
-engine or a handler failed (the server goes on). A client that goes away mid-request has its
+field of the wrong type or out of range, a prompt that does not fit the context or the KV
+cache, ``n`` or ``max_tokens`` over the operator's limits (naming the field); 404 for
+another model's name; 429 when the engine's queue is full; 500 when the engine or a handler
+failed (the server goes on). A client that goes away mid-request has its
 engine requests aborted, which frees their KV cache pages.
 """
 
