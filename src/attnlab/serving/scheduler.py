@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -106,10 +106,11 @@ class Scheduler:
         """The step's plan: ``(request, n)`` runs ``tokens[computed : computed + n]``;
         decode rows first, then prefill chunks in fair order."""
         self._admit_fairly()
-        decoding = [r for r in list(self.running)
-                    if r.pending == 1 and r in self.running and self._make_room(r)]
-        # a later request's page may have paused an earlier one of the list
-        plan = [(r, 1) for r in decoding if r in self.running]
+        for request in list(self.running):
+            if request.pending == 1 and request in self.running:
+                self._make_room(request)
+        # a pause for a later request's page may have sent back one that had its page already
+        plan = [(r, 1) for r in self.running if r.pending == 1]
         prefilling = sorted((r for r in self.running if r.pending > 1), key=self._fair_key())
         shares = fair_shares(self.budget - len(plan), [r.pending for r in prefilling])
         return plan + [(r, n) for r, n in zip(prefilling, shares) if n]
@@ -135,7 +136,7 @@ class Scheduler:
             self.waiting.remove(request)
         self._release(request)
 
-    def _fair_key(self):
+    def _fair_key(self) -> Callable[[Request], tuple[int, int]]:
         """The fair order's key: the running count of the request's group, then arrival."""
         counts = Counter(r.group for r in self.running)
         return lambda request: (counts[request.group], request.arrival)
@@ -176,9 +177,9 @@ class Scheduler:
         request.hashes = hashes[:len(shared)]
         return True
 
-    def _make_room(self, request: Request) -> bool:
-        """A page for ``request``'s next slot, pausing requests while none is available;
-        False when ``request`` paused itself."""
+    def _make_room(self, request: Request) -> None:
+        """A page for ``request``'s next slot, pausing requests while none is available
+        (``request`` itself, when it is the one chosen)."""
         while len(request.table) * self.pool.page_size < request.computed + 1:
             if self.pool.available:
                 request.table += self.pool.allocate(1)
@@ -186,8 +187,7 @@ class Scheduler:
             victim = self._victim(at_least=1)
             self._pause(victim)
             if victim is request:
-                return False
-        return True
+                return
 
     def _victim(self, *, at_least: int) -> Request | None:
         """The newest running request of the group with the most running (of the groups
