@@ -2,6 +2,7 @@
 
     attnlab serve --model DIR [--host 127.0.0.1] [--port 8000] [--max-batch 8]
                   [--max-tokens-per-step 512] [--kv-pages N] [--page-size 16]
+                  [--max-tokens-limit N] [--max-n N]
                   [--dtype DTYPE] [--quantize int8|int4] [--extra-memory]
 
 The app is ``attnlab.serving.server.create_app``, run by uvicorn; the URL is printed once the
@@ -20,6 +21,7 @@ import uvicorn
 from attnlab.arg_types import number, positive_int
 from attnlab.models.hf_loading import SUPPORTED_DTYPES
 from attnlab.quantization import METHODS
+from attnlab.serving.api import MAX_N
 from attnlab.serving.server import create_app
 from attnlab.threads import add_threads_option
 
@@ -46,6 +48,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="tokens per KV cache page")
     p.add_argument("--max-queue", type=positive_int, default=64, metavar="N",
                    help="requests waiting at most; more are answered 429")
+    p.add_argument("--max-tokens-limit", type=positive_int, default=None, metavar="N",
+                   help="new tokens a choice may ask for at most; more are answered 400, and "
+                   "a request that does not say gets at most this many (default: what fits "
+                   "the context and the KV cache)")
+    p.add_argument("--max-n", type=_max_n, default=MAX_N, metavar="N",
+                   help=f"choices (n) a request may ask for at most, in [1, {MAX_N}]; more "
+                   "are answered 400")
     p.add_argument("--dtype", choices=sorted(SUPPORTED_DTYPES), default=None,
                    help="weights and activations dtype (default: the checkpoint's)")
     p.add_argument("--quantize", choices=sorted(METHODS), default=None,
@@ -62,7 +71,8 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_app(args.model, quantize=args.quantize, dtype=args.dtype,
                      extra_memory=args.extra_memory, max_batch=args.max_batch,
                      max_tokens_per_step=args.max_tokens_per_step, kv_pages=args.kv_pages,
-                     page_size=args.page_size, max_queue=args.max_queue)
+                     page_size=args.page_size, max_queue=args.max_queue,
+                     max_tokens_limit=args.max_tokens_limit, max_n=args.max_n)
     server = ReadyServer(uvicorn.Config(app, host=args.host, port=args.port,
                                         log_level="warning"))
     # uvicorn re-raises Ctrl-C once it has shut down: the usual way to stop.
@@ -75,6 +85,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 _port = number(int, lambda v: 0 <= v <= 65535, "a port in [0, 65535] (0: a free one)")
+_max_n = number(int, lambda v: 1 <= v <= MAX_N, f"an int in [1, {MAX_N}]")
 
 
 class ReadyServer(uvicorn.Server):

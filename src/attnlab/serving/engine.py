@@ -36,11 +36,15 @@ from attnlab.serving.paged_cache import PagePool
 from attnlab.serving.params import QueueFull, SamplingParams, TokenEvent
 from attnlab.serving.scheduler import Request, Scheduler
 
-__all__ = ["DEFAULT_POOL_BYTES", "Engine", "QueueFull", "SamplingParams", "TokenEvent"]
+__all__ = ["DEFAULT_POOL_BYTES", "MIN_REQUEST_TOKENS", "Engine", "QueueFull", "SamplingParams",
+           "TokenEvent"]
 
 # Without kv_pages, the pool holds max_batch full contexts but takes at most this much memory
 # (a 32k-token context times 8 requests would otherwise take gigabytes up front).
 DEFAULT_POOL_BYTES = 2 * 2**30
+# A pool must hold one request this long (or the whole context, when it is shorter): a few
+# lines of prompt and answer. A smaller pool is refused when the engine is made.
+MIN_REQUEST_TOKENS = 16
 
 
 class Engine:
@@ -50,8 +54,12 @@ class Engine:
     ``max_batch`` requests run at once; a step runs at most ``max_tokens_per_step`` tokens
     (one per decoding request first, prefill chunks with the rest; ``>= max_batch``);
     ``kv_pages`` pages of ``page_size`` tokens hold every request's keys and values (default:
-    ``max_batch`` full contexts, within ``DEFAULT_POOL_BYTES``); ``max_queue`` requests may
-    wait; ``prefix_caching`` shares the full pages of equal prompt prefixes.
+    ``max_batch`` full contexts, within ``DEFAULT_POOL_BYTES``; a pool that cannot hold one
+    request of ``min(max_len, MIN_REQUEST_TOKENS)`` tokens is refused, naming ``kv_pages`` or,
+    for the default, the model); a request may then have ``max_request_tokens`` tokens, prompt
+    and new ones together; ``max_queue`` requests may wait; ``prefix_caching`` shares the full
+    pages of equal prompt prefixes. Requests are scheduled fairly between groups
+    (``SamplingParams.group``; see ``attnlab.serving.scheduler``).
     """
 
     def __init__(self, model: DecoderLM, *, max_batch: int = 8, max_tokens_per_step: int = 512,
@@ -67,6 +75,10 @@ class Engine:
             raise ValueError("model: longrope RoPE changes every cached key once a sequence "
                              "passes original_max_position_embeddings, which the paged cache "
                              "does not recompute; expected another RoPE (use attnlab generate)")
+        if c.max_len < 2:
+            raise ValueError(f"model: its context max_len={c.max_len} (config.json's "
+                             "max_position_embeddings) holds no prompt token with a new one; "
+                             "expected at least 2 tokens")
         for name, value in (("max_batch", max_batch), ("page_size", page_size),
                             ("max_queue", max_queue),
                             ("max_tokens_per_step", max_tokens_per_step)):
@@ -81,9 +93,25 @@ class Engine:
                              f"{max_tokens_per_step}")
         if not isinstance(prefix_caching, bool):
             raise TypeError(f"prefix_caching: expected a bool, got {prefix_caching!r}")
+        # the pool must hold one request of a useful length: the context, or at least this
+        need = min(c.max_len, MIN_REQUEST_TOKENS)
         if kv_pages is None:
             kv_pages = default_pages(model, max_batch, page_size)
+            if kv_pages * page_size < need:
+                raise ValueError(
+                    f"model: its keys and values take {token_bytes(model)} bytes a token "
+                    f"(2 x num_layers={c.num_layers} x kv_heads={c.kv_heads} x "
+                    f"head_dim={c.head_dim} in {model.dtype}), so the default pool of "
+                    f"{DEFAULT_POOL_BYTES} bytes holds {kv_pages * page_size} tokens; expected "
+                    f"room for one request of {need} tokens: set kv_pages (attnlab serve "
+                    f"--kv-pages) to allow more memory")
         check_positive("kv_pages", kv_pages)
+        if kv_pages * page_size < need:
+            raise ValueError(f"kv_pages: {kv_pages} pages of {page_size} tokens hold "
+                             f"{kv_pages * page_size} tokens; expected at least "
+                             f"{math.ceil(need / page_size)} pages (one request of {need} "
+                             f"tokens: the model's context max_len={c.max_len}, or "
+                             f"{MIN_REQUEST_TOKENS} when it is longer)")
         self.model, self.max_queue = model, max_queue
         self._attentions = [m for m in model.modules() if isinstance(m, SelfAttention)]
         self.pool = PagePool(c.num_layers, kv_pages, page_size, c.kv_heads, c.head_dim,
@@ -118,7 +146,7 @@ class Engine:
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise TypeError(f"request_id: expected a non-empty str or None, got {request_id!r}")
         size, n = len(prompt), params.max_tokens
-        limit = min(c.max_len, self.pool.num_pages * ps)
+        limit = self.max_request_tokens
         what = (f"the model's context is max_len={c.max_len} tokens" if limit == c.max_len
                 else f"the KV cache holds {limit} tokens ({self.pool.num_pages} pages of {ps})")
         if size >= limit:
@@ -138,9 +166,15 @@ class Engine:
             if len(self.scheduler.waiting) >= self.max_queue:
                 raise QueueFull(f"max_queue: {self.max_queue} requests are waiting already")
             request = Request(request_id, prompt, size, params, generator)
-            self.scheduler.waiting.append(request)
+            self.scheduler.add(request)
             self._live[request_id] = request
         return request_id
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + ``max_tokens``) one request may have: the model's context
+        or the whole pool, the smaller."""
+        return min(self.model.config.max_len, self.pool.num_pages * self.pool.page_size)
 
     def abort(self, request_id: str) -> None:
         """End a request (waiting or running): the next ``step`` releases its pages and reports
@@ -288,12 +322,16 @@ class Engine:
 
 def default_pages(model: DecoderLM, max_batch: int, page_size: int) -> int:
     """Pages for ``max_batch`` full contexts, at most ``DEFAULT_POOL_BYTES`` of keys and
-    values (and at least one full context)."""
+    values (``0`` when one page takes more)."""
+    context = math.ceil(model.config.max_len / page_size)
+    return min(max_batch * context, DEFAULT_POOL_BYTES // (page_size * token_bytes(model)))
+
+
+def token_bytes(model: DecoderLM) -> int:
+    """Bytes of keys and values that one token takes in the pool: ``2 x layers x G x D`` in
+    the model's dtype."""
     c = model.config
-    per_page = (2 * c.num_layers * c.kv_heads * page_size * c.head_dim
-                * torch.finfo(model.dtype).bits // 8)
-    context = math.ceil(c.max_len / page_size)
-    return max(context, min(max_batch * context, DEFAULT_POOL_BYTES // per_page))
+    return 2 * c.num_layers * c.kv_heads * c.head_dim * torch.finfo(model.dtype).bits // 8
 
 
 def _token_list(prompt_ids: object, vocab_size: int) -> list[int]:

@@ -20,7 +20,9 @@ class SamplingParams:
     (``attnlab.generation.sampling``; ``top_k = 0`` and ``top_p = 1`` are off); ``seed``
     gives the request its own ``torch.Generator``, so that the same seed draws the same
     tokens whatever else runs in the batch; a token of ``stop_token_ids`` ends the request
-    (it is reported, with ``finish_reason="stop"``).
+    (it is reported, with ``finish_reason="stop"``); requests of one ``group`` (the ``n``
+    choices of one HTTP request) share one fair share of the engine (``None``: the request
+    is a group alone; see ``attnlab.serving.scheduler``).
     """
 
     max_tokens: int
@@ -29,6 +31,7 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    group: str | None = None
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -50,6 +53,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids: expected a tuple of token ids (ints >= 0), got "
                              f"{stop!r}")
         object.__setattr__(self, "stop_token_ids", tuple(stop))
+        if self.group is not None and (not isinstance(self.group, str) or not self.group):
+            raise ValueError(f"group: expected None or a non-empty str, got {self.group!r}")
 
     @property
     def greedy(self) -> bool:

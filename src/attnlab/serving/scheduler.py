@@ -3,27 +3,45 @@
 Every request is a list of ``tokens`` (prompt, then what it generated) of which ``computed``
 have their keys/values in its pages; it runs ``pending = len(tokens) - computed`` tokens
 more before the model predicts its next one (``1`` once decoding, the rest of the prompt
-while prefilling). A step, under a budget of ``max_tokens_per_step`` tokens:
+while prefilling). Requests belong to *groups* (``SamplingParams.group``: the ``n`` choices
+of one HTTP request; a request without one is a group alone); ``r_g`` is the number of group
+``g``'s requests running. A step, under a budget of ``max_tokens_per_step`` tokens:
 
-1. decode: every running request with one pending token gets it, oldest admitted first; its
-   next slot may need a new page;
-2. prefill: running requests still prefilling get chunks of what budget is left, oldest
-   first, so that a long prompt takes several steps and never stalls the decoding ones;
-3. admit: waiting requests, first come first served, while fewer than ``max_batch`` run,
-   budget is left and the pool has the pages for the request's tokens + 1 (its prefix pages
-   found in the prefix cache are shared, not counted); admission never takes pages from a
-   running request, and waits for the next step when this one paused a request.
+1. admit: waiting requests in *fair order*, fewest running of their group first (smallest
+   ``r_g``), then first come first served, while fewer than ``max_batch`` run and the pool
+   has the pages for the request's tokens + 1 beside the pages the decoding requests need
+   this step (its prefix pages found in the prefix cache are shared, not counted). When the
+   first request in that order does not fit, the newest request of the group with the most
+   running (``r_h``) is paused to make way for it, as long as ``r_h >= r_g + 2``: a group
+   never holds two slots more than a group that waits for one, and pausing can never
+   swing back (after it, ``r_h - 1 >= r_g + 1``). Admission stops at the first request
+   that does not fit, so a large request is not overtaken forever;
+2. decode: every running request with one pending token gets it; its next slot may need a
+   new page;
+3. prefill: the rest of the budget is split among the running requests still prefilling,
+   max-min fair (``fair_shares``): none gets more than an equal share unless the others need
+   less, and a left-over token goes first in fair order. A long prompt takes several steps
+   and never stalls the decoding requests nor a newcomer's prefill.
 
-When a decoding request needs a page and none is available, the most recently admitted
-request is paused: its pages are released (its full pages stay in the prefix cache, so
-that it usually finds them again) and it goes back to the head of the queue with every token
-it has, to be prefilled again when pages are free. A request that is itself the newest
-pauses itself. No request is ever cut short for lack of pages.
+Since ``max_tokens_per_step >= max_batch``, every running request gets at least one token of
+every step. So a request of a group that runs nothing is admitted and computes its first
+prompt tokens in the first step after it arrives, whatever else runs (``n = 16`` choices of
+800 tokens), unless a request of another group that runs nothing arrived before it and waits
+too, or the pool cannot hold it even after the pauses the rule allows (it then waits for
+pages to be released, as every request does).
+
+When a decoding request needs a page and none is available, the newest request of the group
+with the most running is paused: its pages are released (its full pages stay in the prefix
+cache, so that it usually finds them again) and it goes back to the waiting requests with
+every token it has and its place in the order, to be prefilled again when pages are free. A
+request chosen so that is the one needing the page pauses itself. No request is ever cut
+short for lack of pages.
 """
-
 from __future__ import annotations
 
-from collections import deque
+import itertools
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -31,13 +49,14 @@ import torch
 from attnlab.serving.paged_cache import PagePool, page_hashes
 from attnlab.serving.params import SamplingParams
 
-__all__ = ["Request", "Scheduler"]
+__all__ = ["Request", "Scheduler", "fair_shares"]
 
 
 @dataclass(eq=False)
 class Request:
     """One request's state: ``tokens`` (prompt + generated), ``computed`` of them stored in
-    the pages of ``table``, the chain ``hashes`` of its full computed pages."""
+    the pages of ``table``, the chain ``hashes`` of its full computed pages; ``arrival``, its
+    place in first-come order (set by ``Scheduler.add``)."""
 
     request_id: str
     tokens: list[int]
@@ -47,6 +66,7 @@ class Request:
     table: list[int] = field(default_factory=list)
     computed: int = 0
     hashes: list[bytes] = field(default_factory=list)
+    arrival: int = 0
 
     @property
     def pending(self) -> int:
@@ -57,9 +77,14 @@ class Request:
     def generated(self) -> int:
         return len(self.tokens) - self.prompt_length
 
+    @property
+    def group(self) -> Hashable:
+        """What it shares its fair share with: ``params.group``, else the request alone."""
+        return self if self.params.group is None else self.params.group
+
 
 class Scheduler:
-    """The ``waiting`` queue and the ``running`` requests (in admission order) over a
+    """The ``waiting`` requests and the ``running`` ones (in admission order) over a
     ``PagePool``; ``schedule()`` plans a step (module docstring), ``advance`` records it."""
 
     def __init__(self, pool: PagePool, *, max_batch: int, max_tokens_per_step: int,
@@ -67,33 +92,28 @@ class Scheduler:
         self.pool = pool
         self.max_batch, self.budget = max_batch, max_tokens_per_step
         self.prefix_caching = prefix_caching
-        self.waiting: deque[Request] = deque()
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.preemptions = 0
+        self._arrivals = itertools.count()
+
+    def add(self, request: Request) -> None:
+        """Queue ``request`` as the latest arrival."""
+        request.arrival = next(self._arrivals)
+        self.waiting.append(request)
 
     def schedule(self) -> list[tuple[Request, int]]:
         """The step's plan: ``(request, n)`` runs ``tokens[computed : computed + n]``;
-        decode rows first, then prefill chunks, then newly admitted requests."""
-        budget, plan, paused = self.budget, [], self.preemptions
+        decode rows first, then prefill chunks in fair order."""
+        self._admit_fairly()
         for request in list(self.running):
-            if request.pending == 1 and request in self.running and budget \
-                    and self._make_room(request):
-                plan.append((request, 1))
-                budget -= 1
-        for request in self.running:
-            if request.pending > 1 and budget:
-                n = min(request.pending, budget)
-                plan.append((request, n))
-                budget -= n
-        # after a pause, pages are short: admitting now would only pause someone again
-        while self.waiting and budget and len(self.running) < self.max_batch \
-                and self.preemptions == paused and self._admit(self.waiting[0]):
-            request = self.waiting.popleft()
-            self.running.append(request)
-            n = min(request.pending, budget)
-            plan.append((request, n))
-            budget -= n
-        return plan
+            if request.pending == 1 and request in self.running:
+                self._make_room(request)
+        # a pause for a later request's page may have sent back one that had its page already
+        plan = [(r, 1) for r in self.running if r.pending == 1]
+        prefilling = sorted((r for r in self.running if r.pending > 1), key=self._fair_key())
+        shares = fair_shares(self.budget - len(plan), [r.pending for r in prefilling])
+        return plan + [(r, n) for r, n in zip(prefilling, shares) if n]
 
     def advance(self, request: Request, n: int) -> None:
         """``n`` more tokens of ``request`` are stored; its newly full pages join the prefix
@@ -116,9 +136,30 @@ class Scheduler:
             self.waiting.remove(request)
         self._release(request)
 
+    def _fair_key(self) -> Callable[[Request], tuple[int, int]]:
+        """The fair order's key: the running count of the request's group, then arrival."""
+        counts = Counter(r.group for r in self.running)
+        return lambda request: (counts[request.group], request.arrival)
+
+    def _admit_fairly(self) -> None:
+        """Admit waiting requests in fair order, pausing over-share requests to make way."""
+        while self.waiting:
+            request = min(self.waiting, key=self._fair_key())
+            while not self._admit(request):
+                mine = sum(r.group == request.group for r in self.running)
+                victim = self._victim(at_least=mine + 2)
+                if victim is None:
+                    return
+                self._pause(victim)
+            self.waiting.remove(request)
+            self.running.append(request)
+
     def _admit(self, request: Request) -> bool:
-        """Give ``request`` its prefix pages and pages for the rest of its tokens + 1, if the
-        pool has them; else leave it waiting."""
+        """Give ``request`` its prefix pages and pages for the rest of its tokens + 1, if a
+        batch slot is free and the pool has them beside the pages that decoding requests
+        need this step; else leave it waiting."""
+        if len(self.running) >= self.max_batch:
+            return False
         ps, pool = self.pool.page_size, self.pool
         # the last token is always run, for its logits: at most (T - 1) // page pages shared
         hashes = (page_hashes(request.tokens, ps, (len(request.tokens) - 1) // ps)
@@ -126,7 +167,9 @@ class Scheduler:
         shared = pool.match(hashes)
         needed = -(-(len(request.tokens) + 1) // ps) - len(shared)
         idle_shared = sum(pool.refcount[page] == 0 for page in shared)
-        if pool.available - idle_shared < needed:
+        decoding = sum(r.pending == 1 and len(r.table) * ps < r.computed + 1
+                       for r in self.running)
+        if pool.available - idle_shared - decoding < needed:
             return False
         pool.share(shared)
         request.table = shared + pool.allocate(needed)
@@ -134,21 +177,56 @@ class Scheduler:
         request.hashes = hashes[:len(shared)]
         return True
 
-    def _make_room(self, request: Request) -> bool:
-        """A page for ``request``'s next slot, pausing the newest requests while none is
-        available; False when ``request`` paused itself."""
+    def _make_room(self, request: Request) -> None:
+        """A page for ``request``'s next slot, pausing requests while none is available
+        (``request`` itself, when it is the one chosen)."""
         while len(request.table) * self.pool.page_size < request.computed + 1:
             if self.pool.available:
                 request.table += self.pool.allocate(1)
                 continue
-            newest = self.running.pop()
-            self._release(newest)
-            self.waiting.appendleft(newest)
-            self.preemptions += 1
-            if newest is request:
-                return False
-        return True
+            victim = self._victim(at_least=1)
+            self._pause(victim)
+            if victim is request:
+                return
+
+    def _victim(self, *, at_least: int) -> Request | None:
+        """The newest running request of the group with the most running (of the groups
+        tied, the one with the newest request), if that group runs ``at_least``."""
+        counts = Counter(r.group for r in self.running)
+        most = max(counts.values(), default=0)
+        if most < at_least:
+            return None
+        return next(r for r in reversed(self.running) if counts[r.group] == most)
+
+    def _pause(self, request: Request) -> None:
+        """Send a running ``request`` back to wait (it keeps its tokens and its arrival)."""
+        self.running.remove(request)
+        self._release(request)
+        self.waiting.append(request)
+        self.preemptions += 1
 
     def _release(self, request: Request) -> None:
         self.pool.release(request.table)
         request.table, request.computed, request.hashes = [], 0, []
+
+
+def fair_shares(budget: int, wants: Sequence[int]) -> list[int]:
+    """A max-min fair split of ``budget`` tokens among ``wants`` (in priority order): the
+    largest level ``L`` with ``sum(min(w, L)) <= budget``, each getting ``min(w, L)``; the
+    tokens left (fewer than the wants above ``L``) go one each to the first wants above ``L``.
+    ``fair_shares(10, [26, 2, 26]) == [4, 2, 4]``, ``fair_shares(2, [5, 5, 5]) == [1, 1, 0]``.
+    """
+    low, high = 0, max(wants, default=0)
+    while low < high:  # the largest level that the budget covers
+        level = (low + high + 1) // 2
+        if sum(min(w, level) for w in wants) <= budget:
+            low = level
+        else:
+            high = level - 1
+    shares = [min(w, low) for w in wants]
+    left = budget - sum(shares)
+    for i, w in enumerate(wants):
+        if left and w > shares[i]:
+            shares[i] += 1
+            left -= 1
+    return shares

@@ -9,12 +9,13 @@ choice of a request (``n`` per prompt) is one engine request; ``stream: true`` a
 server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``.
 
 Refusals use OpenAI's error JSON (``api.error_body``): 400 for a body that is not JSON, a
-field of the wrong type or out of range, a prompt that does not fit the context (naming
-the field), a chat template that fails or passes its time or memory limit (naming its file:
-it renders in a worker process, ``attnlab.chat_render``); 404 for another model's name;
-429 when the engine's queue is full; 500 when the engine or a handler failed (the server
-goes on). A client that goes away mid-request has its engine requests aborted, which frees
-their KV cache pages.
+field of the wrong type or out of range, a prompt that does not fit the context or the KV
+cache, ``n`` or ``max_tokens`` over the operator's limits (naming the field), a chat
+template that fails or passes its time or memory limit (naming its file: it renders in a
+worker process, ``attnlab.chat_render``); 404 for another model's name; 429 when the
+engine's queue is full; 500 when the engine or a handler failed (the server goes on). A
+client that goes away mid-request has its engine requests aborted, which frees their KV
+cache pages.
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from attnlab._checks import check_positive
+from attnlab._checks import check_positive, is_int
 from attnlab.generation.config import read_generation_config
 from attnlab.generation.inputs import token_id_set
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.io import from_pretrained
 from attnlab.serving import Engine, QueueFull, SamplingParams
 from attnlab.serving.api import (
+    MAX_N,
     MAX_SEED,
     ApiError,
     ChatRequest,
@@ -67,7 +69,8 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
                dtype: str | None = None, extra_memory: bool = False, max_batch: int = 8,
                max_tokens_per_step: int = 512, kv_pages: int | None = None, page_size: int = 16,
                max_queue: int = 64, prefix_caching: bool = True,
-               max_body_bytes: int = 8 * 2**20) -> FastAPI:
+               max_body_bytes: int = 8 * 2**20, max_tokens_limit: int | None = None,
+               max_n: int = MAX_N) -> FastAPI:
     """The FastAPI app serving ``model``: a checkpoint folder (read by ``from_pretrained``,
     weights in ``dtype`` (default the stored one) and quantized when ``quantize`` is
     ``"int8"``/``"int4"``, with oneDNN's packed copies beside them where they win when
@@ -76,15 +79,29 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
     the model id of ``/v1/models`` (default: the folder's name, ``"attnlab"`` for a pair); the
     engine options are ``Engine``'s. The engine thread starts with the app's lifespan (a server
     starting the app) and stops with it; ``app.state.serving`` is the ``ServerState``.
-    ``max_body_bytes``: larger request bodies are refused (413)."""
+    ``max_body_bytes``: larger request bodies are refused (413). ``max_tokens_limit`` (default:
+    none but the context and the KV cache) and ``max_n`` (at most ``MAX_N``): a request asking
+    for more new tokens per choice, or more choices, is refused (400 naming the field); a
+    request that does not say caps its new tokens at ``max_tokens_limit``."""
     check_positive("max_body_bytes", max_body_bytes)
+    if max_tokens_limit is not None:
+        check_positive("max_tokens_limit", max_tokens_limit)
+    if not is_int(max_n) or not 1 <= max_n <= MAX_N:
+        raise ValueError(f"max_n: expected an int in [1, {MAX_N}], got {max_n!r}")
     if served_name is not None and (not isinstance(served_name, str) or not served_name):
         raise TypeError(f"served_name: expected a non-empty str or None, got {served_name!r}")
     state = ServerState.load(model, served_name=served_name, quantize=quantize, dtype=dtype,
                              extra_memory=extra_memory)
-    engine = Engine(state.model, max_batch=max_batch, max_tokens_per_step=max_tokens_per_step,
-                    kv_pages=kv_pages, page_size=page_size, max_queue=max_queue,
-                    prefix_caching=prefix_caching)
+    try:
+        engine = Engine(state.model, max_batch=max_batch,
+                        max_tokens_per_step=max_tokens_per_step, kv_pages=kv_pages,
+                        page_size=page_size, max_queue=max_queue, prefix_caching=prefix_caching)
+    except ValueError as error:  # the model's config cannot be served: name the file
+        if isinstance(model, tuple) or not str(error).startswith("model: "):
+            raise
+        raise ValueError(f"{Path(model) / 'config.json'}: "
+                         f"{str(error).removeprefix('model: ')}") from None
+    state.max_tokens_limit, state.max_n = max_tokens_limit, max_n
     state.engine = EngineThread(engine)
     # Loading ran OpenMP work on this thread; its idle worker threads would share the cores
     # with the engine thread's (see release_openmp_threads).
@@ -109,7 +126,8 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
 
 @dataclass
 class ServerState:
-    """What the handlers share: the model, its tokenizer, the end ids, the engine thread."""
+    """What the handlers share: the model, its tokenizer, the end ids, the engine thread, the
+    operator's limits on a request's new tokens per choice and on its choices."""
 
     model: DecoderLM
     tokenizer: Tokenizer
@@ -117,6 +135,8 @@ class ServerState:
     stop_token_ids: tuple[int, ...]
     metrics: Metrics
     engine: EngineThread | None = None
+    max_tokens_limit: int | None = None
+    max_n: int = MAX_N
 
     @classmethod
     def load(cls, model: str | Path | tuple[DecoderLM, Tokenizer], *,
@@ -197,30 +217,47 @@ class ServerState:
         return ids
 
     def params(self, body: CompletionRequest | ChatRequest, prompt_length: int,
-               asked: int | None, field: str, choice: int) -> SamplingParams:
-        """The engine's parameters for one choice, after checking that it fits the context."""
-        room, prompt_field = self.context - prompt_length, (
-            "messages" if isinstance(body, ChatRequest) else "prompt")
-        limit = f"This model's maximum context length is {self.context} tokens"
+               asked: int | None, field: str, choice: int,
+               group: str | None = None) -> SamplingParams:
+        """The engine's parameters for one choice of the request ``group``, after checking
+        ``n`` and the new tokens ``asked`` in ``field`` against the server's limits, and that
+        the choice fits the context and the KV cache. New tokens the client did not ask for
+        (``field`` not sent) are as many as fit, within ``max_tokens_limit`` (and the field's
+        default, when it has one)."""
+        prompt_field = "messages" if isinstance(body, ChatRequest) else "prompt"
+        if body.n > self.max_n:
+            raise ApiError(400, f"n: expected at most {self.max_n} (this server's --max-n), "
+                           f"got {body.n}", param="n")
+        most = self.engine.engine.max_request_tokens
+        room = most - prompt_length
+        limit = (f"This model's maximum context length is {most} tokens"
+                 if most == self.context else f"This server's KV cache holds {most} tokens a "
+                 f"request (the model's context is {self.context})")
         if room <= 0:
             raise ApiError(400, f"{prompt_field}: {limit}. However, your {prompt_field} has "
                            f"{prompt_length} tokens, leaving no room for a completion.",
                            param=prompt_field, code="context_length_exceeded")
-        if asked is not None and asked > room:
-            raise ApiError(400, f"{field}: {limit}. However, you requested "
-                           f"{prompt_length + asked} tokens ({prompt_length} in the "
-                           f"{prompt_field}, {asked} for the completion). Please reduce the "
-                           f"length of the {prompt_field} or {field}.", param=field,
-                           code="context_length_exceeded")
+        if field in body.model_fields_set and asked is not None:
+            if self.max_tokens_limit is not None and asked > self.max_tokens_limit:
+                raise ApiError(400, f"{field}: expected at most {self.max_tokens_limit} (this "
+                               f"server's --max-tokens-limit), got {asked}", param=field)
+            if asked > room:
+                raise ApiError(400, f"{field}: {limit}. However, you requested "
+                               f"{prompt_length + asked} tokens ({prompt_length} in the "
+                               f"{prompt_field}, {asked} for the completion). Please reduce "
+                               f"the length of the {prompt_field} or {field}.", param=field,
+                               code="context_length_exceeded")
+        else:  # a default: what fits
+            asked = min(room, self.max_tokens_limit or room, asked or room)
         # n choices with one seed must differ, as OpenAI's do; each is still reproducible.
         seed = None if body.seed is None else (body.seed + choice) % (MAX_SEED + 1)
         # A temperature this small divides the logits into inf (NaN probabilities): it means
         # greedy, as in vLLM. A top_p under float32's range compares as 0 and would drop every
         # token; any p <= 1/V keeps the most likely token only, which MIN_TOP_P does.
         temperature = 0.0 if body.temperature < SAMPLING_EPS else body.temperature
-        return SamplingParams(max_tokens=room if asked is None else asked,
-                              temperature=temperature, top_p=max(body.top_p, MIN_TOP_P),
-                              top_k=body.top_k, seed=seed, stop_token_ids=self.stop_token_ids)
+        return SamplingParams(max_tokens=asked, temperature=temperature,
+                              top_p=max(body.top_p, MIN_TOP_P), top_k=body.top_k, seed=seed,
+                              stop_token_ids=self.stop_token_ids, group=group)
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
@@ -272,10 +309,11 @@ class _Job:
             raise ApiError(400, "stream_options: only with stream: true, got stream: "
                            "false", param="stream_options")
         self.prompt_tokens = sum(map(len, prompts)) * body.n
-        # Every choice is checked before any is started: a refusal leaves nothing running.
-        self.work = [(ids, state.params(body, len(ids), asked, field, j))
-                     for ids in prompts for j in range(body.n)]
         self.id = new_id("chatcmpl" if chat else "cmpl")
+        # Every choice is checked before any is started: a refusal leaves nothing running.
+        # The choices share one fair share of the engine (its scheduler's groups).
+        self.work = [(ids, state.params(body, len(ids), asked, field, j, group=self.id))
+                     for ids in prompts for j in range(body.n)]
         self.events: asyncio.Queue = asyncio.Queue()
         self.choices: dict[str, tuple[int, ChoiceText]] = {}  # engine id -> (index, text)
         self.finishes: dict[int, str] = {}

@@ -1,0 +1,165 @@
+"""Fair scheduling between groups of requests (``SamplingParams.group``, the ``n`` choices of
+one HTTP request), counted in scheduler steps: a newcomer is prefilled in the first step
+after it arrives while a request of 16 choices runs, groups share the batch within one slot
+of each other, the prefill budget is split max-min fair, and greedy tokens stay those of
+``generate`` run alone."""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnlab.generation import generate
+from attnlab.models import DecoderLM, DecoderLMConfig
+from attnlab.serving import Engine, SamplingParams
+from attnlab.serving.engine import MIN_REQUEST_TOKENS
+from attnlab.serving.scheduler import fair_shares
+
+V = 61
+# The scheduler's bound (its module docstring): a request of a group that runs nothing is
+# admitted and computes prompt tokens in the first step after it arrives.
+K = 1
+
+
+@functools.cache
+def _model() -> DecoderLM:
+    torch.manual_seed(0)
+    config = DecoderLMConfig.llama(V, d_model=32, num_layers=2, num_heads=4, max_len=48,
+                                   initializer_range=0.3)
+    return DecoderLM(config).eval()
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(V) for _ in range(length)]
+
+
+@functools.cache
+def _reference(prompt: tuple[int, ...], new: int) -> list[int]:
+    ids = generate(_model(), torch.tensor([prompt]), new)
+    return ids[0, len(prompt):].tolist()
+
+
+def _greedy(new: int, group: str | None = None) -> SamplingParams:
+    return SamplingParams(new, temperature=0, group=group)
+
+
+def _drain(engine: Engine, tokens: dict[str, list[int]]) -> None:
+    """Step until nothing is left, appending every token to ``tokens[request_id]``."""
+    for _ in range(2000):
+        if not engine.has_work():
+            return
+        for event in engine.step():
+            if event.token_id is not None:
+                tokens[event.request_id].append(event.token_id)
+    raise AssertionError("the engine made no progress")
+
+
+def _running_per_group(engine: Engine) -> Counter:
+    return Counter(r.params.group for r in engine.scheduler.running)
+
+
+def test_a_newcomer_is_prefilled_within_k_steps_while_sixteen_choices_run():
+    engine = Engine(_model(), max_batch=4, max_tokens_per_step=6, page_size=4)
+    big_prompt, small_prompt = _prompt(17, 1), _prompt(26, 2)
+    tokens: dict[str, list[int]] = {}
+    for _ in range(16):  # one request of n=16 choices, each 20 new tokens
+        tokens[engine.add_request(big_prompt, _greedy(20, "big"))] = []
+    for _ in range(5):
+        for event in engine.step():
+            tokens[event.request_id].append(event.token_id)
+    assert _running_per_group(engine) == {"big": 4}
+    small = engine.add_request(small_prompt, _greedy(6, "small"))
+    tokens[small] = []
+    request = next(r for r in engine.scheduler.waiting if r.request_id == small)
+    for _ in range(K):
+        for event in engine.step():
+            tokens[event.request_id].append(event.token_id)
+    assert request in engine.scheduler.running and request.computed > 0
+    # the big request gave up one of its 4 slots (its newest choice waits again)
+    assert _running_per_group(engine) == {"big": 3, "small": 1}
+    _drain(engine, tokens)
+    assert tokens.pop(small) == _reference(tuple(small_prompt), 6)
+    assert all(t == _reference(tuple(big_prompt), 20) for t in tokens.values())
+    assert engine.stats()["pages_used"] == 0
+
+
+def test_without_groups_arrival_order_is_kept():
+    # every request a group alone: first come, first served, as before groups existed
+    engine = Engine(_model(), max_batch=2, max_tokens_per_step=4, page_size=4)
+    ids = [engine.add_request(_prompt(3, i), _greedy(4)) for i in range(4)]
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ids[:2]
+
+
+def test_two_groups_share_the_batch_within_one_slot():
+    engine = Engine(_model(), max_batch=4, max_tokens_per_step=8, page_size=4)
+    for _ in range(8):
+        engine.add_request(_prompt(5, 3), _greedy(10, "a"))
+    engine.step()
+    assert _running_per_group(engine) == {"a": 4}
+    for _ in range(8):
+        engine.add_request(_prompt(7, 4), _greedy(10, "b"))
+    engine.step()
+    assert _running_per_group(engine) == {"a": 2, "b": 2}
+    engine.step()  # balanced: nobody is paused again
+    assert _running_per_group(engine) == {"a": 2, "b": 2}
+    assert engine.stats()["preemptions"] == 2
+
+
+def test_prefilling_requests_split_the_budget_max_min_fair():
+    engine = Engine(_model(), max_batch=3, max_tokens_per_step=10, page_size=4)
+    for length, seed in ((26, 5), (2, 6), (26, 7)):
+        engine.add_request(_prompt(length, seed), _greedy(4))
+    engine.step()
+    assert [r.computed for r in engine.scheduler.running] == [4, 2, 4]
+
+
+@pytest.mark.parametrize(("budget", "wants", "shares"), [
+    (10, [26, 2, 26], [4, 2, 4]),
+    (2, [5, 5, 5], [1, 1, 0]),
+    (11, [26, 2, 26], [5, 2, 4]),   # the left-over token goes first in priority order
+    (100, [3, 7], [3, 7]),           # enough for all
+    (5, [], []),
+    (0, [4, 1], [0, 0]),
+])
+def test_fair_shares_is_max_min_fair(budget, wants, shares):
+    assert fair_shares(budget, wants) == shares
+
+
+@settings(max_examples=30, deadline=None)
+@given(groups=st.lists(st.tuples(st.integers(1, 5), st.integers(0, 8), st.integers(1, 30)),
+                       min_size=1, max_size=4),
+       max_batch=st.integers(1, 4), extra_budget=st.integers(0, 6),
+       page_size=st.sampled_from([2, 4]), spare_pages=st.sampled_from([0, 3, None]))
+def test_groups_arriving_at_any_step_get_the_greedy_tokens_of_generate(
+        groups, max_batch, extra_budget, page_size, spare_pages):
+    # groups: (choices, arrival step, prompt length); every choice makes 8 new tokens
+    new = 8
+    longest = -(-(max(length for _, _, length in groups) + new) // page_size)
+    engine = Engine(_model(), max_batch=max_batch, max_tokens_per_step=max_batch + extra_budget,
+                    page_size=page_size,
+                    kv_pages=None if spare_pages is None
+                    else max(longest + spare_pages, -(-MIN_REQUEST_TOKENS // page_size)))
+    prompts = [_prompt(length, i) for i, (_, _, length) in enumerate(groups)]
+    expected, tokens = {}, {}
+    step = 0
+    while step <= max(arrival for _, arrival, _ in groups) or engine.has_work():
+        for g, (choices, arrival, _) in enumerate(groups):
+            if arrival == step:
+                for _ in range(choices):
+                    request_id = engine.add_request(prompts[g], _greedy(new, f"g{g}"))
+                    expected[request_id], tokens[request_id] = g, []
+        for event in engine.step():
+            tokens[event.request_id].append(event.token_id)
+        step += 1
+        assert step < 2000, "the engine made no progress"
+    for request_id, g in expected.items():
+        assert tokens[request_id] == _reference(tuple(prompts[g]), new)
+    assert engine.stats()["pages_used"] == 0
