@@ -106,3 +106,15 @@ def test_special_ids_outside_the_vocabulary_load_and_are_refused_where_used(fold
         generate(model, prompt, 2, eos_token_id=50256)
     with pytest.raises(ValueError, match=rf"pad_token_id: {message}"):
         generate(model, prompt, 2, pad_token_id=50256)
+
+
+def test_a_nan_row_of_q_proj_in_memory_reaches_the_nan_logits_check() -> None:
+    """What the load check guards against: the fused attention kernel once returned zeros for
+    the NaN query row and the model generated text; NaN now flows to the logits' check."""
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderLMConfig.llama(vocab_size=64, d_model=32, num_layers=2,
+                                            num_heads=4, max_len=32)).eval()
+    with torch.no_grad():
+        model.layers[1].self_attn.q_proj.weight[3] = float("nan")
+    with pytest.raises(ValueError, match=r"logits .*: row 0 \(of 1\) holds NaN"):
+        generate(model, torch.tensor([[1, 2, 3]]), 4)
