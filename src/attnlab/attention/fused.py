@@ -31,7 +31,9 @@ def fused_attention(
 
     query ``N.. x H x L x D``, key ``M.. x G x S x D``, value ``M.. x G x S x Dv`` (``M..``
     broadcasting to ``N..``), ``mask`` of any shape that broadcasts to ``N.. x H x L x S``
-    -> ``N.. x H x L x Dv``.
+    -> ``N.. x H x L x Dv``. PyTorch's kernel returns zeros for a NaN query row and finite
+    values for some overflowing scores: ``scaled_dot_product_attention`` runs the formula for
+    such calls instead (its docstring), so call this through it.
     """
     L, S = query.shape[-2], key.shape[-2]
     if mask is not None and mask.dim() < 2:

@@ -53,6 +53,15 @@ def scaled_dot_product_attention(
       ``S - L + i``); it may be combined with ``mask``.
     - ``enable_gqa``: query head ``h`` uses key/value head ``h // (H / G)``.
     - A query with no key to attend to gets a zero output (and zero weights), never NaN.
+    - Non-finite scores, one behaviour in every backend (and ``attnlab.kernels``' decode
+      kernel): a score that is NaN or ``+inf`` at a key the query may attend to (a NaN or an
+      infinity in its query or that key, or ``q . k`` overflowing float32) makes the query's
+      output (and weights) NaN, as no weight can be given; a ``-inf`` score (masked, or
+      ``q . k`` overflowing below) is a weight of 0, the limit. Masked keys never count. NaN
+      in, NaN out, so a corrupt weight reaches the logits' NaN check instead of becoming text.
+      ``flash`` and ``fused`` run the formula (``math``) for a call whose scores might leave
+      float32's range (``D max|q| max|k| max(1, scale)`` past ``2^124``, or a NaN in the
+      inputs: one ``aminmax`` of q and of k per call); no trained model comes near it.
     - bfloat16/float16 inputs: scores, softmax and sums are computed in float32 by every
       backend; output and weights come back in the input dtype.
     - ``return_weights=True`` returns ``(output, weights)``, weights ``N.. x H x L x S`` being
@@ -74,6 +83,10 @@ def scaled_dot_product_attention(
     rank = max(query.dim(), key.dim(), value.dim())
     query, key, value = _broadcast(query, key, value, enable_gqa)
     _check_mask(mask, query, key, rank)
+    if chosen != "math" and not _scores_in_range(query, key, scale):
+        # Each kernel orders and scales the products its own way, and PyTorch's returns zeros
+        # for a NaN query: the formula alone defines what non-finite scores give.
+        chosen = "math"
     if chosen == "math":
         out, weights = math_attention(
             query, key, value, mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
@@ -89,6 +102,24 @@ def scaled_dot_product_attention(
             query, key, value, mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p
         )
     return out.squeeze(0) if rank == 2 else out
+
+
+# A bound on |q . k| * max(1, scale) below which no backend's scores (scaled before or after
+# the products, in base 2 for flash, shifted by a running max) can overflow float32.
+_SCORE_LIMIT = 2.0**124
+
+
+def _scores_in_range(query: Tensor, key: Tensor, scale: float) -> bool:
+    """Whether every score is surely finite in every backend: ``D max|q| max|k| max(1,
+    |scale|)`` below ``_SCORE_LIMIT``; False when the inputs hold a NaN or an infinity. One
+    ``aminmax`` pass over each (a NaN propagates into it) and one read back."""
+    if query.numel() == 0 or key.numel() == 0:
+        return True
+    extremes = torch.stack([*torch.aminmax(query), *torch.aminmax(key)]).double().tolist()
+    if not all(math.isfinite(x) for x in extremes):
+        return False
+    top_q, top_k = max(map(abs, extremes[:2])), max(map(abs, extremes[2:]))
+    return top_q * top_k * query.shape[-1] * max(1.0, abs(scale)) < _SCORE_LIMIT
 
 
 def _default_scale(query: Tensor) -> float:

@@ -190,7 +190,10 @@ void attend(const at::Tensor& q, const Keys& keys, int64_t G, int64_t S, int64_t
           nan |= row[j] != row[j];
           top = row[j] > top ? row[j] : top;
         }
-        total[r] = nan ? std::numeric_limits<float>::quiet_NaN() : 0.f;  // NaN in, NaN out
+        // A NaN or +inf score (NaN in, or q k overflowing) leaves no weight to give: a NaN
+        // row, as every backend of attnlab.attention gives.
+        nan |= top == -kNegInf;
+        total[r] = nan ? std::numeric_limits<float>::quiet_NaN() : 0.f;
         if (nan || !(top > kNegInf)) continue;  // nothing to attend to: a zero output
         total[r] = exp_shifted(row, lo, S, top);
       }

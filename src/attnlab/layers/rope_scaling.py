@@ -33,7 +33,7 @@ from torch import Tensor
 
 from attnlab._checks import check_positive, is_number
 
-__all__ = ["ROPE_TYPES", "RopeScaling", "rope_inverse_frequencies"]
+__all__ = ["ROPE_TYPES", "RopeScaling", "check_rope_arguments", "rope_inverse_frequencies"]
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
@@ -177,7 +177,21 @@ def rope_inverse_frequencies(rotary_dim: int, base: float, scaling: RopeScaling,
     ``max_position_embeddings`` transformers' ``config.max_position_embeddings``. ``seq_len``
     (dynamic, longrope) is the current sequence length, ``max(positions) + 1``; None is the
     value at construction (``max_position_embeddings`` for dynamic, short factors for longrope).
+    Arguments are checked as ``check_rope_arguments`` checks them.
     """
+    check_rope_arguments(rotary_dim, base, scaling, max_position_embeddings)
+    if seq_len is not None:
+        check_positive("seq_len", seq_len)
+    compute = _INIT_FUNCTIONS[scaling.rope_type]
+    inv_freq, attention_factor = compute(rotary_dim, float(base), scaling,
+                                         max_position_embeddings, seq_len)
+    return inv_freq, float(attention_factor)
+
+
+def check_rope_arguments(rotary_dim: int, base: float, scaling: RopeScaling,
+                         max_position_embeddings: int) -> None:
+    """Raise on the arguments ``rope_inverse_frequencies`` cannot take, computing nothing (so
+    a module checks a huge ``rotary_dim`` before it allocates its ``R/2`` frequencies)."""
     check_positive("rotary_dim", rotary_dim)
     if rotary_dim % 2:
         raise ValueError(f"rotary_dim: expected an even int, got {rotary_dim}")
@@ -186,12 +200,15 @@ def rope_inverse_frequencies(rotary_dim: int, base: float, scaling: RopeScaling,
     if not isinstance(scaling, RopeScaling):
         raise TypeError(f"scaling: expected a RopeScaling, got {type(scaling).__name__}")
     check_positive("max_position_embeddings", max_position_embeddings)
-    if seq_len is not None:
-        check_positive("seq_len", seq_len)
-    compute = _INIT_FUNCTIONS[scaling.rope_type]
-    inv_freq, attention_factor = compute(rotary_dim, float(base), scaling,
-                                         max_position_embeddings, seq_len)
-    return inv_freq, float(attention_factor)
+    if scaling.rope_type == "dynamic" and rotary_dim < 4:
+        raise ValueError(f"rotary_dim: dynamic scaling raises base to the power R/(R-2), "
+                         f"expected R >= 4, got {rotary_dim}")
+    if scaling.rope_type == "longrope":
+        for name in ("short_factor", "long_factor"):
+            factors = getattr(scaling, name)
+            if len(factors) != rotary_dim // 2:
+                raise ValueError(f"scaling.{name}: expected rotary_dim/2 = {rotary_dim // 2} "
+                                 f"numbers, got {len(factors)}")
 
 
 def _default(dim: int, base: float, s: RopeScaling, max_pos: int, seq_len: int | None
@@ -207,9 +224,6 @@ def _linear(dim: int, base: float, s: RopeScaling, max_pos: int, seq_len: int | 
 
 def _dynamic(dim: int, base: float, s: RopeScaling, max_pos: int, seq_len: int | None
              ) -> tuple[Tensor, float]:
-    if dim < 4:
-        raise ValueError(f"rotary_dim: dynamic scaling raises base to the power R/(R-2), "
-                         f"expected R >= 4, got {dim}")
     if seq_len is None:
         scale = s.factor * max_pos / max_pos - (s.factor - 1)
     else:
@@ -281,11 +295,7 @@ def _longrope(dim: int, base: float, s: RopeScaling, max_pos: int, seq_len: int 
                             else math.sqrt(1 + math.log(factor) / math.log(original)))
     long = seq_len is not None and seq_len > original
     name = "long_factor" if long else "short_factor"
-    ext_factors = getattr(s, name)
-    if len(ext_factors) != dim // 2:
-        raise ValueError(f"scaling.{name}: expected rotary_dim/2 = {dim // 2} numbers, got "
-                         f"{len(ext_factors)}")
-    ext = torch.tensor(ext_factors, dtype=torch.float32, device="cpu")
+    ext = torch.tensor(getattr(s, name), dtype=torch.float32, device="cpu")
     return 1.0 / (ext * base ** (_even_indices(dim) / dim)), attention_factor
 
 

@@ -20,7 +20,11 @@ import torch
 from torch import Tensor, nn
 
 from attnlab._checks import check_positive
-from attnlab.layers.rope_scaling import RopeScaling, rope_inverse_frequencies
+from attnlab.layers.rope_scaling import (
+    RopeScaling,
+    check_rope_arguments,
+    rope_inverse_frequencies,
+)
 
 # RopeScaling and rope_inverse_frequencies are part of this module's interface too.
 __all__ = ["RopeScaling", "RotaryEmbedding", "apply_rotary", "rope_inverse_frequencies"]
@@ -39,7 +43,9 @@ class RotaryEmbedding(nn.Module):
     (default ``max_len``; for dynamic give ``max_len`` larger, or nothing is ever scaled).
 
     Nothing of size ``max_len`` is allocated: each call is one outer product
-    ``positions x inv_freq``, so a 128k-context model costs ``L x R`` per forward.
+    ``positions x inv_freq``, so a 128k-context model costs ``L x R`` per forward. The
+    ``R/2`` frequencies themselves are computed at the first call, not when the module is
+    built: a loader builds the model empty and checks ``R`` against the weights first.
 
     Only ``dynamic`` and ``longrope`` read the positions back (their largest, one host sync
     per forward), and they refuse positions outside ``[0, max_len)``. The other scalings never
@@ -65,21 +71,39 @@ class RotaryEmbedding(nn.Module):
         if max_position_embeddings is None:
             max_position_embeddings = max_len
         scaling = RopeScaling() if scaling is None else scaling
-        inv_freq, self.attention_factor = rope_inverse_frequencies(
-            rotary_dim, base, scaling, max_position_embeddings)
+        check_rope_arguments(rotary_dim, base, scaling, max_position_embeddings)
         self.rotary_dim, self.base, self.max_len = rotary_dim, base, max_len
         self.scaling, self.interleaved = scaling, interleaved
         self.max_position_embeddings = max_position_embeddings
         # Plain attributes, not buffers: `model.to(torch.bfloat16)` would round a buffer, and
         # a model built on the meta device and then loaded would leave one there. They follow
-        # the positions' device instead.
-        self._inv_freq = self._original_inv_freq = inv_freq
+        # the positions' device instead, and are made at the first call (``_frequencies``).
+        self._inv_freq: Tensor | None = None
+        self._original_inv_freq: Tensor | None = None
+        self._long_inv_freq: Tensor | None = None
+        self._attention_factor: float | None = None
         self._max_seq_len_cached = max_position_embeddings  # dynamic: longest length seen
-        self._long_inv_freq = None
-        if scaling.rope_type == "longrope":
-            original = scaling.original_max_position_embeddings or max_position_embeddings
+
+    @property
+    def attention_factor(self) -> float:
+        """The factor cos and sin are multiplied by (yarn, longrope; 1 otherwise)."""
+        self._frequencies()
+        assert self._attention_factor is not None
+        return self._attention_factor
+
+    def _frequencies(self) -> None:
+        """Compute ``inv_freq`` (and longrope's long ones) once, at first use."""
+        if self._inv_freq is not None:
+            return
+        inv_freq, self._attention_factor = rope_inverse_frequencies(
+            self.rotary_dim, self.base, self.scaling, self.max_position_embeddings)
+        self._inv_freq = self._original_inv_freq = inv_freq
+        if self.scaling.rope_type == "longrope":
+            original = (self.scaling.original_max_position_embeddings
+                        or self.max_position_embeddings)
             self._long_inv_freq, _ = rope_inverse_frequencies(
-                rotary_dim, base, scaling, max_position_embeddings, seq_len=original + 1)
+                self.rotary_dim, self.base, self.scaling, self.max_position_embeddings,
+                seq_len=original + 1)
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """positions ``B x L`` or ``L`` (integers in ``[0, max_len)``) -> cos, sin.
@@ -120,6 +144,7 @@ class RotaryEmbedding(nn.Module):
 
     def _update_frequencies(self, seq_len: int) -> None:
         """transformers' ``dynamic_rope_update``, step for step."""
+        self._frequencies()
         rope_type = self.scaling.rope_type
         if rope_type == "longrope":
             original = (self.scaling.original_max_position_embeddings
@@ -139,6 +164,8 @@ class RotaryEmbedding(nn.Module):
 
     def _inv_freq_on(self, device: torch.device) -> Tensor:
         """The current ``inv_freq`` on ``device``, kept there: moved once, not in every forward."""
+        self._frequencies()
+        assert self._inv_freq is not None
         if device.type == "meta":  # a shape-only run must not leave the module on meta
             return self._inv_freq.to(device)
         for name in ("_inv_freq", "_original_inv_freq", "_long_inv_freq"):

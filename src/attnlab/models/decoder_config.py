@@ -41,6 +41,12 @@ class DecoderLMConfig(ConfigMixin):
     ``1/sqrt(D)``; ``sliding_window`` ``W``: each token sees itself and the ``W - 1`` before
     it (Mistral). ``family`` is the Hugging Face ``model_type`` the model was loaded from (its
     ``save_pretrained`` writes that format back), or ``None`` for attnlab's own format.
+
+    ``bos_token_id`` and ``eos_token_id`` are kept as the file gives them, even outside
+    ``[0, vocab_size)`` (tiny test checkpoints keep GPT-2's 50256, and transformers reads
+    them): they are refused where they would be used (``generate``'s ``eos_token_id`` and
+    ``pad_token_id``, ``attnlab generate``'s end ids), naming the id, the key and the
+    vocabulary size.
     """
 
     vocab_size: int
@@ -126,11 +132,6 @@ class DecoderLMConfig(ConfigMixin):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name}: expected a positive number or None, got {value}")
-        ids = {"bos_token_id": self.bos_token_id,
-               **{f"eos_token_id[{i}]": t for i, t in enumerate(self.eos_token_id)}}
-        for name, value in ids.items():
-            if value is not None and not 0 <= value < self.vocab_size:
-                raise ValueError(f"{name}: expected an id in [0, {self.vocab_size}), got {value}")
 
     @property
     def kv_heads(self) -> int:

@@ -9,17 +9,19 @@ the headers alone, each read through a handle of its own, so that its pages leav
 it (a handle's mapping keeps every page read through it until the handle and all its tensors
 are gone).
 
-Every check names the file and the tensor: a missing file, a missing or unexpected tensor
-name, a shape other than the config implies, a dtype we cannot run, a truncated or corrupt
-safetensors file. Only local folders are read: a Hugging Face Hub name (``Qwen/...``) that is
-not a folder here raises, saying how to download it; nothing is fetched from a network.
+Every check names the file and the tensor: a missing file, a missing or unexpected tensor name,
+a shape other than the config implies, a dtype we cannot run, a truncated or corrupt
+safetensors file, a NaN or an infinity in a floating-point tensor (``check_finite``, as each
+tensor is read: one pass over its values, no copy). Only local folders are read: a Hugging Face
+Hub name (``Qwen/...``) that is not a folder here raises, saying how to download it; nothing is
+fetched from a network.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +40,9 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "WEIGHTS_NAME",
     "StoredTensor",
+    "check_finite",
     "check_folder",
+    "dtype_mismatch",
     "file_tensors",
     "load_tensors",
     "parse_dtype",
@@ -55,6 +59,9 @@ SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                     "float16": torch.float16}
 # safetensors' dtype codes for the dtypes we run; any other code is refused by name.
 _STORED = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# The codes of the integer dtypes a model may hold (quantized codes), to name what is expected.
+_INTEGER_CODES = {torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32",
+                  torch.int64: "I64", torch.bool: "BOOL"}
 # "owner/name" as the Hub spells repositories: what a user who expects a download types.
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
@@ -62,17 +69,20 @@ _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 @dataclass(frozen=True)
 class StoredTensor:
     """One tensor of a safetensors file as its header describes it: the ``path`` of the file,
-    its ``name`` there and its ``shape``; nothing is read until ``read``."""
+    its ``name`` there, its ``shape`` and its ``dtype`` (safetensors' code: ``"F32"``,
+    ``"U8"``, ...); nothing is read until ``read``."""
 
     path: Path
     name: str
     shape: tuple[int, ...]
+    dtype: str
 
     def read(self) -> Tensor:
         """The tensor as stored, memory-mapped through a handle of its own: the pages it
-        touches stay in memory only while the tensor (or a view of it) lives."""
+        touches stay in memory only while the tensor (or a view of it) lives. A NaN or an
+        infinity in it raises (``check_finite``)."""
         with _open(self.path) as f:
-            return f.get_tensor(self.name)
+            return check_finite(self.path, self.name, f.get_tensor(self.name))
 
 
 def load_tensors(folder: str | Path, expected: Mapping[str, tuple[int, ...]], *,
@@ -89,7 +99,7 @@ def load_tensors(folder: str | Path, expected: Mapping[str, tuple[int, ...]], *,
     for path, names in by_file.items():
         with _open(path) as f:
             for name in names:
-                t = f.get_tensor(name)  # the header was checked against the file's size
+                t = check_finite(path, name, f.get_tensor(name))  # header checked: size right
                 tensors[name] = t if dtype is None or t.dtype == dtype else t.to(dtype)
     return tensors
 
@@ -128,7 +138,7 @@ def stored_tensors(folder: str | Path, expected: Mapping[str, tuple[int, ...]], 
                 if code not in _STORED:
                     raise ValueError(f"{path}: tensor {name!r} has dtype {code}, expected "
                                      f"one of {sorted(_STORED)} (float32, bfloat16, float16)")
-                records[name] = StoredTensor(path, name, shape)
+                records[name] = StoredTensor(path, name, shape, code)
     absent = [name for name in expected if name not in records]
     if absent:
         raise ValueError(f"{_describe_source(Path(folder))}: tensor {absent[0]!r} is listed in "
@@ -142,8 +152,45 @@ def file_tensors(path: Path) -> dict[str, StoredTensor]:
     if not path.is_file():
         raise ValueError(f"{str(path)!r} is missing")
     with _open(path) as f:
-        return {name: StoredTensor(path, name, tuple(f.get_slice(name).get_shape()))
-                for name in f.keys()}  # noqa: SIM118 (a handle, not a dict)
+        views = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118 (a handle)
+        return {name: StoredTensor(path, name, tuple(v.get_shape()), v.get_dtype())
+                for name, v in views.items()}
+
+
+def check_finite(path: Path, name: str, tensor: Tensor) -> Tensor:
+    """``tensor`` (``name`` in the file ``path``) when it holds no NaN or infinity, else a
+    ``ValueError`` naming both: such a weight would turn every output into NaN, or worse, into
+    plausible text (a fused attention kernel returns zeros for a NaN query). Integer tensors
+    pass. One pass over the values: the extremes are finite exactly when every value is
+    (``aminmax`` propagates NaN), and no temporary the size of the tensor is made."""
+    if tensor.is_floating_point() and tensor.numel() and not all(
+            bool(torch.isfinite(x)) for x in torch.aminmax(tensor)):
+        raise ValueError(f"{path}: tensor {name!r} holds NaN or infinite values; the weights "
+                         "are corrupt (a diverged training run or a damaged file)")
+    return tensor
+
+
+def dtype_mismatch(records: Iterable[StoredTensor], targets: Mapping[str, Tensor]) -> str | None:
+    """Why the stored dtypes of ``records`` do not fit the tensors ``targets`` (name -> the
+    model's tensor, on ``meta`` will do) they are loaded into, or None: a floating-point
+    tensor must be stored in a float dtype we run (it is then cast to the load's dtype), an
+    integer one (quantized codes: int8 for int8, uint8 for int4's packed pairs) in exactly
+    its dtype, as a cast would change the codes (3.5 becomes 3, 300 wraps to 44)."""
+    for r in records:
+        target = targets.get(r.name)
+        if target is None:
+            continue
+        if target.is_floating_point():
+            if r.dtype not in _STORED:
+                return (f"{r.path}: tensor {r.name!r} has dtype {r.dtype} and shape {r.shape}, "
+                        f"expected a float dtype ({', '.join(_STORED)}) and shape "
+                        f"{tuple(target.shape)}")
+        elif r.dtype != _INTEGER_CODES.get(target.dtype):
+            return (f"{r.path}: tensor {r.name!r} has dtype {r.dtype} and shape {r.shape}, "
+                    f"expected {_INTEGER_CODES.get(target.dtype, target.dtype)} "
+                    f"({str(target.dtype).removeprefix('torch.')}) and shape "
+                    f"{tuple(target.shape)}")
+    return None
 
 
 def weight_files(folder: str | Path) -> dict[str, Path]:

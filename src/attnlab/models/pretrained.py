@@ -8,10 +8,12 @@ folders are ``attnlab.models.io``'s business.
 
 Loading checks before it allocates: the config is rebuilt (every field typed and checked,
 errors naming ``config.json`` and the field), the model is built on the ``meta`` device and
-every stored tensor's shape is compared with it, so a config from elsewhere that asks for a
-huge model fails on its shapes, not on memory. The tensors are then placed one at a time
-(``attnlab.models.streaming``), quantized as they are read when asked: a quantized load never
-holds the float model. The parameters come back trainable.
+every stored tensor's shape and dtype is compared with it (quantized codes in exactly their
+dtype: a cast would change them), so a config from elsewhere that asks for a huge model fails
+on its shapes, not on memory; a NaN or an infinity in a tensor is refused as it is read. The
+tensors are then placed one at a time (``attnlab.models.streaming``), quantized as they are
+read when asked: a quantized load never holds the float model. The parameters come back
+trainable.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from attnlab.models.hf_loading import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     check_folder,
+    dtype_mismatch,
     file_tensors,
     parse_device,
     parse_dtype,
@@ -157,7 +160,8 @@ class PreTrainedModel(nn.Module):
             model = cls(config)  # type: ignore[call-arg]
             if quantization is not None:
                 _quantized_skeleton(model, quantization, file, quantized_kernel)
-        wrong = shape_mismatch({name: r.shape for name, r in records.items()}, model, weights)
+        wrong = (shape_mismatch({name: r.shape for name, r in records.items()}, model, weights)
+                 or dtype_mismatch(records.values(), model.state_dict()))
         if wrong:
             raise ValueError(wrong)
         unexpected = sorted(set(records) - set(model.state_dict()))

@@ -12,12 +12,15 @@ quantized load reads, quantizes and places one stored tensor at a time
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 from torch import nn
 
+from attnlab._checks import is_int
 from attnlab.durable import write_text_atomic
 from attnlab.models.config import check_value
 from attnlab.models.decoder_config import DecoderLMConfig
@@ -26,6 +29,7 @@ from attnlab.models.families.base import check_round_trip
 from attnlab.models.hf_loading import (
     CONFIG_NAME,
     check_folder,
+    file_tensors,
     load_tensors,
     parse_dtype,
     read_json,
@@ -53,9 +57,10 @@ def load_family(cls: type[M], folder: Path, dtype: torch.dtype | None,
     if config.num_layers > len(stored_names):  # each layer stores tensors: refuse first
         raise ValueError(f"{folder / CONFIG_NAME}: asks for {config.num_layers} layers, but "
                          f"the weights hold only {len(stored_names)} tensors")
+    _check_sizes(folder / CONFIG_NAME, config, stored_names)
     try:
         # Parameters on "meta", filled below; the rotary frequencies (plain tensors, not
-        # buffers) are made on the CPU even here, ready to use.
+        # buffers) are made on the CPU at the first forward, once the shapes are checked.
         with torch.device("meta"):
             model = cls(config)  # type: ignore[call-arg]
     except (RuntimeError, OverflowError) as error:  # a size past torch's int64 or a float
@@ -82,6 +87,26 @@ def load_family(cls: type[M], folder: Path, dtype: torch.dtype | None,
     if config.tie_embeddings:  # `assign` made two Parameters of the one tensor: one again
         model.lm_head.weight = model.embed_tokens.weight
     return model.to(device).eval()
+
+
+# The sizes that each set a dim of some stored tensor (vocabulary rows, model width, heads,
+# head width, MLP width): none can exceed the number of values the weights hold in all.
+_SIZES = ("vocab_size", "d_model", "num_heads", "kv_heads", "head_dim", "ff_dim")
+
+
+def _check_sizes(file: Path, config: DecoderLMConfig, files: Mapping[str, Path]) -> None:
+    """Refuse a size of ``config`` (read from ``file``) that is larger than the number of
+    values the weight ``files`` hold, from their headers alone, before anything is built: the
+    error names the config.json key, where the shape check later could only name a tensor."""
+    held = sum(math.prod(r.shape) for path in dict.fromkeys(files.values())
+               for r in file_tensors(path).values())
+    raw = read_json(file)
+    for name in _SIZES:
+        value = getattr(config, name)
+        if value > held:
+            key = next((k for k, v in raw.items() if is_int(v) and v == value), name)
+            raise ValueError(f"{file}: {key} {value} is more than the {held} values the "
+                             "weights hold in all; the config does not match the weights")
 
 
 def read_config(path: str | Path) -> tuple[Family, DecoderLMConfig, torch.dtype]:
