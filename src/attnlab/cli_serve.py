@@ -83,8 +83,7 @@ def run_serve(args: argparse.Namespace) -> int:
                      max_tokens_per_step=args.max_tokens_per_step, kv_pages=args.kv_pages,
                      page_size=args.page_size, max_queue=args.max_queue)
     server = ReadyServer(uvicorn.Config(app, host=args.host, port=args.port,
-                                        log_level="warning",
-                                        timeout_graceful_shutdown=CUT_GUARD_S),
+                                        log_level="warning"),
                          shutdown_grace=args.shutdown_grace)
     server.run()
     if server.url is None:
@@ -107,6 +106,8 @@ class ReadyServer(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config,
                  shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
+        if config.timeout_graceful_shutdown is None:  # uvicorn's default: wait forever
+            config.timeout_graceful_shutdown = CUT_GUARD_S
         super().__init__(config)
         self.shutdown_grace = shutdown_grace
         self.exit_status = 0
@@ -160,7 +161,8 @@ class ReadyServer(uvicorn.Server):
                 f"after the {self.shutdown_grace:g} s grace"
             print(f"attnlab serve: ended {_requests(ended)} {why}", file=sys.stderr, flush=True)
             await drain.idle(CUT_GUARD_S)
-        self.force_exit = self._now.is_set()  # uvicorn then skips its waits
+        # Not uvicorn's force_exit: it skips the app's shutdown, whose task is then cancelled
+        # with a traceback; nothing is left to wait for, and the engine frees the pages.
         self.should_exit = True
 
 

@@ -275,6 +275,7 @@ class _Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.choices: dict[str, tuple[int, ChoiceText]] = {}  # engine id -> (index, text)
         self.finishes: dict[int, str] = {}
+        self.ended = False
 
     async def respond(self, request: Request) -> Response:
         # Counted as running from here, so that a stop beginning now waits for (or ends) it.
@@ -317,9 +318,12 @@ class _Job:
 
     def _end(self) -> None:
         """The answer is over (sent, failed or cut): abort what still runs; no longer
-        running for the server's stop."""
-        self.abort()
-        self.state.drain.remove(self.events)
+        running for the server's stop. Once only (a stream's generator and its response both
+        call it)."""
+        if not self.ended:
+            self.ended = True
+            self.abort()
+            self.state.drain.remove(self.events)
 
     async def _updates(self) -> AsyncIterator[tuple[int, str, str | None]]:
         """``(index, new text, finish reason or None)`` as tokens arrive, until every choice
