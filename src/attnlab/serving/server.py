@@ -10,9 +10,11 @@ server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``.
 
 Refusals use OpenAI's error JSON (``api.error_body``): 400 for a body that is not JSON, a
 field of the wrong type or out of range, a prompt that does not fit the context (naming
-the field); 404 for another model's name; 429 when the engine's queue is full; 500 when the
-engine or a handler failed (the server goes on). A client that goes away mid-request has its
-engine requests aborted, which frees their KV cache pages.
+the field, or why the body could not be parsed); 404 for another model's name; 408 for a body
+that stops arriving; 413 for a body over the limit; 429 when the engine's queue is full; 500
+when the engine or a handler failed (the server goes on); 503 once the server is stopping
+(``attnlab.serving.shutdown``: the running requests finish, or end with a last chunk). A client
+that goes away mid-request has its engine requests aborted, which frees their KV cache pages.
 """
 
 from __future__ import annotations
@@ -275,7 +277,7 @@ class _Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.choices: dict[str, tuple[int, ChoiceText]] = {}  # engine id -> (index, text)
         self.finishes: dict[int, str] = {}
-        self.ended = False
+        self.aborted = False
 
     async def respond(self, request: Request) -> Response:
         # Counted as running from here, so that a stop beginning now waits for (or ends) it.
@@ -311,19 +313,20 @@ class _Job:
         self.state.metrics.tokens(self.prompt_tokens, 0)
 
     def abort(self) -> None:
-        """Abort every choice still running (its pages are freed)."""
+        """Abort every choice still running (its pages are freed); once only (a stream's
+        generator and its response both end the job)."""
+        if self.aborted:
+            return
+        self.aborted = True
         for request_id, (index, _) in self.choices.items():
             if index not in self.finishes:
                 self.state.engine.abort(request_id)
 
     def _end(self) -> None:
         """The answer is over (sent, failed or cut): abort what still runs; no longer
-        running for the server's stop. Once only (a stream's generator and its response both
-        call it)."""
-        if not self.ended:
-            self.ended = True
-            self.abort()
-            self.state.drain.remove(self.events)
+        running for the server's stop."""
+        self.abort()
+        self.state.drain.remove(self.events)
 
     async def _updates(self) -> AsyncIterator[tuple[int, str, str | None]]:
         """``(index, new text, finish reason or None)`` as tokens arrive, until every choice
