@@ -92,7 +92,11 @@ def test_health_answers_while_a_body_never_ends(qwen2_folder) -> None:
      "body: JSON nested too deeply"),
     (b'{"model": "m", "prompt": "caf\xe9"}', "body: not valid UTF-8: byte 0xe9 at offset 29"),
     (b'\xff{"model": "m"}', "body: not valid UTF-8: byte 0xff at offset 0"),
-], ids=["nested", "nested-unclosed", "nested-field", "latin-1", "bad-start"])
+    (b'{"model": "m", "prompt": "a", "max_tokens": 1' + b"0" * 5000 + b"}",
+     "body: not valid JSON here: Exceeds the limit (4300 digits)"),
+    (b"", "body: expected a JSON object, got an empty body"),
+], ids=["nested", "nested-unclosed", "nested-field", "latin-1", "bad-start", "long-integer",
+        "empty"])
 def test_unparsable_bodies_are_400_saying_why(server, body: bytes, message: str) -> None:
     status, _, text = raw(server, "POST", "/v1/completions", body)
     assert status == 400, text

@@ -302,6 +302,8 @@ def add_error_handlers(app: FastAPI) -> None:
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
         if first.get("type") == "json_invalid":
             message, param = f"The body is not valid JSON: {message}", None
+        elif first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
+            message = "expected a JSON object, got an empty body"
         elif "input" in first and first.get("type") not in ("missing", "value_error"):
             message += f", got {_shown(first['input'])}"
         return JSONResponse(error_body(f"{param or 'body'}: {message}", param=param),
@@ -331,6 +333,8 @@ def _unparsed(cause: BaseException | None) -> str | None:
     if isinstance(cause, RecursionError):
         return (f"body: JSON nested too deeply to parse (over about {sys.getrecursionlimit()} "
                 "levels of arrays or objects); expected a request body")
+    if isinstance(cause, ValueError):  # json's own limits: an integer of over 4300 digits
+        return f"body: not valid JSON here: {str(cause).split(';')[0]}"
     return None
 
 
