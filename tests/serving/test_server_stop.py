@@ -16,9 +16,10 @@ import sys
 import threading
 from urllib.parse import urlsplit
 
+import openai
 import pytest
 import uvicorn
-from server_live import HANG_S, raw, wait_for
+from server_live import HANG_S, client, raw, wait_for
 
 from attnlab.cli_serve import ReadyServer
 from attnlab.serving.server import create_app
@@ -164,6 +165,24 @@ def test_a_plain_request_cut_by_the_stop_is_a_503(app, qwen2_folder, monkeypatch
     assert status == 503 and json.loads(text)["error"]["code"] == "server_shutdown", text
     assert served.server.exit_status == 0
     assert engine.stats["pages_used"] == 0
+
+
+def test_the_openai_client_sees_the_cut(app, qwen2_folder, monkeypatch) -> None:
+    served = Served(app, grace=0)
+    pause_until_abort(app.state.serving.engine, monkeypatch, PAUSE_AT, HANG_S)
+    stream = client(served.url).chat.completions.create(
+        model=qwen2_folder.name, messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=200, temperature=0, stream=True)
+    pieces = []
+    with pytest.raises(openai.APIError, match="the server is stopping; the stream was cut"):
+        for chunk in stream:
+            pieces.append(chunk.choices[0].delta.content)
+            if pieces[-1] and not app.state.serving.drain.stopping:
+                served.signal(signal.SIGTERM)
+                wait_for(lambda: app.state.serving.drain.stopping, what="the stop to begin")
+    assert any(pieces) and chunk.choices[0].finish_reason == "abort"
+    served.join()
+    assert served.server.exit_status == 0
 
 
 # --- `attnlab serve` as a command, with real signals ---
