@@ -117,9 +117,19 @@ def app(qwen2_folder):
     return create_app(qwen2_folder, max_batch=2, page_size=4, kv_pages=256)
 
 
+@pytest.fixture
+def serve():
+    """``Served(app, grace)``; a server that a failed test left running is stopped."""
+    started: list[Served] = []
+    yield lambda app, grace: started.append(Served(app, grace)) or started[-1]
+    for served in started:
+        served.server.should_exit = True
+        served.thread.join(HANG_S)
+
+
 def test_a_stop_refuses_new_requests_then_cuts_the_running_ones_and_frees_pages(
-        app, qwen2_folder, monkeypatch, capfd) -> None:
-    served = Served(app, grace=HANG_S)  # only the second signal ends the stream
+        app, qwen2_folder, monkeypatch, capfd, serve) -> None:
+    served = serve(app, grace=HANG_S)  # only the second signal ends the stream
     engine = app.state.serving.engine
     aborted = pause_until_abort(engine, monkeypatch, PAUSE_AT, HANG_S)[0]
     body = {"model": qwen2_folder.name, "prompt": PROMPT, "temperature": 0, "max_tokens": 200}
@@ -144,8 +154,9 @@ def test_a_stop_refuses_new_requests_then_cuts_the_running_ones_and_frees_pages(
     assert (stats["running"], stats["waiting"], stats["pages_used"]) == (0, 0, 0), stats
 
 
-def test_a_plain_request_cut_by_the_stop_is_a_503(app, qwen2_folder, monkeypatch) -> None:
-    served = Served(app, grace=0)
+def test_a_plain_request_cut_by_the_stop_is_a_503(app, qwen2_folder, monkeypatch,
+                                                  serve) -> None:
+    served = serve(app, grace=0)
     engine = app.state.serving.engine
     pause_until_abort(engine, monkeypatch, PAUSE_AT, HANG_S)
     paused = threading.Event()
@@ -167,8 +178,8 @@ def test_a_plain_request_cut_by_the_stop_is_a_503(app, qwen2_folder, monkeypatch
     assert engine.stats["pages_used"] == 0
 
 
-def test_the_openai_client_sees_the_cut(app, qwen2_folder, monkeypatch) -> None:
-    served = Served(app, grace=0)
+def test_the_openai_client_sees_the_cut(app, qwen2_folder, monkeypatch, serve) -> None:
+    served = serve(app, grace=0)
     pause_until_abort(app.state.serving.engine, monkeypatch, PAUSE_AT, HANG_S)
     stream = client(served.url).chat.completions.create(
         model=qwen2_folder.name, messages=[{"role": "user", "content": PROMPT}],
