@@ -55,6 +55,8 @@ def test_serve_prints_its_url_and_answers(qwen2_folder) -> None:
     (["--dtype", "float8"], "--dtype: invalid choice"),
     (["--port", "-1"], "--port: expected a port in [0, 65535]"),
     (["--port", "70000"], "--port: expected a port in [0, 65535]"),
+    (["--shutdown-grace", "-1"], "--shutdown-grace: expected a finite number >= 0"),
+    (["--shutdown-grace", "inf"], "--shutdown-grace: expected a finite number >= 0"),
 ])
 def test_bad_options_are_named(qwen2_folder, capsys, args, message) -> None:
     with pytest.raises(SystemExit) as exited:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 import uuid
 from typing import Annotated, Literal
@@ -191,16 +192,27 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One message. Its ``content`` is required, as OpenAI requires it: only an assistant
+    message with ``tool_calls`` may leave it out, and this server takes no tool calls."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: UnicodeText | list[TextPart] | None = None
+    content: UnicodeText | list[TextPart]
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_given(cls, value: object) -> object:
+        if value is None:  # one message (a union's errors name its members instead)
+            raise ValueError("expected a text or a list of text parts, got null (a message "
+                             "without content is an assistant's tool call, not supported)")
+        return value
 
     @property
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
-        return self.content or ""
+        return self.content
 
 
 class ChatRequest(_Sampling):
@@ -290,6 +302,8 @@ def add_error_handlers(app: FastAPI) -> None:
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
         if first.get("type") == "json_invalid":
             message, param = f"The body is not valid JSON: {message}", None
+        elif first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
+            message = "expected a JSON object, got an empty body"
         elif "input" in first and first.get("type") not in ("missing", "value_error"):
             message += f", got {_shown(first['input'])}"
         return JSONResponse(error_body(f"{param or 'body'}: {message}", param=param),
@@ -297,6 +311,9 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        unparsed = _unparsed(error.__cause__)  # FastAPI's 400 for a body json.loads refused
+        if error.status_code == 400 and unparsed is not None:
+            return JSONResponse(error_body(unparsed), status_code=400)
         return JSONResponse(error_body(str(error.detail), code=str(error.status_code)),
                             status_code=error.status_code, headers=error.headers)
 
@@ -304,6 +321,21 @@ def add_error_handlers(app: FastAPI) -> None:
     async def crashed(request: Request, error: Exception) -> JSONResponse:
         return JSONResponse(error_body(f"internal error: {type(error).__name__}",
                                        type="server_error"), status_code=500)
+
+
+def _unparsed(cause: BaseException | None) -> str | None:
+    """What is wrong with a body that ``json.loads`` raised ``cause`` on (FastAPI says only
+    "There was an error parsing the body"); None for another cause."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"body: not valid {cause.encoding.upper()}: byte "
+                f"0x{cause.object[cause.start]:02x} at offset {cause.start} ({cause.reason}); "
+                "expected JSON text in UTF-8")
+    if isinstance(cause, RecursionError):
+        return (f"body: JSON nested too deeply to parse (over about {sys.getrecursionlimit()} "
+                "levels of arrays or objects); expected a request body")
+    if isinstance(cause, ValueError):  # json's own limits: an integer of over 4300 digits
+        return f"body: not valid JSON here: {str(cause).split(';')[0]}"
+    return None
 
 
 def _shown(value: object) -> str:

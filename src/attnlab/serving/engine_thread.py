@@ -53,6 +53,7 @@ class EngineThread:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop after the current step, freeing the pages of every request left."""
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
@@ -118,6 +119,21 @@ class EngineThread:
                 self.stats = self.engine.stats()
             except Exception as error:
                 self._fail_all(error)
+        self._release_all()
+
+    def _release_all(self) -> None:
+        """On stopping: run the commands still queued (the aborts of the requests that the
+        server ended), abort whatever still runs, and step once to free their pages."""
+        try:
+            self._run_commands()
+            for request_id in self._streams:
+                self.engine.abort(request_id)
+            self._streams = {}
+            if self.engine.has_work():
+                self.engine.step()
+            self.stats = self.engine.stats()
+        except Exception:
+            _log.exception("releasing the requests left at stop")
 
     def _run_commands(self) -> None:
         while True:

@@ -10,27 +10,29 @@ server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``.
 
 Refusals use OpenAI's error JSON (``api.error_body``): 400 for a body that is not JSON, a
 field of the wrong type or out of range, a prompt that does not fit the context or the KV
-cache, ``n`` or ``max_tokens`` over the operator's limits (naming the field), a chat
-template that fails or passes its time or memory limit (naming its file: it renders in a
-worker process, ``attnlab.chat_render``); 404 for another model's name; 429 when the
-engine's queue is full; 500 when the engine or a handler failed (the server goes on). A
-client that goes away mid-request has its engine requests aborted, which frees their KV
-cache pages.
+cache, ``n`` or ``max_tokens`` over the operator's limits (naming the field, or why the body
+could not be parsed), a chat template that fails or passes its time or memory limit (naming
+its file: it renders in a worker process, ``attnlab.chat_render``); 404 for another model's
+name; 408 for a body that stops arriving; 413 for a body over the limit; 429 when the
+engine's queue is full; 500 when the engine or a handler failed (the server goes on); 503
+once the server is stopping (``attnlab.serving.shutdown``: the running requests finish, or
+end with a last chunk). A client that goes away mid-request has its engine requests
+aborted, which frees their KV cache pages.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from attnlab._checks import check_positive, is_int
+from attnlab._checks import check_positive, is_int, is_number
 from attnlab.generation.config import read_generation_config
 from attnlab.generation.inputs import token_id_set
 from attnlab.models.decoder import DecoderLM
@@ -54,6 +56,7 @@ from attnlab.serving.api import (
 from attnlab.serving.choice_text import ChoiceText
 from attnlab.serving.engine_thread import EngineError, EngineThread, release_openmp_threads
 from attnlab.serving.metrics import CONTENT_TYPE, Metrics
+from attnlab.serving.shutdown import Drain, ShutdownError
 from attnlab.tokenizer import Tokenizer
 
 __all__ = ["ServerState", "create_app"]
@@ -69,8 +72,8 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
                dtype: str | None = None, extra_memory: bool = False, max_batch: int = 8,
                max_tokens_per_step: int = 512, kv_pages: int | None = None, page_size: int = 16,
                max_queue: int = 64, prefix_caching: bool = True,
-               max_body_bytes: int = 8 * 2**20, max_tokens_limit: int | None = None,
-               max_n: int = MAX_N) -> FastAPI:
+               max_body_bytes: int = 8 * 2**20, body_timeout_s: float = 60.0,
+               max_tokens_limit: int | None = None, max_n: int = MAX_N) -> FastAPI:
     """The FastAPI app serving ``model``: a checkpoint folder (read by ``from_pretrained``,
     weights in ``dtype`` (default the stored one) and quantized when ``quantize`` is
     ``"int8"``/``"int4"``, with oneDNN's packed copies beside them where they win when
@@ -79,11 +82,15 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
     the model id of ``/v1/models`` (default: the folder's name, ``"attnlab"`` for a pair); the
     engine options are ``Engine``'s. The engine thread starts with the app's lifespan (a server
     starting the app) and stops with it; ``app.state.serving`` is the ``ServerState``.
-    ``max_body_bytes``: larger request bodies are refused (413). ``max_tokens_limit`` (default:
-    none but the context and the KV cache) and ``max_n`` (at most ``MAX_N``): a request asking
-    for more new tokens per choice, or more choices, is refused (400 naming the field); a
-    request that does not say caps its new tokens at ``max_tokens_limit``."""
+    ``max_body_bytes``: larger request bodies are refused (413); ``body_timeout_s``: a body
+    that stops arriving for that long is refused (408). ``max_tokens_limit`` (default: none
+    but the context and the KV cache) and ``max_n`` (at most ``MAX_N``): a request asking for
+    more new tokens per choice, or more choices, is refused (400 naming the field); a request
+    that does not say caps its new tokens at ``max_tokens_limit``."""
     check_positive("max_body_bytes", max_body_bytes)
+    if not is_number(body_timeout_s, finite=True) or body_timeout_s <= 0:
+        raise ValueError(f"body_timeout_s: expected a finite number of seconds > 0, got "
+                         f"{body_timeout_s!r}")
     if max_tokens_limit is not None:
         check_positive("max_tokens_limit", max_tokens_limit)
     if not is_int(max_n) or not 1 <= max_n <= MAX_N:
@@ -120,7 +127,8 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
     app.state.serving = state
     add_error_handlers(app)
     _add_routes(app, state)
-    app.add_middleware(_Gate, metrics=state.metrics, max_body_bytes=max_body_bytes)
+    app.add_middleware(_Gate, metrics=state.metrics, drain=state.drain,
+                       max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
     return app
 
 
@@ -137,6 +145,7 @@ class ServerState:
     engine: EngineThread | None = None
     max_tokens_limit: int | None = None
     max_n: int = MAX_N
+    drain: Drain = field(default_factory=Drain)  # stopping: see attnlab.serving.shutdown
 
     @classmethod
     def load(cls, model: str | Path | tuple[DecoderLM, Tokenizer], *,
@@ -263,9 +272,9 @@ class ServerState:
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = state.engine.alive
-        return JSONResponse({"status": "ok" if ok else "engine stopped"},
-                            status_code=200 if ok else 503)
+        ok = state.engine.alive and not state.drain.stopping
+        status = "stopping" if state.drain.stopping else "ok" if ok else "engine stopped"
+        return JSONResponse({"status": status}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -317,17 +326,24 @@ class _Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.choices: dict[str, tuple[int, ChoiceText]] = {}  # engine id -> (index, text)
         self.finishes: dict[int, str] = {}
+        self.aborted = False
 
     async def respond(self, request: Request) -> Response:
+        # Counted as running from here, so that a stop beginning now waits for (or ends) it.
+        self.state.drain.add(self.events)
         try:
             await self._start()
         except BaseException:
-            self.abort()
+            self._end()
             raise
         if self.body.stream:
-            return _EventStream(self._stream(), media_type="text/event-stream",
+            return _EventStream(self._stream(), on_close=self._end,
+                                media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache"})
-        return await self._collect(request)
+        try:
+            return await self._collect(request)
+        finally:
+            self._end()
 
     async def _start(self) -> None:
         for index, (ids, params) in enumerate(self.work):
@@ -346,17 +362,27 @@ class _Job:
         self.state.metrics.tokens(self.prompt_tokens, 0)
 
     def abort(self) -> None:
-        """Abort every choice still running (its pages are freed)."""
+        """Abort every choice still running (its pages are freed); once only (a stream's
+        generator and its response both end the job)."""
+        if self.aborted:
+            return
+        self.aborted = True
         for request_id, (index, _) in self.choices.items():
             if index not in self.finishes:
                 self.state.engine.abort(request_id)
+
+    def _end(self) -> None:
+        """The answer is over (sent, failed or cut): abort what still runs; no longer
+        running for the server's stop."""
+        self.abort()
+        self.state.drain.remove(self.events)
 
     async def _updates(self) -> AsyncIterator[tuple[int, str, str | None]]:
         """``(index, new text, finish reason or None)`` as tokens arrive, until every choice
         has finished; an abort of a choice on a stop string is done here."""
         while len(self.finishes) < len(self.choices):
             event = await self.events.get()
-            if isinstance(event, EngineError):
+            if isinstance(event, (EngineError, ShutdownError)):
                 raise event
             index, text = self.choices[event.request_id]
             if index in self.finishes:  # sent before the engine saw our abort (a stop string)
@@ -401,6 +427,10 @@ class _Job:
         except asyncio.CancelledError:  # the server is stopping
             self.abort()
             raise
+        except ShutdownError as stop:
+            self.abort()
+            raise ApiError(503, f"{stop}; the request was not finished", type="server_error",
+                           code="server_shutdown") from None
         except EngineError as error:
             self.abort()
             raise ApiError(500, str(error), type="server_error", code="engine_failure") \
@@ -436,10 +466,26 @@ class _Job:
                 empty = {} if self.chat else ""
                 yield _sse(make(self.id, name, None, empty, None, self._usage(),
                                 with_usage=True))
+        except ShutdownError as stop:
+            # Each unfinished choice gets its last chunk, then OpenAI's error object, which
+            # the openai client raises: the text so far stays, the cut is not hidden.
+            for index in sorted(set(range(len(self.work))) - set(self.finishes)):
+                text = self._texts()[index]
+                text.finish()
+                piece = text.take(final=True)
+                if self.chat:
+                    yield _sse(chat_chunk(self.id, name, index,
+                                          {"content": piece} if piece else {}, "abort", None,
+                                          with_usage=with_usage))
+                else:
+                    yield _sse(completion_chunk(self.id, name, index, piece, "abort", None,
+                                                with_usage=with_usage))
+            yield _sse(error_body(f"{stop}; the stream was cut", type="server_error",
+                                  code="server_shutdown"))
         except EngineError as error:
             yield _sse(error_body(str(error), type="server_error", code="engine_failure"))
         finally:
-            self.abort()
+            self._end()
         yield "data: [DONE]\n\n"
 
 
@@ -449,21 +495,35 @@ def _sse(body: dict) -> str:
 
 class _EventStream(StreamingResponse):
     """A ``StreamingResponse`` that closes its generator however the response ends (Starlette
-    leaves it open when a send fails), so that the generator's cleanup always runs."""
+    leaves it open when a send fails), so that the generator's cleanup always runs, and then
+    calls ``on_close`` (a generator never started has no cleanup of its own)."""
+
+    def __init__(self, content: AsyncIterator[str], *, on_close: Callable[[], None],
+                 **options) -> None:
+        super().__init__(content, **options)
+        self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            self.on_close()
 
 
 class _Gate:
-    """Pure ASGI middleware: refuses bodies over ``max_body_bytes`` (413) before they are
-    read, and counts each answer by route and status for ``/metrics``."""
+    """Pure ASGI middleware in front of every route. It counts each answer by route and status
+    for ``/metrics``; once the server is stopping it answers 503 (``/health`` and ``/metrics``
+    still answer); and it reads each request's body before the app sees it: a body over
+    ``max_body_bytes`` is refused (413) by its ``Content-Length`` before it is read, or once
+    that many bytes arrived (a chunked body), and a body that stops arriving for
+    ``body_timeout_s`` (shorter than its ``Content-Length``) is refused (408), so that no
+    connection waits forever on a client."""
 
-    def __init__(self, app, *, metrics: Metrics, max_body_bytes: int) -> None:
-        self.app, self.metrics, self.max_body_bytes = app, metrics, max_body_bytes
+    def __init__(self, app, *, metrics: Metrics, drain: Drain, max_body_bytes: int,
+                 body_timeout_s: float) -> None:
+        self.app, self.metrics, self.drain = app, metrics, drain
+        self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -478,31 +538,66 @@ class _Gate:
                 status = message["status"]
             await send(message)
 
-        received = 0
-
-        async def bounded_receive():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    raise ApiError(413, f"body: larger than {self.max_body_bytes} bytes",
-                                   param=None, code="body_too_large")
-            return message
-
         try:
+            if self.drain.stopping and route not in ("/health", "/metrics"):
+                raise ApiError(503, "The server is stopping; retry on another one",
+                               type="server_error", code="server_shutdown")
             length = dict(scope["headers"]).get(b"content-length", b"0")
             if not length.isdigit() or int(length) > self.max_body_bytes:
                 raise ApiError(413, f"body: expected at most {self.max_body_bytes} bytes, got "
                                f"content-length {length.decode('latin-1')[:40]}",
                                code="body_too_large")
-            await self.app(scope, bounded_receive, counted_send)
+            body = await self._read_body(receive)
+            if body is None:  # the client went away; nobody reads an answer
+                status = 499
+                return
+            await self.app(scope, _replay(body, receive), counted_send)
         except ApiError as error:
             status = error.status
-            body = json.dumps(error.body()).encode()
+            data = json.dumps(error.body()).encode()
+            # After a refused body the connection's next bytes are not a request: close it.
             await send({"type": "http.response.start", "status": status,
                         "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
+                                    (b"content-length", str(len(data)).encode()),
+                                    (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": data})
         finally:
             self.metrics.request(route, status)
+
+    async def _read_body(self, receive) -> bytes | None:
+        """The whole body (None if the client disconnected), within the size and time
+        bounds."""
+        chunks, size = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except asyncio.TimeoutError:
+                raise ApiError(408, f"body: no bytes came for {self.body_timeout_s:g} s after "
+                               f"{size} bytes; expected the rest of the body (as many bytes as "
+                               "its Content-Length, or a chunked body's last chunk)",
+                               code="body_timeout") from None
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise ApiError(413, f"body: expected at most {self.max_body_bytes} bytes, got "
+                               f"more (a chunked body)", code="body_too_large")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """An ASGI ``receive`` that gives ``body`` as one message, then waits on ``receive`` (for
+    the client's disconnect)."""
+    given = False
+
+    async def replayed():
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed
