@@ -88,6 +88,9 @@ def fused_layers(blocks: nn.ModuleList, block_type: type, x: Tensor,
             or tuple(map(_BACKEND, entry.attentions)) != entry.auto):
         return None
     layer_caches = cache.layers
+    k = layer_caches[0].k  # a KVCache's layers alike (the C++ step checks every one)
+    if k.dtype != x.dtype or (k.shape[0], k.shape[1], k.shape[3]) != (B, entry.G, entry.D):
+        return None  # the modules raise their error
     offset = layer_caches[0].length
     for layer_cache in layer_caches:
         if layer_cache.length != offset:
@@ -129,6 +132,8 @@ class _Entry(NamedTuple):
     attentions: tuple[nn.Module, ...] = ()
     auto: tuple[str, ...] = ()
     H: int = 0
+    G: int = 0
+    D: int = 0
 
 
 _PLANS = "_step_plans"  # the layer list's __dict__ key: (stamp, {key: _Entry})
@@ -222,7 +227,8 @@ def _build(blocks: nn.ModuleList, block_type: type, rows: int, dtype: torch.dtyp
     plan = native.step_plan(step_blocks, norm=shape.norm, activation=shape.activation,
                             H=shape.H, G=shape.G, D=shape.D, eps=shape.eps, scale=shape.scale,
                             gated=shape.gated, interleaved=shape.interleaved)
-    return _Entry(plan, tuple(modes), tuple(attentions), ("auto",) * len(attentions), shape.H)
+    return _Entry(plan, tuple(modes), tuple(attentions), ("auto",) * len(attentions), shape.H,
+                  shape.G, shape.D)
 
 
 # Submodules, Parameters and buffers are read from the modules' dicts below: nn.Module's
