@@ -370,3 +370,13 @@ def test_the_step_codes_come_from_the_extension() -> None:
     with pytest.raises(RuntimeError, match="s: expected the scales"):
         native.step_linear(built.StepKind.int8_native, torch.zeros(2, 2, dtype=torch.int8),
                            None, None, 0, None)
+
+
+def test_quantizing_an_optimized_model_rebuilds_its_plan(monkeypatch) -> None:
+    model = model_of("qwen2", torch.float32, "native_gemv")
+    builds, calls = counted_builds(monkeypatch), counted(monkeypatch)
+    decode(model, 2)
+    model.quantize("int8", None, kernel="int8_native")  # new modules: their buffers registered
+    got = decode(model, 2)[0]
+    assert builds[0] == 2 and calls[0] == 4
+    assert same(got, modules_decode(monkeypatch, model, 2))

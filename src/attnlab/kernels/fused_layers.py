@@ -31,12 +31,15 @@ What each step checks (cheap: no tuple is rebuilt, no module's parts are re-read
 - the ``training`` flag of each block, its attention, its MLP and its dropout, and each
   attention's ``backend`` (``"auto"``), read per step: a plan is kept across ``train()`` /
   ``eval()`` and taken again after it;
+- each layer's cache length and room, and the first cache's shape and dtype (the C++ step
+  checks every cache's);
 - in C++, that every tensor of the plan still lies where it lay, in its dtype (a weight
   re-stored in another layout or converted by ``model.to`` makes the plan stale: that step
-  runs the modules, the next rebuilds), and that each cache has the step's shape and dtype.
+  runs the modules, the next rebuilds).
 
 What is not checked: a module put straight into a ``_modules`` dict (bypassing
-``setattr``), a hook put straight into a hook dict, a module's class assigned by hand, and
+``setattr``), a hook put straight into a hook dict, a module's class assigned by hand, a
+Parameter's tensor exchanged by ``torch.utils.swap_tensors``, and
 other plain attributes read when the plan is built (``eps``, ``scale``, ``num_heads``,
 ``activation``, ``unit_offset``, ``rope_interleaved``); a quantized module's bias converted to
 the activations' dtype is a copy, so an in-place change to that bias is not seen either. A plan

@@ -67,7 +67,7 @@ def restore_reference(model: nn.Module) -> nn.Module:
         reference = REFERENCE.get(type(module))
         if reference is not None:
             if isinstance(module, FusedLayers):
-                drop_plans(module)  # C++ objects on the reference list: gone with its class
+                drop_plans(module)  # the reference list keeps no C++ objects
             module.__class__ = reference
     return model
 

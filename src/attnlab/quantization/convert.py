@@ -207,7 +207,7 @@ def _replace(model: nn.Module, chosen: dict[str, nn.Module], config: Quantizatio
     for name, new in made.items():
         parent, _, child = name.rpartition(".")
         _take_over(chosen[name], new)
-        setattr(model.get_submodule(parent), child, new)  # seen by registration hooks
+        model.get_submodule(parent)._modules[child] = new
 
 
 def _take_over(old: nn.Module, new: nn.Module) -> None:
