@@ -84,11 +84,13 @@ def decode(model: DecoderLM, steps: int = 6) -> tuple[list[torch.Tensor], KVCach
     return out, cache
 
 
-# The kernels that decode_layers runs itself, and some that it calls back in Python.
-WEIGHTS = ["native_gemv", "native_pairs", "native_tiles", "formula", "int8:int8_native",
-           "int8:int8_tiles", "int8:int8_integers", "int8:int8_mm", "int4:int4_native",
-           "int4:int4_native_pairs", "int4:int4_integers", "int4:int4_mm",
+# The kernels that a step plan runs (a StepKind each; "columns" is the formula on the
+# column-major weight), and some that it does not: then no plan, the modules run.
+WEIGHTS = ["native_gemv", "native_pairs", "native_tiles", "formula", "columns",
+           "int8:int8_native", "int8:int8_tiles", "int8:int8_integers", "int8:int8_mm",
+           "int4:int4_native", "int4:int4_native_pairs", "int4:int4_integers", "int4:int4_mm",
            "rows_gemv", "onednn", "int8:dequantize", "int4:native_dequantize"]
+NOT_IN_THE_STEP = {"rows_gemv", "onednn", "int8:dequantize", "int4:native_dequantize"}
 
 
 # The kernels that take bfloat16 activations only (a float32 model runs others: the catalogs'
@@ -121,10 +123,11 @@ def test_fused_step_equals_the_modules_bit_for_bit(monkeypatch, model_type, dtyp
     model = model_of(model_type, dtype, weights)
     calls = counted(monkeypatch)
     fused, fused_cache = decode(model)
-    assert calls[0] == 6  # every one-token step, not the prompt
+    steps = 0 if weights in NOT_IN_THE_STEP else 6  # every one-token step, not the prompt
+    assert calls[0] == steps
     monkeypatch.setattr(fused_module, "fused_layers", lambda *args: None)
     plain, plain_cache = decode(model)
-    assert calls[0] == 6
+    assert calls[0] == steps
     for a, b in zip(fused, plain):
         assert torch.equal(a, b)
     for a, b in zip(fused_cache.layers, plain_cache.layers):
@@ -133,10 +136,10 @@ def test_fused_step_equals_the_modules_bit_for_bit(monkeypatch, model_type, dtyp
         assert torch.equal(a.v[:, :, :15], b.v[:, :, :15])
 
 
-# mistral: a window of 6 < 13 positions; blocks_gemv: one row over the threads, called back.
+# mistral: a window of 6 < 13 positions.
 @pytest.mark.parametrize(("model_type", "dtype", "weights", "rows"), [
     ("qwen2", torch.bfloat16, "native_gemv", 2), ("mistral", torch.bfloat16, "native_gemv", 2),
-    ("llama", torch.float32, "blocks_gemv", 1)])
+    ("llama", torch.float32, "formula", 1)])
 def test_generate_takes_the_fused_step_and_gives_the_same_tokens(monkeypatch, model_type, dtype,
                                                                   weights, rows) -> None:
     model = model_of(model_type, dtype, weights)
@@ -215,3 +218,165 @@ def test_a_cache_of_another_shape_gets_the_modules_error(monkeypatch) -> None:
         model(torch.tensor([[5]]), cache=cache)
     assert calls[0] == 0 and cache.length == 0
 
+
+
+def counted_builds(monkeypatch) -> list[int]:
+    """How many times a layer list's step plan is built (or refused) from its modules."""
+    builds = [0]
+    real = fused_module._build
+
+    def counting(*args):
+        builds[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(fused_module, "_build", counting)
+    return builds
+
+
+def modules_decode(monkeypatch, model: DecoderLM, steps: int) -> list[torch.Tensor]:
+    """``decode`` through the blocks' modules (the one-call step refused)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(fused_module, "fused_layers", lambda *args: None)
+        return decode(model, steps)[0]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_the_plan_is_built_once_and_kept_across_steps_and_generations(monkeypatch) -> None:
+    model = model_of("qwen2", torch.bfloat16, "native_gemv")
+    builds, calls = counted_builds(monkeypatch), counted(monkeypatch)
+    decode(model, steps=6)
+    decode(model, steps=6)  # a new cache, the same rows and dtype
+    assert calls[0] == 12 and builds[0] == 1
+    ids = torch.randint(3, 96, (2, 4), generator=torch.Generator().manual_seed(3))
+    model.generate(ids, 4)  # 2 rows: 3's rows bucket (2-8)
+    assert builds[0] == 1 and calls[0] == 15
+    model.generate(ids[:1], 4)  # 1 row: another bucket, whose kernels may differ
+    model.generate(ids[1:], 4)
+    assert builds[0] == 2 and calls[0] == 21
+
+
+def test_a_hook_registered_or_removed_rebuilds_the_plan(monkeypatch) -> None:
+    model = model_of("llama", torch.float32, "native_gemv")
+    builds, calls = counted_builds(monkeypatch), counted(monkeypatch)
+    want = modules_decode(monkeypatch, model, 3)
+    assert same(decode(model, 3)[0], want) and builds[0] == 1 and calls[0] == 3
+    seen = []
+    handle = model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(1))
+    assert same(decode(model, 3)[0], want)
+    assert calls[0] == 3 and len(seen) == 4  # the prompt and every step through the modules
+    assert builds[0] == 4  # a plan refused for a hook is not kept: each step looks again
+    handle.remove()
+    assert same(decode(model, 3)[0], want)
+    assert calls[0] == 6 and builds[0] == 5 and len(seen) == 4
+
+
+def test_a_replaced_module_or_parameter_rebuilds_the_plan(monkeypatch) -> None:
+    model = model_of("qwen2", torch.float32, "native_gemv")
+    torch.manual_seed(5)
+    down = optimize_for_inference(torch.nn.Linear(128, 64), kernel="native_gemv")
+    builds, calls = counted_builds(monkeypatch), counted(monkeypatch)
+    decode(model, 2)
+    assert builds[0] == 1
+    model.layers[1].mlp.down_proj = down
+    assert same(decode(model, 2)[0], modules_decode(monkeypatch, model, 2))
+    assert builds[0] == 2 and calls[0] == 4
+    norm = model.layers[0].post_attention_layernorm
+    norm.weight = torch.nn.Parameter(torch.rand(64) + 0.5)
+    got = decode(model, 2)[0]
+    assert builds[0] == 3 and calls[0] == 6
+    assert same(got, modules_decode(monkeypatch, model, 2))
+    with torch.no_grad():
+        norm.weight.mul_(2)  # in place: the plan holds this tensor, no rebuild
+    assert same(decode(model, 2)[0], modules_decode(monkeypatch, model, 2))
+    assert builds[0] == 3 and calls[0] == 8
+
+
+def test_train_then_eval_runs_the_modules_then_the_plan_with_the_new_weights(monkeypatch) -> None:
+    model = model_of("llama", torch.float32, "native_gemv")
+    builds, calls = counted_builds(monkeypatch), counted(monkeypatch)
+    decode(model, 2)
+    model.train()
+    ids = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()  # the weights change in place
+    with torch.no_grad():
+        cache = model.make_cache(2, 8)
+        model(ids, cache=cache)
+        model(ids[:, :1], cache=cache)
+    assert calls[0] == 2  # training mode: the modules
+    model.eval()
+    model.layers[1].self_attn.train()  # one part in training mode is enough
+    decode(model, 2)
+    assert calls[0] == 2
+    model.layers[1].self_attn.eval()
+    assert same(decode(model, 2)[0], modules_decode(monkeypatch, model, 2))
+    assert calls[0] == 4 and builds[0] == 1  # the plan holds the Parameters themselves
+
+
+def test_a_converted_model_rebuilds_its_stale_plan(monkeypatch) -> None:
+    model = model_of("qwen2", torch.float32, "native_gemv")
+    builds, calls = counted_builds(monkeypatch), counted(monkeypatch)
+    decode(model, 2)
+    model.to(torch.bfloat16)  # the same Parameters, new storage: the float32 plan is stale
+    assert same(decode(model, 2)[0], modules_decode(monkeypatch, model, 2))
+    assert builds[0] == 2 and calls[0] == 4  # a bfloat16 plan
+    model.to(torch.float32)
+    got = decode(model, 3)[0]
+    # The stale float32 plan refuses its first step (the modules run it), the next rebuilds.
+    assert builds[0] == 3 and calls[0] == 7
+    assert same(got, modules_decode(monkeypatch, model, 3))
+
+
+def test_restore_and_reinstall_rebuild_and_a_copy_keeps_no_plan(monkeypatch) -> None:
+    import copy
+
+    from attnlab.kernels import restore_reference
+
+    model = model_of("qwen2", torch.float32, "native_gemv")
+    builds = counted_builds(monkeypatch)
+    decode(model, 2)
+    clone = copy.deepcopy(model)  # the plan (C++ objects, this model's tensors) stays behind
+    assert "_step_plans" in model.layers.__dict__
+    assert "_step_plans" not in clone.layers.__dict__
+    assert same(decode(clone, 2)[0], decode(model, 2)[0])
+    assert builds[0] == 2
+    restore_reference(model)
+    assert "_step_plans" not in model.layers.__dict__
+    optimize_for_inference(model, kernel="formula")
+    assert same(decode(model, 2)[0], modules_decode(monkeypatch, model, 2))
+    assert builds[0] == 3
+
+
+def test_the_step_codes_come_from_the_extension() -> None:
+    built = native._require()
+    assert native.step_enum("StepKind") is built.StepKind
+    assert native.step_kind("native_gemv") == built.StepKind.native_gemv
+    assert native.step_kind("onednn") is None and native.step_kind("columns") is None
+    assert set(built.NormKind.__members__) == {"rms", "rms_unit_offset", "layer_norm"}
+    # The step's activations are attnlab.layers' names; the one-pass kernel's codes are theirs.
+    from attnlab.layers import ACTIVATIONS
+
+    assert set(built.Activation.__members__) <= set(ACTIVATIONS)
+    assert set(native.ACTIVATIONS) <= set(built.Activation.__members__)
+    for name in ("STEP_KINDS", "STEP_CALL"):
+        assert not hasattr(native, name)
+    assert not hasattr(fused_module, "_ACTIVATIONS")
+    with pytest.raises(ValueError, match="name: expected one of"):
+        native.step_enum("Kind")
+    with pytest.raises(RuntimeError, match="s: expected the scales"):
+        native.step_linear(built.StepKind.int8_native, torch.zeros(2, 2, dtype=torch.int8),
+                           None, None, 0, None)
+
+
+def test_quantizing_an_optimized_model_rebuilds_its_plan(monkeypatch) -> None:
+    model = model_of("qwen2", torch.float32, "native_gemv")
+    builds, calls = counted_builds(monkeypatch), counted(monkeypatch)
+    decode(model, 2)
+    model.quantize("int8", None, kernel="int8_native")  # new modules: their buffers registered
+    got = decode(model, 2)[0]
+    assert builds[0] == 2 and calls[0] == 4
+    assert same(got, modules_decode(monkeypatch, model, 2))

@@ -23,6 +23,7 @@ from attnlab.hook_point import share_hooks
 from attnlab.kernels import native
 from attnlab.kernels.calibration import bucket_of, forced_kernel, plan
 from attnlab.kernels.catalog import KERNELS, Kernel, to_layout
+from attnlab.kernels.fused_layers import invalidate_plans
 
 __all__ = ["InferenceLinear", "swap_linears"]
 
@@ -64,6 +65,7 @@ def swap_linears(model: nn.Module, *, kernel: str | None = None,
                     child, kernel=kernel, extra_memory=extra_memory,
                     keep_layout=uses[id(child.weight)] > 1)
             parent._modules[name] = swapped[id(child)]
+    invalidate_plans()  # a layer list's step plan may hold the modules swapped out
     return model
 
 
@@ -136,25 +138,25 @@ class InferenceLinear(nn.Linear):
         y = kernel.run(flat, stored, bias)
         return y if flat is x else y.view(*x.shape[:-1], self.out_features)
 
-    def native_spec(self, rows: int, dtype: torch.dtype) -> tuple | None:
+    def native_spec(self, rows: int, dtype: torch.dtype) -> object | None:
         """What ``forward`` runs for ``rows`` rows of ``dtype`` on the CPU with no gradient, as
-        ``attnlab.kernels.native.decode_layers`` takes a product: ``(kind, weight, None, None,
-        0, bias)`` for a kernel it runs itself, ``(STEP_CALL, x -> y, None, None, 0, None)``
-        for another; None when ``forward`` would not run the plan (another dtype, an
-        inference weight outside inference mode)."""
+        a product of ``attnlab.kernels.native.step_plan`` (``native.step_linear``: the planned
+        kernel on the weight as that kernel reads it, a kernel that runs the formula as the
+        step's ``formula``); None when ``forward`` would not run the plan (another dtype, an
+        inference weight outside inference mode) or runs a kernel that the step does not (it
+        has no ``StepKind`` of that name: then the modules run)."""
         weight, bias = self._parameters.get("weight"), self._parameters.get("bias", _ABSENT)
         if (weight is None or bias is _ABSENT or dtype != weight.dtype or not weight.is_cpu
                 or (bias is not None and bias.dtype != dtype)
                 or (weight.is_inference() and not torch.is_inference_mode_enabled())):
             return None
         kernel = self._kernel_for(rows, dtype)
-        kind = native.STEP_KINDS.get(kernel.name)
-        if kernel is _FORMULA:  # as forward: the formula on the weight in any layout
-            return (kind, weight, None, None, 0, bias)
-        stored = self._stored(kernel, weight)
-        if kind is not None:
-            return (kind, stored, None, None, 0, bias)
-        return (native.STEP_CALL, lambda x: kernel.run(x, stored, bias), None, None, 0, None)
+        kind = native.step_kind("formula" if kernel.run is _FORMULA.run else kernel.name)
+        if kind is None:
+            return None
+        # As forward: the formula on the weight in any layout, another kernel on its storage.
+        stored = weight if kernel is _FORMULA else self._stored(kernel, weight)
+        return native.step_linear(kind, stored, None, None, 0, bias)
 
     def extra_repr(self) -> str:
         plans = ", ".join(f"{str(dtype).removeprefix('torch.')}, {threads} threads: "

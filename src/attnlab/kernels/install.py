@@ -28,7 +28,7 @@ from attnlab.kernels.fast_modules import (
     FastRMSNorm,
     FastSelfAttention,
 )
-from attnlab.kernels.fused_layers import FusedLayers
+from attnlab.kernels.fused_layers import FusedLayers, drop_plans, invalidate_plans
 from attnlab.kernels.inference_linear import InferenceLinear, swap_linears, to_linear
 from attnlab.layers import FeedForward, GatedMLP, RMSNorm
 from attnlab.layers.self_attention import SelfAttention
@@ -60,11 +60,14 @@ def restore_reference(model: nn.Module) -> nn.Module:
     again), in place; returned for chaining."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    invalidate_plans()
     for module in model.modules():
         if type(module) is InferenceLinear:
             to_linear(module)
         reference = REFERENCE.get(type(module))
         if reference is not None:
+            if isinstance(module, FusedLayers):
+                drop_plans(module)  # the reference list keeps no C++ objects
             module.__class__ = reference
     return model
 
@@ -89,6 +92,7 @@ def install_modules(model: nn.Module) -> list[str]:
                   f"({native.unavailable_reason()}): {', '.join(sorted(found))} not "
                   "installed, the reference modules run", file=sys.stderr)
         return sorted(found)
+    invalidate_plans()  # a layer list's step plans hold the modules' tensors and kernels
     for module in model.modules():
         if type(module) in FAST:
             module.__class__ = FAST[type(module)]

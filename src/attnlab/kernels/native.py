@@ -51,29 +51,22 @@ from torch import Tensor
 from attnlab.durable import write_file_atomic, write_text_atomic
 from attnlab.kernels import cache
 
-__all__ = ["ACTIVATIONS", "DTYPES", "MAX_ROWS", "STEP_CALL", "STEP_KINDS",
+__all__ = ["ACTIVATIONS", "DTYPES", "MAX_ROWS",
            "BuildError", "MissingToolError", "activation", "activation_available", "argmax_rows",
            "available", "build", "build_flags", "build_id",
            "decode_attention", "decode_layers", "dequantize_int4", "dequantize_int8", "gemv",
            "gemv_int4", "gemv_int8", "gemv_int8_tiles", "gemv_tiles", "integers_available",
            "library_file", "paged_attention",
-           "pairs_available", "rms_norm", "rotary", "takes", "tiles_available",
-           "unavailable_reason"]
+           "pairs_available", "rms_norm", "rotary", "step_block", "step_enum", "step_kind",
+           "step_linear", "step_plan", "takes", "tiles_available", "unavailable_reason"]
 
 # The most queries a row that decode_attention takes (a decoding step, or a few speculated
 # tokens); the GEMVs' rows are the rule's (attnlab.kernels.rule.DECODING_ROWS).
 MAX_ROWS = 8
 DTYPES = (torch.float32, torch.bfloat16)  # the activations' dtypes the kernels take
-# The activations that :func:`activation` computes, by their name in attnlab.layers.
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
-# The products that decode_layers runs, by the name of the calibrated kernel that a Linear
-# module runs them with (the C++ `Kind` in native_step.cpp): attnlab's GEMVs, PyTorch's
-# packed int8/int4 ops, the formula (``linear``).
-STEP_KINDS = {"native_gemv": 0, "native_pairs": 1, "int8_native": 2, "int4_native": 3,
-              "int4_native_pairs": 4, "int8_mm": 5, "int4_mm": 6, "formula": 7, "columns": 7,
-              "native_tiles": 9, "int8_tiles": 10, "int8_integers": 11, "int4_integers": 12}
-# Any other kernel: ``(STEP_CALL, x -> y, None, None, 0, None)``, called back in Python.
-STEP_CALL = 8
+# The activations that :func:`activation` computes in one pass, by their name in
+# attnlab.layers (its codes are the extension's ``Activation`` enum: :func:`step_enum`).
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 _SOURCES = tuple(Path(__file__).with_name(name)
                  for name in ("native_gemv.cpp", "native_decode.cpp", "native_step.cpp",
@@ -149,8 +142,9 @@ def activation(gate: Tensor, up: Tensor | None, name: str) -> Tensor:
     ``1 + tanh`` cancels). gate (and up, gate's shape) contiguous float32 or bfloat16 ->
     gate's shape and dtype."""
     if name not in ACTIVATIONS:
-        raise ValueError(f"name: expected one of {tuple(ACTIVATIONS)}, got {name!r}")
-    return _require().activation(gate, up, ACTIVATIONS[name])
+        raise ValueError(f"name: expected one of {ACTIVATIONS}, got {name!r}")
+    extension = _require()
+    return extension.activation(gate, up, int(_codes(extension, "Activation")[name]))
 
 
 def tiles_available() -> bool:
@@ -278,21 +272,83 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Te
     return _require().rotary(x, cos, sin, bool(interleaved))
 
 
-def decode_layers(x: Tensor, layers: list[tuple], config: tuple, cos: Tensor | None,
-                  sin: Tensor | None, mask: Tensor | None) -> Tensor:
-    """One decoding step through every block of a pre-norm decoder: x ``B x E`` (one new
-    position a row) -> the last block's output ``B x E``, each block's keys and values written
-    into its cache at ``offset``. ``layers``: per block ``(norm1 weight, norm1 bias, q, k, v,
-    o, q_norm weight, k_norm weight, norm2 weight, norm2 bias, mlp, key cache, value cache)``;
-    a product is ``(kind, weight or codes, scales (int4_mm: its scale/zero pairs), zeros,
-    group size, bias)`` with ``kind`` from ``STEP_KINDS``, or ``(STEP_CALL, x -> y, None, None,
-    0, None)``; ``mlp`` is ``(gate, up, down)`` or ``(linear1, linear2)``; the caches ``B x G
-    x max_len x D``. ``config``: ``(norm 0 rms /
-    1 rms 1 + w / 2 layer, activation 0 silu / 1 gelu tanh / 2 gelu / 3 relu, H, G, D,
-    offset, eps, scale, gated, interleaved)``; cos and sin ``(B or 1) x 1 x R`` in x's dtype
-    or None; mask ``B x H x 1 x (offset + 1)`` bool or None. ``attnlab.kernels.fused_layers``
-    builds these from a model's modules."""
-    return _require().decode_layers(x, layers, config, cos, sin, mask)
+def step_enum(name: str) -> type:
+    """The extension's enum ``name``, whose members name the codes of a :func:`step_plan`:
+    ``"StepKind"`` (a product's kernel, each member named as the kernel of attnlab's catalogs
+    whose result it computes: ``native_gemv``, ``native_pairs``, ``native_tiles``,
+    ``int8_native``, ``int8_integers``, ``int8_tiles``, ``int8_mm``, ``int4_native``,
+    ``int4_native_pairs``, ``int4_integers``, ``int4_mm``, ``formula``), ``"NormKind"``
+    (``rms``, ``rms_unit_offset``, ``layer_norm``) or ``"Activation"`` (``silu``,
+    ``gelu_tanh``, ``gelu``, ``relu``, as ``attnlab.layers.ACTIVATIONS`` names them). Defined
+    in ``native_step.cpp`` and exported from there: Python holds no copy of the codes."""
+    if name not in _ENUMS:
+        raise ValueError(f"name: expected one of {_ENUMS}, got {name!r}")
+    return getattr(_require(), name)
+
+
+def step_kind(kernel: str) -> object | None:
+    """The ``StepKind`` member named ``kernel`` (a kernel's name in attnlab's catalogs): the
+    product that a :func:`step_plan` runs for it; None when the step does not run that
+    kernel."""
+    return _codes(_require(), "StepKind").get(kernel)
+
+
+def step_linear(kind: object, weight: Tensor, scales: Tensor | None, zeros: Tensor | None,
+                group_size: int, bias: Tensor | None) -> object:
+    """One product of a :func:`step_plan`: ``kind`` (:func:`step_kind`) on what its kernel
+    reads, ``weight`` (or codes), ``scales`` (``int4_mm``: its scale/zero pairs), ``zeros``,
+    ``group_size`` and ``bias`` (None: none). Raises a ``RuntimeError`` when the kind needs
+    scales or zeros that are None."""
+    return _require().StepLinear(kind, weight, scales, zeros, int(group_size), bias)
+
+
+def step_block(norm1_weight: Tensor, norm1_bias: Tensor | None, q: object, k: object,
+               v: object, o: object, q_norm: Tensor | None, k_norm: Tensor | None,
+               norm2_weight: Tensor, norm2_bias: Tensor | None, mlp: list) -> object:
+    """One block of a :func:`step_plan`: its norms' weights and biases (None: no bias), its
+    q/k/v/o products (:func:`step_linear`), its q/k norms' weights (both or neither), and
+    ``mlp``, the products ``[gate, up, down]`` or ``[linear1, linear2]``."""
+    return _require().StepBlock(norm1_weight, norm1_bias, q, k, v, o, q_norm, k_norm,
+                                norm2_weight, norm2_bias, mlp)
+
+
+def step_plan(blocks: list, *, norm: str, activation: str, H: int, G: int, D: int,
+              eps: float, scale: float, gated: bool, interleaved: bool) -> object:
+    """A pre-norm decoder's one-token step through ``blocks`` (:func:`step_block`), held in
+    C++ as typed structs, for :func:`decode_layers`: every block with ``H`` query heads and
+    ``G`` key/value heads of ``D``, its norms ``norm`` (a ``NormKind`` name) with ``eps``, its
+    attention scores scaled by ``scale``, RoPE on neighbours when ``interleaved`` (else on
+    halves), its MLP gated (``down(act(gate h) * up h)``) or not (``W2 act(W1 h)``) with
+    ``activation`` (an ``Activation`` name). ``attnlab.kernels.fused_layers`` builds one from a
+    model's modules."""
+    extension = _require()
+    return extension.StepPlan(blocks, getattr(extension.NormKind, norm),
+                              getattr(extension.Activation, activation), int(H), int(G), int(D),
+                              float(eps), float(scale), bool(gated), bool(interleaved))
+
+
+def decode_layers(plan: object, x: Tensor, k_caches: list[Tensor], v_caches: list[Tensor],
+                  offset: int, cos: Tensor | None, sin: Tensor | None,
+                  mask: Tensor | None) -> Tensor | None:
+    """One decoding step through every block of ``plan`` (:func:`step_plan`): x ``B x E`` (one
+    new position a row, contiguous) -> the last block's output ``B x E``, block ``i``'s keys
+    and values written at ``offset`` of ``k_caches[i]`` and ``v_caches[i]`` (``B x G x
+    max_len x D`` in x's dtype, ``max_len > offset``); cos and sin ``(B or 1) x 1 x R`` in x's
+    dtype or None (no RoPE); mask ``B x H x 1 x (offset + 1)`` bool or None. None, with
+    nothing written, when a tensor of the plan lies elsewhere or in another dtype than when
+    the plan was built (a weight re-stored or converted since: the plan is stale) or a cache
+    has another shape or dtype: the modules must run. Runs without holding the GIL."""
+    return plan.run(x, k_caches, v_caches, offset, cos, sin, mask)
+
+
+_ENUMS = ("StepKind", "NormKind", "Activation")
+
+
+@functools.cache
+def _codes(extension: ModuleType, name: str) -> dict[str, object]:
+    """The members of ``extension``'s enum ``name`` by their names (pybind11 builds its
+    ``__members__`` afresh at each read: a kernel call must not)."""
+    return dict(getattr(extension, name).__members__)
 
 
 def _bfloat16(name: str, dtype: torch.dtype) -> bool:

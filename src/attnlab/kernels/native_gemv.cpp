@@ -1095,11 +1095,8 @@ torch::Tensor gemv_tiles(const torch::Tensor& x, const torch::Tensor& w,
                          const std::optional<torch::Tensor>& bias);
 torch::Tensor gemv_int8_tiles(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
                               const std::optional<torch::Tensor>& bias);
-// A decoding step through every block, in native_step.cpp.
-torch::Tensor decode_layers(const torch::Tensor& x, const pybind11::list& layers,
-                            const pybind11::tuple& config, const std::optional<torch::Tensor>& cos,
-                            const std::optional<torch::Tensor>& sin,
-                            const std::optional<torch::Tensor>& mask);
+// A decoding step through every block (StepPlan and its enums), in native_step.cpp.
+void bind_step(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_pairs", &has_pairs, "whether this build has the bfloat16 pair-product loops");
@@ -1119,5 +1116,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_vector_activation", &has_vector_activation, "whether activation has a vector loop (AVX-512, or AVX2 and FMA)");
   m.def("rms_norm", &rms_norm, "x / sqrt(mean(x^2) + eps) * w per row");
   m.def("rotary", &rotary, "x * cos + turn(x) * sin on the first R features of each head");
-  m.def("decode_layers", &decode_layers, "one decoding step through every block of a decoder");
+  bind_step(m);
 }

@@ -8,17 +8,20 @@
 //   x = x + (attention(q, cache[:, :, :offset + 1]) Wo^T)  softmax(q k^T scale + mask) v
 //   x = x + mlp(norm2(x))                                    down(act(gate h) * up h) or W2 act(W1 h)
 //
-// Each product runs the kernel that the module itself would run for these rows (the module's
-// plan names it; the caller passes its kind and stored tensors): attnlab's GEMVs, PyTorch's
-// packed int8/int4 ops or linear here, any other kernel called back in Python; norms, RoPE and the attention are native_decode.cpp's
-// kernels, the residual adds and activations ATen's. A decoding step spends ~1-2 ms in
-// Python frames and small ATen calls around 7 products per block otherwise (4 layers, 2
-// cores), which is what this file saves.
+// A StepPlan holds the blocks as typed structs, built once from Python
+// (attnlab.kernels.fused_layers) and kept while the modules stay as they were; its run() then
+// touches no Python object per block. Each product runs the kernel that the module itself
+// would run for these rows (the module's plan names it, as a StepKind): attnlab's GEMVs,
+// PyTorch's packed int8/int4 ops or linear. A module planned on any other kernel has no
+// StepKind, and then no StepPlan is built: the modules run. Norms, RoPE and the attention are
+// native_decode.cpp's kernels, the residual adds and activations ATen's. A decoding step
+// spends ~1-2 ms in Python frames and small ATen calls around 7 products per block otherwise
+// (4 layers, 2 cores), which is what this file saves.
 #include <torch/extension.h>
 
 #include <cstdint>
 #include <optional>
-#include <string>
+#include <utility>
 #include <vector>
 
 namespace py = pybind11;
@@ -44,162 +47,279 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const tor
 
 namespace {
 
-// The kinds of product, as attnlab.kernels.native.STEP_KINDS names them: attnlab's GEMVs,
-// PyTorch's packed int8/int4 ops (then the bias added after, as the Python kernels add it),
-// the formula (linear) and the AMX tile kernels.
-// kCall: any other kernel, called back in Python (the weight slot holds the callable).
-enum Kind : int64_t {
-  kFloat = 0, kFloatPairs = 1, kInt8 = 2, kInt4 = 3, kInt4Pairs = 4, kInt8Mm = 5, kInt4Mm = 6,
-  kFormula = 7, kCall = 8, kTiles = 9, kInt8Tiles = 10, kInt8Integers = 11,
-  kInt4Integers = 12
+// The products a StepPlan runs, each named in Python (StepKind) as the kernel of
+// attnlab.kernels.catalog / attnlab.quantization.kernels whose result it computes: attnlab's
+// GEMVs, PyTorch's packed int8/int4 ops (then the bias added after, as the Python kernels add
+// it), the formula (linear, any weight layout) and the AMX tile kernels.
+enum class StepKind : int64_t {
+  kFloat, kFloatPairs, kInt8, kInt4, kInt4Pairs, kInt8Mm, kInt4Mm, kFormula, kTiles,
+  kInt8Tiles, kInt8Integers, kInt4Integers
 };
-// The norms and activations, likewise.
-enum Norm : int64_t { kRms = 0, kRmsUnitOffset = 1, kLayerNorm = 2 };
-enum Act : int64_t { kSilu = 0, kGeluTanh = 1, kGelu = 2, kRelu = 3 };
+// The block's norms, named in Python (NormKind) as attnlab.kernels.fused_layers reads them off
+// its modules: RMSNorm, RMSNorm times 1 + w (Gemma), LayerNorm.
+enum class NormKind : int64_t { kRms, kRmsUnitOffset, kLayerNorm };
+// The MLP's activations, named in Python (Activation) as attnlab.layers.ACTIVATIONS names
+// them; silu and gelu_tanh are also the codes of native_decode.cpp's activation().
+enum class Activation : int64_t { kSilu = 0, kGeluTanh = 1, kGelu = 2, kRelu = 3 };
 
-std::optional<torch::Tensor> optional_tensor(py::handle h) {
-  if (h.is_none()) return std::nullopt;
-  return py::cast<torch::Tensor>(h);
-}
-
-// (kind, weight or codes (kCall: the callable x -> y), scales or None, zeros or None, group
-// size, bias or None).
+// One product: kind, weight or codes, scales (int4_mm: its scale/zero pairs), zeros, group
+// size and bias, as the module's planned kernel reads them.
 struct Linear {
-  int64_t kind;
+  StepKind kind;
   torch::Tensor w;
-  py::object call;
   std::optional<torch::Tensor> s, z, bias;
   int64_t group;
 
-  explicit Linear(py::handle h) {
-    auto t = py::cast<py::tuple>(h);
-    TORCH_CHECK(t.size() == 6, "a linear: expected (kind, weight, scales, zeros, group, bias)");
-    kind = py::cast<int64_t>(t[0]);
-    if (kind == kCall) call = py::reinterpret_borrow<py::object>(t[1]);
-    else w = py::cast<torch::Tensor>(t[1]);
-    s = optional_tensor(t[2]);
-    z = optional_tensor(t[3]);
-    group = py::cast<int64_t>(t[4]);
-    bias = optional_tensor(t[5]);
+  Linear(StepKind kind, torch::Tensor w, std::optional<torch::Tensor> s,
+         std::optional<torch::Tensor> z, int64_t group, std::optional<torch::Tensor> bias)
+      : kind(kind), w(std::move(w)), s(std::move(s)), z(std::move(z)), bias(std::move(bias)),
+        group(group) {
+    const bool scaled = kind == StepKind::kInt8 || kind == StepKind::kInt8Integers ||
+                        kind == StepKind::kInt8Mm || kind == StepKind::kInt8Tiles ||
+                        kind == StepKind::kInt4Mm;
+    const bool zeroed = kind == StepKind::kInt4 || kind == StepKind::kInt4Pairs ||
+                        kind == StepKind::kInt4Integers;
+    TORCH_CHECK(!(scaled || zeroed) || this->s, "s: expected the scales of this kind, got None");
+    TORCH_CHECK(!zeroed || this->z, "z: expected the zeros of this kind, got None");
   }
 
   torch::Tensor biased(const torch::Tensor& y) const { return bias ? at::add(y, *bias) : y; }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     switch (kind) {
-      case kFloat: return gemv(x, w, bias, false);
-      case kFloatPairs: return gemv(x, w, bias, true);
-      case kInt8: return gemv_int8(x, w, s.value(), bias, false);
-      case kInt8Integers: return gemv_int8(x, w, s.value(), bias, true);
-      case kInt4: return gemv_int4(x, w, s.value(), z.value(), group, bias, false, false);
-      case kInt4Pairs: return gemv_int4(x, w, s.value(), z.value(), group, bias, true, false);
-      case kInt4Integers: return gemv_int4(x, w, s.value(), z.value(), group, bias, false, true);
-      case kInt8Mm: return biased(at::_weight_int8pack_mm(x, w, s.value()));
-      case kInt4Mm: return biased(at::_weight_int4pack_mm_for_cpu(x, w, group, s.value()));
-      case kFormula: return at::linear(x, w, bias);
-      case kCall: return py::cast<torch::Tensor>(call(x));
-      case kTiles: return gemv_tiles(x, w, bias);
-      case kInt8Tiles: return gemv_int8_tiles(x, w, s.value(), bias);
+      case StepKind::kFloat: return gemv(x, w, bias, false);
+      case StepKind::kFloatPairs: return gemv(x, w, bias, true);
+      case StepKind::kInt8: return gemv_int8(x, w, *s, bias, false);
+      case StepKind::kInt8Integers: return gemv_int8(x, w, *s, bias, true);
+      case StepKind::kInt4: return gemv_int4(x, w, *s, *z, group, bias, false, false);
+      case StepKind::kInt4Pairs: return gemv_int4(x, w, *s, *z, group, bias, true, false);
+      case StepKind::kInt4Integers: return gemv_int4(x, w, *s, *z, group, bias, false, true);
+      case StepKind::kInt8Mm: return biased(at::_weight_int8pack_mm(x, w, *s));
+      case StepKind::kInt4Mm: return biased(at::_weight_int4pack_mm_for_cpu(x, w, group, *s));
+      case StepKind::kFormula: return at::linear(x, w, bias);
+      case StepKind::kTiles: return gemv_tiles(x, w, bias);
+      case StepKind::kInt8Tiles: return gemv_int8_tiles(x, w, *s, bias);
     }
-    TORCH_CHECK(false, "a linear: unknown kind ", kind);
+    TORCH_CHECK(false, "a linear: unknown kind ", static_cast<int64_t>(kind));
   }
 };
 
+// One block's tensors; mlp is (gate, up, down) or (linear1, linear2).
+struct Block {
+  torch::Tensor norm1_w;
+  std::optional<torch::Tensor> norm1_b;
+  Linear q, k, v, o;
+  std::optional<torch::Tensor> q_norm, k_norm;
+  torch::Tensor norm2_w;
+  std::optional<torch::Tensor> norm2_b;
+  std::vector<Linear> mlp;
+};
+
+// What every block of the step shares.
 struct Config {
-  int64_t norm, act, H, G, D, offset;
+  NormKind norm;
+  Activation act;
+  int64_t H, G, D;
   double eps, scale;
   bool gated, interleaved;
 };
 
 torch::Tensor normed(const Config& c, const torch::Tensor& x, const torch::Tensor& w,
                      const std::optional<torch::Tensor>& b) {
-  if (c.norm == kLayerNorm) return at::layer_norm(x, {x.size(-1)}, w, b, c.eps);
-  return rms_norm(x, w, c.eps, c.norm == kRmsUnitOffset);
+  if (c.norm == NormKind::kLayerNorm) return at::layer_norm(x, {x.size(-1)}, w, b, c.eps);
+  return rms_norm(x, w, c.eps, c.norm == NormKind::kRmsUnitOffset);
 }
 
 // act(x), times up when given, as attnlab.layers.feedforward.activated computes it: the
 // native kernel for silu and the tanh GELU where it has its vector loop, else ATen's.
 torch::Tensor activated(const Config& c, const torch::Tensor& x,
                         const std::optional<torch::Tensor>& up = std::nullopt) {
-  if ((c.act == kSilu || c.act == kGeluTanh) && has_vector_activation())
-    return activation(x, up, c.act);  // the same codes as native.ACTIVATIONS
+  if ((c.act == Activation::kSilu || c.act == Activation::kGeluTanh) && has_vector_activation())
+    return activation(x, up, static_cast<int64_t>(c.act));
   torch::Tensor h;
   switch (c.act) {
-    case kSilu: h = at::silu(x); break;
-    case kGeluTanh: h = at::gelu(x, "tanh"); break;
-    case kGelu: h = at::gelu(x); break;
-    case kRelu: h = at::relu(x); break;
-    default: TORCH_CHECK(false, "act: unknown activation ", c.act);
+    case Activation::kSilu: h = at::silu(x); break;
+    case Activation::kGeluTanh: h = at::gelu(x, "tanh"); break;
+    case Activation::kGelu: h = at::gelu(x); break;
+    case Activation::kRelu: h = at::relu(x); break;
   }
   return up ? at::mul(h, *up) : h;
 }
 
-// One block on x (B x E) whose cache holds c.offset positions; returns the new x.
-torch::Tensor block(const Config& c, const torch::Tensor& x, const py::tuple& layer,
+// One block on x (B x E) whose caches hold `offset` positions; returns the new x.
+torch::Tensor block(const Config& c, const Block& b, const torch::Tensor& x, int64_t offset,
+                    const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                     const std::optional<torch::Tensor>& cos, const std::optional<torch::Tensor>& sin,
                     const std::optional<torch::Tensor>& mask) {
-  TORCH_CHECK(layer.size() == 13, "a layer: expected 13 entries");
   const int64_t B = x.size(0);
-  const auto n1w = py::cast<torch::Tensor>(layer[0]);
-  const auto n1b = optional_tensor(layer[1]);
-  const Linear q_proj(layer[2]), k_proj(layer[3]), v_proj(layer[4]), o_proj(layer[5]);
-  const auto q_norm = optional_tensor(layer[6]), k_norm = optional_tensor(layer[7]);
-  const auto n2w = py::cast<torch::Tensor>(layer[8]);
-  const auto n2b = optional_tensor(layer[9]);
-  const auto mlp = py::cast<py::tuple>(layer[10]);
-  const auto k_cache = py::cast<torch::Tensor>(layer[11]);
-  const auto v_cache = py::cast<torch::Tensor>(layer[12]);
-
-  const auto h = normed(c, x, n1w, n1b);
-  auto q = q_proj(h).view({B, 1, c.H, c.D});
-  auto k = k_proj(h).view({B, 1, c.G, c.D});
-  const auto v = v_proj(h).view({B, 1, c.G, c.D});
-  if (q_norm) {
-    q = rms_norm(q.reshape({-1, c.D}), *q_norm, c.eps, c.norm == kRmsUnitOffset).view(q.sizes());
-    k = rms_norm(k.reshape({-1, c.D}), *k_norm, c.eps, c.norm == kRmsUnitOffset).view(k.sizes());
+  const auto h = normed(c, x, b.norm1_w, b.norm1_b);
+  auto q = b.q(h).view({B, 1, c.H, c.D});
+  auto k = b.k(h).view({B, 1, c.G, c.D});
+  const auto v = b.v(h).view({B, 1, c.G, c.D});
+  if (b.q_norm) {
+    const bool unit = c.norm == NormKind::kRmsUnitOffset;
+    q = rms_norm(q.reshape({-1, c.D}), *b.q_norm, c.eps, unit).view(q.sizes());
+    k = rms_norm(k.reshape({-1, c.D}), *b.k_norm, c.eps, unit).view(k.sizes());
   }
   if (cos) {
     q = rotary(q, *cos, *sin, c.interleaved);
     k = rotary(k, *cos, *sin, c.interleaved);
   }
-  k_cache.select(2, c.offset).copy_(k.select(1, 0));
-  v_cache.select(2, c.offset).copy_(v.select(1, 0));
-  const auto keys = k_cache.narrow(2, 0, c.offset + 1);
-  const auto values = v_cache.narrow(2, 0, c.offset + 1);
+  k_cache.select(2, offset).copy_(k.select(1, 0));
+  v_cache.select(2, offset).copy_(v.select(1, 0));
+  const auto keys = k_cache.narrow(2, 0, offset + 1);
+  const auto values = v_cache.narrow(2, 0, offset + 1);
   const auto z = decode_attention(q.transpose(1, 2), keys, values, mask, c.scale, false);
-  auto out = at::add(x, o_proj(z.transpose(1, 2).reshape({B, c.H * c.D})));
+  auto out = at::add(x, b.o(z.transpose(1, 2).reshape({B, c.H * c.D})));
 
-  const auto h2 = normed(c, out, n2w, n2b);
-  torch::Tensor m;
-  if (c.gated) {
-    TORCH_CHECK(mlp.size() == 3, "mlp: expected (gate, up, down)");
-    const Linear gate(mlp[0]), up(mlp[1]), down(mlp[2]);
-    m = down(activated(c, gate(h2), up(h2)));
-  } else {
-    TORCH_CHECK(mlp.size() == 2, "mlp: expected (linear1, linear2)");
-    const Linear first(mlp[0]), second(mlp[1]);
-    m = second(activated(c, first(h2)));
-  }
+  const auto h2 = normed(c, out, b.norm2_w, b.norm2_b);
+  const auto& mlp = b.mlp;
+  const auto m = c.gated ? mlp[2](activated(c, mlp[0](h2), mlp[1](h2)))
+                         : mlp[1](activated(c, mlp[0](h2)));
   return at::add(out, m);
 }
 
+// Where a tensor of the plan lay and what it held when the plan was built.
+struct Seen {
+  torch::Tensor t;
+  const void* data;
+  at::ScalarType dtype;
+
+  explicit Seen(const torch::Tensor& t) : t(t), data(t.data_ptr()), dtype(t.scalar_type()) {}
+  bool same() const { return t.data_ptr() == data && t.scalar_type() == dtype; }
+};
+
+// The blocks of a decoder's step and what they share, built once (see the file comment).
+class StepPlan {
+ public:
+  StepPlan(std::vector<Block> blocks, NormKind norm, Activation act, int64_t H, int64_t G,
+           int64_t D, double eps, double scale, bool gated, bool interleaved)
+      : c_{norm, act, H, G, D, eps, scale, gated, interleaved}, blocks_(std::move(blocks)) {
+    TORCH_CHECK(!blocks_.empty(), "blocks: expected at least one block");
+    TORCH_CHECK(H > 0 && G > 0 && D > 0 && H % G == 0,
+                "H, G, D: expected positive sizes with G dividing H, got ", H, ", ", G, ", ", D);
+    for (const auto& b : blocks_) {
+      TORCH_CHECK(b.mlp.size() == (gated ? 3u : 2u), "mlp: expected ",
+                  gated ? "(gate, up, down)" : "(linear1, linear2)", ", got ", b.mlp.size(),
+                  " products");
+      TORCH_CHECK(b.q_norm.has_value() == b.k_norm.has_value(),
+                  "q_norm, k_norm: expected both or neither");
+      for (const auto* l : {&b.q, &b.k, &b.v, &b.o}) watch(*l);
+      for (const auto& l : b.mlp) watch(l);
+      for (const auto* t : {&b.norm1_b, &b.q_norm, &b.k_norm, &b.norm2_b})
+        if (*t) seen_.emplace_back(**t);
+      seen_.emplace_back(b.norm1_w);
+      seen_.emplace_back(b.norm2_w);
+    }
+  }
+
+  // x (B x E, contiguous, one new position a row) through every block, each block's keys and
+  // values written at `offset` of its caches (B x G x >offset x D in x's dtype, last dim
+  // contiguous); cos, sin: (B or 1) x 1 x R in x's dtype, or None (no RoPE); mask:
+  // B x H x 1 x (offset + 1) bool (an expanded view is fine), or None. Returns None, having
+  // written nothing, when a tensor of the plan was moved or changed dtype since it was built
+  // (a weight re-stored, the model converted: the plan is stale) or a cache is not one the
+  // step writes: then the modules must run.
+  std::optional<torch::Tensor> run(const torch::Tensor& x, const std::vector<torch::Tensor>& k_caches,
+                                   const std::vector<torch::Tensor>& v_caches, int64_t offset,
+                                   const std::optional<torch::Tensor>& cos,
+                                   const std::optional<torch::Tensor>& sin,
+                                   const std::optional<torch::Tensor>& mask) const {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: expected a contiguous B x E tensor");
+    TORCH_CHECK(cos.has_value() == sin.has_value(), "cos, sin: expected both or neither");
+    if (!current() || !fits(x, k_caches, offset) || !fits(x, v_caches, offset)) return std::nullopt;
+    torch::Tensor h = x;
+    for (size_t i = 0; i < blocks_.size(); ++i)
+      h = block(c_, blocks_[i], h, offset, k_caches[i], v_caches[i], cos, sin, mask);
+    return h;
+  }
+
+  // Whether every tensor of the plan still lies where it lay, in its dtype.
+  bool current() const {
+    for (const auto& s : seen_)
+      if (!s.same()) return false;
+    return true;
+  }
+
+  size_t size() const { return blocks_.size(); }
+
+ private:
+  void watch(const Linear& l) {
+    seen_.emplace_back(l.w);
+    for (const auto* t : {&l.s, &l.z, &l.bias})
+      if (*t) seen_.emplace_back(**t);
+  }
+
+  bool fits(const torch::Tensor& x, const std::vector<torch::Tensor>& caches, int64_t offset) const {
+    if (caches.size() != blocks_.size()) return false;
+    for (const auto& t : caches)
+      if (t.scalar_type() != x.scalar_type() || t.dim() != 4 || t.size(0) != x.size(0) ||
+          t.size(1) != c_.G || t.size(3) != c_.D || t.size(2) <= offset || t.stride(3) != 1 ||
+          !t.is_cpu())
+        return false;
+    return true;
+  }
+
+  Config c_;
+  std::vector<Block> blocks_;
+  std::vector<Seen> seen_;
+};
+
 }  // namespace
 
-// x (B x E, one new position a row) through every layer of `layers`; see the file comment.
-// cos, sin: (B or 1) x 1 x R in x's dtype, or None (no RoPE); mask: B x H x 1 x (offset + 1)
-// bool (an expanded view is fine), or None.
-torch::Tensor decode_layers(const torch::Tensor& x, const py::list& layers, const py::tuple& config,
-                            const std::optional<torch::Tensor>& cos,
-                            const std::optional<torch::Tensor>& sin,
-                            const std::optional<torch::Tensor>& mask) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: expected a contiguous B x E tensor");
-  TORCH_CHECK(config.size() == 10, "config: expected 10 entries");
-  const Config c{py::cast<int64_t>(config[0]), py::cast<int64_t>(config[1]),
-                 py::cast<int64_t>(config[2]), py::cast<int64_t>(config[3]),
-                 py::cast<int64_t>(config[4]), py::cast<int64_t>(config[5]),
-                 py::cast<double>(config[6]), py::cast<double>(config[7]),
-                 py::cast<bool>(config[8]), py::cast<bool>(config[9])};
-  torch::Tensor h = x;
-  for (const auto& layer : layers) h = block(c, h, py::cast<py::tuple>(layer), cos, sin, mask);
-  return h;
+// The step's enums and StepPlan, added to the extension module (native_gemv.cpp's
+// PYBIND11_MODULE calls this): Python takes every code from here.
+void bind_step(py::module_& m) {
+  py::enum_<StepKind>(m, "StepKind", "a product's kernel, named as attnlab's kernel catalogs name it")
+      .value("native_gemv", StepKind::kFloat)
+      .value("native_pairs", StepKind::kFloatPairs)
+      .value("int8_native", StepKind::kInt8)
+      .value("int4_native", StepKind::kInt4)
+      .value("int4_native_pairs", StepKind::kInt4Pairs)
+      .value("int8_mm", StepKind::kInt8Mm)
+      .value("int4_mm", StepKind::kInt4Mm)
+      .value("formula", StepKind::kFormula)
+      .value("native_tiles", StepKind::kTiles)
+      .value("int8_tiles", StepKind::kInt8Tiles)
+      .value("int8_integers", StepKind::kInt8Integers)
+      .value("int4_integers", StepKind::kInt4Integers);
+  py::enum_<NormKind>(m, "NormKind", "a block's norm")
+      .value("rms", NormKind::kRms)
+      .value("rms_unit_offset", NormKind::kRmsUnitOffset)
+      .value("layer_norm", NormKind::kLayerNorm);
+  py::enum_<Activation>(m, "Activation", "an MLP's activation, named as attnlab.layers names it")
+      .value("silu", Activation::kSilu)
+      .value("gelu_tanh", Activation::kGeluTanh)
+      .value("gelu", Activation::kGelu)
+      .value("relu", Activation::kRelu);
+  py::class_<Linear>(m, "StepLinear", "one product of a StepPlan")
+      .def(py::init<StepKind, torch::Tensor, std::optional<torch::Tensor>,
+                    std::optional<torch::Tensor>, int64_t, std::optional<torch::Tensor>>(),
+           py::arg("kind"), py::arg("w"), py::arg("s"), py::arg("z"), py::arg("group"),
+           py::arg("bias"))
+      .def_readonly("kind", &Linear::kind);
+  py::class_<Block>(m, "StepBlock", "one block of a StepPlan")
+      .def(py::init([](torch::Tensor norm1_w, std::optional<torch::Tensor> norm1_b, Linear q,
+                       Linear k, Linear v, Linear o, std::optional<torch::Tensor> q_norm,
+                       std::optional<torch::Tensor> k_norm, torch::Tensor norm2_w,
+                       std::optional<torch::Tensor> norm2_b, std::vector<Linear> mlp) {
+             return Block{std::move(norm1_w), std::move(norm1_b), std::move(q), std::move(k),
+                          std::move(v), std::move(o), std::move(q_norm), std::move(k_norm),
+                          std::move(norm2_w), std::move(norm2_b), std::move(mlp)};
+           }),
+           py::arg("norm1_w"), py::arg("norm1_b"), py::arg("q"), py::arg("k"), py::arg("v"),
+           py::arg("o"), py::arg("q_norm"), py::arg("k_norm"), py::arg("norm2_w"),
+           py::arg("norm2_b"), py::arg("mlp"));
+  py::class_<StepPlan>(m, "StepPlan", "a decoder's one-token step, built once")
+      .def(py::init<std::vector<Block>, NormKind, Activation, int64_t, int64_t, int64_t, double,
+                    double, bool, bool>(),
+           py::arg("blocks"), py::arg("norm"), py::arg("activation"), py::arg("H"), py::arg("G"),
+           py::arg("D"), py::arg("eps"), py::arg("scale"), py::arg("gated"),
+           py::arg("interleaved"))
+      .def("run", &StepPlan::run, py::arg("x"), py::arg("k_caches"), py::arg("v_caches"),
+           py::arg("offset"), py::arg("cos"), py::arg("sin"), py::arg("mask"),
+           // No Python object is touched inside: other Python threads run meanwhile.
+           py::call_guard<py::gil_scoped_release>())
+      .def("current", &StepPlan::current)
+      .def("__len__", &StepPlan::size);
 }

@@ -296,18 +296,19 @@ def _native_widened_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
     return widened_product(x, data.shape[0], block, bias)
 
 
-def step_product(kernel: Kernel, state: tuple, bias: Tensor | None) -> tuple:
-    """``kernel`` with its prepared ``state`` as ``attnlab.kernels.native.decode_layers``
-    takes a product: ``(kind, codes, scales, zeros, group size, bias)`` for a kernel it runs
-    itself, ``(STEP_CALL, x -> y, None, None, 0, None)`` for another."""
-    kind = native.STEP_KINDS.get(kernel.name)
+def step_product(kernel: Kernel, state: tuple, bias: Tensor | None) -> object | None:
+    """``kernel`` with its prepared ``state`` as a product of
+    ``attnlab.kernels.native.step_plan`` (``native.step_linear``), or None for a kernel that
+    the step does not run (it has no ``StepKind`` of that name: then the modules run)."""
+    kind = native.step_kind(kernel.name)
     if kind is None:
-        return (native.STEP_CALL, lambda x: kernel.run(x, state, bias), None, None, 0, None)
+        return None
     if kernel.name == "int4_mm":  # _int4_prepare: (codes, group size, scale/zero pairs)
-        return (kind, state[0], state[2], None, state[1], bias)
+        return native.step_linear(kind, state[0], state[2], None, state[1], bias)
     if len(state) == 2:  # int8: (codes, scales)
-        return (kind, *state, None, 0, bias)
-    return (kind, *state, bias)  # _native_codes: (codes, scales, zeros, group size)
+        return native.step_linear(kind, *state, None, 0, bias)
+    # _native_codes: (codes, scales, zeros, group size)
+    return native.step_linear(kind, *state, bias)
 
 
 def _any(weight: QuantizedWeight, dtype: torch.dtype) -> bool:

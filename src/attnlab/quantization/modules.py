@@ -113,12 +113,12 @@ class QuantizedLinear(nn.Module):
         kernel, state = self._planned(flat.shape[0], x.dtype)
         return kernel.run(flat, state, bias).view(*x.shape[:-1], self.out_features)
 
-    def native_spec(self, rows: int, dtype: torch.dtype) -> tuple | None:
+    def native_spec(self, rows: int, dtype: torch.dtype) -> object | None:
         """What ``forward`` runs for ``rows`` rows of ``dtype`` activations on the CPU with no
-        gradient, as ``attnlab.kernels.native.decode_layers`` takes a product: ``(kind,
-        codes, scales, zeros, group size, bias)`` for a kernel it runs itself (attnlab's C++
-        GEMVs, PyTorch's packed ops), ``(STEP_CALL, x -> y, None, None, 0, None)`` for
-        another; None off the CPU."""
+        gradient, as a product of ``attnlab.kernels.native.step_plan`` (``native.step_linear``:
+        the planned kernel on its prepared codes, scales and zeros, the bias in ``dtype``);
+        None off the CPU or for a kernel that the step does not run (attnlab's C++ GEMVs and
+        PyTorch's packed ops it does)."""
         # _buffers directly: nn.Module's __getattr__ costs ~0.6 us a name.
         if not self._buffers["qweight"].is_cpu:
             return None
