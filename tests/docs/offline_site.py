@@ -5,11 +5,11 @@ not work, or when the browser is missing:
     python tests/docs/offline_site.py site
 
 Every request of every page is intercepted: a ``file://`` URL inside the site folder goes
-through, any other one (Google Fonts, a CDN, http, a file outside the site) is refused and
-reported, and the host resolver maps every name to nowhere so that nothing a route misses can
-leave the machine either. On the English and the Japanese home page the search is used as a
-reader would (open it, type a word) and must list results; the maths must be typeset by the
-bundled KaTeX.
+through (reported when the file is missing), any other one (Google Fonts, a CDN, http, a file
+outside the site) is refused and reported, and the host resolver maps every name to nowhere
+so that nothing a route misses can leave the machine either. On the English and the Japanese
+home page the search is used as a reader would (type a word) and must list results; the maths
+must be typeset by the bundled KaTeX.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 from playwright.sync_api import sync_playwright
 
 # Waits on a page: hang guards, far above their time on a busy 2-core machine.
@@ -63,11 +64,13 @@ def check_site(site: Path, pages: list[str] | None = None,
 
         def route(request_route):
             url = request_route.request.url
-            if _inside(url, site):
-                request_route.continue_()
-            else:
+            if not _inside(url, site):
                 problems.append(f"{current[0]}: asks for {url}")
                 request_route.abort()
+                return
+            if url.startswith("file://") and not _path(url).exists():
+                problems.append(f"{current[0]}: asks for a file the site lacks, {url}")
+            request_route.continue_()
 
         current = [""]
         context.route("**/*", route)
@@ -90,19 +93,24 @@ def _inside(url: str, site: Path) -> bool:
         return True  # made by the page itself, nothing is fetched
     if not url.startswith("file://"):
         return False
-    path = Path(unquote(urlparse(url).path)).resolve()
+    path = _path(url)
     return path == site or site in path.parents
 
 
+def _path(url: str) -> Path:
+    return Path(unquote(urlparse(url).path)).resolve()
+
+
 def _search(page, name: str, word: str) -> list[str]:
-    """Type ``word`` into the search as a reader would; a problem when nothing is listed."""
-    page.locator("input[data-md-component=search-query]").fill(word)
-    results = page.locator(".md-search-result__item")
+    """Type ``word`` into the search as a reader would; a problem when nothing is listed (on
+    file:// the search runs in a Web Worker, which without the iframe-worker shim never starts:
+    the search box then stays disabled)."""
     try:
-        results.first.wait_for(state="attached", timeout=HANG_MS)
-    except Exception:
-        meta = page.locator(".md-search-result__meta").first.inner_text()
-        return [f"{name}: the search for {word!r} lists nothing ({meta!r})"]
+        page.locator("input[data-md-component=search-query]").fill(word, timeout=HANG_MS)
+        page.locator(".md-search-result__item").first.wait_for(state="attached",
+                                                              timeout=HANG_MS)
+    except PlaywrightTimeoutError:
+        return [f"{name}: the search for {word!r} lists nothing"]
     return []
 
 
