@@ -26,8 +26,10 @@ demo: $(STAMP)
 	-$(BIN)/attnlab build
 	$(BIN)/attnlab demo
 
-# The course site: every code block runs during the build; any warning (a failing block, a
-# broken link or reference) fails it. Output in site/ (site/index.html, Japanese in site/ja/).
+# The course site: every code block runs during the build; any warning (a failing block or
+# check, a broken link or reference) fails it. Output in site/ (site/index.html, Japanese in
+# site/ja/). A page whose code and library are unchanged since it last passed is replayed from
+# .cache/docs-exec (docs_hooks/exec_cache.py), so a second build takes a fraction of the first.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 MPLBACKEND=Agg $(BIN)/mkdocs build --strict
 	@echo "docs: site/index.html"

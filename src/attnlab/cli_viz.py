@@ -3,11 +3,11 @@
 ``attnlab viz --checkpoint DIR --text "..." [--html out.html] [--png out/]`` captures every
 attention layer and head on the text, prints the head metric table, and writes the
 interactive HTML viewer and/or PNG pictures (a head grid per kind and layer, a layer x head
-entropy map and head similarity per kind). ``DIR`` is an attnlab checkpoint (a seq2seq
-model: the text is the source and the model's greedy translation the target; a character
-LM: the text is the input) or a Hugging Face checkpoint folder of any family that
-``attnlab.models.io.from_pretrained`` reads (``attnlab.models.families.FAMILIES``: Llama,
-Qwen2, ...), with its ``tokenizer.json``.
+entropy map per kind, a head similarity per kind and layer). ``DIR`` is an attnlab
+checkpoint (a seq2seq model: the text is the source and the model's greedy translation the
+target; a character LM: the text is the input) or a Hugging Face checkpoint folder of any
+family that ``attnlab.models.io.from_pretrained`` reads (``attnlab.models.families.FAMILIES``:
+Llama, Qwen2, ...), with its ``tokenizer.json``.
 ``--alignment`` adds, for a date checkpoint, the year-alignment report and its pictures;
 it refuses any other checkpoint before doing any work.
 """
@@ -63,7 +63,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                           "--png is given it goes to attention.html")
     viz.add_argument("--png", metavar="DIR",
                      help="write PNG pictures into DIR: a head grid per kind and layer, the "
-                          "layer x head entropy map and the head similarity of each kind")
+                          "layer x head entropy map of each kind, and the head similarity "
+                          "of each kind and layer")
     viz.add_argument("--layers", type=int, nargs="+", metavar="I",
                      help="capture only these layer indices (all when not given)")
     viz.add_argument("--heads", type=int, nargs="+", metavar="H",
@@ -171,11 +172,13 @@ def _pictures(result: AttentionCapture, report: Any, out: Path) -> list[Path]:
                                  and r["layer"] == layer] for layer in maps.layers])
         paths.append(plot_metric_map(
             entropy, out / f"{kind}_entropy.png", row_labels=[f"layer {x}" for x in maps.layers],
-            col_labels=[f"h{h}" for h in maps.heads], title=f"{kind_label(kind)}: entropy"))
-        paths.append(plot_head_similarity(
-            head_similarity(w[-1].float()), out / f"{kind}_similarity.png",
-            labels=[f"h{h}" for h in maps.heads],
-            title=f"{kind_label(kind)}, layer {maps.layers[-1]}: head similarity"))
+            col_labels=[f"h{h}" for h in maps.heads], title=f"{kind_label(kind)}: entropy",
+            label="mean entropy of a query's weights (nats)"))
+        for i, layer in enumerate(maps.layers):
+            paths.append(plot_head_similarity(
+                head_similarity(w[i].float()), out / f"{kind}_similarity_layer{layer}.png",
+                labels=[f"h{h}" for h in maps.heads],
+                title=f"{kind_label(kind)}, layer {layer}: head similarity"))
     return paths
 
 

@@ -169,6 +169,7 @@ def _draw_cross_attention(
                 list(text),
                 out / f"cross_attention_{i}.png",
                 title=f"{text!r} -> {iso} (last decoder layer)",
+                cols=2,  # two panels a row: the figure stays narrow, its labels readable
             )
         )
     return paths

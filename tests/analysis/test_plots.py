@@ -81,6 +81,28 @@ def test_cell_numbers_contrast_with_their_cells(figures, tmp_path):
     assert all(any(a.get_label() == "<colorbar>" for a in f.axes) for f in figures[:3])
 
 
+def test_colorbars_say_what_their_colour_means(figures, tmp_path):
+    plots.plot_metric_map(torch.rand(2, 4), tmp_path / "m.png", label="entropy (nats)")
+    plots.plot_head_similarity(torch.eye(3), tmp_path / "s.png")
+    plots.plot_attention_heads(torch.softmax(torch.randn(2, 3, 3), -1), "abc", "abc",
+                               tmp_path / "h.png")
+    labels = [next(a for a in f.axes if a.get_label() == "<colorbar>").get_ylabel()
+              for f in figures]
+    assert labels == ["entropy (nats)", "similarity (1 - JS / ln 2)", "attention weight"]
+
+
+def test_token_labels_use_the_room_their_axis_has(figures, tmp_path):
+    """A date's 30 characters (the demo's cross-attention) get labels near 8 pt, not 7; a
+    short input gets 10; 40 labels or more keep the smallest readable size."""
+    sizes = []
+    for n in (6, 30, 130):
+        tokens = [f"t{i}" for i in range(n)]
+        plots.plot_attention_heads(torch.softmax(torch.randn(2, n, n), -1), tokens, tokens,
+                                   tmp_path / "h.png")
+        sizes.append(figures[-1].axes[0].get_yticklabels()[0].get_fontsize())
+    assert sizes[0] == 10 and 8 <= sizes[1] < 10 and 6 <= sizes[2] < 7
+
+
 def test_long_inputs_get_thinned_labels_a_colorbar_and_a_bounded_figure(figures, tmp_path):
     tokens = [f" word{i}" for i in range(130)]  # labels every 4th: ceil(130 / 40)
     w = torch.softmax(torch.randn(6, 130, 130), -1)

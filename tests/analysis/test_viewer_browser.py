@@ -91,7 +91,7 @@ def test_viewer_head_and_token_clicks(browser, tmp_path):
     assert f"{w[j]:.3f}" in labels
 
     page.click("#head-all")
-    assert page.inner_text("#status").endswith("all heads")
+    assert page.inner_text("#status").endswith("all heads (their mean; 4 heads)")
     mean = result["cross"].weights[0, 1, :, 3].mean(0)
     assert f"{mean.max():.3f}" in page.inner_text("#info")
 
@@ -102,6 +102,14 @@ def test_viewer_head_and_token_clicks(browser, tmp_path):
     assert page.is_visible("#heatmap") and not page.is_visible("#lines")
     box = page.locator("#heatmap").bounding_box()
     assert box["width"] > 50
+    # The colour scale beside it: the top of the bar is weight 1, its middle weight 0.5.
+    assert page.is_visible("#scale")
+    pixel = ("([x, y]) => Array.from(document.getElementById('scale').getContext('2d')"
+             ".getImageData(x, y, 1, 1).data.slice(0, 3))")
+    height = page.eval_on_selector("#scale", "c => c.height")
+    bar = height - 24 - 12
+    assert page.evaluate(pixel, [14, 24]) == [12, 31, 119]
+    assert page.evaluate(pixel, [14, 24 + (bar - 1) // 2]) == pytest.approx([42, 111, 219], abs=4)
     assert errors == []
     assert all(url.startswith("file://") for url in requests), requests
     page.close()
@@ -197,4 +205,25 @@ def test_viewer_shows_a_table_without_head_columns_whole(browser, tmp_path):
     assert cells == ["first", "0.123", "<i>second</i>", "inf"]
     page.click("#head-1")
     assert page.locator("#metrics tbody tr").count() == 2 and errors == []
+    page.close()
+
+
+def test_viewer_info_line_follows_the_selected_head(browser, tmp_path):
+    """After "all", nothing on the page still describes the head picked before."""
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderLMConfig.llama(50, d_model=32, num_layers=1, num_heads=4,
+                                            num_kv_heads=2)).eval()
+    path = save_html(capture(model, torch.randint(0, 50, (1, 6))), tmp_path / "v.html")
+    page, _, errors = _open(browser, path)
+    page.click("#head-2")
+    page.click("#view-heatmap")
+    page.hover("#heatmap", position={"x": 80, "y": 80})
+    assert "head 2:" in page.inner_text("#info")
+    page.click("#head-all")
+    for where in ("#status", "#info"):
+        text = page.inner_text(where)
+        assert "head 2" not in text and text.endswith("all heads (their mean; 4 heads)"), text
+    page.click("#view-lines")
+    assert page.inner_text("#info") == "Hover or click a token · all heads (their mean; 4 heads)"
+    assert errors == []
     page.close()

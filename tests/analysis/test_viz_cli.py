@@ -47,10 +47,12 @@ def test_viz_seq2seq_html_and_pngs(tmp_path, capsys):
     assert page.startswith("<!DOCTYPE html>") and '"cross-attention"' in page
     assert "<script src" not in page and "<link" not in page
     names = sorted(p.name for p in png.iterdir())
+    # The head similarity of every layer, as --help says (two decoder layers here).
     assert names == ["cross_entropy.png", "cross_layer0.png", "cross_layer1.png",
-                     "cross_similarity.png", "decoder_entropy.png", "decoder_layer0.png",
-                     "decoder_layer1.png", "decoder_similarity.png", "encoder_entropy.png",
-                     "encoder_layer0.png", "encoder_similarity.png"]
+                     "cross_similarity_layer0.png", "cross_similarity_layer1.png",
+                     "decoder_entropy.png", "decoder_layer0.png", "decoder_layer1.png",
+                     "decoder_similarity_layer0.png", "decoder_similarity_layer1.png",
+                     "encoder_entropy.png", "encoder_layer0.png", "encoder_similarity_layer0.png"]
 
 
 def test_viz_char_lm_and_errors(tmp_path, capsys, monkeypatch):

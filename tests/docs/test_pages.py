@@ -1,43 +1,28 @@
-"""The course site's pages: every Python block is executed by the build, and each Japanese
-page runs exactly the code of its English page (only the prose is translated)."""
+"""The course site's pages: every Python block is executed by the build, every check in a
+block is an assertion that fails the build when false, and each Japanese page runs exactly the
+code of its English page (only the prose is translated)."""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+import os
 import re
 import shlex
-import textwrap
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from page_runner import BlockError, code_blocks, executed_blocks, run_page
 
 from attnlab.cli import build_parser
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
-FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+SRC = ROOT / "src"
+HOOK = ROOT / "docs_hooks" / "exec_cache.py"
 TRANSLATED = ["index.md", "architecture.md", "glossary.md", "tutorials/index.md"]
-
-
-def code_blocks(text: str) -> list[tuple[str, str]]:
-    """The fenced blocks of a Markdown text as (info string, dedented body), in order."""
-    blocks, lines, i = [], text.splitlines(), 0
-    while i < len(lines):
-        opening = FENCE.match(lines[i])
-        if not opening:
-            i += 1
-            continue
-        indent, fence = opening["indent"], opening["fence"]
-        body, i = [], i + 1
-        while i < len(lines):
-            closing = FENCE.match(lines[i])
-            if closing and closing["fence"].startswith(fence) and not closing["info"].strip():
-                break
-            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
-            i += 1
-        if i == len(lines):
-            raise ValueError(f"unclosed {fence} fence opened as {lines[i - len(body) - 1]!r}")
-        blocks.append((opening["info"].strip(), textwrap.dedent("\n".join(body))))
-        i += 1
-    return blocks
 
 
 def english_pages() -> list[Path]:
@@ -139,3 +124,135 @@ def test_every_command_line_on_a_page_is_one_the_cli_accepts(page: Path):
                         pytest.fail(f"{where} is refused by attnlab's parser ({exit_})")
                 elif words[0] == "make":
                     assert set(words[1:]) <= targets, f"{where}: no such make target"
+
+
+# The pages' checks: a block states what it proves with `assert`, so a check that turns false
+# fails the build (markdown-exec reports the exception, `mkdocs build --strict` stops on it)
+# while the page still prints the value that the reader sees.
+CHECKS = {"allclose", "equal", "isclose", "array_equal"}
+
+
+def unasserted_checks(code: str) -> list[str]:
+    """What a block compares without asserting: each ``allclose``/``equal``/``isclose`` call
+    written inside a ``print(...)``, and, when the block has no ``assert`` at all, each one."""
+    tree = ast.parse(code)
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)]
+
+    def is_check(call: ast.Call) -> bool:
+        return getattr(call.func, "attr", getattr(call.func, "id", None)) in CHECKS
+
+    printed = [ast.unparse(inner) for call in calls
+               if isinstance(call.func, ast.Name) and call.func.id == "print"
+               for inner in ast.walk(call) if isinstance(inner, ast.Call) and is_check(inner)]
+    if any(isinstance(node, ast.Assert) for node in ast.walk(tree)):
+        return printed
+    return printed + [ast.unparse(call) for call in calls if is_check(call)]
+
+
+def test_unasserted_checks_finds_printed_and_unasserted_comparisons():
+    assert unasserted_checks('print("ok:", torch.allclose(a, b))\nassert x') == [
+        "torch.allclose(a, b)"]
+    assert unasserted_checks("same = torch.equal(a, b)\nprint(same)") == ["torch.equal(a, b)"]
+    assert unasserted_checks("same = torch.equal(a, b)\nprint(same)\nassert same") == []
+
+
+@pytest.mark.parametrize("page", english_pages(), ids=lambda p: str(p.relative_to(DOCS)))
+def test_every_check_on_a_page_is_an_assertion(page: Path):
+    for path in (page, page.with_suffix(".ja.md")):
+        if not path.exists():
+            continue
+        for n, (_, code) in enumerate(executed_blocks(path.read_text(encoding="utf-8"))):
+            found = unasserted_checks(code)
+            assert not found, (
+                f"{path.relative_to(DOCS)}, block {n}: a check that only prints, {found}; "
+                "keep the value in a variable, print it and assert it")
+
+
+def test_a_false_check_fails_the_page_run(tmp_path: Path):
+    page = tmp_path / "page.md"
+    page.write_text(FALSE_CHECK, encoding="utf-8")
+    with pytest.raises(BlockError, match=r"block 1 .*\n(.*\n)*AssertionError: 1 \+ 1 is not 3"):
+        run_page(page)
+    page.write_text(FALSE_CHECK.replace("value == 3", "value == 2"), encoding="utf-8")
+    assert run_page(page) == ["two: True\n", "three: True\n"]
+
+
+FALSE_CHECK = '''# A page
+
+```python exec="on" source="block" result="text" session="s"
+value = 1 + 1
+print("two:", value == 2)
+```
+
+??? success "Solution"
+    ```python exec="on" source="block" result="text" session="s"
+    ok = value == 3
+    print("three:", ok)
+    assert ok, "1 + 1 is not 3"
+    ```
+'''
+
+
+def build_site(folder: Path, page: str, cache: Path) -> subprocess.CompletedProcess:
+    """``mkdocs build --strict`` of a one-page site with markdown-exec and the docs' cache
+    hook, as ``make docs`` builds the course."""
+    (folder / "docs").mkdir(parents=True, exist_ok=True)
+    (folder / "docs" / "index.md").write_text(page, encoding="utf-8")
+    (folder / "mkdocs.yml").write_text(
+        "site_name: check\ntheme: {name: mkdocs}\n"
+        "markdown_extensions: [admonition, pymdownx.details, pymdownx.superfences]\n"
+        f"plugins: [markdown-exec]\nhooks: [{HOOK}]\n", encoding="utf-8")
+    env = {**os.environ, "ATTNLAB_DOCS_CACHE": str(cache), "NO_MKDOCS_2_WARNING": "1",
+           "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(folder / "mkdocs.yml")],
+        capture_output=True, text=True, env=env, timeout=600, check=False)
+
+
+def test_a_false_check_fails_the_strict_build_every_time(tmp_path: Path):
+    cache = tmp_path / "cache"
+    for _ in range(2):  # a failed page is never cached: the second build runs it again
+        failed = build_site(tmp_path / "site", FALSE_CHECK, cache)
+        assert failed.returncode != 0, failed.stderr
+        assert "AssertionError: 1 + 1 is not 3" in failed.stderr, failed.stderr
+    assert not list(cache.glob("*.json"))
+    fixed = build_site(tmp_path / "site", FALSE_CHECK.replace("value == 3", "value == 2"), cache)
+    assert fixed.returncode == 0, fixed.stderr
+    assert "three: True" in (tmp_path / "site" / "site" / "index.html").read_text()
+
+
+def test_the_build_replays_a_page_until_its_code_changes(tmp_path: Path):
+    """The cache hook runs a page's blocks once; a second build shows the same output without
+    running them, and a changed block runs the page again."""
+    runs, cache = tmp_path / "runs.txt", tmp_path / "cache"
+    page = ('```python exec="on" result="text" session="c"\n'
+            f"with open({str(runs)!r}, 'a') as f:\n    f.write('x')\n"
+            'print("ran")\n```\n')
+    html = tmp_path / "site" / "site" / "index.html"
+    for _ in range(2):
+        built = build_site(tmp_path / "site", page, cache)
+        assert built.returncode == 0, built.stderr
+        assert "ran" in html.read_text()
+    assert runs.read_text() == "x"
+    assert "1 pages replayed" in built.stderr
+    built = build_site(tmp_path / "site", page.replace('"ran"', '"ran again"'), cache)
+    assert built.returncode == 0, built.stderr
+    assert runs.read_text() == "xx"
+    assert "ran again" in html.read_text()
+
+
+def test_the_cache_key_covers_every_file_of_the_library(tmp_path: Path):
+    spec = importlib.util.spec_from_file_location("exec_cache", HOOK)
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    package = tmp_path / "attnlab"
+    (package / "kernels").mkdir(parents=True)
+    (package / "kernels" / "gemv.cpp").write_text("int f();")
+    before = hook.library_hash(package)
+    (package / "__pycache__").mkdir()
+    (package / "__pycache__" / "x.pyc").write_bytes(b"compiled")
+    assert hook.library_hash(package) == before
+    (package / "kernels" / "gemv.cpp").write_text("int g();")
+    assert hook.library_hash(package) != before
+    page = 'x\n```python exec="on" session="a"\nprint(1)\n```\n    ```bash\n    ls\n    ```\n'
+    assert hook.executed_blocks(page) == [['python exec="on" session="a"', "print(1)"]]

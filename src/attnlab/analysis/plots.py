@@ -1,9 +1,10 @@
 """Attention pictures with matplotlib (Agg), saved as PNG: head grids, layer x head metric
 maps, mask pictures, single- vs multi-head comparisons and head-similarity matrices.
 
-Every heatmap has a colorbar. Long inputs stay readable: a panel grows with the number of
-tokens only up to a cap, at most ``MAX_TICKS`` token labels are written per axis (every
-k-th, prefixed with its position), and a label is cut to ``MAX_LABEL`` characters. Numbers
+Every heatmap has a colorbar that says what its colour means. Long inputs stay readable: a
+panel grows with the number of tokens only up to a cap, at most ``MAX_TICKS`` token labels are
+written per axis (every k-th, prefixed with its position), in the largest size that the room
+along the axis allows, and a label is cut to ``MAX_LABEL`` characters. Numbers
 written in cells are black or white, whichever contrasts more with the cell's colour.
 Tokens and titles are shown as text, never as matplotlib mathtext (``$`` stays a dollar).
 """
@@ -73,16 +74,18 @@ def plot_metric_map(
     row_labels: Sequence[str] | None = None,
     col_labels: Sequence[str] | None = None,
     cmap: str = "magma",
+    label: str = "",
 ) -> Path:
-    """A ``layers x heads`` map of one metric with a colorbar, each cell printed with its
-    value (up to ``MAX_NUMBERS`` cells per axis)."""
+    """A ``layers x heads`` map of one metric with a colorbar (titled ``label``: the metric
+    and its unit, e.g. ``"entropy (nats)"``), each cell printed with its value (up to
+    ``MAX_NUMBERS`` cells per axis)."""
     values = _check_tensor("values", values, 2)
     N, H = values.shape
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(min(0.7 * H, 20) + 2.2, min(0.55 * N, 16) + 1.4),
                            layout="constrained")
     image = ax.imshow(values.numpy(), cmap=cmap, aspect="auto")
-    fig.colorbar(image, ax=ax)
+    fig.colorbar(image, ax=ax, label=label)
     _write_numbers(ax, image, values, "{:.2f}", fontsize=7)
     cols = list(col_labels or [f"h{j}" for j in range(H)])
     rows = list(row_labels or [f"layer {i}" for i in range(N)])
@@ -156,7 +159,7 @@ def plot_head_similarity(
     side = min(0.55 * H, 16)
     fig, ax = plt.subplots(figsize=(side + 2.4, side + 1.6), layout="constrained")
     image = ax.imshow(sim.numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
-    fig.colorbar(image, ax=ax)
+    fig.colorbar(image, ax=ax, label="similarity (1 - JS / ln 2)")
     _write_numbers(ax, image, sim, "{:.2f}", fontsize=7)
     _set_ticks(ax.set_xticks, labels, fontsize=7, rotation=90)
     _set_ticks(ax.set_yticks, labels, fontsize=7)
@@ -196,7 +199,7 @@ def _heatmap_grid(panels, queries, keys, path, *, cols, title, first=None) -> Pa
     fig, axes = plt.subplots(rows, cols, figsize=(width * cols + 1.2, height * rows + 0.8),
                              squeeze=False, layout="constrained")
     xs, ys = tick_labels(keys), tick_labels(queries)
-    fontsize = 7 if max(len(keys), len(queries)) <= MAX_TICKS else 6
+    fontsize = _tick_fontsize(max(len(keys), len(queries)))
     image = None
     for i, ax in enumerate(axes.flat):
         if i >= len(panels):
@@ -213,6 +216,14 @@ def _heatmap_grid(panels, queries, keys, path, *, cols, title, first=None) -> Pa
         ax.set_title(name, fontsize=8, color=first if i == 0 and first else "black")
     fig.colorbar(image, ax=axes, shrink=min(1.0, 0.9 / rows + 0.1), label="attention weight")
     return _save(fig, path, title)
+
+
+def _tick_fontsize(n: int) -> float:
+    """The token labels' size in points on a panel of ``n`` tokens: 0.6 of the room that one
+    label gets along its axis (72 points an inch), between 6 (40 or more labels) and 10."""
+    shown = min(n, MAX_TICKS)
+    room = 72 * (_panel_inches(n) - 1.2) / max(shown, 1)
+    return max(6.0, min(10.0, round(0.6 * room, 1)))
 
 
 def _panel_inches(n: int) -> float:

@@ -69,7 +69,9 @@ button.on { background: #2a6fdb; color: white; border-color: #2a6fdb; }
 svg text.tok { font: 13px ui-monospace, monospace; cursor: pointer; }
 svg text.tok.sel { fill: #d33; font-weight: 700; }
 svg text.w { font: 11px ui-monospace, monospace; fill: #555; }
-#heatmap-view { overflow: auto; max-height: 75vh; border: 1px solid #ddd; }
+#heatmap-view { overflow: auto; max-height: 75vh; border: 1px solid #ddd; display: flex;
+                align-items: flex-start; gap: 8px; }
+#heatmap-view.hidden { display: none; }
 table { border-collapse: collapse; margin-top: 10px; font-size: 12px; }
 td, th { border: 1px solid #ccc; padding: 2px 6px; text-align: right; }
 tr.sel td { background: #ffe9a8; }
@@ -87,7 +89,8 @@ const ROW = 18, COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
 const $ = (id) => document.getElementById(id);
 const rowY = (j) => 30 + j * ROW;  // the baseline of token j in the lines view
 const K = () => D.kinds[S.kind];
-const headName = () => (S.head < 0 ? "all heads" : "head " + K().heads[S.head]);
+const headName = () => (S.head < 0 ? "all heads (their mean; " + K().heads.length +
+  " heads)" : "head " + K().heads[S.head]);
 
 // How a token is drawn: blank and control characters would be invisible or break the line,
 // so they show as symbols (a Map, so that "__proto__" or "constructor" is just a token).
@@ -165,7 +168,10 @@ function render() {
   $("heatmap-view").classList.toggle("hidden", S.view !== "heatmap");
   if (S.view === "lines") drawTokens(); else drawHeatmap();
   drawTable();
+  // The info line always describes what is selected now, never a head picked before.
   if (S.pinned) showToken(S.pinned.side, S.pinned.i);
+  else $("info").textContent = (S.view === "lines" ? "Hover or click a token" :
+    "Hover a cell") + " · " + headName();
 }
 
 function drawTokens() {
@@ -261,6 +267,7 @@ function drawHeatmap() {
     k.keys.forEach((t, j) => { ctx.save(); ctx.translate(pad + j * cell + cell - 3, pad - 3);
       ctx.rotate(-Math.PI / 2); ctx.fillText(label(t), 0, 0); ctx.restore(); });
   }
+  drawScale(cv.height);
   cv.onmousemove = (ev) => {
     const r = cv.getBoundingClientRect();
     const j = Math.floor((ev.clientX - r.left - pad) / cell);
@@ -270,6 +277,20 @@ function drawHeatmap() {
       quote(k.keys[j]) + " (" + j + ") · " + headName() + ": " +
       w[i * Sn + j].toFixed(3);
   };
+}
+
+// The colour scale beside the heatmap: weight 0 (white) at the bottom to 1 at the top.
+function drawScale(height) {
+  const cv = $("scale"), ctx = cv.getContext("2d"), top = 24, bar = Math.max(60, height - 40);
+  cv.width = 70; cv.height = top + bar + 12;
+  ctx.fillStyle = "white"; ctx.fillRect(0, 0, cv.width, cv.height);
+  for (let y = 0; y < bar; y++) {
+    ctx.fillStyle = color(1 - y / (bar - 1)); ctx.fillRect(6, top + y, 16, 1);
+  }
+  ctx.strokeStyle = "#999"; ctx.strokeRect(5.5, top - 0.5, 17, bar + 1);
+  ctx.fillStyle = "#222"; ctx.font = "11px monospace";
+  ctx.fillText("weight", 2, 12);
+  for (const v of [1, 0.5, 0]) ctx.fillText(v.toFixed(1), 27, top + (1 - v) * (bar - 1) + 4);
 }
 
 // At most 8 characters (code points, so that no emoji is cut in half) of a heatmap label.
@@ -345,7 +366,8 @@ _TEMPLATE = (
 <div class="bar"><span id="status"></span><span id="notice"></span></div>
 <div id="info">Hover or click a token.</div>
 <div id="lines-view"><svg id="lines" xmlns="http://www.w3.org/2000/svg"></svg></div>
-<div id="heatmap-view" class="hidden"><canvas id="heatmap"></canvas></div>
+<div id="heatmap-view" class="hidden"><canvas id="heatmap"></canvas>
+<canvas id="scale"></canvas></div>
 <table id="metrics"><thead></thead><tbody></tbody></table>
 <script id="data" type="application/json">__DATA__</script>
 <script>""" + _SCRIPT + """</script>
