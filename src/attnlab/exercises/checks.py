@@ -91,5 +91,7 @@ def assert_equal(actual: object, expected: object, *, name: str = "the result") 
                 f"at index {first}: got {actual[first].item()}, expected {expected[first].item()}"
             )
         return
+    if isinstance(actual, Tensor):  # a tensor where a number or a list is expected
+        actual = actual.tolist()
     if actual != expected:
         raise AssertionError(f"{name}: got {actual!r}, expected {expected!r}")
