@@ -19,6 +19,7 @@ EXERCISES = {
     "1.3": "tempered_softmax",
     "1.4": ["first_overflow", "stable_softmax"],
     "1.5": "identical_keys_output",
+    "1.6": "max_path_length",
 }
 
 
@@ -76,3 +77,21 @@ def identical_keys_output(values: Tensor) -> Tensor:
     N.. x S x Dv, the result N.. x Dv (every score is equal, so every weight is 1/S)."""
     return values.mean(dim=-2)
 # --8<-- [end:identical_keys_output]
+
+
+# --8<-- [start:max_path_length]
+def max_path_length(L: int, layer: str, kernel: int = 3) -> int:
+    """The longest path a signal travels between two of L positions (the number of layer
+    applications or recurrent steps that connect the first input to the last output):
+    ``"recurrent"`` steps from one position to the next, ``"convolution"`` stacks layers of
+    width ``kernel`` (contiguous, each reaching kernel - 1 positions further back), and
+    ``"self-attention"`` connects every pair in one layer."""
+    if layer == "recurrent":
+        return L - 1
+    if layer == "convolution":
+        return math.ceil((L - 1) / (kernel - 1))
+    if layer == "self-attention":
+        return 1
+    raise ValueError(f"layer: expected 'recurrent', 'convolution' or 'self-attention', "
+                     f"got {layer!r}")
+# --8<-- [end:max_path_length]

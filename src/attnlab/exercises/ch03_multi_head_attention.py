@@ -11,6 +11,8 @@ import math
 import torch
 from torch import Tensor
 
+from attnlab.attention import MultiHeadAttention, SimpleMultiHeadAttention
+
 # --8<-- [end:imports]
 
 EXERCISES = {
@@ -18,6 +20,8 @@ EXERCISES = {
     "3.2": "offset_read_by_heads",
     "3.3": "gqa_by_repeat",
     "3.4": "kv_cache_gib",
+    "3.5": "simple_from_module",
+    "3.6": "xavier_uniform_bound",
 }
 
 
@@ -67,3 +71,23 @@ def kv_cache_gib(tokens: int, num_layers: int, kv_heads: int, head_dim: int,
     every layer, ``kv_heads`` heads of ``head_dim`` elements of ``element_bytes`` each."""
     return 2 * num_layers * kv_heads * head_dim * element_bytes * tokens / 2**30
 # --8<-- [end:kv_cache_gib]
+
+
+# --8<-- [start:simple_from_module]
+def simple_from_module(module: MultiHeadAttention) -> SimpleMultiHeadAttention:
+    """The same attention as a bias-free ``MultiHeadAttention(E, H, bias=False)``, as a
+    ``SimpleMultiHeadAttention(E, H, wq, wk, wv, wo)`` built from its weights: the fused
+    ``in_proj_weight`` (``3E x E``) split into wq, wk, wv, and ``out_proj.weight`` as wo."""
+    wq, wk, wv = module.in_proj_weight.detach().chunk(3)
+    return SimpleMultiHeadAttention(module.embed_dim, module.num_heads, wq, wk, wv,
+                                    module.out_proj.weight.detach())
+# --8<-- [end:simple_from_module]
+
+
+# --8<-- [start:xavier_uniform_bound]
+def xavier_uniform_bound(fan_in: int, fan_out: int) -> float:
+    """The bound a of Xavier (Glorot) uniform initialisation, weights drawn from U(-a, a) with
+    a = sqrt(6 / (fan_in + fan_out)), so that the variance 2 / (fan_in + fan_out) keeps the
+    activations' and the gradients' scale through the layer."""
+    return math.sqrt(6 / (fan_in + fan_out))
+# --8<-- [end:xavier_uniform_bound]

@@ -7,6 +7,8 @@ Fill in each function (and each ``forward``), then run ``attnlab exercises check
 from __future__ import annotations
 
 # --8<-- [start:imports]
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -23,6 +25,7 @@ EXERCISES = {
     "5.4": "head_dim",
     "5.5": "MyEncoderLayer.forward",
     "5.6": "MyDecoderLayer.forward",
+    "5.7": "attention_with_dropout",
 }
 
 
@@ -141,3 +144,18 @@ class MyDecoderLayer(nn.Module):
         x = self.norm2(x + self.cross_attn(x, memory, mask=memory_mask))
         return self.norm3(x + self.ffn(x))
 # --8<-- [end:MyDecoderLayer]
+
+
+# --8<-- [start:attention_with_dropout]
+def attention_with_dropout(q: Tensor, k: Tensor, v: Tensor, p: float, *,
+                           generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Attention dropout: softmax(q kᵀ / √D) with each weight zeroed with probability ``p``
+    (drawn with ``generator``) and the others divided by 1 - p, so that the expected weights
+    are unchanged; then the weights times v. q ``N.. x L x D``, k ``N.. x S x D``, v
+    ``N.. x S x Dv``; returns (the output ``N.. x L x Dv``, the dropped weights
+    ``N.. x L x S``)."""
+    weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1)
+    keep = torch.rand(weights.shape, generator=generator) >= p
+    dropped = weights * keep / (1 - p)
+    return dropped @ v, dropped
+# --8<-- [end:attention_with_dropout]

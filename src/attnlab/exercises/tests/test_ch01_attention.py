@@ -94,3 +94,19 @@ def test_1_5_identical_keys_output():
     assert_close(mine, out[:, 0], name="identical_keys_output(values)")
     assert_close(out, mine[:, None].expand_as(out),
                  name="the output of every query (it does not depend on the query)")
+
+
+def test_1_6_max_path_length():
+    for L in (2, 10, 1024):
+        assert_equal(chapter().max_path_length(L, "recurrent"), L - 1,
+                     name=f"max_path_length({L}, 'recurrent')")
+        assert_equal(chapter().max_path_length(L, "self-attention"), 1,
+                     name=f"max_path_length({L}, 'self-attention')")
+    # Stack causal convolutions of width 3 until the last output depends on the first input.
+    for L, kernel in [(10, 3), (100, 5), (2, 2)]:
+        reach, layers = torch.eye(L, dtype=torch.bool), 0
+        band = (torch.ones(L, L).tril() - torch.ones(L, L).tril(-kernel)).bool()
+        while not reach[-1, 0]:
+            reach, layers = (band.float() @ reach.float()) > 0, layers + 1
+        assert_equal(chapter().max_path_length(L, "convolution", kernel), layers,
+                     name=f"max_path_length({L}, 'convolution', kernel={kernel})")

@@ -1,5 +1,7 @@
 """Checks of tutorial 3's exercises (``attnlab exercises check 3``)."""
 
+import math
+
 import torch
 
 from attnlab import MultiHeadAttention
@@ -55,3 +57,32 @@ def test_3_4_kv_cache_gib():
         got = chapter().kv_cache_gib(8192, 32, G, 128, 2)
         assert abs(got - expected) < 1e-9, (
             f"kv_cache_gib(8192, 32, {G}, 128, 2) = {got}, expected {expected} GiB")
+
+
+def test_3_5_simple_from_module():
+    torch.manual_seed(0)
+    module = MultiHeadAttention(32, 4, bias=False).eval()
+    simple = chapter().simple_from_module(module)
+    x, memory = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+    mask = torch.rand(5, 7) > 0.3
+    mask[:, 0] = True
+    with torch.no_grad():
+        assert_close(simple(x, x, x), module(x), atol=1e-5,
+                     name="SimpleMultiHeadAttention from the module, self-attention")
+        assert_close(simple(x, memory, memory, mask=mask), module(x, memory, mask=mask),
+                     atol=1e-5, name="SimpleMultiHeadAttention from the module, with a mask")
+
+
+def test_3_6_xavier_uniform_bound():
+    for fan_in, fan_out in [(64, 64), (64, 192), (10, 30)]:
+        got = chapter().xavier_uniform_bound(fan_in, fan_out)
+        assert abs(got - math.sqrt(6 / (fan_in + fan_out))) < 1e-12, (
+            f"xavier_uniform_bound({fan_in}, {fan_out}) = {got}")
+    torch.manual_seed(0)
+    module = MultiHeadAttention(64, 4)
+    # The fused in-projection is initialised as ONE 3E x E matrix: fan_out = 3E.
+    bound = chapter().xavier_uniform_bound(64, 192)
+    largest = module.in_proj_weight.abs().max().item()
+    assert 0.95 * bound < largest <= bound, (
+        f"MultiHeadAttention(64, 4).in_proj_weight lies in +-{largest:.4f}, "
+        f"expected just under xavier_uniform_bound(64, 192) = {bound:.4f}")

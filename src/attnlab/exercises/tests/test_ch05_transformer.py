@@ -116,3 +116,22 @@ def test_5_6_decoder_layer_equals_the_library():
                          mine(x, memory, memory_mask)[:, 0], atol=1e-5,
                          name="MyDecoderLayer's output at position 0 after changing positions "
                          "1.. (the self-attention must be causal)")
+
+
+def test_5_7_attention_with_dropout():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 8), torch.randn(2, 9, 8), torch.randn(2, 9, 3)
+    reference = torch.softmax(q @ k.transpose(-2, -1) / 8**0.5, dim=-1)
+    out, weights = chapter().attention_with_dropout(q, k, v, 0.0)
+    assert_close(weights, reference, name="the weights with p=0 (plain softmax)")
+    p = 0.25
+    out, weights = chapter().attention_with_dropout(
+        q, k, v, p, generator=torch.Generator().manual_seed(1))
+    kept = weights != 0
+    assert_close(weights[kept], reference[kept] / (1 - p), atol=1e-6,
+                 name="a kept weight (divided by 1 - p)")
+    assert_close(out, weights @ v, atol=1e-6, name="the output (the dropped weights times v)")
+    share = 1 - kept.float().mean().item()
+    assert 0.1 < share < 0.4, f"{share:.2f} of the weights dropped with p={p}"
+    again = chapter().attention_with_dropout(q, k, v, p, generator=torch.Generator().manual_seed(1))
+    assert_close(again[1], weights, name="the same generator seed, the same weights dropped")
