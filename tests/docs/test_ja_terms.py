@@ -97,7 +97,8 @@ def test_prose_skips_fenced_blocks_and_inline_code():
 
 
 def test_variant_hits_excuses_overlaps_and_longer_ascii_words():
-    assert variant_hits("フィードフォワードとフォワード", "フォワード", ["フィードフォワード"]) == [10]
+    ffn = "フィードフォワード"
+    assert variant_hits(f"{ffn}とフォワード", "フォワード", [ffn]) == [10]
     assert variant_hits("テンソルの形状とテンソルの形", "の形", ["形状"]) == [12]
     assert variant_hits("ids, id と ID", "id", []) == [5]
 
@@ -123,6 +124,6 @@ def test_japanese_page_uses_only_the_preferred_terms(page: Path):
         for n, line in lines
         for concept, term, rejected, excused in rows
         for variant in rejected
-        for hit in variant_hits(line, variant, excused + [term])
+        for hit in variant_hits(line, variant, [*excused, term])
     ]
     assert not found, "rejected variants on a Japanese page:\n" + "\n".join(found)
