@@ -10,7 +10,8 @@ server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``.
 
 Refusals use OpenAI's error JSON (``api.error_body``): 400 for a body that is not JSON, a
 field of the wrong type or out of range, a prompt that does not fit the context or the KV
-cache, ``n`` or ``max_tokens`` over the operator's limits (naming the field, or why the body
+cache, ``n`` or ``max_tokens`` over the operator's limits, more choices (prompts times ``n``)
+than the engine's queue holds (naming the field, or why the body
 could not be parsed), a chat template that fails or passes its time or memory limit (naming
 its file: it renders in a worker process, ``attnlab.chat_render``); 404 for another model's
 name; 408 for a body that stops arriving; 413 for a body over the limit; 429 when the
@@ -225,6 +226,18 @@ class ServerState:
                            param="messages")
         return ids
 
+    def check_choices(self, prompts: int, n: int) -> None:
+        """Refuse (400) a request of ``prompts`` prompts with ``n`` choices each that the
+        engine's queue could never take at once: each choice is an engine request, and they
+        are checked (and the prompts tokenized) before any starts, so that a body of a million
+        one-character prompts costs one refusal, not a million tokenizations and a 429."""
+        most = self.engine.engine.max_queue
+        if prompts * n > most:
+            param = "n" if prompts == 1 else "prompt"
+            raise ApiError(400, f"{param}: {prompts} prompt{'s' * (prompts > 1)} with n={n} "
+                           f"choices each make {prompts * n} requests; expected at most "
+                           f"{most} in one request (this server's --max-queue)", param=param)
+
     def params(self, body: CompletionRequest | ChatRequest, prompt_length: int,
                asked: int | None, field: str, choice: int,
                group: str | None = None) -> SamplingParams:
@@ -293,6 +306,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state.check_model(body.model)
+        state.check_choices(len(body.prompt), body.n)
         prompts = [await state.encode(p, "prompt") for p in body.prompt]
         job = _Job(state, body, prompts, body.max_tokens, "max_tokens", chat=False)
         return await job.respond(request)
@@ -300,6 +314,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         state.check_model(body.model)
+        state.check_choices(1, body.n)
         messages = [{"role": m.role, "content": m.text} for m in body.messages]
         ids = await state.chat_ids(messages)
         asked, field = body.new_tokens
