@@ -123,33 +123,37 @@ def test_a_chat_message_without_content_is_400(server, qwen2_folder, message) ->
     assert error["message"].startswith("messages.1.content: ")
 
 
-def test_health_answers_while_a_body_is_being_checked(server, qwen2_folder,
-                                                      monkeypatch) -> None:
-    """The check of a body (pydantic, with our validators) runs off the event loop: here it
-    waits, inside the prompt's validator, until ``/health`` has answered (on the loop it
-    held every other request for as long as it took: 2-4 s for 8 MiB of small items)."""
+@pytest.mark.parametrize("where", ["json.loads", "validator"])
+def test_health_answers_while_a_body_is_being_parsed_and_checked(server, qwen2_folder,
+                                                                 monkeypatch, where) -> None:
+    """The parse of a body (``json.loads``) and its check (pydantic, with our validators) run
+    off the event loop: here either waits, for this request's body only, until ``/health``
+    has answered (on the loop, each held every other request for as long as it took: seconds
+    for 8 MiB of small items)."""
     checking, answered, waited = threading.Event(), threading.Event(), []
-    real = api._is_unicode
+    owner, name = (json, "loads") if where == "json.loads" else (api, "_is_unicode")
+    real = getattr(owner, name)
 
-    def held(text: str) -> bool:
-        checking.set()
-        # True when /health answered while the check waited (on the loop, it cannot).
-        waited.append(answered.wait(HOLD_S))
-        return real(text)
+    def held(text, *args, **kwargs):
+        if "held fox" in (text if isinstance(text, str) else text.decode("latin-1")):
+            checking.set()
+            # True when /health answered while this waited (on the loop, it cannot).
+            waited.append(answered.wait(HOLD_S))
+        return real(text, *args, **kwargs)
 
-    monkeypatch.setattr(api, "_is_unicode", held)
+    monkeypatch.setattr(owner, name, held)
     replies = []
-    body = {"model": qwen2_folder.name, "prompt": "the fox", "max_tokens": 1}
+    body = {"model": qwen2_folder.name, "prompt": "the held fox", "max_tokens": 1}
     client = threading.Thread(target=lambda: replies.append(raw(server, "POST",
                                                                 "/v1/completions", body)))
     client.start()
     try:
-        assert checking.wait(HANG_S), "the prompt's validator never ran"
+        assert checking.wait(HANG_S), f"{where} never saw the body"
         status, _, text = raw(server, "GET", "/health")
         answered.set()
-        assert status == 200 and json.loads(text) == {"status": "ok"}
+        assert (status, text) == (200, '{"status":"ok"}')
     finally:
         answered.set()
         client.join(HANG_S)
-    assert waited == [True], "/health answered only after the body's check ended"
+    assert waited == [True], f"/health answered only after {where} ended"
     assert replies and replies[0][0] == 200, replies

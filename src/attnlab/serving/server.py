@@ -29,9 +29,8 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
 
-from fastapi import Body, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from attnlab._checks import check_positive, is_int, is_number
@@ -53,8 +52,8 @@ from attnlab.serving.api import (
     completion_chunk,
     error_body,
     new_id,
+    parsed,
     usage,
-    validated,
 )
 from attnlab.serving.choice_text import ChoiceText
 from attnlab.serving.engine_thread import EngineError, EngineThread, release_openmp_threads
@@ -305,10 +304,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         state.check_model(name)
         return state.model_card()
 
-    # The bodies come as any JSON and are checked by `validated`, off the event loop.
+    # The bodies are parsed and checked by `parsed`, off the event loop.
     @app.post("/v1/completions")
-    async def completions(json_body: Annotated[Any, Body()], request: Request) -> Response:
-        body = await validated(CompletionRequest, json_body)
+    async def completions(request: Request) -> Response:
+        body = await parsed(request, CompletionRequest)
         state.check_model(body.model)
         state.check_choices(len(body.prompt), body.n)
         prompts = [await state.encode(p, "prompt") for p in body.prompt]
@@ -316,8 +315,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return await job.respond(request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(json_body: Annotated[Any, Body()], request: Request) -> Response:
-        body = await validated(ChatRequest, json_body)
+    async def chat_completions(request: Request) -> Response:
+        body = await parsed(request, ChatRequest)
         state.check_model(body.model)
         state.check_choices(1, body.n)
         messages = [{"role": m.role, "content": m.text} for m in body.messages]
