@@ -26,8 +26,10 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -63,6 +65,8 @@ from attnlab.tokenizer import Tokenizer
 
 __all__ = ["ServerState", "create_app"]
 
+# Threads rendering chat templates: chat_render's default renderer has two worker processes.
+CHAT_THREADS = 2
 # How often a non-streaming request checks that its client is still there.
 DISCONNECT_POLL_S = 0.1
 SAMPLING_EPS, MIN_TOP_P = 1e-5, 1e-8
@@ -123,6 +127,7 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
             yield
         finally:
             state.engine.stop()
+            state.chat_threads.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="attnlab serve", lifespan=lifespan, openapi_url=None, docs_url=None,
                   redoc_url=None)
@@ -148,6 +153,9 @@ class ServerState:
     max_tokens_limit: int | None = None
     max_n: int = MAX_N
     drain: Drain = field(default_factory=Drain)  # stopping: see attnlab.serving.shutdown
+    # As many as the chat template renderer's worker processes: more would wait on them.
+    chat_threads: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        CHAT_THREADS, thread_name_prefix="attnlab-chat"))
 
     @classmethod
     def load(cls, model: str | Path | tuple[DecoderLM, Tokenizer], *,
@@ -216,10 +224,14 @@ class ServerState:
     async def chat_ids(self, messages: list[dict]) -> list[int]:
         """The chat template's prompt ids for ``messages``, rendered (in the template's worker
         process, with its time and memory limits) and tokenized in a thread, off the event
-        loop; a template that fails or exceeds a limit is a 400 naming its file."""
+        loop; a template that fails or exceeds a limit is a 400 naming its file. The renders
+        have threads of their own: a slow template (up to its time limit each) queues the chat
+        requests behind it, not the other requests' tokenizing and body checks, which share
+        asyncio's default threads."""
+        render = partial(self.tokenizer.apply_chat_template, messages,
+                         add_generation_prompt=True, tokenize=True)
         try:
-            ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages,
-                                          add_generation_prompt=True, tokenize=True)
+            ids = await asyncio.get_running_loop().run_in_executor(self.chat_threads, render)
         except ValueError as error:
             raise ApiError(400, f"messages: {error}", param="messages") from None
         if not ids:
