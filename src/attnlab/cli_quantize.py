@@ -61,7 +61,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 def _quantize(args: argparse.Namespace) -> int:
     source = check_folder(args.folder)
-    out = Path(args.out)
+    # A link is written through, at its target: swapping the new folder in beside the link
+    # would replace the link itself (the model on the link's disk, the target untouched).
+    out = Path(args.out).resolve() if Path(args.out).is_symlink() else Path(args.out)
     if out.exists() and out.resolve() == source.resolve():
         raise ValueError(f"out: {out} is FOLDER itself; write the quantized copy elsewhere")
     if args.bits == 8 and args.group_size is not None:

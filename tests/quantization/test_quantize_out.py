@@ -140,3 +140,23 @@ def test_a_full_disk_leaves_out_as_it_was_in_one_line(folders, tmp_path, capsys,
     assert f"cannot write {out}" in error and "it is as it was before" in error
     assert contents(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("target", ["missing", "empty", "earlier"])
+def test_an_out_that_is_a_link_is_written_at_its_target(folders, tmp_path, target):
+    """A link to another disk's folder (missing, empty, or an earlier output) gets the model
+    in that folder, and the link stays a link (it was replaced by a folder beside it, or the
+    run failed at its end on a missing target)."""
+    real, link = tmp_path / "disk" / "q", tmp_path / "q"
+    real.parent.mkdir()
+    if target == "empty":
+        real.mkdir()
+    elif target == "earlier":
+        assert main(["quantize", str(folders[0]), str(real)]) == 0
+    link.symlink_to(real)
+    assert main(["quantize", str(folders[0]), str(link), "--bits", "4",
+                 "--group-size", "32"]) == 0
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert from_pretrained(real).quantization.method == "int4"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "q"]  # no leftovers
+    assert sorted(p.name for p in real.parent.iterdir()) == ["q"]

@@ -1,19 +1,23 @@
 """Request bodies that a client can get wrong or send to hurt, on a live server over raw
 sockets: a chunked body over the limit is a 413, a body shorter than its Content-Length a 408
 (the connection is not held forever, and ``/health`` answers meanwhile), deeply nested JSON and
-invalid UTF-8 a 400 saying so, a chat message without content a 400 naming it."""
+invalid UTF-8 a 400 saying so, a chat message without content a 400 naming it, and a body
+being checked (seconds for 8 MiB of small items) does not hold the others."""
 
 from __future__ import annotations
 
 import json
 import socket
+import threading
 
 import pytest
 from server_live import HANG_S, live, raw
 
+from attnlab.serving import api
 from attnlab.serving.server import create_app
 
 LIMIT = 2**18  # the servers' max_body_bytes: a 200 kB nested body fits
+HOLD_S = 120.0  # a hang guard on a check held until /health answers (in milliseconds)
 HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 
 
@@ -117,3 +121,39 @@ def test_a_chat_message_without_content_is_400(server, qwen2_folder, message) ->
     error = json.loads(text)["error"]
     assert error["param"] == "messages.1.content", error
     assert error["message"].startswith("messages.1.content: ")
+
+
+@pytest.mark.parametrize("where", ["json.loads", "validator"])
+def test_health_answers_while_a_body_is_being_parsed_and_checked(server, qwen2_folder,
+                                                                 monkeypatch, where) -> None:
+    """The parse of a body (``json.loads``) and its check (pydantic, with our validators) run
+    off the event loop: here either waits, for this request's body only, until ``/health``
+    has answered (on the loop, each held every other request for as long as it took: seconds
+    for 8 MiB of small items)."""
+    checking, answered, waited = threading.Event(), threading.Event(), []
+    owner, name = (json, "loads") if where == "json.loads" else (api, "_is_unicode")
+    real = getattr(owner, name)
+
+    def held(text, *args, **kwargs):
+        if "held fox" in (text if isinstance(text, str) else text.decode("latin-1")):
+            checking.set()
+            # True when /health answered while this waited (on the loop, it cannot).
+            waited.append(answered.wait(HOLD_S))
+        return real(text, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, held)
+    replies = []
+    body = {"model": qwen2_folder.name, "prompt": "the held fox", "max_tokens": 1}
+    client = threading.Thread(target=lambda: replies.append(raw(server, "POST",
+                                                                "/v1/completions", body)))
+    client.start()
+    try:
+        assert checking.wait(HANG_S), f"{where} never saw the body"
+        status, _, text = raw(server, "GET", "/health")
+        answered.set()
+        assert (status, text) == (200, '{"status":"ok"}')
+    finally:
+        answered.set()
+        client.join(HANG_S)
+    assert waited == [True], f"/health answered only after {where} ended"
+    assert replies and replies[0][0] == 200, replies

@@ -154,3 +154,37 @@ def test_the_limit_options_reach_create_app(qwen2_folder, monkeypatch) -> None:
     assert (seen["max_tokens_limit"], seen["max_n"]) == (40, 3)
     defaults = build_parser().parse_args(["serve", "--model", str(qwen2_folder)])
     assert (defaults.max_tokens_limit, defaults.max_n) == (None, 16)
+
+
+@pytest.fixture(scope="module")
+def short_queue(qwen2_folder):
+    app = create_app(qwen2_folder, max_batch=1, page_size=4, kv_pages=POOL // 4, max_queue=4)
+    with live(app) as url:
+        yield app, url
+
+
+def test_more_choices_than_the_queue_holds_are_400_before_any_prompt_is_tokenized(
+        short_queue, qwen2_folder, monkeypatch) -> None:
+    """Prompts times ``n`` over ``max_queue`` could never all be queued (it was a 429 once
+    the queue filled, after tokenizing every prompt: a body of a million one-character
+    prompts held the server for minutes)."""
+    app, _ = short_queue
+    tokenized = []
+    monkeypatch.setattr(app.state.serving.tokenizer, "encode",
+                        lambda text, *a, **k: tokenized.append(text) or [1])
+    status, body = post(short_queue, "/v1/completions",
+                        {"model": qwen2_folder.name, "prompt": ["x"] * 10_000, "max_tokens": 1})
+    assert status == 400 and body["error"]["param"] == "prompt", body
+    assert body["error"]["message"] == ("prompt: 10000 prompts with n=1 choices each make "
+                                        "10000 requests; expected at most 4 in one request "
+                                        "(this server's --max-queue)")
+    status, body = post(short_queue, "/v1/completions", {"model": qwen2_folder.name,
+                                                         "prompt": ["x", "y"], "n": 3})
+    assert status == 400 and body["error"]["param"] == "prompt", body
+    status, body = post(short_queue, "/v1/chat/completions", chat(qwen2_folder, n=5))
+    assert status == 400 and body["error"]["param"] == "n", body
+    assert tokenized == []
+    status, body = post(short_queue, "/v1/completions", {"model": qwen2_folder.name,
+                                                         "prompt": ["x", "y"], "n": 2,
+                                                         "max_tokens": 1})
+    assert status == 200 and len(body["choices"]) == 4, body

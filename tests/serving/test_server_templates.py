@@ -6,6 +6,7 @@ renders and while a prompt is tokenized (events, not times), and the server goes
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 
@@ -18,6 +19,7 @@ from attnlab.serving.server import create_app
 
 HANG_S = 600.0  # a hang guard: far above any wait here on a busy 2-core machine
 HEALTH_S = 60.0  # /health's hang guard: it answers at once unless the event loop is held
+HOLD_S = 120.0  # a hang guard on renders held until a completion is answered (milliseconds)
 # A template whose behaviour the last message chooses; "hello" renders a normal prompt.
 TEMPLATE = """\
 {%- macro f(n) %}{{ f(n) }}{% endmacro -%}
@@ -167,3 +169,39 @@ def test_health_answers_while_a_prompt_is_tokenized(server, monkeypatch, route) 
         release.set()
         request.join(HANG_S)
     assert answers == [200]
+
+
+def test_a_slow_template_does_not_hold_the_other_requests_tokenizing(server,
+                                                                       monkeypatch) -> None:
+    """More chat requests than asyncio's default threads, each rendering until the test says
+    so (a slow template takes up to its time limit, 10 s, each): a completion's prompt is
+    still tokenized and answered meanwhile (it waited for a thread behind them: 20 s here)."""
+    tokenizer = server[0].state.serving.tokenizer
+    rendering, release, released = threading.Semaphore(0), threading.Event(), []
+    real = tokenizer.apply_chat_template
+
+    def slow(*args, **kwargs):
+        rendering.release()
+        # True when the completion was answered while this rendered.
+        released.append(release.wait(HOLD_S))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", slow)
+    chats = min(32, (os.cpu_count() or 1) + 4) + 1  # ThreadPoolExecutor's default, and one
+    answers: list[int] = []
+    requests = [threading.Thread(target=lambda: answers.append(chat(server, "hello")[0]))
+                for _ in range(chats)]
+    for request in requests:
+        request.start()
+    try:
+        assert rendering.acquire(timeout=HANG_S), "no chat request reached its template"
+        status, _, _ = raw(server[1], "POST", "/v1/completions",
+                           {"model": "model", "prompt": "the fox", "max_tokens": 1})
+        release.set()
+        assert status == 200
+    finally:
+        release.set()
+        for request in requests:
+            request.join(HANG_S)
+    assert released and all(released), "the completion was answered only after the renders"
+    assert answers == [200] * chats

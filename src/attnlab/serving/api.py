@@ -16,17 +16,27 @@ OpenAI error JSON (``{"error": {"message", "type", "param", "code"}}``), FastAPI
 
 from __future__ import annotations
 
+import asyncio
+import email.message
 import json
 import math
 import sys
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 from starlette.exceptions import HTTPException
 
 __all__ = [
@@ -42,6 +52,7 @@ __all__ = [
     "completion_chunk",
     "error_body",
     "new_id",
+    "parsed",
     "usage",
 ]
 
@@ -229,6 +240,46 @@ class ChatRequest(_Sampling):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
+
+
+RequestBody = TypeVar("RequestBody", bound=BaseModel)
+
+
+async def parsed(request: Request, model: type[RequestBody]) -> RequestBody:
+    """The request's body parsed and checked as ``model``, in a thread: 8 MiB of small items
+    (four million token ids, a quarter of a million messages) take seconds to parse and
+    check, which the event loop spends serving the others. As FastAPI reads a body: JSON
+    when the Content-Type is ``application/json`` (or ``+json``), else the bytes as they
+    came (refused: not an object). A refusal is FastAPI's (``RequestValidationError``, or a
+    400 ``HTTPException`` caused by what ``json.loads`` raised), answered as every other."""
+    data = await request.body()
+    return await asyncio.to_thread(_parse, model, data, request.headers.get("content-type"))
+
+
+def _parse(model: type[RequestBody], data: bytes, content_type: str | None) -> RequestBody:
+    if not data:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",),
+                                       "msg": "Field required", "input": None}])
+    body: object = data
+    kind = email.message.Message()
+    kind["content-type"] = content_type or ""
+    subtype = kind.get_content_subtype()
+    if content_type and kind.get_content_maintype() == "application" and (
+            subtype == "json" or subtype.endswith("+json")):
+        try:
+            body = json.loads(data)
+        except json.JSONDecodeError as error:
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body", error.pos),
+                                           "msg": "JSON decode error", "input": {},
+                                           "ctx": {"error": error.msg}}]) from None
+        except (ValueError, RecursionError) as error:  # bad UTF-8, json's own limits
+            raise HTTPException(400, "There was an error parsing the body") from error
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        raise RequestValidationError(
+            [{**e, "loc": ("body", *e["loc"])} for e in error.errors(include_url=False)]
+        ) from None
 
 
 def new_id(prefix: str) -> str:

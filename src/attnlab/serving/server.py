@@ -10,7 +10,8 @@ server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``.
 
 Refusals use OpenAI's error JSON (``api.error_body``): 400 for a body that is not JSON, a
 field of the wrong type or out of range, a prompt that does not fit the context or the KV
-cache, ``n`` or ``max_tokens`` over the operator's limits (naming the field, or why the body
+cache, ``n`` or ``max_tokens`` over the operator's limits, more choices (prompts times ``n``)
+than the engine's queue holds (naming the field, or why the body
 could not be parsed), a chat template that fails or passes its time or memory limit (naming
 its file: it renders in a worker process, ``attnlab.chat_render``); 404 for another model's
 name; 408 for a body that stops arriving; 413 for a body over the limit; 429 when the
@@ -25,8 +26,10 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -51,6 +54,7 @@ from attnlab.serving.api import (
     completion_chunk,
     error_body,
     new_id,
+    parsed,
     usage,
 )
 from attnlab.serving.choice_text import ChoiceText
@@ -61,6 +65,8 @@ from attnlab.tokenizer import Tokenizer
 
 __all__ = ["ServerState", "create_app"]
 
+# Threads rendering chat templates: chat_render's default renderer has two worker processes.
+CHAT_THREADS = 2
 # How often a non-streaming request checks that its client is still there.
 DISCONNECT_POLL_S = 0.1
 SAMPLING_EPS, MIN_TOP_P = 1e-5, 1e-8
@@ -121,6 +127,7 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
             yield
         finally:
             state.engine.stop()
+            state.chat_threads.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="attnlab serve", lifespan=lifespan, openapi_url=None, docs_url=None,
                   redoc_url=None)
@@ -146,6 +153,9 @@ class ServerState:
     max_tokens_limit: int | None = None
     max_n: int = MAX_N
     drain: Drain = field(default_factory=Drain)  # stopping: see attnlab.serving.shutdown
+    # As many as the chat template renderer's worker processes: more would wait on them.
+    chat_threads: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        CHAT_THREADS, thread_name_prefix="attnlab-chat"))
 
     @classmethod
     def load(cls, model: str | Path | tuple[DecoderLM, Tokenizer], *,
@@ -214,16 +224,32 @@ class ServerState:
     async def chat_ids(self, messages: list[dict]) -> list[int]:
         """The chat template's prompt ids for ``messages``, rendered (in the template's worker
         process, with its time and memory limits) and tokenized in a thread, off the event
-        loop; a template that fails or exceeds a limit is a 400 naming its file."""
+        loop; a template that fails or exceeds a limit is a 400 naming its file. The renders
+        have threads of their own: a slow template (up to its time limit each) queues the chat
+        requests behind it, not the other requests' tokenizing and body checks, which share
+        asyncio's default threads."""
+        render = partial(self.tokenizer.apply_chat_template, messages,
+                         add_generation_prompt=True, tokenize=True)
         try:
-            ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages,
-                                          add_generation_prompt=True, tokenize=True)
+            ids = await asyncio.get_running_loop().run_in_executor(self.chat_threads, render)
         except ValueError as error:
             raise ApiError(400, f"messages: {error}", param="messages") from None
         if not ids:
             raise ApiError(400, "messages: the chat template renders them as no tokens",
                            param="messages")
         return ids
+
+    def check_choices(self, prompts: int, n: int) -> None:
+        """Refuse (400) a request of ``prompts`` prompts with ``n`` choices each that the
+        engine's queue could never take at once: each choice is an engine request, and they
+        are checked (and the prompts tokenized) before any starts, so that a body of a million
+        one-character prompts costs one refusal, not a million tokenizations and a 429."""
+        most = self.engine.engine.max_queue
+        if prompts * n > most:
+            param = "n" if prompts == 1 else "prompt"
+            raise ApiError(400, f"{param}: {prompts} prompt{'s' * (prompts > 1)} with n={n} "
+                           f"choices each make {prompts * n} requests; expected at most "
+                           f"{most} in one request (this server's --max-queue)", param=param)
 
     def params(self, body: CompletionRequest | ChatRequest, prompt_length: int,
                asked: int | None, field: str, choice: int,
@@ -290,16 +316,21 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         state.check_model(name)
         return state.model_card()
 
+    # The bodies are parsed and checked by `parsed`, off the event loop.
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request) -> Response:
+        body = await parsed(request, CompletionRequest)
         state.check_model(body.model)
+        state.check_choices(len(body.prompt), body.n)
         prompts = [await state.encode(p, "prompt") for p in body.prompt]
         job = _Job(state, body, prompts, body.max_tokens, "max_tokens", chat=False)
         return await job.respond(request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        body = await parsed(request, ChatRequest)
         state.check_model(body.model)
+        state.check_choices(1, body.n)
         messages = [{"role": m.role, "content": m.text} for m in body.messages]
         ids = await state.chat_ids(messages)
         asked, field = body.new_tokens
