@@ -100,6 +100,19 @@ class Letters:
         return "".join(chr(97 + i % 26) for i in ids)
 
 
+class Recorder:
+    """A streamer that records the tokens it is given, then "end"."""
+
+    def __init__(self) -> None:
+        self.seen: list[int | str] = []
+
+    def put(self, token: torch.Tensor) -> None:
+        self.seen.append(int(token[0]))
+
+    def end(self) -> None:
+        self.seen.append("end")
+
+
 @pytest.mark.parametrize("proposer", ["ngram", "draft", "self"])
 def test_end_conditions_and_processors_act_as_in_plain_decoding(proposer) -> None:
     """End ids and stop strings inside an accepted run of drafts end the row at that token;
@@ -112,20 +125,12 @@ def test_end_conditions_and_processors_act_as_in_plain_decoding(proposer) -> Non
                                         "tokenizer": Letters()},
              {"repetition_penalty": 1.5}, {"repetition_penalty": 0.7, "eos_token_id": [0, 1]}]
     for case in cases:
-        streamed: list[int] = []
-
-        class Streamer:
-            def put(self, token):
-                streamed.append(int(token[0]))
-
-            def end(self):
-                streamed.append(-1)
-
+        streamer = Recorder()
         expected = generate(model, ids, 24, **case)
-        got = generate(model, ids, 24, streamer=Streamer(), **case,
+        got = generate(model, ids, 24, streamer=streamer, **case,
                        **speculative_args(proposer, 4, draft))
         assert torch.equal(got, expected), case
-        assert streamed == got[0, ids.shape[1]:].tolist() + [-1]
+        assert streamer.seen == [*got[0, ids.shape[1]:].tolist(), "end"]
 
 
 def test_prompt_lookup_proposes_what_followed_the_longest_recent_match() -> None:
