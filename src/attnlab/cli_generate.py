@@ -38,6 +38,7 @@ from attnlab.arg_types import (
 from attnlab.generation import SpeculativeStats, generate
 from attnlab.generation.config import GenerationConfig, read_generation_config
 from attnlab.generation.inputs import token_id, token_id_set
+from attnlab.generation.proposers import parse_speculative
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.families import family_for
 from attnlab.models.hf_loading import CONFIG_NAME, SUPPORTED_DTYPES, check_folder, read_json
@@ -296,21 +297,10 @@ def _new_tokens(args: argparse.Namespace, file: GenerationConfig, prompt_length:
 
 def _speculative(text: str) -> tuple[str, int | str]:
     """``--speculative``: ``ngram[:K]``, ``self:N`` or ``draft:DIR`` -> (kind, K, N or DIR)."""
-    kind, _, value = text.partition(":")
-    if kind == "ngram" and not value:
-        return "ngram", 10
-    if kind in ("ngram", "self"):
-        try:
-            count = int(value)
-        except ValueError:
-            count = 0
-        if count >= 1:
-            return kind, count
-        raise argparse.ArgumentTypeError(f"expected {kind}:N with an int N >= 1, got {text!r}")
-    if kind == "draft" and value:
-        return "draft", value
-    raise argparse.ArgumentTypeError(f"expected ngram, ngram:K, self:N or draft:DIR, got "
-                                     f"{text!r}")
+    try:
+        return parse_speculative(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _speculative_kwargs(choice: tuple[str, int | str] | None, model: DecoderLM,

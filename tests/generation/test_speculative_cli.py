@@ -56,7 +56,7 @@ def test_speculative_text_equals_plain_text(folder, tmp_path, capsys, choice, sa
 
 
 @pytest.mark.parametrize(("choice", "message"), [
-    ("ngram:0", r"--speculative: expected ngram:N with an int N >= 1, got 'ngram:0'"),
+    ("ngram:0", r"--speculative: expected ngram:K with an int K >= 1, got 'ngram:0'"),
     ("self", r"--speculative: expected self:N with an int N >= 1, got 'self'"),
     ("medusa", r"--speculative: expected ngram, ngram:K, self:N or draft:DIR, got 'medusa'"),
     ("self:2", r"--speculative self:2: expected fewer layers than the model's 2"),

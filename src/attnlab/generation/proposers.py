@@ -31,7 +31,7 @@ from torch import Tensor
 from attnlab._checks import check_positive
 from attnlab.generation.protocols import CausalLM, CausalLMConfig
 
-__all__ = ["DraftModel", "Draw", "PromptLookup", "Proposer", "early_exit"]
+__all__ = ["DraftModel", "Draw", "PromptLookup", "Proposer", "early_exit", "parse_speculative"]
 
 # draw(logits 1 x V) -> (token 1, q 1 x V or None): the decoding rule a model draft follows
 # (greedy: argmax and None; sampling: a token drawn from q, the filtered softmax).
@@ -165,3 +165,21 @@ def early_exit(model: CausalLM, num_layers: int) -> CausalLM:
     view._modules["layers"] = layers[:num_layers]
     view.config = dataclasses.replace(config, num_layers=num_layers)
     return view
+
+
+def parse_speculative(text: str) -> tuple[str, int | str]:
+    """A proposer named as on the command line: ``ngram`` (prompt lookup of 10 tokens, as
+    transformers' examples use), ``ngram:K``, ``self:N`` (the first ``N`` layers) or
+    ``draft:DIR`` (a draft model's folder) -> ``(kind, K or N or DIR)``."""
+    kind, _, value = text.partition(":")
+    if kind == "ngram" and not value:
+        return "ngram", 10
+    if kind in ("ngram", "self"):
+        count = int(value) if value.isdigit() else 0
+        if count >= 1:
+            return kind, count
+        letter = "K" if kind == "ngram" else "N"
+        raise ValueError(f"expected {kind}:{letter} with an int {letter} >= 1, got {text!r}")
+    if kind == "draft" and value:
+        return "draft", value
+    raise ValueError(f"expected ngram, ngram:K, self:N or draft:DIR, got {text!r}")
