@@ -16,14 +16,13 @@ Arguments are checked first (``inputs.py``), so bad ids fail before any compute.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from attnlab._checks import check_token_ids, is_int
 from attnlab.generation.inputs import new_token_count, token_id, token_id_set
-from attnlab.generation.protocols import CausalLM, CausalLMConfig
+from attnlab.generation.protocols import CausalLM, CausalLMConfig, Streamer
 from attnlab.generation.sampling import (
     apply_repetition_penalty,
     check_logits,
@@ -40,14 +39,6 @@ from attnlab.generation.speculative import (
 from attnlab.generation.stopping import Decoder, StopStrings
 
 __all__ = ["Streamer", "generate"]
-
-
-class Streamer(Protocol):
-    """Receives tokens as they are made: ``put(ids B)`` once per step, ``end()`` at the end."""
-
-    def put(self, token_ids: Tensor) -> None: ...
-
-    def end(self) -> None: ...
 
 
 @torch.no_grad()

@@ -26,13 +26,14 @@ transformers: rows would accept different numbers of tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from attnlab.generation.proposers import DraftModel, PromptLookup, Proposer, early_exit
-from attnlab.generation.protocols import CausalLM
+from attnlab.generation.proposers import DraftModel, Draw, PromptLookup, Proposer, early_exit
+from attnlab.generation.protocols import CausalLM, Streamer
 from attnlab.generation.sampling import (
     apply_repetition_penalty,
     check_logits,
@@ -121,7 +122,8 @@ def make_proposer(model: CausalLM, input_ids: Tensor, attention_mask: Tensor, ca
 
 @torch.no_grad()
 def speculative_generate(model: CausalLM, input_ids: Tensor, proposer: Proposer,
-                         max_new_tokens: int, decoding: Decoding, *, streamer=None,
+                         max_new_tokens: int, decoding: Decoding, *,
+                         streamer: Streamer | None = None,
                          stats: SpeculativeStats | None = None) -> Tensor:
     """Extend ``input_ids`` ``1 x P`` by up to ``max_new_tokens`` tokens, with drafts from
     ``proposer`` verified in one forward each (module docstring): ``1 x (P + n)``.
@@ -201,7 +203,7 @@ def accept_sampled(p: Tensor, q: Tensor | None, drafts: Tensor,
 
 
 def _verify(rows: Tensor, drafts: Tensor, q: Tensor | None, ids: Tensor, decoding: Decoding,
-            greedy) -> Tensor:
+            greedy: Callable[[Tensor], Tensor]) -> Tensor:
     """The tokens this pass yields: logits ``rows`` ``(n + 1) x V`` after ``ids`` and each
     draft prefix -> the kept drafts and the target's next token (``m + 1`` ids)."""
     n = drafts.shape[0]
@@ -225,7 +227,7 @@ def _verify(rows: Tensor, drafts: Tensor, q: Tensor | None, ids: Tensor, decodin
 
 
 def _append(ids: Tensor, tokens: Tensor, P: int, max_new_tokens: int, decoding: Decoding,
-            streamer) -> tuple[Tensor, bool]:
+            streamer: Streamer | None) -> tuple[Tensor, bool]:
     """Add ``tokens`` one by one, as plain decoding would, up to the first that ends the row
     (an end id, a stop string, the length); returns the ids and whether the row ended."""
     for token in tokens.to(ids.device).unbind():
@@ -244,7 +246,7 @@ def _append(ids: Tensor, tokens: Tensor, P: int, max_new_tokens: int, decoding: 
     return ids, False
 
 
-def _drawer(decoding: Decoding):
+def _drawer(decoding: Decoding) -> Draw:
     """The rule a model draft decodes with: the target's (greedy, or its filtered softmax)."""
     if not decoding.do_sample:
         return lambda logits: (greedy_tokens(logits), None)
