@@ -15,7 +15,8 @@ is the target's (greedy: the same tokens; sampling: the same distribution).
   Elhoushi et al. 2024): no second model, the weights shared.
 
 Model drafts adapt ``k`` to the acceptance rate as transformers' "heuristic" schedule does:
-``k + 2`` after a pass that accepted every draft, ``k - 1`` (at least 1) otherwise.
+``k + 2`` after a pass that accepted every draft, ``k - 1`` (at least 1) otherwise; prompt
+lookup, whose guesses cost nothing, also switches itself off and on (``PromptLookup``).
 """
 
 from __future__ import annotations
@@ -55,15 +56,39 @@ class PromptLookup:
     ``ids`` ``... a b c [x y z] ... a b c`` with ``n = 3`` proposes ``x y z``. Nothing is
     proposed when no n-gram matches (the step is then a plain decoding step). ``q`` is
     one-hot: the guess is a function of the sequence.
+
+    Verifying ``k`` drafts costs more than one token's step once the arithmetic, not the
+    weights' read, bounds it (one thread, a small model), so the number proposed adapts:
+    ``k + 2`` (up to ``num_tokens``) after a pass that accepted all, the number accepted
+    after one that did not. At 0 the lookup is off: it goes on guessing for free, unverified,
+    and turns on again (``k = 2``) when such a guess turns out to be the model's next token.
+    On text that copies its input it stays on; on open-ended text it stays mostly off.
     """
 
     def __init__(self, num_tokens: int, max_ngram: int = 3) -> None:
         self.num_tokens = check_positive("prompt_lookup_num_tokens", num_tokens)
         self.max_ngram = check_positive("max_matching_ngram_size", max_ngram)
+        self.k = num_tokens
+        self.shadow: tuple[int, int] | None = None  # (position, token) guessed while off
 
-    def propose(self, ids: Tensor, k: int, draw: Draw) -> tuple[Tensor, None]:
+    def propose(self, ids: Tensor, k: int, draw: Draw | None) -> tuple[Tensor, None]:
         seq = ids[0]
-        T, k = seq.shape[0], min(k, self.num_tokens)
+        T = seq.shape[0]
+        if self.shadow is not None:
+            position, token = self.shadow
+            if position < T and int(seq[position]) == token:
+                self.k = 2
+            self.shadow = None
+        guess = self.lookup(seq, min(k, self.num_tokens))
+        if self.k == 0:
+            if guess.numel():
+                self.shadow = (T, int(guess[0]))
+            return seq[:0], None
+        return guess[:self.k], None
+
+    def lookup(self, seq: Tensor, k: int) -> Tensor:
+        """The guess itself: sequence ``T`` -> up to ``k`` tokens (none without a match)."""
+        T = seq.shape[0]
         for n in range(min(self.max_ngram, T - 1), 0, -1):
             # Windows starting at 0 .. T-n-1: every occurrence that ends before the last token.
             windows = seq[:-1].unfold(0, n, 1)
@@ -72,11 +97,12 @@ class PromptLookup:
                 # The most recent one followed by k tokens; else the first (the longest tail:
                 # in a loop "x y x y x y" the latest match is followed by one token only).
                 start = next((e for e in reversed(ends) if e + k <= T), ends[0])
-                return seq[start:start + k], None
-        return seq[:0], None
+                return seq[start:start + k]
+        return seq[:0]
 
     def feedback(self, proposed: int, accepted: int) -> None:
-        """A lookup costs nothing to make longer: ``k`` stays."""
+        if proposed:
+            self.k = min(self.k + 2, self.num_tokens) if accepted == proposed else accepted
 
 
 class DraftModel:
