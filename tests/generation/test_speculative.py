@@ -146,6 +146,24 @@ def test_prompt_lookup_proposes_what_followed_the_longest_recent_match() -> None
     assert propose([4, 4, 4, 4, 4, 4]) == [4, 4, 4]  # a loop: the latest match with 3 after it
 
 
+def test_prompt_lookup_adapts_and_switches_itself_off_and_on() -> None:
+    """All accepted: k + 2 (capped); some rejected: k = the number accepted, 0 = off; while
+    off it guesses unverified and turns on (k = 2) once a guess was the model's next token."""
+    lookup = PromptLookup(6, max_ngram=2)
+    seq = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
+    assert lookup.propose(torch.tensor([seq]), 6, None)[0].tolist() == [3, 4, 5, 6, 7, 8]
+    lookup.feedback(6, 3)
+    assert lookup.k == 3
+    lookup.feedback(3, 3)
+    assert lookup.k == 5
+    lookup.feedback(5, 0)
+    assert lookup.k == 0
+    assert lookup.propose(torch.tensor([seq]), 6, None)[0].tolist() == []  # off: guess 3
+    assert lookup.propose(torch.tensor([seq + [9]]), 6, None)[0].tolist() == []  # wrong: off
+    assert lookup.propose(torch.tensor([seq + [9, 1, 2]]), 6, None)[0].tolist() == []
+    assert lookup.propose(torch.tensor([seq + [9, 1, 2, 3]]), 6, None)[0].tolist() == [4, 5]
+
+
 def test_early_exit_shares_weights_and_leaves_the_model_whole() -> None:
     model, _ = models_of("gemma")
     ids = torch.tensor([[1, 2, 3, 4]])
