@@ -39,6 +39,7 @@ def test_bench_generate_speculative_quick(tmp_path, one_thread, capsys) -> None:
                  "self:2", "--out", str(tmp_path)]) == 0
     table = (tmp_path / "speculative.md").read_text()
     assert "| tokens/pass |" in table and "## Machine" in table and "- cpu: " in table
+    assert "- ngram:4: random " in table
     rows = json.loads((tmp_path / "speculative.json").read_text())["rows"]
     assert [r["method"] for r in rows] == ["plain", "ngram:4", "self:2"] * 2
     assert all(r["same_tokens"] and r["tokens_per_s"] > 0 for r in rows)

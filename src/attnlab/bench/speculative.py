@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -140,5 +141,15 @@ def _markdown(r: dict, info: dict[str, str]) -> str:
             f"| {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x "
             f"| {opt(row['acceptance_rate'], '.0%')} | {opt(row['tokens_per_pass'], '.2f')} "
             f"| {'yes' if row['same_tokens'] else 'NO'} |")
+    lines += ["", "Geometric means of the speed-ups:", ""]
+    methods = dict.fromkeys(row["method"] for row in r["rows"] if row["method"] != "plain")
+    kinds = dict.fromkeys(row["kind"] for row in r["rows"])
+    for method in methods:
+        means = []
+        for kind in kinds:
+            ups = [row["speedup"] for row in r["rows"]
+                   if row["method"] == method and row["kind"] == kind]
+            means.append(f"{kind} {math.prod(ups) ** (1 / len(ups)):.2f}x")
+        lines.append(f"- {method}: {', '.join(means)}")
     lines += machine_section(info)
     return "\n".join(lines)
