@@ -159,9 +159,9 @@ def test_prompt_lookup_adapts_and_switches_itself_off_and_on() -> None:
     lookup.feedback(5, 0)
     assert lookup.k == 0
     assert lookup.propose(torch.tensor([seq]), 6, None)[0].tolist() == []  # off: guess 3
-    assert lookup.propose(torch.tensor([seq + [9]]), 6, None)[0].tolist() == []  # wrong: off
-    assert lookup.propose(torch.tensor([seq + [9, 1, 2]]), 6, None)[0].tolist() == []
-    assert lookup.propose(torch.tensor([seq + [9, 1, 2, 3]]), 6, None)[0].tolist() == [4, 5]
+    assert lookup.propose(torch.tensor([[*seq, 9]]), 6, None)[0].tolist() == []  # wrong: off
+    assert lookup.propose(torch.tensor([[*seq, 9, 1, 2]]), 6, None)[0].tolist() == []
+    assert lookup.propose(torch.tensor([[*seq, 9, 1, 2, 3]]), 6, None)[0].tolist() == [4, 5]
 
 
 def test_early_exit_shares_weights_and_leaves_the_model_whole() -> None:
