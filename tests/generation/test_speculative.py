@@ -93,6 +93,22 @@ def test_drafts_are_accepted_and_passes_saved() -> None:
     assert stats.accepted > 0 and stats.passes < 14 and stats.tokens_per_pass > 1
 
 
+@pytest.mark.parametrize("proposer", ["ngram", "draft", "self"])
+def test_keys_that_go_stale_are_computed_again_as_in_plain_decoding(proposer) -> None:
+    """Phi-3's longrope turns to its long factors at 16 positions: no pass of drafts runs
+    across that length, and the whole sequence is computed again there, as plain decoding
+    does, so the tokens stay plain decoding's."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.5], "long_factor": [3.0, 4.0]}
+    model = family_model("phi3", original_max_position_embeddings=16, rope_parameters=rope)
+    assert model.cache_expires(16)
+    _, draft = models_of("phi3")
+    for prompt in ([1, 2, 3, 1, 2, 3], [4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5]):
+        ids = torch.tensor([prompt])
+        assert torch.equal(generate(model, ids, 20, **speculative_args(proposer, 5, draft)),
+                           generate(model, ids, 20))
+
+
 class Letters:
     """A decoder for stop strings: token i is the letter chr(97 + i % 26)."""
 
