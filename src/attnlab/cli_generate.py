@@ -4,12 +4,18 @@ that ``attnlab.models.from_pretrained`` reads (``config.json`` ``model_type``: s
 
     attnlab generate --model DIR --prompt "Once upon a time" [--chat] [--max-new-tokens 64]
                      [--do-sample --temperature 0.7 --top-k 50 --top-p 0.9 --seed 0]
-                     [--stop "\\n\\n"]
+                     [--stop "\\n\\n"] [--speculative ngram|ngram:K|self:N|draft:DIR]
 
 Every generation flag defaults to the folder's ``generation_config.json`` (as Hugging Face's
 ``generate`` does), and to the built-in default when the file does not set it; a flag given
 on the command line wins. The text goes to stdout token by token; a summary (prompt tokens,
-prefill time, new tokens and decode tokens/s) goes to stderr at the end.
+prefill time, new tokens and decode tokens/s; with ``--speculative`` the drafts accepted and
+the tokens per pass) goes to stderr at the end.
+
+``--speculative`` (``attnlab.generation.speculative``; the text is the same as without it):
+``ngram[:K]`` proposes the ``K`` (default 10) tokens that followed the latest earlier match
+of the text's last words (prompt lookup), ``self:N`` drafts with the model's first ``N``
+layers, ``draft:DIR`` with a smaller model of the same tokenizer.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ from attnlab.arg_types import (
     positive_int,
     probability,
 )
-from attnlab.generation import generate
+from attnlab.generation import SpeculativeStats, generate
 from attnlab.generation.config import GenerationConfig, read_generation_config
 from attnlab.generation.inputs import token_id, token_id_set
+from attnlab.generation.proposers import parse_speculative
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.families import family_for
 from attnlab.models.hf_loading import CONFIG_NAME, SUPPORTED_DTYPES, check_folder, read_json
@@ -86,6 +93,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=None, metavar="TEXT", type=_text,
                    help="stop when the new text contains TEXT (printed); repeat for several "
                    "(default: none)")
+    p.add_argument("--speculative", type=_speculative, default=None,
+                   metavar="ngram[:K]|self:N|draft:DIR",
+                   help="speculative decoding, same text, fewer passes over the weights: "
+                   "prompt lookup of K tokens (default 10), the model's first N layers as a "
+                   "draft, or a smaller model with the same tokenizer (default: off)")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the sampling, for reproducible output (default: random)")
     p.add_argument("--dtype", choices=sorted(SUPPORTED_DTYPES), default=None,
@@ -177,20 +189,28 @@ def run_generate(args: argparse.Namespace) -> int:
         flags = ", ".join("--" + f.replace("_", "-") for f in unused)
         print(f"attnlab: note: {flags} unused: greedy decoding (add --do-sample to sample)",
               file=sys.stderr)
+    speculative, stats = _speculative_kwargs(args.speculative, model, args.dtype), None
+    if speculative:
+        stats = speculative["speculative_stats"] = SpeculativeStats()
     streamer = _TimedStreamer(tokenizer)
     start = time.perf_counter()
     generate(model, torch.tensor([ids]), s.max_new_tokens, do_sample=s.do_sample,
              temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
              repetition_penalty=s.repetition_penalty, eos_token_id=s.eos_token_id,
              pad_token_id=s.pad_token_id, stop_strings=args.stop,
-             tokenizer=tokenizer if args.stop else None, seed=args.seed, streamer=streamer)
+             tokenizer=tokenizer if args.stop else None, seed=args.seed, streamer=streamer,
+             **speculative)
     end = time.perf_counter()
     print(file=sys.stdout, flush=True)
     dtype = str(model.dtype).removeprefix("torch.")
     threads = torch.get_num_threads()
     machine = f"{dtype}, {threads} thread{'s' if threads != 1 else ''}"
-    note = (f"new tokens capped at {s.max_new_tokens} by the model's limit of {config.max_len} "
-            "positions" if s.capped else None)
+    notes = [f"new tokens capped at {s.max_new_tokens} by the model's limit of "
+             f"{config.max_len} positions"] if s.capped else []
+    if stats is not None:
+        notes.append(f"speculative {args.speculative[0]}: {stats.accepted} of {stats.proposed} "
+                     f"drafts accepted, {stats.tokens_per_pass:.2f} tokens per pass")
+    note = "; ".join(notes) or None
     print(summary(len(ids), streamer.count, start, streamer.first_time, end, note=note,
                   machine=machine), file=sys.stderr)
     return 0
@@ -273,6 +293,34 @@ def _new_tokens(args: argparse.Namespace, file: GenerationConfig, prompt_length:
     else:
         n = DEFAULT_MAX_NEW_TOKENS
     return min(n, room), n > room
+
+
+def _speculative(text: str) -> tuple[str, int | str]:
+    """``--speculative``: ``ngram[:K]``, ``self:N`` or ``draft:DIR`` -> (kind, K, N or DIR)."""
+    try:
+        return parse_speculative(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _speculative_kwargs(choice: tuple[str, int | str] | None, model: DecoderLM,
+                        dtype: str | None) -> dict:
+    """``generate``'s keywords for ``--speculative`` (a draft folder loaded here)."""
+    if choice is None:
+        return {}
+    kind, value = choice
+    if kind == "ngram":
+        return {"prompt_lookup_num_tokens": value}
+    if kind == "self":
+        if value >= model.config.num_layers:
+            raise ValueError(f"--speculative self:{value}: expected fewer layers than the "
+                             f"model's {model.config.num_layers}")
+        return {"assistant_early_exit": value}
+    try:
+        check_model_type(value)
+        return {"assistant_model": from_pretrained(value, dtype=dtype)}
+    except (ValueError, OSError) as error:
+        raise ValueError(f"--speculative draft:{value}: {error}") from None
 
 
 _temperature = number(float, lambda v: v >= 0 and math.isfinite(v),

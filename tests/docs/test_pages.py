@@ -60,7 +60,7 @@ def test_every_tutorial_and_page_has_a_japanese_version():
         if not p.with_suffix(".ja.md").exists()
     ]
     assert not missing, f"pages without a .ja.md translation: {missing}"
-    assert len(tutorial_pages()) == 11
+    assert len(tutorial_pages()) == 12
 
 
 @pytest.mark.parametrize("page", tutorial_pages(), ids=lambda p: p.name)

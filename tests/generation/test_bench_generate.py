@@ -30,3 +30,17 @@ def test_bench_generate_quick(tmp_path, monkeypatch, one_thread, capsys) -> None
     assert data["rows"][2]["cached"] == {"seconds": None, "error": "OOM"}
     assert (tmp_path / "generate.png").stat().st_size > 1000
     assert str(tmp_path) in capsys.readouterr().out
+
+
+def test_bench_generate_speculative_quick(tmp_path, one_thread, capsys) -> None:
+    """`--speculative` measures each proposer against plain decoding: one row per prompt and
+    method, the same tokens, the drafts counted."""
+    assert main(["bench", "generate", "--quick", "--speculative", "ngram:4", "--speculative",
+                 "self:2", "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "speculative.md").read_text()
+    assert "| tokens/pass |" in table and "## Machine" in table and "- cpu: " in table
+    assert "- ngram:4: random " in table
+    rows = json.loads((tmp_path / "speculative.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["plain", "ngram:4", "self:2"] * 2
+    assert all(r["same_tokens"] and r["tokens_per_s"] > 0 for r in rows)
+    assert all((r["acceptance_rate"] is None) == (r["method"] == "plain") for r in rows)

@@ -13,6 +13,9 @@ With the cache a step costs ``O(c)`` attention work on top of a fixed ``O(1)`` p
 MLP cost, so its time stays nearly flat; without it a step redoes ``O(c)`` projections and
 MLPs (and ``O(c^2)`` attention), so its time grows at least linearly. Writes
 ``generate.md``, ``generate.json`` and ``generate.png``.
+
+With ``--speculative ngram|ngram:K|self:N|draft:DIR`` (repeatable; ``--model DIR`` for a real
+model) it measures speculative decoding instead (``attnlab.bench.speculative``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from attnlab.arg_types import positive_int
+from attnlab.bench import speculative
 from attnlab.bench.harness import (
     device_arg,
     int_list,
@@ -36,6 +40,7 @@ from attnlab.bench.harness import (
     time_median,
 )
 from attnlab.durable import write_text_atomic
+from attnlab.generation.proposers import parse_speculative
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 
 __all__ = ["add_arguments", "run"]
@@ -53,10 +58,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=positive_int, default=5,
                         help="timed runs per cell (median)")
     parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda")
+    parser.add_argument("--speculative", type=_speculative, action="append", default=None,
+                        metavar="ngram[:K]|self:N|draft:DIR",
+                        help="measure speculative decoding with this proposer against plain "
+                        "decoding, on input-grounded and open-ended prompts (repeat the flag "
+                        "for several; CPU only)")
+    parser.add_argument("--model", default=None, metavar="DIR",
+                        help="with --speculative: a checkpoint folder with its tokenizer "
+                        "(default: a random model)")
 
 
 def run(args: argparse.Namespace) -> Path:
     """Run the benchmark and write its files into ``args.out``; returns the markdown path."""
+    if getattr(args, "speculative", None):
+        return speculative.run(args)
     device = torch.device(args.device)
     if args.quick:
         config = DecoderLMConfig.llama(256, d_model=64, num_layers=2, num_heads=4, max_len=128)
@@ -102,6 +117,13 @@ def run(args: argparse.Namespace) -> Path:
     _plot(results, out / "generate.png")
     print(md.read_text())
     return md
+
+
+def _speculative(text: str) -> tuple[str, int | str]:
+    try:
+        return parse_speculative(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _context_row(model: DecoderLM, ids: torch.Tensor, c: int, repeats: int,

@@ -16,14 +16,13 @@ Arguments are checked first (``inputs.py``), so bad ids fail before any compute.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from attnlab._checks import check_token_ids, is_int
 from attnlab.generation.inputs import new_token_count, token_id, token_id_set
-from attnlab.generation.protocols import CausalLM, CausalLMConfig
+from attnlab.generation.protocols import CausalLM, CausalLMConfig, Streamer
 from attnlab.generation.sampling import (
     apply_repetition_penalty,
     check_logits,
@@ -31,17 +30,15 @@ from attnlab.generation.sampling import (
     greedy_tokens,
     sample_logits,
 )
+from attnlab.generation.speculative import (
+    Decoding,
+    SpeculativeStats,
+    make_proposer,
+    speculative_generate,
+)
 from attnlab.generation.stopping import Decoder, StopStrings
 
 __all__ = ["Streamer", "generate"]
-
-
-class Streamer(Protocol):
-    """Receives tokens as they are made: ``put(ids B)`` once per step, ``end()`` at the end."""
-
-    def put(self, token_ids: Tensor) -> None: ...
-
-    def end(self) -> None: ...
 
 
 @torch.no_grad()
@@ -64,6 +61,11 @@ def generate(
     seed: int | None = None,
     streamer: Streamer | None = None,
     use_cache: bool = True,
+    prompt_lookup_num_tokens: int | None = None,
+    max_matching_ngram_size: int | None = None,
+    assistant_model: CausalLM | None = None,
+    assistant_early_exit: int | None = None,
+    speculative_stats: SpeculativeStats | None = None,
 ) -> Tensor:
     """Extend each prompt of ``input_ids`` (``B x P``) by up to ``max_new_tokens`` tokens.
 
@@ -84,6 +86,14 @@ def generate(
     - ``repetition_penalty`` (CTRL) applies to every real token of the row so far.
     - ``streamer.put(ids B)`` is called with each new step's tokens, ``streamer.end()`` once.
     - ``use_cache=False`` recomputes the whole sequence at every step (same result, slower).
+    - Speculative decoding (``attnlab.generation.speculative``; one row, unpadded, cached),
+      with transformers' names: ``prompt_lookup_num_tokens=k`` proposes the ``k`` tokens
+      that followed the last n-gram's latest earlier occurrence (``n <=
+      max_matching_ngram_size``, default 3); ``assistant_model`` (a smaller model with the
+      same tokenizer) or ``assistant_early_exit=N`` (the model's own first ``N`` layers and
+      its head) drafts tokens. The output is the plain decoding's: the same greedy tokens,
+      the same sampling distribution. ``speculative_stats`` (a ``SpeculativeStats``) is
+      filled in with the acceptance counts.
 
     Every argument is checked before any compute: token ids (prompt, end, pad) must lie in
     the model's vocabulary ``[0, V)``. Logits with NaN or +inf give a ``ValueError``.
@@ -115,6 +125,20 @@ def generate(
             raise ValueError(f"seed: expected an int in [-2**63, 2**64) (torch's range), got "
                              f"{seed!r}")
         generator = torch.Generator(device=input_ids.device).manual_seed(seed)
+    proposer = make_proposer(
+        model, input_ids, attention_mask, P + max_new_tokens,
+        prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+        max_matching_ngram_size=max_matching_ngram_size, assistant_model=assistant_model,
+        assistant_early_exit=assistant_early_exit, use_cache=use_cache)
+    if proposer is not None:
+        decoding = Decoding(do_sample, temperature, top_k, top_p, repetition_penalty,
+                            None if eos is None else torch.tensor(eos, device=input_ids.device),
+                            stop, generator)
+        return speculative_generate(model, input_ids, proposer, max_new_tokens, decoding,
+                                    streamer=streamer, stats=speculative_stats)
+    if speculative_stats is not None:
+        raise ValueError("speculative_stats: counts speculative decoding, which none of "
+                         "prompt_lookup_num_tokens, assistant_model, assistant_early_exit asks")
 
     ids, mask = input_ids, attention_mask
     eos_ids = None if eos is None else torch.tensor(eos, device=ids.device)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from attnlab.attention.kv_cache import KVCache
 
-__all__ = ["CausalLM", "CausalLMConfig", "Seq2SeqLM", "Seq2SeqLMConfig"]
+__all__ = ["CausalLM", "CausalLMConfig", "Seq2SeqLM", "Seq2SeqLMConfig", "Streamer"]
 
 
 @runtime_checkable
@@ -82,3 +82,12 @@ class Seq2SeqLM(Protocol):
                tgt_mask: Tensor | None = None, cache: KVCache | None = None) -> Tensor: ...
 
     def make_cache(self, batch_size: int, max_len: int | None = None) -> KVCache: ...
+
+
+class Streamer(Protocol):
+    """Receives tokens as they are made: ``put(ids B)`` once per step (once per token under
+    speculative decoding), ``end()`` at the end."""
+
+    def put(self, token_ids: Tensor) -> None: ...
+
+    def end(self) -> None: ...
