@@ -1,0 +1,323 @@
+"""Reading a GGUF file (llama.cpp's format: Ollama's and LM Studio's models) as a ``DecoderLM``,
+its quantized blocks kept as they are.
+
+A GGUF holds its config as metadata (``llama.block_count``, ``llama.embedding_length``, ...)
+and its tensors under llama.cpp's names (``blk.0.attn_q.weight``), each in a block format.
+The file is read with the ``gguf`` package (llama.cpp's own reader), which maps it: only the
+tensor being placed is read, and its pages are released once it is repacked.
+
+The blocks that attnlab's formats can hold keep their own numbers (a block is 32 consecutive
+inputs of one output row, ``d``/``m`` half-precision, ``q`` its codes):
+
+- ``Q8_0`` (``w = d q``, ``q`` int8): grouped int8, ``scales = d`` per group of 32;
+- ``Q4_0`` (``w = d (q - 8)``, ``q`` 0..15): int4 groups of 32, ``s = d``, ``z = 0``;
+- ``Q4_1`` (``w = d q + m``): int4 groups of 32, ``s = d``, ``z = m + 8 d`` (the value code 8
+  stands for), so ``(q - 8) s + z = d q + m``.
+
+Scales and zeros are kept in float32, where ``d``, ``m`` and (checked per tensor) ``m + 8 d``
+are exact; ``(q - 8) s`` is then exact and ``+ z`` rounds once, as ``gguf.quants.dequantize``
+does: the dequantized weight equals gguf's bit for bit. A Q4_1 tensor where ``m + 8 d`` is not
+exact in float32 is dequantized instead (a notice says so). F32, F16 and BF16 tensors are
+converted to the model's dtype; every other type (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, ...) is
+dequantized by ``gguf`` to the model's dtype, with a one-line notice per type.
+
+llama.cpp stores Llama's q and k rows permuted (the two rotary halves of each head
+interleaved); they are put back in Hugging Face's order, as transformers' GGUF loader does.
+A file is refused, naming it, before anything is allocated when its header's counts cannot
+fit in it or a tensor reaches past its end.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from attnlab.models.decoder_config import DecoderLMConfig
+from attnlab.models.families import Family, family_for
+from attnlab.quantization.formats import QuantizedWeight, pack_int4
+from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
+
+__all__ = ["ARCHITECTURES", "KEPT_TYPES", "config_from_gguf", "gguf_file", "load_gguf",
+           "open_gguf", "tensor_weight"]
+
+MAGIC = b"GGUF"
+Q = gguf.GGMLQuantizationType
+KEPT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1)  # held as attnlab formats, blocks as they are
+FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
+BLOCK = 32  # inputs per block of the kept types
+# GGUF general.architecture -> the family's model_type (Mistral and SmolLM write "llama").
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_PERMUTED = ("llama",)  # architectures whose q/k rows llama.cpp interleaves
+
+# The smallest a key-value pair and a tensor description take in the header (a name's length,
+# a type, one value / the dims' count, one dim, a type, an offset): counts above the file's
+# size over these cannot be true.
+_MIN_KV_BYTES, _MIN_TENSOR_BYTES = 8 + 4 + 1, 8 + 4 + 8 + 4 + 8
+
+# llama.cpp's names -> ours: whole-model tensors, then those of block {}.
+_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+          "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    **{f"attn_{p}.{kind}": f"self_attn.{p}_proj.{kind}" for p in "qkv"
+       for kind in ("weight", "bias")},
+    "attn_output.weight": "self_attn.o_proj.weight", "attn_output.bias": "self_attn.o_proj.bias",
+    **{f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+
+
+def gguf_file(path: str | Path) -> Path | None:
+    """The GGUF file that ``path`` names: itself when it starts with the GGUF magic (any
+    name: an Ollama blob has no extension), or the one ``*.gguf`` file of a folder without a
+    ``config.json``; None otherwise (a checkpoint folder, a missing path). A folder with
+    several ``*.gguf`` files is refused naming them."""
+    path = Path(path)
+    if path.is_file():
+        with path.open("rb") as f:
+            return path if f.read(4) == MAGIC else None
+    if not path.is_dir() or (path / "config.json").exists():
+        return None
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        raise ValueError(f"path: {path} holds {len(found)} GGUF files "
+                         f"({', '.join(f.name for f in found)}); name the one to load")
+    return found[0] if found else None
+
+
+def open_gguf(file: Path) -> gguf.GGUFReader:
+    """``file``'s ``gguf.GGUFReader`` (the file mapped, nothing read but the header), after
+    checking what a hostile or truncated file could lie about: counts that cannot fit in the
+    file, a tensor that reaches past its end. Each refusal is a ``ValueError`` naming it."""
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        head = f.read(24)
+    if len(head) < 24 or head[:4] != MAGIC:
+        raise ValueError(f"{file}: not a GGUF file (expected the magic {MAGIC!r} and a "
+                         f"24-byte header, got {head[:4]!r} in {size} bytes)")
+    tensors, kvs = struct.unpack("<QQ", head[8:24])
+    if tensors * _MIN_TENSOR_BYTES > size or kvs * _MIN_KV_BYTES > size:
+        raise ValueError(f"{file}: the header claims {tensors} tensors and {kvs} metadata "
+                         f"entries, more than its {size} bytes can hold; the file is "
+                         "corrupt or truncated")
+    try:
+        reader = gguf.GGUFReader(file)
+    except (ValueError, IndexError, KeyError, OverflowError, TypeError,
+            struct.error) as error:
+        raise ValueError(f"{file}: not a readable GGUF file ({error})") from None
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size or t.data.nbytes != t.n_bytes:
+            raise ValueError(f"{file}: tensor {t.name!r} ({t.n_bytes} bytes at offset "
+                             f"{t.data_offset}) reaches past the file's {size} bytes")
+    return reader
+
+
+def config_from_gguf(reader: gguf.GGUFReader, file: Path) -> tuple[Family, DecoderLMConfig]:
+    """``(family, config)`` from the file's metadata, read as the family reads a
+    ``config.json`` (so its checks and defaults apply); errors name ``file`` and the key."""
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{file}: general.architecture {arch!r} is not supported; expected "
+                         f"one of {sorted(ARCHITECTURES)}")
+    keys = {"block_count": "num_hidden_layers", "context_length": "max_position_embeddings",
+            "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
+            "attention.head_count": "num_attention_heads",
+            "attention.head_count_kv": "num_key_value_heads",
+            "attention.key_length": "head_dim", "rope.freq_base": "rope_theta",
+            "attention.layer_norm_rms_epsilon": "rms_norm_eps", "vocab_size": "vocab_size"}
+    d: dict[str, Any] = {"model_type": ARCHITECTURES[arch]}
+    for key, hf in keys.items():
+        value = _field(reader, f"{arch}.{key}")
+        if value is not None:
+            d[hf] = value
+    if "vocab_size" not in d:  # older files: the vocabulary's length
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is not None:
+            d["vocab_size"] = len(tokens.data)
+    names = {t.name for t in reader.tensors}
+    d["tie_word_embeddings"] = "output.weight" not in names
+    d["attention_bias"] = "blk.0.attn_q.bias" in names
+    for role in ("bos", "eos"):
+        value = _field(reader, f"tokenizer.ggml.{role}_token_id")
+        if value is not None:
+            d[f"{role}_token_id"] = value
+    family = family_for(d["model_type"])
+    try:
+        return family, family.config_from_hf(d)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{file}: {error} (read from the GGUF metadata {arch}.*)") from None
+
+
+def load_gguf(cls: type[nn.Module], file: Path, dtype: torch.dtype | None,
+              device: torch.device) -> nn.Module:
+    """``cls(config)`` (a ``DecoderLM``) with the weights of the GGUF ``file`` in eval mode:
+    Q8_0/Q4_0/Q4_1 linear layers and embeddings as quantized modules holding the blocks'
+    numbers, the rest in ``dtype`` (default float32) on ``device`` (module docstring)."""
+    reader = open_gguf(file)
+    family, config = config_from_gguf(reader, file)
+    dtype = dtype or torch.float32
+    with torch.device("meta"):
+        model = cls(config)  # type: ignore[call-arg]
+    targets = model.state_dict(keep_vars=True)
+    tensors = {}
+    for t in reader.tensors:
+        ours = _our_name(t.name)
+        if ours is None or ours not in targets:
+            raise ValueError(f"{file}: unexpected tensor {t.name!r}: no weight of a "
+                             f"{family.name} model of this config is stored under that name")
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        if shape != tuple(targets[ours].shape):
+            raise ValueError(f"{file}: tensor {t.name!r} has shape {shape}; the metadata "
+                             f"implies {tuple(targets[ours].shape)}")
+        tensors[ours] = t
+    missing = [n for n in targets if n not in tensors
+               and not (n == "lm_head.weight" and config.tie_embeddings)]
+    if missing:
+        raise ValueError(f"{file}: tensors missing for {missing[:4]}")
+    print(f"attnlab: loading {config.num_layers} layers from {file} ...", file=sys.stderr,
+          flush=True)
+    permuted = _field(reader, "general.architecture") in _PERMUTED
+    notices: dict[str, int] = {}
+    for ours, t in tensors.items():
+        rows = _row_order(ours, config) if permuted else None
+        _place(model, ours, t, rows, dtype, device, notices, config.tie_embeddings)
+        _release(reader, t)
+    for kind, count in notices.items():
+        print(f"attnlab: {file.name}: {count} {kind} tensors dequantized to "
+              f"{str(dtype).removeprefix('torch.')} (no attnlab format holds them)",
+              file=sys.stderr)
+    del reader  # unmaps the file
+    return model.to(device).eval()
+
+
+def tensor_weight(t: Any) -> QuantizedWeight:
+    """The GGUF tensor ``t`` (a ``gguf`` ``ReaderTensor`` of a ``KEPT_TYPES`` type, ``O x I``
+    with ``I`` a multiple of 32) as an attnlab ``QuantizedWeight`` holding its blocks' own
+    numbers, scales and zeros in float32 (module docstring); a Q4_1 tensor whose zero ``m +
+    8 d`` is not exact in float32 raises a ``ValueError`` (its loader dequantizes it)."""
+    rows = int(t.shape[1]) if len(t.shape) > 1 else 1
+    cols = int(t.shape[0])
+    kind = Q(t.tensor_type)
+    block_bytes = gguf.GGML_QUANT_SIZES[kind][1]
+    raw = torch.from_numpy(np.array(t.data, copy=True)).view(rows, cols // BLOCK, block_bytes)
+    d = raw[..., 0:2].contiguous().view(torch.float16).float().view(rows, -1)
+    if kind == Q.Q8_0:
+        codes = raw[..., 2:].contiguous().view(torch.int8).view(rows, cols)
+        return QuantizedWeight(8, codes, d, None)
+    nibbles = raw[..., (2 if kind == Q.Q4_0 else 4):]  # byte j: input j low, j + 16 high
+    codes = torch.cat((nibbles & 15, nibbles >> 4), dim=-1).view(rows, cols)
+    if kind == Q.Q4_0:
+        zeros = torch.zeros_like(d)
+    else:
+        m = raw[..., 2:4].contiguous().view(torch.float16).float().view(rows, -1)
+        zeros = m + 8 * d
+        if not torch.equal(zeros.double(), m.double() + 8 * d.double()):
+            raise ValueError(f"tensor {t.name!r}: a Q4_1 zero m + 8 d is not exact in float32")
+    return QuantizedWeight(4, pack_int4(codes), d, zeros)
+
+
+def _place(model: nn.Module, ours: str, t: Any, rows: Tensor | None, dtype: torch.dtype,
+           device: torch.device, notices: dict[str, int], tied: bool) -> None:
+    """Read the GGUF tensor ``t`` and make it the model's ``ours`` (in ``rows`` order when
+    given): a quantized module for a kept block type, else a float parameter."""
+    owner_name, _, leaf = ours.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    kind = Q(t.tensor_type)
+    if kind in KEPT_TYPES and leaf == "weight" and isinstance(owner, (nn.Linear, nn.Embedding)):
+        try:
+            weight = tensor_weight(t)
+        except ValueError:
+            weight = None
+        if weight is not None:
+            if rows is not None:
+                weight = QuantizedWeight(weight.bits, weight.data[rows], weight.scales[rows],
+                                         None if weight.zeros is None else weight.zeros[rows])
+            _swap_quantized(model, owner_name, owner, weight, tied)
+            return
+    if kind not in FLOAT_TYPES:
+        notices[kind.name] = notices.get(kind.name, 0) + 1
+    values = torch.from_numpy(gguf.quants.dequantize(t.data, kind))
+    value = values.reshape(tuple(int(n) for n in reversed(t.shape.tolist())))
+    value = (value if rows is None else value[rows]).to(device=device, dtype=dtype, copy=True)
+    parameter = nn.Parameter(value)
+    setattr(owner, leaf, parameter)
+    if ours == "embed_tokens.weight" and tied and isinstance(model.lm_head, nn.Linear):
+        model.lm_head.weight = parameter
+
+
+def _swap_quantized(model: nn.Module, name: str, module: nn.Module, weight: QuantizedWeight,
+                    tied: bool) -> None:
+    """Put a quantized module holding ``weight`` in place of ``module`` (``name``); a tied
+    embedding's table becomes the LM head's, which the embedding then reads."""
+    parent, _, child = name.rpartition(".")
+    rows, cols = weight.shape
+    if isinstance(module, nn.Linear):
+        new = QuantizedLinear(cols, rows, module.bias is not None, bits=weight.bits,
+                              group_size=BLOCK, device="meta")
+        if module.bias is not None:
+            new.bias = module.bias  # placed when its own tensor is read
+        new.set_weight(weight)
+        model.get_submodule(parent)._modules[child] = new
+        return
+    head = QuantizedLinear(cols, rows, False, bits=weight.bits, group_size=BLOCK, device="meta")
+    head.set_weight(weight)
+    if tied:
+        model.lm_head = head
+        model.embed_tokens = QuantizedEmbedding.tied_to(head)
+        return
+    embedding = QuantizedEmbedding(rows, cols, bits=weight.bits, group_size=BLOCK,
+                                   device="meta")
+    embedding.table.set_weight(weight)
+    model.get_submodule(parent)._modules[child] = embedding
+
+
+def _row_order(ours: str, config: DecoderLMConfig) -> Tensor | None:
+    """The rows of llama.cpp's q/k weight (or bias) in Hugging Face's order: per head, the
+    interleaved pairs ``(2i, 2i + 1)`` back to the halves ``(i, i + D/2)``."""
+    if ".self_attn.q_proj." in ours:
+        heads = config.num_heads
+    elif ".self_attn.k_proj." in ours:
+        heads = config.kv_heads
+    else:
+        return None
+    return torch.arange(heads * config.head_dim).view(heads, -1, 2).transpose(1, 2).reshape(-1)
+
+
+def _our_name(name: str) -> str | None:
+    """llama.cpp's tensor name -> ours (None for a name no family here stores)."""
+    if name in _NAMES:
+        return _NAMES[name]
+    head, _, rest = name.partition(".")
+    index, _, leaf = rest.partition(".")
+    if head != "blk" or not index.isdigit() or leaf not in _LAYER_NAMES:
+        return None
+    return f"layers.{int(index)}.{_LAYER_NAMES[leaf]}"
+
+
+def _field(reader: gguf.GGUFReader, key: str) -> Any:
+    """The metadata value ``key`` (a scalar or a string), or None when absent."""
+    f = reader.fields.get(key)
+    return None if f is None else f.contents()
+
+
+def _release(reader: gguf.GGUFReader, t: Any) -> None:
+    """Drop ``t``'s mapped pages from this process's memory (they are read once)."""
+    handle = getattr(reader.data, "_mmap", None)
+    if handle is None or not hasattr(handle, "madvise"):
+        return
+    start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(len(handle), math.ceil((int(t.data_offset) + int(t.n_bytes)) / mmap.PAGESIZE)
+              * mmap.PAGESIZE)
+    handle.madvise(mmap.MADV_DONTNEED, start, end - start)
