@@ -248,9 +248,10 @@ def _place(model: nn.Module, ours: str, t: Any, rows: Tensor | None, dtype: torc
             return
     if kind not in FLOAT_TYPES:
         notices[kind.name] = notices.get(kind.name, 0) + 1
-    values = torch.from_numpy(gguf.quants.dequantize(t.data, kind))
+    values = gguf.quants.dequantize(t.data, kind)  # F32: a view of the mapped file
+    values = torch.from_numpy(values if values.flags.writeable else values.copy())
     value = values.reshape(tuple(int(n) for n in reversed(t.shape.tolist())))
-    value = (value if rows is None else value[rows]).to(device=device, dtype=dtype, copy=True)
+    value = (value if rows is None else value[rows]).to(device=device, dtype=dtype)
     parameter = nn.Parameter(value)
     setattr(owner, leaf, parameter)
     if ours == "embed_tokens.weight" and tied and isinstance(model.lm_head, nn.Linear):

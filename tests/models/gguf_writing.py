@@ -1,0 +1,122 @@
+"""Tiny GGUF files for the GGUF tests, written with the ``gguf`` package's own writer as
+llama.cpp's converter writes them: a random transformers model's tensors under llama.cpp's
+names (Llama's q/k rows interleaved), quantized by ``gguf.quants``, with a byte-level BPE
+tokenizer and a chat template in the metadata."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+import transformers as tf
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from torch import nn
+
+Q = gguf.GGMLQuantizationType
+TEXT = ("The quick brown fox jumps over the lazy dog. Attention is all you need; "
+        "transformers read text as tokens, 1234 5678, and write it back! ") * 20
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_LAYER = {"input_layernorm.weight": "attn_norm.weight",
+          "post_attention_layernorm.weight": "ffn_norm.weight",
+          **{f"self_attn.{p}_proj.{k}": f"attn_{p}.{k}" for p in "qkv" for k in ("weight", "bias")},
+          "self_attn.o_proj.weight": "attn_output.weight",
+          **{f"mlp.{p}_proj.weight": f"ffn_{p}.weight" for p in ("gate", "up", "down")},
+          "self_attn.q_norm.weight": "attn_q_norm.weight",
+          "self_attn.k_norm.weight": "attn_k_norm.weight"}
+
+
+def bpe_vocabulary() -> tuple[list[str], list[str]]:
+    """``(tokens, merges)`` of a byte-level BPE trained on ``TEXT``, the specials first."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT], trainer)
+    vocab = tok.get_vocab()
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    return tokens, [" ".join(m) if isinstance(m, list) else m for m in merges]
+
+
+def write_gguf(path: Path, model: nn.Module, arch: str, qtype: Q, *,
+               tokens: list[str], merges: list[str], pre: str = "qwen2") -> Path:
+    """``model`` (a transformers Llama/Qwen2/Qwen3) as the GGUF ``path``: 2-d weights in
+    ``qtype``, norms and biases in F32."""
+    c = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokens.index("<|endoftext|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_chat_template(TEMPLATE)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue  # llama.cpp stores a tied table once, as token_embd
+        ours = gguf_name(name)
+        a = t.detach().float().numpy()
+        if arch == "llama" and ours.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = c.num_attention_heads if "attn_q" in ours else c.num_key_value_heads
+            a = a.reshape(heads, 2, a.shape[0] // heads // 2, *a.shape[1:]).swapaxes(1, 2)
+            a = a.reshape(t.shape)
+        if a.ndim == 2 and qtype != Q.F32:
+            w.add_tensor(ours, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(ours, np.ascontiguousarray(a, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def gguf_name(hf: str) -> str:
+    """transformers' tensor name -> llama.cpp's."""
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    _, _, index_leaf = hf.partition("model.layers.")
+    index, _, leaf = index_leaf.partition(".")
+    return f"blk.{index}.{_LAYER[leaf]}"
+
+
+def tiny_model(arch: str, vocab: int, *, tied: bool = True, seed: int = 0) -> nn.Module:
+    """A random transformers model of ``arch``, norms and biases moved off their initial
+    values, in eval mode."""
+    cls, config_cls = {"llama": (tf.LlamaForCausalLM, tf.LlamaConfig),
+                       "qwen2": (tf.Qwen2ForCausalLM, tf.Qwen2Config),
+                       "qwen3": (tf.Qwen3ForCausalLM, tf.Qwen3Config)}[arch]
+    config = config_cls(vocab_size=vocab, hidden_size=64, intermediate_size=96,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, max_position_embeddings=256, tie_word_embeddings=tied,
+                        rms_norm_eps=1e-6)
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
