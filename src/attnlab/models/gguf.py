@@ -3,7 +3,8 @@ its quantized blocks kept as they are.
 
 A GGUF holds its config as metadata (``llama.block_count``, ``llama.embedding_length``, ...)
 and its tensors under llama.cpp's names (``blk.0.attn_q.weight``), each in a block format.
-The file is read with the ``gguf`` package (llama.cpp's own reader), which maps it: only the
+The header is read by ``attnlab.models.gguf_reader`` (the block types, sizes and
+dequantization are the ``gguf`` package's, llama.cpp's own), which maps the file: only the
 tensor being placed is read, and its pages are released once it is repacked.
 
 The blocks that attnlab's formats can hold keep their own numbers (a block is 32 consecutive
@@ -30,8 +31,6 @@ fit in it or a tensor reaches past its end.
 from __future__ import annotations
 
 import math
-import mmap
-import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,8 @@ from torch import Tensor, nn
 
 from attnlab.models.decoder_config import DecoderLMConfig
 from attnlab.models.families import Family, family_for
-from attnlab.quantization.formats import QuantizedWeight, pack_int4
+from attnlab.models.gguf_reader import GGUFFile
+from attnlab.quantization.formats import QuantizedWeight
 from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
 
 __all__ = ["ARCHITECTURES", "KEPT_TYPES", "config_from_gguf", "gguf_file", "load_gguf",
@@ -57,11 +57,6 @@ BLOCK = 32  # inputs per block of the kept types
 # GGUF general.architecture -> the family's model_type (Mistral and SmolLM write "llama").
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _PERMUTED = ("llama",)  # architectures whose q/k rows llama.cpp interleaves
-
-# The smallest a key-value pair and a tensor description take in the header (a name's length,
-# a type, one value / the dims' count, one dim, a type, an offset): counts above the file's
-# size over these cannot be true.
-_MIN_KV_BYTES, _MIN_TENSOR_BYTES = 8 + 4 + 1, 8 + 4 + 8 + 4 + 8
 
 # llama.cpp's names -> ours: whole-model tensors, then those of block {}.
 _NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
@@ -96,35 +91,14 @@ def gguf_file(path: str | Path) -> Path | None:
     return found[0] if found else None
 
 
-def open_gguf(file: Path) -> gguf.GGUFReader:
-    """``file``'s ``gguf.GGUFReader`` (the file mapped, nothing read but the header), after
-    checking what a hostile or truncated file could lie about: counts that cannot fit in the
-    file, a tensor that reaches past its end. Each refusal is a ``ValueError`` naming it."""
-    size = file.stat().st_size
-    with file.open("rb") as f:
-        head = f.read(24)
-    if len(head) < 24 or head[:4] != MAGIC:
-        raise ValueError(f"{file}: not a GGUF file (expected the magic {MAGIC!r} and a "
-                         f"24-byte header, got {head[:4]!r} in {size} bytes)")
-    tensors, kvs = struct.unpack("<QQ", head[8:24])
-    if tensors * _MIN_TENSOR_BYTES > size or kvs * _MIN_KV_BYTES > size:
-        raise ValueError(f"{file}: the header claims {tensors} tensors and {kvs} metadata "
-                         f"entries, more than its {size} bytes can hold; the file is "
-                         "corrupt or truncated")
-    try:
-        reader = gguf.GGUFReader(file)
-    except (ValueError, IndexError, KeyError, OverflowError, TypeError,
-            struct.error) as error:
-        raise ValueError(f"{file}: not a readable GGUF file ({error})") from None
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size or t.data.nbytes != t.n_bytes:
-            raise ValueError(f"{file}: tensor {t.name!r} ({t.n_bytes} bytes at offset "
-                             f"{t.data_offset}) reaches past the file's {size} bytes")
-    return reader
+def open_gguf(file: Path) -> GGUFFile:
+    """``file``'s header read and checked (``attnlab.models.gguf_reader.GGUFFile``: counts
+    that cannot fit in the file, a tensor that reaches past its end, a truncated header are
+    each a ``ValueError`` naming the file); its tensors mapped, none read."""
+    return GGUFFile(file)
 
 
-def config_from_gguf(reader: gguf.GGUFReader, file: Path) -> tuple[Family, DecoderLMConfig]:
+def config_from_gguf(reader: GGUFFile, file: Path) -> tuple[Family, DecoderLMConfig]:
     """``(family, config)`` from the file's metadata, read as the family reads a
     ``config.json`` (so its checks and defaults apply); errors name ``file`` and the key."""
     arch = _field(reader, "general.architecture")
@@ -144,8 +118,8 @@ def config_from_gguf(reader: gguf.GGUFReader, file: Path) -> tuple[Family, Decod
             d[hf] = value
     if "vocab_size" not in d:  # older files: the vocabulary's length
         tokens = reader.fields.get("tokenizer.ggml.tokens")
-        if tokens is not None:
-            d["vocab_size"] = len(tokens.data)
+        if isinstance(tokens, list):
+            d["vocab_size"] = len(tokens)
     names = {t.name for t in reader.tensors}
     d["tie_word_embeddings"] = "output.weight" not in names
     d["attention_bias"] = "blk.0.attn_q.bias" in names
@@ -177,7 +151,7 @@ def load_gguf(cls: type[nn.Module], file: Path, dtype: torch.dtype | None,
         if ours is None or ours not in targets:
             raise ValueError(f"{file}: unexpected tensor {t.name!r}: no weight of a "
                              f"{family.name} model of this config is stored under that name")
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        shape = tuple(reversed(t.shape))
         if shape != tuple(targets[ours].shape):
             raise ValueError(f"{file}: tensor {t.name!r} has shape {shape}; the metadata "
                              f"implies {tuple(targets[ours].shape)}")
@@ -193,12 +167,12 @@ def load_gguf(cls: type[nn.Module], file: Path, dtype: torch.dtype | None,
     for ours, t in tensors.items():
         rows = _row_order(ours, config) if permuted else None
         _place(model, ours, t, rows, dtype, device, notices, config.tie_embeddings)
-        _release(reader, t)
+        reader.release(t)
     for kind, count in notices.items():
         print(f"attnlab: {file.name}: {count} {kind} tensors dequantized to "
               f"{str(dtype).removeprefix('torch.')} (no attnlab format holds them)",
               file=sys.stderr)
-    del reader  # unmaps the file
+    reader.close()
     return model.to(device).eval()
 
 
@@ -207,25 +181,30 @@ def tensor_weight(t: Any) -> QuantizedWeight:
     with ``I`` a multiple of 32) as an attnlab ``QuantizedWeight`` holding its blocks' own
     numbers, scales and zeros in float32 (module docstring); a Q4_1 tensor whose zero ``m +
     8 d`` is not exact in float32 raises a ``ValueError`` (its loader dequantizes it)."""
-    rows = int(t.shape[1]) if len(t.shape) > 1 else 1
-    cols = int(t.shape[0])
+    cols, rows = t.shape[0], math.prod(t.shape[1:])
     kind = Q(t.tensor_type)
-    block_bytes = gguf.GGML_QUANT_SIZES[kind][1]
-    raw = torch.from_numpy(np.array(t.data, copy=True)).view(rows, cols // BLOCK, block_bytes)
-    d = raw[..., 0:2].contiguous().view(torch.float16).float().view(rows, -1)
+    # Read from the mapping into the kept arrays directly: a transient copy of a whole
+    # tensor would fragment the heap for the rest of the load.
+    blocks = t.data.reshape(rows, cols // BLOCK, -1)
+    d = _half(blocks[..., 0:2]).view(rows, -1)
     if kind == Q.Q8_0:
-        codes = raw[..., 2:].contiguous().view(torch.int8).view(rows, cols)
-        return QuantizedWeight(8, codes, d, None)
-    nibbles = raw[..., (2 if kind == Q.Q4_0 else 4):]  # byte j: input j low, j + 16 high
-    codes = torch.cat((nibbles & 15, nibbles >> 4), dim=-1).view(rows, cols)
+        codes = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8))
+        return QuantizedWeight(8, codes.view(rows, cols), d, None)
+    q = blocks[..., (2 if kind == Q.Q4_0 else 4):]  # byte j: input j low, j + 16 high
+    codes = np.concatenate((q & 15, q >> 4), axis=-1).reshape(rows, cols // 2, 2)
+    packed = torch.from_numpy(codes[..., 0] | (codes[..., 1] << 4))  # plain layout
     if kind == Q.Q4_0:
-        zeros = torch.zeros_like(d)
-    else:
-        m = raw[..., 2:4].contiguous().view(torch.float16).float().view(rows, -1)
-        zeros = m + 8 * d
-        if not torch.equal(zeros.double(), m.double() + 8 * d.double()):
-            raise ValueError(f"tensor {t.name!r}: a Q4_1 zero m + 8 d is not exact in float32")
-    return QuantizedWeight(4, pack_int4(codes), d, zeros)
+        return QuantizedWeight(4, packed, d, torch.zeros_like(d))
+    m = _half(blocks[..., 2:4]).view(rows, -1)
+    zeros = m + 8 * d
+    if not torch.equal(zeros.double(), m.double() + 8 * d.double()):
+        raise ValueError(f"tensor {t.name!r}: a Q4_1 zero m + 8 d is not exact in float32")
+    return QuantizedWeight(4, packed, d, zeros)
+
+
+def _half(pairs: np.ndarray) -> Tensor:
+    """Half-precision numbers stored as byte pairs (``N.. x 2`` uint8) -> float32 ``N..``."""
+    return torch.from_numpy(np.ascontiguousarray(pairs).view(np.float16)[..., 0]).float()
 
 
 def _place(model: nn.Module, ours: str, t: Any, rows: Tensor | None, dtype: torch.dtype,
@@ -250,7 +229,7 @@ def _place(model: nn.Module, ours: str, t: Any, rows: Tensor | None, dtype: torc
         notices[kind.name] = notices.get(kind.name, 0) + 1
     values = gguf.quants.dequantize(t.data, kind)  # F32: a view of the mapped file
     values = torch.from_numpy(values if values.flags.writeable else values.copy())
-    value = values.reshape(tuple(int(n) for n in reversed(t.shape.tolist())))
+    value = values.reshape(tuple(reversed(t.shape)))
     value = (value if rows is None else value[rows]).to(device=device, dtype=dtype)
     parameter = nn.Parameter(value)
     setattr(owner, leaf, parameter)
@@ -307,18 +286,6 @@ def _our_name(name: str) -> str | None:
     return f"layers.{int(index)}.{_LAYER_NAMES[leaf]}"
 
 
-def _field(reader: gguf.GGUFReader, key: str) -> Any:
-    """The metadata value ``key`` (a scalar or a string), or None when absent."""
-    f = reader.fields.get(key)
-    return None if f is None else f.contents()
-
-
-def _release(reader: gguf.GGUFReader, t: Any) -> None:
-    """Drop ``t``'s mapped pages from this process's memory (they are read once)."""
-    handle = getattr(reader.data, "_mmap", None)
-    if handle is None or not hasattr(handle, "madvise"):
-        return
-    start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
-    end = min(len(handle), math.ceil((int(t.data_offset) + int(t.n_bytes)) / mmap.PAGESIZE)
-              * mmap.PAGESIZE)
-    handle.madvise(mmap.MADV_DONTNEED, start, end - start)
+def _field(reader: GGUFFile, key: str) -> Any:
+    """The metadata value ``key``, or None when absent."""
+    return reader.fields.get(key)
