@@ -45,7 +45,8 @@ def bpe_vocabulary() -> tuple[list[str], list[str]]:
 
 
 def write_gguf(path: Path, model: nn.Module, arch: str, qtype: Q, *,
-               tokens: list[str], merges: list[str], pre: str = "qwen2") -> Path:
+               tokens: list[str], merges: list[str], pre: str = "qwen2",
+               tokenizer_model: str = "gpt2") -> Path:
     """``model`` (a transformers Llama/Qwen2/Qwen3) as the GGUF ``path``: 2-d weights in
     ``qtype``, norms and biases in F32."""
     c = model.config
@@ -62,7 +63,7 @@ def write_gguf(path: Path, model: nn.Module, arch: str, qtype: Q, *,
     w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
-    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_model(tokenizer_model)
     w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
