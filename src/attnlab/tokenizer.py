@@ -29,8 +29,8 @@ from attnlab._checks import is_int
 from attnlab.chat_render import DEFAULT_RENDERER, check_template
 from attnlab.models.gguf import gguf_file
 from attnlab.models.gguf_reader import GGUFFile
+from attnlab.models.gguf_tokenizer import gguf_tokenizer
 from attnlab.models.hf_loading import check_folder, read_json
-from attnlab.tokenizer_gguf import gguf_tokenizer
 
 __all__ = ["TextStreamer", "Tokenizer"]
 
@@ -134,7 +134,7 @@ class Tokenizer:
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """The tokenizer and chat template stored in the GGUF file ``path`` (or the one
         ``*.gguf`` of a folder) as ``tokenizer.ggml.*`` metadata, rebuilt as transformers'
-        GGUF loader builds it (``attnlab.tokenizer_gguf``: byte-level BPE). Errors name the
+        GGUF loader builds it (``attnlab.models.gguf_tokenizer``: byte-level BPE). Errors name the
         file and the key."""
         file = gguf_file(path)
         if file is None:
