@@ -17,6 +17,7 @@ from gguf_writing import Q, bpe_vocabulary, tiny_model, write_gguf
 from attnlab.generation import generate
 from attnlab.models import from_pretrained
 from attnlab.models.gguf import open_gguf, tensor_weight
+from attnlab.quantization.kernels import QUANTIZED_KERNELS
 from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
 
 
@@ -114,3 +115,33 @@ def test_quantize_is_refused_for_a_gguf(tmp_path, vocabulary):
     file, _ = make(tmp_path, vocabulary, "llama", Q.Q8_0)
     with pytest.raises(ValueError, match="quantize"):
         from_pretrained(file, quantize="int8")
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1], ids=lambda q: q.name)
+def test_the_kernels_chosen_by_the_rule_agree_with_the_formula(tmp_path, vocabulary, qtype,
+                                                               native_kernels, monkeypatch):
+    tokens, merges = vocabulary
+    file = write_gguf(tmp_path / "tiny.gguf", tiny_model("llama", len(tokens)), "llama", qtype,
+                      tokens=tokens, merges=merges)
+    formula = from_pretrained(file, kernels=False)
+    monkeypatch.delenv("ATTNLAB_KERNELS")
+    fast = from_pretrained(file)
+    ids = torch.randint(0, len(tokens), (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        err = (fast(ids) - formula(ids)).abs().max().item()
+        step = (fast(ids[:1, :1]) - formula(ids[:1, :1])).abs().max().item()  # decoding rows
+    assert max(err, step) <= 1e-4, (err, step)
+
+
+def test_grouped_int8_runs_the_formula_and_looks_up_rows(tmp_path, vocabulary):
+    tokens, merges = vocabulary
+    file = write_gguf(tmp_path / "tiny.gguf", tiny_model("llama", len(tokens), tied=False),
+                      "llama", Q.Q8_0, tokens=tokens, merges=merges)
+    ours = from_pretrained(file, kernels=False)
+    weight = ours.embed_tokens.source.weight_format
+    assert weight.bits == 8 and weight.group_size == 32 and not weight.per_row
+    for dtype in (torch.float32, torch.bfloat16):
+        takers = [n for n, k in QUANTIZED_KERNELS.items() if k.takes(weight, dtype)]
+        assert takers == ["dequantize"], takers  # no int8 kernel reads grouped scales
+    ids = torch.tensor([[5, 0, 17], [3, 3, 1]])
+    assert torch.equal(ours.embed_tokens(ids), weight.dequantize()[ids])
