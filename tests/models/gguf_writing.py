@@ -44,11 +44,16 @@ def bpe_vocabulary() -> tuple[list[str], list[str]]:
     return tokens, [" ".join(m) if isinstance(m, list) else m for m in merges]
 
 
+# K-quant blocks (256 inputs): their bytes, and where their half-precision scales sit.
+_K_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
 def write_gguf(path: Path, model: nn.Module, arch: str, qtype: Q, *,
                tokens: list[str], merges: list[str], pre: str = "qwen2",
                tokenizer_model: str = "gpt2") -> Path:
     """``model`` (a transformers Llama/Qwen2/Qwen3) as the GGUF ``path``: 2-d weights in
-    ``qtype``, norms and biases in F32."""
+    ``qtype``, norms and biases in F32. ``gguf`` cannot quantize to the K-quants: for those,
+    each 2-d weight is random blocks of that type (finite scales), not the model's weight."""
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny")
@@ -80,7 +85,9 @@ def write_gguf(path: Path, model: nn.Module, arch: str, qtype: Q, *,
             heads = c.num_attention_heads if "attn_q" in ours else c.num_key_value_heads
             a = a.reshape(heads, 2, a.shape[0] // heads // 2, *a.shape[1:]).swapaxes(1, 2)
             a = a.reshape(t.shape)
-        if a.ndim == 2 and qtype != Q.F32:
+        if a.ndim == 2 and qtype in _K_SCALES:
+            w.add_tensor(ours, random_blocks(a.shape, qtype), raw_dtype=qtype)
+        elif a.ndim == 2 and qtype != Q.F32:
             w.add_tensor(ours, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(ours, np.ascontiguousarray(a, dtype=np.float32))
@@ -89,6 +96,19 @@ def write_gguf(path: Path, model: nn.Module, arch: str, qtype: Q, *,
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def random_blocks(shape: tuple[int, int], qtype: Q, seed: int = 0) -> np.ndarray:
+    """Random bytes of ``qtype`` blocks for an ``O x I`` weight, every block's half-precision
+    scale(s) set to small random values (random bytes could be NaN)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = shape
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for at in _K_SCALES[qtype]:
+        scale = (rng.random((rows, cols // block)) * 2e-3).astype(np.float16)
+        data[..., at:at + 2] = scale[..., None].view(np.uint8)
+    return data.reshape(rows, -1)
 
 
 def gguf_name(hf: str) -> str:
@@ -104,15 +124,20 @@ def gguf_name(hf: str) -> str:
     return f"blk.{index}.{_LAYER[leaf]}"
 
 
-def tiny_model(arch: str, vocab: int, *, tied: bool = True, seed: int = 0) -> nn.Module:
-    """A random transformers model of ``arch``, norms and biases moved off their initial
-    values, in eval mode."""
+def tiny_model(arch: str, vocab: int, *, tied: bool = True, seed: int = 0,
+               width: int = 64) -> nn.Module:
+    """A random transformers model of ``arch`` (``width`` wide, four heads), norms and biases
+    moved off their initial values, in eval mode."""
     cls, config_cls = {"llama": (tf.LlamaForCausalLM, tf.LlamaConfig),
                        "qwen2": (tf.Qwen2ForCausalLM, tf.Qwen2Config),
                        "qwen3": (tf.Qwen3ForCausalLM, tf.Qwen3Config)}[arch]
-    config = config_cls(vocab_size=vocab, hidden_size=64, intermediate_size=96,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=16, max_position_embeddings=256, tie_word_embeddings=tied,
+    config = config_cls(vocab_size=vocab, hidden_size=width,
+                        intermediate_size=96 if width == 64 else width, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2,
+                        # transformers' GGUF loader takes Qwen3's head_dim from its default
+                        # (128), not from the file's attention.key_length
+                        head_dim=128 if arch == "qwen3" else width // 4,
+                        max_position_embeddings=256, tie_word_embeddings=tied,
                         rms_norm_eps=1e-6)
     torch.manual_seed(seed)
     model = cls(config).eval()

@@ -26,9 +26,9 @@ def vocabulary() -> tuple[list[str], list[str]]:
     return bpe_vocabulary()
 
 
-def make(tmp_path, vocabulary, arch: str, qtype: Q, *, tied: bool = True):
+def make(tmp_path, vocabulary, arch: str, qtype: Q, *, tied: bool = True, width: int = 64):
     tokens, merges = vocabulary
-    hf_model = tiny_model(arch, len(tokens), tied=tied)
+    hf_model = tiny_model(arch, len(tokens), tied=tied, width=width)
     file = write_gguf(tmp_path / "tiny.gguf", hf_model, arch, qtype, tokens=tokens,
                       merges=merges)
     theirs = tf.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=file.name,
@@ -37,7 +37,8 @@ def make(tmp_path, vocabulary, arch: str, qtype: Q, *, tied: bool = True):
 
 
 CASES = [("llama", Q.Q4_1), ("llama", Q.Q4_0), ("llama", Q.Q8_0), ("llama", Q.F16),
-         ("llama", Q.Q5_0), ("qwen2", Q.Q4_0), ("qwen2", Q.Q8_0), ("qwen2", Q.F32)]
+         ("llama", Q.Q5_0), ("qwen2", Q.Q4_0), ("qwen2", Q.Q8_0), ("qwen2", Q.F32),
+         ("qwen3", Q.Q4_1), ("qwen3", Q.BF16)]
 
 
 @pytest.mark.parametrize(("arch", "qtype"), CASES, ids=[f"{a}-{q.name}" for a, q in CASES])
@@ -145,3 +146,17 @@ def test_grouped_int8_runs_the_formula_and_looks_up_rows(tmp_path, vocabulary):
         assert takers == ["dequantize"], takers  # no int8 kernel reads grouped scales
     ids = torch.tensor([[5, 0, 17], [3, 3, 1]])
     assert torch.equal(ours.embed_tokens(ids), weight.dequantize()[ids])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+def test_k_quants_are_dequantized_with_a_notice(tmp_path, vocabulary, qtype, capsys):
+    file, theirs = make(tmp_path, vocabulary, "llama", qtype, width=256)
+    ours = from_pretrained(file, kernels=False)
+    assert f"{qtype.name} tensors dequantized to float32" in capsys.readouterr().err
+    tensor = next(t for t in open_gguf(file).tensors if t.name == "blk.0.ffn_up.weight")
+    expected = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type))
+    assert torch.equal(ours.layers[0].mlp.up_proj.weight, expected)
+    ids = torch.randint(0, len(vocabulary[0]), (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        err = (theirs(input_ids=ids).logits - ours(ids)).abs().max().item()
+    assert err <= 1e-4, f"max |logit difference| {err:.3g}"
