@@ -160,3 +160,12 @@ def test_k_quants_are_dequantized_with_a_notice(tmp_path, vocabulary, qtype, cap
     with torch.no_grad():
         err = (theirs(input_ids=ids).logits - ours(ids)).abs().max().item()
     assert err <= 1e-4, f"max |logit difference| {err:.3g}"
+
+
+def test_saving_a_model_with_gguf_blocks_is_refused(tmp_path, vocabulary):
+    tokens, merges = vocabulary
+    file = write_gguf(tmp_path / "tiny.gguf", tiny_model("llama", len(tokens)), "llama", Q.Q4_0,
+                      tokens=tokens, merges=merges)
+    with pytest.raises(ValueError, match="GGUF"):
+        from_pretrained(file).save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()

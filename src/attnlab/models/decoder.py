@@ -285,6 +285,12 @@ class DecoderLM(PreTrainedModel):
         Hugging Face family (``config.family``), or attnlab's own (``"model_type":
         "attnlab_decoder"``, our tensor names) when it has none or the model is quantized
         (no Hugging Face format holds our int8/int4 layouts; ``config.family`` is kept)."""
+        if self.quantization is None and any(name.endswith("qweight")
+                                             for name, _ in self.named_buffers()):
+            # GGUF blocks (attnlab.models.gguf): a mix of int8/int4 groups and float that no
+            # config.json scheme records, so a folder written now would not load back.
+            raise ValueError("model: it holds the quantized blocks of a GGUF file, which no "
+                             "checkpoint folder records; save the float model it came from")
         if self.config.family is None or self.quantization is not None:
             return super().save_pretrained(path)
         return save_family(self, path)
