@@ -26,6 +26,8 @@ _LAYER = {"input_layernorm.weight": "attn_norm.weight",
           **{f"self_attn.{p}_proj.{k}": f"attn_{p}.{k}" for p in "qkv" for k in ("weight", "bias")},
           "self_attn.o_proj.weight": "attn_output.weight",
           **{f"mlp.{p}_proj.weight": f"ffn_{p}.weight" for p in ("gate", "up", "down")},
+          "self_attn.qkv_proj.weight": "attn_qkv.weight",
+          "mlp.gate_up_proj.weight": "ffn_up.weight",
           "self_attn.q_norm.weight": "attn_q_norm.weight",
           "self_attn.k_norm.weight": "attn_k_norm.weight"}
 
@@ -75,6 +77,7 @@ def write_gguf(path: Path, model: nn.Module, arch: str, qtype: Q, *,
     w.add_token_merges(merges)
     w.add_bos_token_id(tokens.index("<|endoftext|>"))
     w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_pad_token_id(tokens.index("<|endoftext|>"))
     w.add_chat_template(TEMPLATE)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
@@ -130,7 +133,9 @@ def tiny_model(arch: str, vocab: int, *, tied: bool = True, seed: int = 0,
     moved off their initial values, in eval mode."""
     cls, config_cls = {"llama": (tf.LlamaForCausalLM, tf.LlamaConfig),
                        "qwen2": (tf.Qwen2ForCausalLM, tf.Qwen2Config),
-                       "qwen3": (tf.Qwen3ForCausalLM, tf.Qwen3Config)}[arch]
+                       "qwen3": (tf.Qwen3ForCausalLM, tf.Qwen3Config),
+                       "phi3": (tf.Phi3ForCausalLM, tf.Phi3Config)}[arch]
+    extra = {"pad_token_id": None} if arch == "phi3" else {}
     config = config_cls(vocab_size=vocab, hidden_size=width,
                         intermediate_size=96 if width == 64 else width, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2,
@@ -138,7 +143,7 @@ def tiny_model(arch: str, vocab: int, *, tied: bool = True, seed: int = 0,
                         # (128), not from the file's attention.key_length
                         head_dim=128 if arch == "qwen3" else width // 4,
                         max_position_embeddings=256, tie_word_embeddings=tied,
-                        rms_norm_eps=1e-6)
+                        rms_norm_eps=1e-6, **extra)
     torch.manual_seed(seed)
     model = cls(config).eval()
     with torch.no_grad():

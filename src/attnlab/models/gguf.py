@@ -55,7 +55,7 @@ KEPT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1)  # held as attnlab formats, blocks as they
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 BLOCK = 32  # inputs per block of the kept types
 # GGUF general.architecture -> the family's model_type (Mistral and SmolLM write "llama").
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 _PERMUTED = ("llama",)  # architectures whose q/k rows llama.cpp interleaves
 
 # llama.cpp's names -> ours: whole-model tensors, then those of block {}.
@@ -71,6 +71,9 @@ _LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Tensors some architectures store fused: q, k and v in one, gate and up in one (rows).
+_QKV = {"attn_qkv.weight": tuple(f"self_attn.{p}_proj.weight" for p in "qkv")}
+_FUSED = {"phi3": {**_QKV, "ffn_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}}
 
 
 def gguf_file(path: str | Path) -> Path | None:
@@ -145,28 +148,30 @@ def load_gguf(cls: type[nn.Module], file: Path, dtype: torch.dtype | None,
     with torch.device("meta"):
         model = cls(config)  # type: ignore[call-arg]
     targets = model.state_dict(keep_vars=True)
-    tensors = {}
+    arch = _field(reader, "general.architecture")
+    tensors: dict[tuple[str, ...], Any] = {}  # our names (a fused tensor: its parts) -> it
     for t in reader.tensors:
-        ours = _our_name(t.name)
-        if ours is None or ours not in targets:
+        parts = _our_names(t.name, arch)
+        if parts is None or any(p not in targets for p in parts):
             raise ValueError(f"{file}: unexpected tensor {t.name!r}: no weight of a "
                              f"{family.name} model of this config is stored under that name")
-        shape = tuple(reversed(t.shape))
-        if shape != tuple(targets[ours].shape):
+        shape, want = tuple(reversed(t.shape)), _fused_shape(targets, parts)
+        if shape != want:
             raise ValueError(f"{file}: tensor {t.name!r} has shape {shape}; the metadata "
-                             f"implies {tuple(targets[ours].shape)}")
-        tensors[ours] = t
-    missing = [n for n in targets if n not in tensors
+                             f"implies {want}")
+        tensors[parts] = t
+    placed = {p for parts in tensors for p in parts}
+    missing = [n for n in targets if n not in placed
                and not (n == "lm_head.weight" and config.tie_embeddings)]
     if missing:
         raise ValueError(f"{file}: tensors missing for {missing[:4]}")
     print(f"attnlab: loading {config.num_layers} layers from {file} ...", file=sys.stderr,
           flush=True)
-    permuted = _field(reader, "general.architecture") in _PERMUTED
     notices: dict[str, int] = {}
-    for ours, t in tensors.items():
-        rows = _row_order(ours, config) if permuted else None
-        _place(model, ours, t, rows, dtype, device, notices, config.tie_embeddings)
+    for parts, t in tensors.items():
+        rows = _row_order(parts[0], config) if arch in _PERMUTED else None
+        sizes = [targets[p].shape[0] for p in parts]
+        _place(model, parts, sizes, t, rows, dtype, device, notices, config.tie_embeddings)
         reader.release(t)
     for kind, count in notices.items():
         print(f"attnlab: {file.name}: {count} {kind} tensors dequantized to "
@@ -207,23 +212,29 @@ def _half(pairs: np.ndarray) -> Tensor:
     return torch.from_numpy(np.ascontiguousarray(pairs).view(np.float16)[..., 0]).float()
 
 
-def _place(model: nn.Module, ours: str, t: Any, rows: Tensor | None, dtype: torch.dtype,
-           device: torch.device, notices: dict[str, int], tied: bool) -> None:
-    """Read the GGUF tensor ``t`` and make it the model's ``ours`` (in ``rows`` order when
-    given): a quantized module for a kept block type, else a float parameter."""
-    owner_name, _, leaf = ours.rpartition(".")
-    owner = model.get_submodule(owner_name)
+def _place(model: nn.Module, parts: tuple[str, ...], sizes: list[int], t: Any,
+           rows: Tensor | None, dtype: torch.dtype, device: torch.device,
+           notices: dict[str, int], tied: bool) -> None:
+    """Read the GGUF tensor ``t`` and make it the model's ``parts`` (a fused tensor split
+    by rows into pieces of ``sizes``; in ``rows`` order when given): quantized modules for a
+    kept block type, else float parameters."""
     kind = Q(t.tensor_type)
-    if kind in KEPT_TYPES and leaf == "weight" and isinstance(owner, (nn.Linear, nn.Embedding)):
+    owners = [p.rpartition(".") for p in parts]
+    modules = [model.get_submodule(owner) for owner, _, _ in owners]
+    if kind in KEPT_TYPES and all(leaf == "weight" for _, _, leaf in owners) and all(
+            isinstance(m, (nn.Linear, nn.Embedding)) for m in modules):
         try:
             weight = tensor_weight(t)
-        except ValueError:
+        except ValueError:  # a Q4_1 zero not exact in float32: dequantized below
             weight = None
         if weight is not None:
             if rows is not None:
-                weight = QuantizedWeight(weight.bits, weight.data[rows], weight.scales[rows],
-                                         None if weight.zeros is None else weight.zeros[rows])
-            _swap_quantized(model, owner_name, owner, weight, tied)
+                weight = _rows(weight, rows)
+            start = 0
+            for (owner, _, _), module, size in zip(owners, modules, sizes):
+                piece = _rows(weight, slice(start, start + size)) if len(parts) > 1 else weight
+                _swap_quantized(model, owner, module, piece, tied)
+                start += size
             return
     if kind not in FLOAT_TYPES:
         notices[kind.name] = notices.get(kind.name, 0) + 1
@@ -231,10 +242,24 @@ def _place(model: nn.Module, ours: str, t: Any, rows: Tensor | None, dtype: torc
     values = torch.from_numpy(values if values.flags.writeable else values.copy())
     value = values.reshape(tuple(reversed(t.shape)))
     value = (value if rows is None else value[rows]).to(device=device, dtype=dtype)
-    parameter = nn.Parameter(value)
-    setattr(owner, leaf, parameter)
-    if ours == "embed_tokens.weight" and tied and isinstance(model.lm_head, nn.Linear):
-        model.lm_head.weight = parameter
+    for (owner, _, leaf), module, piece in zip(owners, modules, value.split(sizes)):
+        parameter = nn.Parameter(piece if len(parts) == 1 else piece.clone())
+        setattr(module, leaf, parameter)
+        if f"{owner}.{leaf}" == "embed_tokens.weight" and tied and isinstance(
+                model.lm_head, nn.Linear):
+            model.lm_head.weight = parameter
+
+
+def _rows(weight: QuantizedWeight, index: Tensor | slice) -> QuantizedWeight:
+    """The rows ``index`` of ``weight`` (each row's blocks are its own)."""
+    return QuantizedWeight(weight.bits, weight.data[index], weight.scales[index],
+                           None if weight.zeros is None else weight.zeros[index])
+
+
+def _fused_shape(targets: dict[str, Tensor], parts: tuple[str, ...]) -> tuple[int, ...]:
+    """The shape of the stored tensor holding ``parts`` stacked by rows."""
+    first = tuple(targets[parts[0]].shape)
+    return (sum(targets[p].shape[0] for p in parts), *first[1:])
 
 
 def _swap_quantized(model: nn.Module, name: str, module: nn.Module, weight: QuantizedWeight,
@@ -275,15 +300,18 @@ def _row_order(ours: str, config: DecoderLMConfig) -> Tensor | None:
     return torch.arange(heads * config.head_dim).view(heads, -1, 2).transpose(1, 2).reshape(-1)
 
 
-def _our_name(name: str) -> str | None:
-    """llama.cpp's tensor name -> ours (None for a name no family here stores)."""
+def _our_names(name: str, arch: str) -> tuple[str, ...] | None:
+    """llama.cpp's tensor name -> ours, several for a fused tensor (rows stacked in that
+    order), or None for a name no family here stores."""
     if name in _NAMES:
-        return _NAMES[name]
+        return (_NAMES[name],)
     head, _, rest = name.partition(".")
     index, _, leaf = rest.partition(".")
-    if head != "blk" or not index.isdigit() or leaf not in _LAYER_NAMES:
+    fused = _FUSED.get(arch, {})
+    if head != "blk" or not index.isdigit() or (leaf not in _LAYER_NAMES and leaf not in fused):
         return None
-    return f"layers.{int(index)}.{_LAYER_NAMES[leaf]}"
+    ours = fused[leaf] if leaf in fused else (_LAYER_NAMES[leaf],)
+    return tuple(f"layers.{int(index)}.{name}" for name in ours)
 
 
 def _field(reader: GGUFFile, key: str) -> Any:
