@@ -59,16 +59,24 @@ def write_gguf(path: Path, model: nn.Module, arch: str, qtype: Q, *,
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if arch == "gpt2":
+        w.add_block_count(c.n_layer)
+        w.add_context_length(c.n_positions)
+        w.add_embedding_length(c.n_embd)
+        w.add_feed_forward_length(4 * c.n_embd)
+        w.add_head_count(c.n_head)
+        w.add_layer_norm_eps(c.layer_norm_epsilon)
+    else:
+        w.add_block_count(c.num_hidden_layers)
+        w.add_context_length(c.max_position_embeddings)
+        w.add_embedding_length(c.hidden_size)
+        w.add_feed_forward_length(c.intermediate_size)
+        w.add_head_count(c.num_attention_heads)
+        w.add_head_count_kv(c.num_key_value_heads)
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+        w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
     w.add_tokenizer_model(tokenizer_model)
     w.add_tokenizer_pre(pre)
@@ -82,8 +90,13 @@ def write_gguf(path: Path, model: nn.Module, arch: str, qtype: Q, *,
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue  # llama.cpp stores a tied table once, as token_embd
-        ours = gguf_name(name)
+        ours = gpt2_name(name) if arch == "gpt2" else gguf_name(name)
+        if ours is None:
+            continue
         a = t.detach().float().numpy()
+        if arch == "gpt2" and a.ndim == 2 and ".attn_norm" not in ours and name.startswith(
+                "transformer.h."):
+            a = np.ascontiguousarray(a.T)  # Conv1D stores in x out; GGUF out x in
         if arch == "llama" and ours.endswith(("attn_q.weight", "attn_k.weight")):
             heads = c.num_attention_heads if "attn_q" in ours else c.num_key_value_heads
             a = a.reshape(heads, 2, a.shape[0] // heads // 2, *a.shape[1:]).swapaxes(1, 2)
@@ -114,6 +127,23 @@ def random_blocks(shape: tuple[int, int], qtype: Q, seed: int = 0) -> np.ndarray
     return data.reshape(rows, -1)
 
 
+_GPT2 = {"ln_1": "attn_norm", "ln_2": "ffn_norm", "attn.c_attn": "attn_qkv",
+         "attn.c_proj": "attn_output", "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+_GPT2_TOP = {"transformer.wte.weight": "token_embd.weight",
+             "transformer.wpe.weight": "position_embd.weight",
+             "transformer.ln_f.weight": "output_norm.weight",
+             "transformer.ln_f.bias": "output_norm.bias", "lm_head.weight": "output.weight"}
+
+
+def gpt2_name(hf: str) -> str | None:
+    """transformers' GPT-2 name -> llama.cpp's (None: a causal-mask buffer, not stored)."""
+    if hf in _GPT2_TOP:
+        return _GPT2_TOP[hf]
+    index, _, rest = hf.removeprefix("transformer.h.").partition(".")
+    stem, _, kind = rest.rpartition(".")
+    return f"blk.{index}.{_GPT2[stem]}.{kind}" if stem in _GPT2 else None
+
+
 def gguf_name(hf: str) -> str:
     """transformers' tensor name -> llama.cpp's."""
     if hf == "model.embed_tokens.weight":
@@ -131,6 +161,11 @@ def tiny_model(arch: str, vocab: int, *, tied: bool = True, seed: int = 0,
                width: int = 64) -> nn.Module:
     """A random transformers model of ``arch`` (``width`` wide, four heads), norms and biases
     moved off their initial values, in eval mode."""
+    if arch == "gpt2":
+        config = tf.GPT2Config(vocab_size=vocab, n_embd=width, n_layer=2, n_head=4,
+                               n_positions=1024, tie_word_embeddings=tied)  # transformers
+        # reads context_length as n_ctx and keeps n_positions at its default, 1024
+        return _perturbed(tf.GPT2LMHeadModel, config, seed)
     cls, config_cls = {"llama": (tf.LlamaForCausalLM, tf.LlamaConfig),
                        "qwen2": (tf.Qwen2ForCausalLM, tf.Qwen2Config),
                        "qwen3": (tf.Qwen3ForCausalLM, tf.Qwen3Config),
@@ -144,10 +179,14 @@ def tiny_model(arch: str, vocab: int, *, tied: bool = True, seed: int = 0,
                         head_dim=128 if arch == "qwen3" else width // 4,
                         max_position_embeddings=256, tie_word_embeddings=tied,
                         rms_norm_eps=1e-6, **extra)
+    return _perturbed(cls, config, seed)
+
+
+def _perturbed(cls: type, config: object, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     model = cls(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
+            if name.endswith("bias") or "norm" in name or ".ln_" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     return model

@@ -38,7 +38,8 @@ def make(tmp_path, vocabulary, arch: str, qtype: Q, *, tied: bool = True, width:
 
 CASES = [("llama", Q.Q4_1), ("llama", Q.Q4_0), ("llama", Q.Q8_0), ("llama", Q.F16),
          ("llama", Q.Q5_0), ("qwen2", Q.Q4_0), ("qwen2", Q.Q8_0), ("qwen2", Q.F32),
-         ("qwen3", Q.Q4_1), ("qwen3", Q.BF16), ("phi3", Q.Q4_0), ("phi3", Q.F16)]
+         ("qwen3", Q.Q4_1), ("qwen3", Q.BF16), ("phi3", Q.Q4_0), ("phi3", Q.F16),
+         ("gpt2", Q.Q8_0), ("gpt2", Q.F32)]
 
 
 @pytest.mark.parametrize(("arch", "qtype"), CASES, ids=[f"{a}-{q.name}" for a, q in CASES])

@@ -22,8 +22,12 @@ exact in float32 is dequantized instead (a notice says so). F32, F16 and BF16 te
 converted to the model's dtype; every other type (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, ...) is
 dequantized by ``gguf`` to the model's dtype, with a one-line notice per type.
 
-llama.cpp stores Llama's q and k rows permuted (the two rotary halves of each head
-interleaved); they are put back in Hugging Face's order, as transformers' GGUF loader does.
+Architectures (``general.architecture``): llama (Mistral and SmolLM write it too), qwen2,
+qwen3, phi3 and gpt2, each read by its family (``attnlab.models.families``) from a
+``config.json``-like dict made of the metadata. llama.cpp stores Llama's q and k rows
+permuted (the two rotary halves of each head interleaved); they are put back in Hugging
+Face's order, as transformers' GGUF loader does. Phi-3's and GPT-2's fused tensors
+(``attn_qkv``, Phi-3's gate and up in ``ffn_up``) are split by rows, blocks kept.
 A file is refused, naming it, before anything is allocated when its header's counts cannot
 fit in it or a tensor reaches past its end.
 """
@@ -55,12 +59,14 @@ KEPT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1)  # held as attnlab formats, blocks as they
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 BLOCK = 32  # inputs per block of the kept types
 # GGUF general.architecture -> the family's model_type (Mistral and SmolLM write "llama").
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                 "gpt2": "gpt2"}
 _PERMUTED = ("llama",)  # architectures whose q/k rows llama.cpp interleaves
 
 # llama.cpp's names -> ours: whole-model tensors, then those of block {}.
 _NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
-          "output.weight": "lm_head.weight"}
+          "output_norm.bias": "norm.bias", "output.weight": "lm_head.weight",
+          "position_embd.weight": "embed_positions.weight"}
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -71,9 +77,28 @@ _LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
-# Tensors some architectures store fused: q, k and v in one, gate and up in one (rows).
-_QKV = {"attn_qkv.weight": tuple(f"self_attn.{p}_proj.weight" for p in "qkv")}
-_FUSED = {"phi3": {**_QKV, "ffn_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}}
+# An architecture's own block tensors, over _LAYER_NAMES: several names for a fused tensor
+# (rows stacked in that order: q, k and v in one, gate and up in one).
+_QKV = {f"attn_qkv.{kind}": tuple(f"self_attn.{p}_proj.{kind}" for p in "qkv")
+        for kind in ("weight", "bias")}
+_GPT2 = {f"{theirs}.{kind}": (f"{ours}.{kind}",) for kind in ("weight", "bias")
+         for theirs, ours in (("attn_norm", "input_layernorm"),
+                              ("ffn_norm", "post_attention_layernorm"),
+                              ("attn_output", "self_attn.o_proj"), ("ffn_up", "mlp.linear1"),
+                              ("ffn_down", "mlp.linear2"))}
+_FUSED = {"phi3": {**_QKV, "ffn_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")},
+          "gpt2": {**_QKV, **_GPT2}}
+# GGUF metadata key (after "<arch>.") -> config.json key; GPT-2 has its own names.
+_CONFIG_KEYS = {"block_count": "num_hidden_layers", "context_length": "max_position_embeddings",
+                "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
+                "attention.head_count": "num_attention_heads",
+                "attention.head_count_kv": "num_key_value_heads",
+                "attention.key_length": "head_dim", "rope.freq_base": "rope_theta",
+                "attention.layer_norm_rms_epsilon": "rms_norm_eps", "vocab_size": "vocab_size"}
+_GPT2_KEYS = {"block_count": "n_layer", "context_length": "n_positions",
+              "embedding_length": "n_embd", "feed_forward_length": "n_inner",
+              "attention.head_count": "n_head",
+              "attention.layer_norm_epsilon": "layer_norm_epsilon", "vocab_size": "vocab_size"}
 
 
 def gguf_file(path: str | Path) -> Path | None:
@@ -108,12 +133,7 @@ def config_from_gguf(reader: GGUFFile, file: Path) -> tuple[Family, DecoderLMCon
     if arch not in ARCHITECTURES:
         raise ValueError(f"{file}: general.architecture {arch!r} is not supported; expected "
                          f"one of {sorted(ARCHITECTURES)}")
-    keys = {"block_count": "num_hidden_layers", "context_length": "max_position_embeddings",
-            "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
-            "attention.head_count": "num_attention_heads",
-            "attention.head_count_kv": "num_key_value_heads",
-            "attention.key_length": "head_dim", "rope.freq_base": "rope_theta",
-            "attention.layer_norm_rms_epsilon": "rms_norm_eps", "vocab_size": "vocab_size"}
+    keys = _GPT2_KEYS if arch == "gpt2" else _CONFIG_KEYS
     d: dict[str, Any] = {"model_type": ARCHITECTURES[arch]}
     for key, hf in keys.items():
         value = _field(reader, f"{arch}.{key}")
@@ -125,7 +145,8 @@ def config_from_gguf(reader: GGUFFile, file: Path) -> tuple[Family, DecoderLMCon
             d["vocab_size"] = len(tokens)
     names = {t.name for t in reader.tensors}
     d["tie_word_embeddings"] = "output.weight" not in names
-    d["attention_bias"] = "blk.0.attn_q.bias" in names
+    if arch != "gpt2":
+        d["attention_bias"] = "blk.0.attn_q.bias" in names
     for role in ("bos", "eos"):
         value = _field(reader, f"tokenizer.ggml.{role}_token_id")
         if value is not None:
