@@ -170,3 +170,14 @@ def test_saving_a_model_with_gguf_blocks_is_refused(tmp_path, vocabulary):
     with pytest.raises(ValueError, match="GGUF"):
         from_pretrained(file).save_pretrained(tmp_path / "saved")
     assert not (tmp_path / "saved").exists()
+
+
+def test_a_bfloat16_load_keeps_the_blocks_with_scales_in_bfloat16(tmp_path, vocabulary):
+    file, theirs = make(tmp_path, vocabulary, "llama", Q.Q4_1)
+    ours = from_pretrained(file, dtype="bfloat16")
+    assert ours.layers[0].self_attn.q_proj.scales.dtype == torch.bfloat16
+    ids = torch.randint(0, len(vocabulary[0]), (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got, expected = ours(ids), theirs(input_ids=ids).logits
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - expected).abs().max().item() <= 0.1 * expected.abs().max().item()

@@ -15,12 +15,14 @@ inputs of one output row, ``d``/``m`` half-precision, ``q`` its codes):
 - ``Q4_1`` (``w = d q + m``): int4 groups of 32, ``s = d``, ``z = m + 8 d`` (the value code 8
   stands for), so ``(q - 8) s + z = d q + m``.
 
-Scales and zeros are kept in float32, where ``d``, ``m`` and (checked per tensor) ``m + 8 d``
-are exact; ``(q - 8) s`` is then exact and ``+ z`` rounds once, as ``gguf.quants.dequantize``
-does: the dequantized weight equals gguf's bit for bit. A Q4_1 tensor where ``m + 8 d`` is not
-exact in float32 is dequantized instead (a notice says so). F32, F16 and BF16 tensors are
-converted to the model's dtype; every other type (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, ...) is
-dequantized by ``gguf`` to the model's dtype, with a one-line notice per type.
+In a float32 model the scales and zeros are kept in float32, where ``d``, ``m`` and (checked
+per tensor) ``m + 8 d`` are exact; ``(q - 8) s`` is then exact and ``+ z`` rounds once, as
+``gguf.quants.dequantize`` does: the dequantized weight equals gguf's bit for bit. A model
+loaded in another dtype computes in it, with its scales and zeros rounded to it (bfloat16:
+a relative error of at most 2^-9 on each, float16: exact ``d``). A Q4_1 tensor where
+``m + 8 d`` is not exact in float32 is dequantized instead (a notice says so). F32, F16 and
+BF16 tensors are converted to the model's dtype; every other type (Q5_0, Q5_1, Q4_K, Q5_K,
+Q6_K, ...) is dequantized by ``gguf`` to the model's dtype, with a one-line notice per type.
 
 Architectures (``general.architecture``): llama (Mistral and SmolLM write it too), qwen2,
 qwen3, phi3 and gpt2, each read by its family (``attnlab.models.families``) from a
@@ -251,6 +253,10 @@ def _place(model: nn.Module, parts: tuple[str, ...], sizes: list[int], t: Any,
         if weight is not None:
             if rows is not None:
                 weight = _rows(weight, rows)
+            if dtype != torch.float32:  # the modules compute in their scales' dtype
+                weight = QuantizedWeight(weight.bits, weight.data, weight.scales.to(dtype),
+                                         None if weight.zeros is None
+                                         else weight.zeros.to(dtype))
             start = 0
             for (owner, _, _), module, size in zip(owners, modules, sizes):
                 piece = _rows(weight, slice(start, start + size)) if len(parts) > 1 else weight
