@@ -94,7 +94,8 @@ def _header(file, tensors: int, kvs: int) -> None:
     file.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage", ["tensor count", "kv count", "truncated", "not gguf"])
+@pytest.mark.parametrize("damage", ["tensor count", "kv count", "truncated", "not gguf",
+                                    "block count", "width"])
 def test_a_hostile_file_is_refused_naming_it(tmp_path, vocabulary, damage):
     tokens, merges = vocabulary
     file = write_gguf(tmp_path / "bad.gguf", tiny_model("llama", len(tokens)), "llama", Q.Q4_0,
@@ -103,6 +104,12 @@ def test_a_hostile_file_is_refused_naming_it(tmp_path, vocabulary, damage):
         _header(file, 2**60, 0)
     elif damage == "kv count":
         _header(file, 1, 2**62)
+    elif damage in ("block count", "width"):  # a metadata value past what the tensors hold
+        data = bytearray(file.read_bytes())
+        key = b"llama.block_count" if damage == "block count" else b"llama.embedding_length"
+        at = data.index(key) + len(key) + 4  # after the key, its u32 type: the u32 value
+        data[at:at + 4] = struct.pack("<I", 2**31 - 1)
+        file.write_bytes(bytes(data))
     elif damage == "truncated":  # the last tensor reaches past the end
         file.write_bytes(file.read_bytes()[:-100])
     else:

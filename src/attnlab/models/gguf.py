@@ -168,8 +168,12 @@ def load_gguf(cls: type[nn.Module], file: Path, dtype: torch.dtype | None,
     reader = open_gguf(file)
     family, config = config_from_gguf(reader, file)
     dtype = dtype or torch.float32
-    with torch.device("meta"):
-        model = cls(config)  # type: ignore[call-arg]
+    _check_sizes(reader, config, file)
+    try:
+        with torch.device("meta"):  # shapes without memory, checked against the file below
+            model = cls(config)  # type: ignore[call-arg]
+    except (RuntimeError, OverflowError) as error:  # a size past torch's int64
+        raise ValueError(f"{file}: sizes too large to build a model ({error})") from None
     targets = model.state_dict(keep_vars=True)
     arch = _field(reader, "general.architecture")
     tensors: dict[tuple[str, ...], Any] = {}  # our names (a fused tensor: its parts) -> it
@@ -202,6 +206,20 @@ def load_gguf(cls: type[nn.Module], file: Path, dtype: torch.dtype | None,
               file=sys.stderr)
     reader.close()
     return model.to(device).eval()
+
+
+def _check_sizes(reader: GGUFFile, config: DecoderLMConfig, file: Path) -> None:
+    """Refuse, before a model is built, metadata asking for more layers than the file has
+    tensors or a size above the number of values its tensors hold (a hostile header would
+    otherwise make Python build a billion modules)."""
+    if config.num_layers > len(reader.tensors):
+        raise ValueError(f"{file}: block_count {config.num_layers} is more than the "
+                         f"{len(reader.tensors)} tensors the file holds")
+    held = sum(math.prod(t.shape) for t in reader.tensors)
+    for name in ("vocab_size", "d_model", "num_heads", "kv_heads", "head_dim", "ff_dim"):
+        if getattr(config, name) > held:
+            raise ValueError(f"{file}: {name} {getattr(config, name)} is more than the {held} "
+                             "values its tensors hold; the metadata does not match them")
 
 
 def tensor_weight(t: Any) -> QuantizedWeight:
