@@ -41,6 +41,7 @@ from attnlab.generation.inputs import token_id, token_id_set
 from attnlab.generation.proposers import parse_speculative
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.families import family_for
+from attnlab.models.gguf import gguf_file
 from attnlab.models.hf_loading import CONFIG_NAME, SUPPORTED_DTYPES, check_folder, read_json
 from attnlab.models.io import from_pretrained
 from attnlab.threads import add_threads_option
@@ -66,7 +67,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        description=_DESCRIPTION)
     p.add_argument("--model", required=True, help="folder with config.json (its model_type one "
                    "that attnlab reads), model.safetensors (or a sharded index), tokenizer.json, "
-                   "tokenizer_config.json and, optionally, generation_config.json")
+                   "tokenizer_config.json and, optionally, generation_config.json; or a GGUF "
+                   "file (an Ollama blob too), or a folder holding one")
     p.add_argument("--prompt", required=True, help="the prompt (the user message with --chat)")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt in the tokenizer's chat template")
@@ -220,7 +222,10 @@ def check_model_type(folder: str) -> None:
     """Refuse, before anything is loaded, a ``--model`` folder whose ``config.json`` names a
     ``model_type`` that no family reads (listing those that are read), or that holds an
     attnlab training checkpoint (``attnlab sample`` continues those). attnlab's own decoder
-    format (``save_pretrained`` of a ``DecoderLM``, e.g. ``attnlab quantize``'s output) is read."""
+    format (``save_pretrained`` of a ``DecoderLM``, e.g. ``attnlab quantize``'s output) is read,
+    and so is a GGUF file (its header is checked when it is loaded)."""
+    if gguf_file(folder) is not None:
+        return
     file = check_folder(folder) / CONFIG_NAME
     config = read_json(file)
     if config.get("format") == TRAINING_CHECKPOINT:

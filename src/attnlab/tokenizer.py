@@ -27,6 +27,9 @@ from torch import Tensor
 
 from attnlab._checks import is_int
 from attnlab.chat_render import DEFAULT_RENDERER, check_template
+from attnlab.models.gguf import gguf_file
+from attnlab.models.gguf_reader import GGUFFile
+from attnlab.models.gguf_tokenizer import gguf_tokenizer
 from attnlab.models.hf_loading import check_folder, read_json
 
 __all__ = ["TextStreamer", "Tokenizer"]
@@ -75,7 +78,8 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
         """Read ``tokenizer.json`` and (when present) ``tokenizer_config.json`` and
-        ``chat_template.jinja`` from the local folder ``path``.
+        ``chat_template.jinja`` from the local folder ``path`` (a GGUF file, or a folder
+        holding one: ``from_gguf``).
 
         ``chat_template`` in ``tokenizer_config.json`` is a string or, as Hugging Face allows,
         a list of ``{"name": ..., "template": ...}``, of which the one named ``"default"`` is
@@ -83,6 +87,8 @@ class Tokenizer:
         special token or template of the wrong type, or a template that is not valid Jinja
         raise naming the file (rendering needs messages: its errors come then, naming it too).
         """
+        if isinstance(path, (str, Path)) and gguf_file(path) is not None:
+            return cls.from_gguf(path)
         folder = check_folder(path, needs="tokenizer.json (and tokenizer_config.json)")
         file = folder / "tokenizer.json"
         if not file.is_file():
@@ -123,6 +129,28 @@ class Tokenizer:
             raise ValueError(f"{config_file}: {error}") from None
         tokenizer.chat_templates = templates
         return tokenizer
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer and chat template stored in the GGUF file ``path`` (or the one
+        ``*.gguf`` of a folder) as ``tokenizer.ggml.*`` metadata, rebuilt as transformers'
+        GGUF loader builds it (``attnlab.models.gguf_tokenizer``: byte-level BPE). Errors name the
+        file and the key."""
+        file = gguf_file(path)
+        if file is None:
+            raise ValueError(f"path: {path} is not a GGUF file nor a folder holding one")
+        reader = GGUFFile(file)
+        try:
+            backend, special, template = gguf_tokenizer(reader.fields, file)
+        finally:
+            reader.close()
+        if template is not None:
+            try:
+                check_template(template)
+            except jinja2.TemplateSyntaxError as error:
+                raise ValueError(f"{file}: tokenizer.chat_template is not a valid Jinja "
+                                 f"template ({error.message}, line {error.lineno})") from None
+        return cls(backend, special_tokens=special, chat_template=template, template_file=file)
 
     # -- ids ---------------------------------------------------------------------------------
     @property

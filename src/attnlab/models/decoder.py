@@ -44,6 +44,7 @@ from attnlab.layers.self_attention import SelfAttention
 from attnlab.masks import decoder_mask
 from attnlab.models.decoder_config import GATED, DecoderLMConfig, make_rotary
 from attnlab.models.families.loading import load_family, save_family
+from attnlab.models.gguf import gguf_file, load_gguf
 from attnlab.models.hf_loading import (
     CONFIG_NAME,
     check_folder,
@@ -259,15 +260,20 @@ class DecoderLM(PreTrainedModel):
         quantized layers (``quantize``'s ``kernel``; ``"dequantize"``, the formula, times
         nothing).
         """
-        folder = check_folder(path)
         if not isinstance(kernels, bool):
             raise TypeError(f"kernels: expected a bool, got {kernels!r}")
-        if read_json(folder / CONFIG_NAME).get("model_type") == cls.MODEL_TYPE:
-            model = super().from_pretrained(folder, dtype=dtype, device=device,
+        file = gguf_file(path) if isinstance(path, (str, Path)) else None
+        if file is not None:  # a GGUF file: its blocks kept as they are (attnlab.models.gguf)
+            if quantize is not None:
+                raise ValueError(f"quantize: {file} is a GGUF file, loaded as its blocks are "
+                                 f"stored; got quantize={quantize!r}, expected None")
+            model = load_gguf(cls, file, parse_dtype(dtype), parse_device(device))
+        elif read_json(check_folder(path) / CONFIG_NAME).get("model_type") == cls.MODEL_TYPE:
+            model = super().from_pretrained(path, dtype=dtype, device=device,
                                             quantize=quantize, group_size=group_size, skip=skip,
                                             quantized_kernel=quantized_kernel)
         else:
-            model = load_family(cls, folder, parse_dtype(dtype), parse_device(device),
+            model = load_family(cls, check_folder(path), parse_dtype(dtype), parse_device(device),
                                 requested_quantization(quantize, group_size, skip),
                                 kernel=quantized_kernel)
         if kernels and model.device.type == "cpu":
@@ -279,6 +285,12 @@ class DecoderLM(PreTrainedModel):
         Hugging Face family (``config.family``), or attnlab's own (``"model_type":
         "attnlab_decoder"``, our tensor names) when it has none or the model is quantized
         (no Hugging Face format holds our int8/int4 layouts; ``config.family`` is kept)."""
+        if self.quantization is None and any(name.endswith("qweight")
+                                             for name, _ in self.named_buffers()):
+            # GGUF blocks (attnlab.models.gguf): a mix of int8/int4 groups and float that no
+            # config.json scheme records, so a folder written now would not load back.
+            raise ValueError("model: it holds the quantized blocks of a GGUF file, which no "
+                             "checkpoint folder records; save the float model it came from")
         if self.config.family is None or self.quantization is not None:
             return super().save_pretrained(path)
         return save_family(self, path)

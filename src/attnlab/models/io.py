@@ -18,6 +18,7 @@ import torch
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.families import family_for
 from attnlab.models.families.loading import read_config
+from attnlab.models.gguf import gguf_file
 from attnlab.models.hf_loading import CONFIG_NAME, check_folder, read_json
 from attnlab.models.transformer import Transformer
 
@@ -29,7 +30,9 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
                     extra_memory: bool = False, quantize: str | None = None,
                     group_size: int | None = None, skip: tuple[str, ...] | list[str] = (),
                     quantized_kernel: str | None = None) -> DecoderLM | Transformer:
-    """Load the checkpoint folder ``path``: a ``Transformer`` for attnlab's
+    """Load the checkpoint folder ``path`` (or a GGUF file, or a folder holding one: a
+    ``DecoderLM`` whose Q8_0/Q4_0/Q4_1 blocks stay quantized, ``attnlab.models.gguf``): a
+    ``Transformer`` for attnlab's
     ``"attnlab_transformer"`` format, else ``DecoderLM.from_pretrained`` (attnlab's
     ``"attnlab_decoder"`` or any supported Hugging Face family), in eval mode with trainable
     weights. ``kernels``, ``extra_memory``, ``quantize``, ``group_size``, ``skip`` and
@@ -40,6 +43,11 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | str | None = None,
     ``torch_dtype``/``dtype``; ``device`` to the CPU. An unsupported ``model_type`` is refused
     naming the supported ones; a missing, extra or misshapen tensor names the tensor.
     """
+    if isinstance(path, (str, Path)) and gguf_file(path) is not None:
+        return DecoderLM.from_pretrained(path, dtype=dtype, device=device, kernels=kernels,
+                                         extra_memory=extra_memory, quantize=quantize,
+                                         group_size=group_size, skip=skip,
+                                         quantized_kernel=quantized_kernel)
     file = check_folder(path) / CONFIG_NAME
     raw = read_json(file)
     model_type = raw.get("model_type")

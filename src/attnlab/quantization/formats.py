@@ -2,7 +2,9 @@
 
 **int8** (symmetric, one scale per output row): ``s_o = max_i |W_oi| / 127``,
 ``q_oi = clamp(round(W_oi / s_o), -127, 127)`` stored as ``int8``, ``W'_oi = q_oi s_o``.
-The error of each weight is at most ``s_o / 2``.
+The error of each weight is at most ``s_o / 2``. A **grouped** int8 weight (as GGUF's Q8_0
+stores one) has a scale per group of ``g`` consecutive inputs instead, ``scales`` ``O x I/g``:
+``W'_oi = q_oi s_o,[i/g]``; ``quantize`` makes only the per-row kind.
 
 **int4** (asymmetric, groups of ``g`` consecutive inputs): for the group ``W_o,[kg:(k+1)g]``
 with minimum ``lo`` and maximum ``hi``, ``s = (hi - lo) / 15`` and the zero point ``z = lo +
@@ -63,14 +65,19 @@ def quantize_int8(weight: Tensor, scale_dtype: torch.dtype | None = None) -> tup
 
 
 def dequantize_int8(q: Tensor, scales: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """``q`` (``O x I`` int8), ``scales`` (``O``) -> ``q * scales[:, None]`` (``O x I``) in
-    ``dtype`` (default the scales'), as computed in float32 and rounded once: done in
-    ``dtype`` directly when the scales are in it (an int8 code and a 16-bit scale multiply
-    exactly in float32, which torch's 16-bit multiply computes in), else in float32."""
+    """``q`` (``O x I`` int8), ``scales`` (``O``, or ``O x I/g`` grouped) -> ``q * scales``
+    per row or group (``O x I``) in ``dtype`` (default the scales'), as computed in float32
+    and rounded once: done in ``dtype`` directly when the scales are in it (an int8 code and a
+    16-bit scale multiply exactly in float32, which torch's 16-bit multiply computes in), else
+    in float32."""
     dtype = dtype or scales.dtype
+    rows, cols = q.shape
+    groups = 1 if scales.dim() == 1 else scales.shape[-1]
+    q = q.view(rows, groups, cols // groups)
+    s = scales.view(rows, groups)[..., None]
     if scales.dtype == dtype:
-        return q.to(dtype) * scales[:, None]
-    return (q.float() * scales.float()[:, None]).to(dtype)
+        return (q.to(dtype) * s).view(rows, cols)
+    return (q.float() * s.float()).to(dtype).view(rows, cols)
 
 
 def quantize_int4(weight: Tensor, group_size: int,
@@ -145,8 +152,8 @@ def unblocked_int4(blocked: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class QuantizedWeight:
     """A quantized ``O x I`` weight as stored: ``data`` (int8 ``O x I``, or uint8 ``O x I/2``
-    int4 codes in ``layout``), ``scales`` (``O`` for int8, ``O x I/g`` for int4) and
-    ``zeros`` (int4 only, else None)."""
+    int4 codes in ``layout``), ``scales`` (``O`` for int8 per row, ``O x I/g`` for int4 and
+    grouped int8) and ``zeros`` (int4 only, else None)."""
 
     bits: int
     data: Tensor
@@ -162,8 +169,13 @@ class QuantizedWeight:
 
     @property
     def group_size(self) -> int:
-        """Inputs per scale: ``I`` for int8 (one per row), ``g`` for int4."""
-        return self.shape[1] if self.bits == 8 else self.shape[1] // self.scales.shape[-1]
+        """Inputs per scale: ``I`` for int8 per row, else ``g``."""
+        return self.shape[1] if self.scales.dim() == 1 else self.shape[1] // self.scales.shape[-1]
+
+    @property
+    def per_row(self) -> bool:
+        """Whether this is int8 with one scale per row (the kind int8 kernels take)."""
+        return self.bits == 8 and self.scales.dim() == 1
 
     def codes(self) -> Tensor:
         """The int4 codes ``O x I`` (uint8 0..15) whatever the layout; int8's ``q``."""

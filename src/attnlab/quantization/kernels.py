@@ -138,7 +138,7 @@ def measure(weight: QuantizedWeight, dtype: torch.dtype, bucket: str,
 def _key(weight: QuantizedWeight, dtype: torch.dtype, bucket: str, bias: bool) -> str:
     """The cache key: the scheme (``int8``, ``int4 g64``) before the float key's parts."""
     rows, cols = weight.shape
-    scheme = f"int{weight.bits}" + (f" g{weight.group_size}" if weight.bits == 4 else "")
+    scheme = f"int{weight.bits}" + ("" if weight.per_row else f" g{weight.group_size}")
     entry = kernel_cache.entry_key(dtype, rows, cols, bucket, bias=bias, build=native.build_id())
     return f"{scheme} | {entry}"
 
@@ -318,7 +318,7 @@ def _any(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
 def _int8_takes(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
     # PyTorch's bfloat16 loop reads x 16 inputs at a time with no remainder: another input
     # count gives wrong sums for one row and a crash for two or more (torch 2.13).
-    return (weight.bits == 8 and weight.data.is_cpu and dtype in _KERNEL_DTYPES
+    return (weight.per_row and weight.data.is_cpu and dtype in _KERNEL_DTYPES
             and (dtype != torch.bfloat16 or weight.shape[1] % 16 == 0)
             and hasattr(torch.ops.aten, "_weight_int8pack_mm"))
 
@@ -330,8 +330,9 @@ def _int4_takes(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
 
 
 def _native_takes(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
+    # The C++ loops take int8 with a scale per row only: grouped int8 runs the formula.
     return (weight.data.is_cpu and dtype in native.DTYPES
-            and weight.scales.dtype in native.DTYPES
+            and (weight.bits == 4 or weight.per_row) and weight.scales.dtype in native.DTYPES
             and (weight.bits == 8 or weight.group_size % 32 == 0) and native.available())
 
 

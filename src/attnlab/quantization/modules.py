@@ -74,9 +74,10 @@ class QuantizedLinear(nn.Module):
         return QuantizedWeight(self.bits, self.qweight, self.scales, self.zeros, self.layout)
 
     def set_weight(self, weight: QuantizedWeight) -> None:
-        """Keep ``weight`` (same format and shape) as this module's buffers, in its layout."""
+        """Keep ``weight`` (same bits and shape; its own group size, a grouped int8 one's
+        too) as this module's buffers, in its layout."""
         self.qweight, self.scales, self.zeros = weight.data, weight.scales, weight.zeros
-        self.layout = weight.layout
+        self.layout, self.group_size = weight.layout, weight.group_size
         self._plans.clear()
         self._states.clear()
 
@@ -139,7 +140,8 @@ class QuantizedLinear(nn.Module):
         return kernel, state
 
     def extra_repr(self) -> str:
-        scheme = "int8" if self.bits == 8 else f"int4, group_size={self.group_size}"
+        scheme = (f"int{self.bits}" + ("" if self.group_size == self.in_features
+                                        and self.bits == 8 else f", group_size={self.group_size}"))
         plans = "; ".join(f"{str(d).removeprefix('torch.')}: "
                           + " ".join(f"{b}={k.name}" for b, k in p.items())
                           for d, p in self._plans.items())
@@ -206,7 +208,8 @@ class QuantizedEmbedding(nn.Module):
         weight = self.source.weight_format
         flat = ids.reshape(-1).long()
         scales = weight.scales[flat]
-        if weight.layout == "plain" and native.takes(scales):
+        if weight.layout == "plain" and (weight.bits == 4 or weight.per_row) and native.takes(
+                scales):
             # The rows' formula (``QuantizedWeight.rows``) in one C++ pass: a decoding step
             # looks up one row, where the formula's dozen ATen calls cost more than the work.
             if weight.bits == 8:

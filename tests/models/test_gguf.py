@@ -1,0 +1,190 @@
+"""GGUF in: tiny GGUF files written by the ``gguf`` package's writer, loaded by
+``attnlab.models.from_pretrained`` and by transformers' GGUF loader (``gguf_file=``), compared
+logit for logit and token for token; the kept blocks equal to ``gguf``'s own dequantization
+bit for bit; hostile files refused naming the file."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+
+import gguf
+import pytest
+import torch
+import transformers as tf
+from gguf_writing import Q, bpe_vocabulary, tiny_model, write_gguf
+
+from attnlab.generation import generate
+from attnlab.models import from_pretrained
+from attnlab.models.gguf import open_gguf, tensor_weight
+from attnlab.quantization.kernels import QUANTIZED_KERNELS
+from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
+
+
+@pytest.fixture(scope="module")
+def vocabulary() -> tuple[list[str], list[str]]:
+    return bpe_vocabulary()
+
+
+def make(tmp_path, vocabulary, arch: str, qtype: Q, *, tied: bool = True, width: int = 64):
+    tokens, merges = vocabulary
+    hf_model = tiny_model(arch, len(tokens), tied=tied, width=width)
+    file = write_gguf(tmp_path / "tiny.gguf", hf_model, arch, qtype, tokens=tokens,
+                      merges=merges)
+    theirs = tf.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=file.name,
+                                                     dtype=torch.float32).eval()
+    return file, theirs
+
+
+CASES = [("llama", Q.Q4_1), ("llama", Q.Q4_0), ("llama", Q.Q8_0), ("llama", Q.F16),
+         ("llama", Q.Q5_0), ("qwen2", Q.Q4_0), ("qwen2", Q.Q8_0), ("qwen2", Q.F32),
+         ("qwen3", Q.Q4_1), ("qwen3", Q.BF16), ("phi3", Q.Q4_0), ("phi3", Q.F16),
+         ("gpt2", Q.Q8_0), ("gpt2", Q.F32)]
+
+
+@pytest.mark.parametrize(("arch", "qtype"), CASES, ids=[f"{a}-{q.name}" for a, q in CASES])
+def test_logits_and_greedy_text_match_transformers(tmp_path, vocabulary, arch, qtype):
+    file, theirs = make(tmp_path, vocabulary, arch, qtype, tied=arch == "llama")
+    ours = from_pretrained(file)
+    ids = torch.randint(0, len(vocabulary[0]), (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = theirs(input_ids=ids).logits, ours(ids)
+    err = (expected - got).abs().max().item()
+    assert err <= 1e-4, f"max |logit difference| {err:.3g}"
+    with torch.no_grad():
+        want = theirs.generate(input_ids=ids, max_new_tokens=12, min_new_tokens=12,
+                               do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(generate(ours, ids, 12, eos_token_id=None), want)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_kept_blocks_stay_quantized_and_dequantize_as_gguf_does(tmp_path, vocabulary, qtype):
+    tokens, merges = vocabulary
+    file = write_gguf(tmp_path / "tiny.gguf", tiny_model("llama", len(tokens)), "llama", qtype,
+                      tokens=tokens, merges=merges)
+    for t in open_gguf(file).tensors:
+        if len(t.shape) == 2:
+            expected = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
+            got = tensor_weight(t).dequantize(torch.float32)
+            assert torch.equal(got, expected), t.name  # bit for bit
+    ours = from_pretrained(file, kernels=False)
+    bits = 8 if qtype == Q.Q8_0 else 4
+    head, q_proj = ours.lm_head, ours.layers[0].self_attn.q_proj
+    assert isinstance(head, QuantizedLinear) and isinstance(q_proj, QuantizedLinear)
+    assert (head.bits, head.group_size, q_proj.bits, q_proj.group_size) == (bits, 32, bits, 32)
+    assert isinstance(ours.embed_tokens, QuantizedEmbedding)  # tied: reads the head's table
+    assert ours.embed_tokens.source is head
+
+
+def test_a_folder_and_an_ollama_blob_load(tmp_path, vocabulary):
+    file, _ = make(tmp_path, vocabulary, "qwen2", Q.Q8_0)
+    blob = tmp_path / "blobs" / "sha256-0123abcd"
+    blob.parent.mkdir()
+    shutil.copy(file, blob)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        expected = from_pretrained(file)(ids)
+        assert torch.equal(from_pretrained(blob)(ids), expected)
+        assert torch.equal(from_pretrained(tmp_path)(ids), expected)
+
+
+def _header(file, tensors: int, kvs: int) -> None:
+    data = bytearray(file.read_bytes())
+    data[8:24] = struct.pack("<QQ", tensors, kvs)
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["tensor count", "kv count", "truncated", "not gguf",
+                                    "block count", "width"])
+def test_a_hostile_file_is_refused_naming_it(tmp_path, vocabulary, damage):
+    tokens, merges = vocabulary
+    file = write_gguf(tmp_path / "bad.gguf", tiny_model("llama", len(tokens)), "llama", Q.Q4_0,
+                      tokens=tokens, merges=merges)
+    if damage == "tensor count":
+        _header(file, 2**60, 0)
+    elif damage == "kv count":
+        _header(file, 1, 2**62)
+    elif damage in ("block count", "width"):  # a metadata value past what the tensors hold
+        data = bytearray(file.read_bytes())
+        key = b"llama.block_count" if damage == "block count" else b"llama.embedding_length"
+        at = data.index(key) + len(key) + 4  # after the key, its u32 type: the u32 value
+        data[at:at + 4] = struct.pack("<I", 2**31 - 1)
+        file.write_bytes(bytes(data))
+    elif damage == "truncated":  # the last tensor reaches past the end
+        file.write_bytes(file.read_bytes()[:-100])
+    else:
+        file.write_bytes(b"GGUX" + file.read_bytes()[4:])
+    # without its magic the file is no GGUF to from_pretrained (it then wants a folder)
+    load = open_gguf if damage == "not gguf" else from_pretrained
+    with pytest.raises(ValueError, match=r"bad\.gguf"):
+        load(file)
+
+
+def test_quantize_is_refused_for_a_gguf(tmp_path, vocabulary):
+    file, _ = make(tmp_path, vocabulary, "llama", Q.Q8_0)
+    with pytest.raises(ValueError, match="quantize"):
+        from_pretrained(file, quantize="int8")
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1], ids=lambda q: q.name)
+def test_the_kernels_chosen_by_the_rule_agree_with_the_formula(tmp_path, vocabulary, qtype,
+                                                               native_kernels, monkeypatch):
+    tokens, merges = vocabulary
+    file = write_gguf(tmp_path / "tiny.gguf", tiny_model("llama", len(tokens)), "llama", qtype,
+                      tokens=tokens, merges=merges)
+    formula = from_pretrained(file, kernels=False)
+    monkeypatch.delenv("ATTNLAB_KERNELS")
+    fast = from_pretrained(file)
+    ids = torch.randint(0, len(tokens), (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        err = (fast(ids) - formula(ids)).abs().max().item()
+        step = (fast(ids[:1, :1]) - formula(ids[:1, :1])).abs().max().item()  # decoding rows
+    assert max(err, step) <= 1e-4, (err, step)
+
+
+def test_grouped_int8_runs_the_formula_and_looks_up_rows(tmp_path, vocabulary):
+    tokens, merges = vocabulary
+    file = write_gguf(tmp_path / "tiny.gguf", tiny_model("llama", len(tokens), tied=False),
+                      "llama", Q.Q8_0, tokens=tokens, merges=merges)
+    ours = from_pretrained(file, kernels=False)
+    weight = ours.embed_tokens.source.weight_format
+    assert weight.bits == 8 and weight.group_size == 32 and not weight.per_row
+    for dtype in (torch.float32, torch.bfloat16):
+        takers = [n for n, k in QUANTIZED_KERNELS.items() if k.takes(weight, dtype)]
+        assert takers == ["dequantize"], takers  # no int8 kernel reads grouped scales
+    ids = torch.tensor([[5, 0, 17], [3, 3, 1]])
+    assert torch.equal(ours.embed_tokens(ids), weight.dequantize()[ids])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+def test_k_quants_are_dequantized_with_a_notice(tmp_path, vocabulary, qtype, capsys):
+    file, theirs = make(tmp_path, vocabulary, "llama", qtype, width=256)
+    ours = from_pretrained(file, kernels=False)
+    assert f"{qtype.name} tensors dequantized to float32" in capsys.readouterr().err
+    tensor = next(t for t in open_gguf(file).tensors if t.name == "blk.0.ffn_up.weight")
+    expected = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type))
+    assert torch.equal(ours.layers[0].mlp.up_proj.weight, expected)
+    ids = torch.randint(0, len(vocabulary[0]), (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        err = (theirs(input_ids=ids).logits - ours(ids)).abs().max().item()
+    assert err <= 1e-4, f"max |logit difference| {err:.3g}"
+
+
+def test_saving_a_model_with_gguf_blocks_is_refused(tmp_path, vocabulary):
+    tokens, merges = vocabulary
+    file = write_gguf(tmp_path / "tiny.gguf", tiny_model("llama", len(tokens)), "llama", Q.Q4_0,
+                      tokens=tokens, merges=merges)
+    with pytest.raises(ValueError, match="GGUF"):
+        from_pretrained(file).save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
+
+
+def test_a_bfloat16_load_keeps_the_blocks_with_scales_in_bfloat16(tmp_path, vocabulary):
+    file, theirs = make(tmp_path, vocabulary, "llama", Q.Q4_1)
+    ours = from_pretrained(file, dtype="bfloat16")
+    assert ours.layers[0].self_attn.q_proj.scales.dtype == torch.bfloat16
+    ids = torch.randint(0, len(vocabulary[0]), (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got, expected = ours(ids), theirs(input_ids=ids).logits
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - expected).abs().max().item() <= 0.1 * expected.abs().max().item()

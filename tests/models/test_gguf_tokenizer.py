@@ -1,0 +1,41 @@
+"""The tokenizer and chat template of a GGUF file (``Tokenizer.from_gguf``, and
+``Tokenizer.from_pretrained`` on a GGUF file) against transformers' GGUF tokenizer on test
+texts, for the byte-level BPE pre-tokenizers a file may name."""
+
+from __future__ import annotations
+
+import pytest
+import transformers as tf
+from gguf_writing import Q, bpe_vocabulary, tiny_model, write_gguf
+
+from attnlab.tokenizer import Tokenizer
+
+TEXTS = ["The quick brown fox", "  leading spaces\n\nand   tabs\t!", "Ünïcödé ≠ 日本語 🙂",
+         "<|im_start|>user\nhi<|im_end|>", "12345 + 67890", "don't you'LL read it?"]
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "smollm"])
+def test_encodings_and_chat_template_match_transformers(tmp_path, pre):
+    tokens, merges = bpe_vocabulary()
+    file = write_gguf(tmp_path / "tiny.gguf", tiny_model("qwen2", len(tokens)), "qwen2",
+                      Q.Q8_0, tokens=tokens, merges=merges, pre=pre)
+    theirs = tf.AutoTokenizer.from_pretrained(tmp_path, gguf_file=file.name)
+    ours = Tokenizer.from_pretrained(file)
+    for text in TEXTS:
+        ids = theirs.encode(text)
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == theirs.decode(ids)
+        assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(
+            ids, skip_special_tokens=True)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    assert ours.apply_chat_template(messages, add_generation_prompt=True) == (
+        theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    assert (ours.bos_token, ours.eos_token) == ("<|endoftext|>", "<|im_end|>")
+
+
+def test_a_sentencepiece_vocabulary_is_refused_naming_the_key(tmp_path):
+    tokens, merges = bpe_vocabulary()
+    file = write_gguf(tmp_path / "sp.gguf", tiny_model("qwen2", len(tokens)), "qwen2",
+                      Q.Q8_0, tokens=tokens, merges=merges, tokenizer_model="llama")
+    with pytest.raises(ValueError, match=r"sp\.gguf: tokenizer\.ggml\.model 'llama'"):
+        Tokenizer.from_gguf(file)
