@@ -93,6 +93,21 @@ def test_a_huge_head_dim_is_refused_by_key_before_it_allocates(folder) -> None:
     assert int(grown.split()[-1]) < 300 * 1024, run.stdout  # KiB: 1.8 GB before
 
 
+@pytest.mark.parametrize("scaling", [{"rope_type": "dynamic", "factor": 1e30},
+                                     {"rope_type": "linear", "factor": 1e-45}])
+def test_rope_scaling_that_overflows_is_refused_at_load_naming_the_file(folder, scaling):
+    """Each value in range, together past float32: dynamic's ``factor s/M - (factor - 1)`` is
+    0 (1e30 - 1e30) raised to a power, linear's frequencies divided by ~0. These loaded and
+    gave NaN logits at the first token."""
+    edit_config(folder, rope_parameters={"rope_theta": 10000.0, **scaling})
+    with pytest.raises(ValueError) as error:
+        from_pretrained(folder)
+    message = str(error.value)
+    assert message.startswith(f"{folder / 'config.json'}: rope_scaling: "
+                              f"{scaling['rope_type']} scaling with")
+    assert "gives non-finite rotary frequencies" in message
+
+
 @pytest.mark.parametrize("key", ["bos_token_id", "eos_token_id"])
 def test_special_ids_outside_the_vocabulary_load_and_are_refused_where_used(folder,
                                                                              key) -> None:

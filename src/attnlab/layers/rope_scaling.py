@@ -185,6 +185,13 @@ def rope_inverse_frequencies(rotary_dim: int, base: float, scaling: RopeScaling,
     compute = _INIT_FUNCTIONS[scaling.rope_type]
     inv_freq, attention_factor = compute(rotary_dim, float(base), scaling,
                                          max_position_embeddings, seq_len)
+    # Values each in range can still combine past float32 (dynamic with a factor of 1e30
+    # subtracts two equal numbers and raises 0 to a power): refused here, not as NaN logits.
+    if not (bool(torch.isfinite(inv_freq).all()) and math.isfinite(attention_factor)):
+        at = "" if seq_len is None else f" at sequence length {seq_len}"
+        raise ValueError(f"rope_scaling: {scaling.rope_type} scaling with factor "
+                         f"{scaling.factor} and base {base} gives non-finite rotary "
+                         f"frequencies{at}")
     return inv_freq, float(attention_factor)
 
 

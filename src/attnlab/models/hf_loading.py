@@ -30,9 +30,10 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from attnlab.durable import write_file_atomic
+from attnlab.layers.rotary import RotaryEmbedding
 
 __all__ = [
     "CONFIG_NAME",
@@ -42,6 +43,7 @@ __all__ = [
     "StoredTensor",
     "check_finite",
     "check_folder",
+    "check_rotary",
     "dtype_mismatch",
     "file_tensors",
     "load_tensors",
@@ -305,3 +307,15 @@ def parse_device(device: object) -> torch.device:
 def _describe_source(folder: Path) -> str:
     index = folder / INDEX_NAME
     return str(index if index.is_file() else folder / WEIGHTS_NAME)
+
+
+def check_rotary(model: nn.Module, file: Path) -> None:
+    """Make each rotary embedding's frequencies now (``R/2`` values, ``R`` already checked
+    against the weights), so that RoPE scaling values that overflow together are refused at
+    load naming ``file`` (the config), not found as NaN logits at the first token."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            try:
+                module.attention_factor  # noqa: B018 (computes and checks the frequencies)
+            except ValueError as error:
+                raise ValueError(f"{file}: {error}") from None

@@ -36,6 +36,7 @@ from attnlab.models.hf_loading import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     check_folder,
+    check_rotary,
     dtype_mismatch,
     file_tensors,
     parse_device,
@@ -160,6 +161,7 @@ class PreTrainedModel(nn.Module):
             model = cls(config)  # type: ignore[call-arg]
             if quantization is not None:
                 _quantized_skeleton(model, quantization, file, quantized_kernel)
+        check_rotary(model, file)
         wrong = (shape_mismatch({name: r.shape for name, r in records.items()}, model, weights)
                  or dtype_mismatch(records.values(), model.state_dict()))
         if wrong:

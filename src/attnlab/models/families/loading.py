@@ -29,6 +29,7 @@ from attnlab.models.families.base import check_round_trip
 from attnlab.models.hf_loading import (
     CONFIG_NAME,
     check_folder,
+    check_rotary,
     file_tensors,
     load_tensors,
     parse_dtype,
@@ -68,6 +69,7 @@ def load_family(cls: type[M], folder: Path, dtype: torch.dtype | None,
                          f"({error})") from None
     except (TypeError, ValueError) as error:  # a value only the layers check (RoPE's sizes)
         raise type(error)(f"{folder / CONFIG_NAME}: {error}") from None
+    check_rotary(model, folder / CONFIG_NAME)
     weights = family.weights(config).matching(stored_names)
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     expected = {k: tuple(t.shape) for k, t in weights.to_stored(model.state_dict()).items()}
