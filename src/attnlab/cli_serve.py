@@ -4,7 +4,7 @@
                   [--max-tokens-per-step 512] [--kv-pages N] [--page-size 16]
                   [--max-tokens-limit N] [--max-n N]
                   [--dtype DTYPE] [--quantize int8|int4] [--extra-memory]
-                  [--shutdown-grace SECONDS]
+                  [--max-connections 256] [--shutdown-grace SECONDS]
 
 The app is ``attnlab.serving.server.create_app``, run by uvicorn; the URL is printed once the
 socket listens (``--port 0`` takes a free port and prints it).
@@ -37,6 +37,8 @@ from attnlab.threads import add_threads_option
 __all__ = ["DEFAULT_SHUTDOWN_GRACE_S", "ReadyServer", "add_commands", "run_serve"]
 
 DEFAULT_SHUTDOWN_GRACE_S = 5.0
+# Well under a common open-file limit of 1024, far over what one CPU's engine serves at once.
+DEFAULT_MAX_CONNECTIONS = 256
 # A hang guard for the requests ended at the stop to write their last chunk, and for uvicorn's
 # own wait on the connections after that: they have nothing left to compute.
 CUT_GUARD_S = 10.0
@@ -76,6 +78,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--extra-memory", action="store_true",
                    help="keep oneDNN's packed copies beside the weights where calibration finds "
                    "them faster (batched decoding: up to twice the weights' memory)")
+    p.add_argument("--max-connections", type=positive_int, default=DEFAULT_MAX_CONNECTIONS,
+                   metavar="N", help="open connections at most (each holds a file descriptor: "
+                   "a flood of idle ones must not use up the process's); past it new requests "
+                   f"are answered 503 (default: {DEFAULT_MAX_CONNECTIONS})")
     p.add_argument("--shutdown-grace", type=non_negative_float, default=DEFAULT_SHUTDOWN_GRACE_S,
                    metavar="SECONDS", help="on Ctrl-C or SIGTERM, how long the running requests "
                    "may go on before they are ended (new ones are refused at once)")
@@ -93,7 +99,8 @@ def run_serve(args: argparse.Namespace) -> int:
                      page_size=args.page_size, max_queue=args.max_queue,
                      max_tokens_limit=args.max_tokens_limit, max_n=args.max_n)
     server = ReadyServer(uvicorn.Config(app, host=args.host, port=args.port,
-                                        log_level="warning"),
+                                        log_level="warning",
+                                        limit_concurrency=args.max_connections),
                          shutdown_grace=args.shutdown_grace)
     server.run()
     if server.url is None:

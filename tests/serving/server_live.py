@@ -22,10 +22,11 @@ START_TIMEOUT_S = STOP_TIMEOUT_S = HANG_S = 600.0
 
 
 @contextmanager
-def live(app: FastAPI) -> Iterator[str]:
-    """Serve ``app`` until the block ends; yields its base URL (``http://127.0.0.1:PORT``)."""
+def live(app: FastAPI, **config: object) -> Iterator[str]:
+    """Serve ``app`` (with more ``uvicorn.Config`` options) until the block ends; yields its
+    base URL (``http://127.0.0.1:PORT``)."""
     server = ReadyServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                        timeout_graceful_shutdown=5))
+                                        timeout_graceful_shutdown=5, **config))
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + START_TIMEOUT_S

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 
 import pytest
 from server_live import HANG_S, live, raw
@@ -157,3 +158,49 @@ def test_health_answers_while_a_body_is_being_parsed_and_checked(server, qwen2_f
         client.join(HANG_S)
     assert waited == [True], f"/health answered only after {where} ended"
     assert replies and replies[0][0] == 200, replies
+
+
+def test_connections_past_the_limit_are_503_and_served_again_once_closed(qwen2_folder) -> None:
+    """``--max-connections`` (uvicorn's ``limit_concurrency``): idle connections that a client
+    opens and never uses cannot take every file descriptor; past the limit a request is a 503,
+    and once they close the server answers again."""
+    app = create_app(qwen2_folder, kv_pages=64, page_size=8)
+    with live(app, limit_concurrency=3) as url:
+        idle = [connect(url) for _ in range(3)]
+        try:
+            with connect(url) as sock:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                status, _, _ = answer(sock)
+            assert status == 503
+        finally:
+            for sock in idle:
+                sock.close()
+        deadline = time.monotonic() + HANG_S  # the server notices the closes as events come
+        while True:
+            with connect(url) as sock:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                status, _, _ = answer(sock)
+            if status == 200 or time.monotonic() > deadline:
+                break
+        assert status == 200
+
+
+def test_serve_passes_max_connections_to_uvicorn(qwen2_folder, monkeypatch) -> None:
+    from attnlab import cli_serve
+    from attnlab.cli import build_parser
+
+    seen = {}
+
+    class Stop(cli_serve.ReadyServer):
+        def run(self, *args, **kwargs) -> None:
+            seen["limit"] = self.config.limit_concurrency
+
+    monkeypatch.setattr(cli_serve, "ReadyServer", Stop)
+    for extra, limit in (([], cli_serve.DEFAULT_MAX_CONNECTIONS),
+                         (["--max-connections", "7"], 7)):
+        args = build_parser().parse_args(["serve", "--model", str(qwen2_folder), *extra])
+        cli_serve.run_serve(args)
+        assert seen["limit"] == limit
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", str(qwen2_folder),
+                                   "--max-connections", "0"])
