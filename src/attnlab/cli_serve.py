@@ -81,7 +81,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-connections", type=positive_int, default=DEFAULT_MAX_CONNECTIONS,
                    metavar="N", help="open connections at most (each holds a file descriptor: "
                    "a flood of idle ones must not use up the process's); past it new requests "
-                   f"are answered 503 (default: {DEFAULT_MAX_CONNECTIONS})")
+                   "are answered 503")
     p.add_argument("--shutdown-grace", type=non_negative_float, default=DEFAULT_SHUTDOWN_GRACE_S,
                    metavar="SECONDS", help="on Ctrl-C or SIGTERM, how long the running requests "
                    "may go on before they are ended (new ones are refused at once)")
