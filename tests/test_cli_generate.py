@@ -363,3 +363,18 @@ def test_a_failing_chat_template_is_one_line_naming_its_file(qwen2_folder, tmp_p
     assert err.splitlines()[-1].startswith(
         f"attnlab: error: {folder / 'chat_template.jinja'}: the chat template cannot render the "
         f"messages ({error}, template line 1")
+
+
+def test_a_rendered_prompt_longer_than_the_context_is_refused_before_tokenizing(
+        qwen2_folder, tmp_path, capsys) -> None:
+    """A template that prints far more characters than the context's tokens can hold is one
+    line naming the template file, at once (it took two minutes to tokenize 30 M)."""
+    folder = tmp_path / "model"
+    shutil.copytree(qwen2_folder, folder)
+    (folder / "chat_template.jinja").write_text("{{ 'a b ' * 1000000 }}")
+    assert main(["generate", "--model", str(folder), "--prompt", "hi", "--chat"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1].startswith(
+        f"attnlab: error: {folder / 'chat_template.jinja'}: the rendered prompt: text: 4000000 "
+        "characters are more than")

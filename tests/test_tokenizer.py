@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -256,3 +257,23 @@ def test_a_template_too_deeply_nested_is_refused_at_load(tmp_path) -> None:
     with pytest.raises(ValueError, match=rf"^{tmp_path / 'chat_template.jinja'}: chat_template "
                        r"'default' is nested too deeply to parse"):
         Tokenizer.from_pretrained(tmp_path)
+
+
+def test_a_text_too_long_for_max_tokens_is_refused_before_tokenizing(tmp_path) -> None:
+    """More characters than ``max_tokens`` times the longest token's cannot fit: refused at
+    once (a 30 M-character rendered prompt took two minutes to tokenize, then was refused)."""
+    make_tokenizer(tmp_path)
+    tok = Tokenizer.from_pretrained(tmp_path)
+    longest = max(map(len, tok.backend.get_vocab(with_added_tokens=True)))
+    fits = "a" * (8 * longest)
+    assert tok.encode(fits, max_tokens=8) == tok.encode(fits)  # at the bound: tokenized
+    calls = []
+    tok.backend = types.SimpleNamespace(encode_batch=lambda *a, **k: calls.append(1),
+                                        get_vocab=tok.backend.get_vocab)
+    with pytest.raises(ValueError, match=rf"^text: {8 * longest + 1} characters are more than "
+                       rf"8 tokens can hold \(the longest token has {longest} characters\)"):
+        tok.encode(fits + "a", max_tokens=8)
+    with pytest.raises(ValueError, match=r"the rendered prompt: text: \d+ characters are more "
+                       "than 2 tokens can hold"):
+        tok.apply_chat_template(MESSAGES, tokenize=True, max_tokens=2)
+    assert not calls

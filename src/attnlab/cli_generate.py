@@ -174,9 +174,13 @@ def run_generate(args: argparse.Namespace) -> int:
         messages = [{"role": "user", "content": args.prompt}]
         if args.system is not None:
             messages.insert(0, {"role": "system", "content": args.system})
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            max_tokens=model.config.max_len)
     else:
-        ids = tokenizer.encode(args.prompt)
+        try:
+            ids = tokenizer.encode(args.prompt, max_tokens=model.config.max_len)
+        except ValueError as error:
+            raise ValueError(f"--prompt: {error}: longer than the model's context") from None
     if not ids:
         raise ValueError(f"--prompt: expected text that encodes to >= 1 token, got "
                          f"{args.prompt!r}")

@@ -54,6 +54,7 @@ class Tokenizer:
             raise TypeError(f"backend: expected a tokenizers.Tokenizer, got "
                             f"{type(backend).__name__}")
         self.backend = backend
+        self._longest: int | None = None  # _longest_token_chars, counted at first need
         unknown = sorted(set(special_tokens or {}) - set(_SPECIAL), key=str)
         if unknown:
             raise ValueError(f"special_tokens: unknown roles {unknown}; expected some of "
@@ -189,10 +190,18 @@ class Tokenizer:
         return self.special_tokens["unk_token"]
 
     # -- text <-> ids ------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """``text`` -> token ids (BOS/EOS added by the file's post-processor when asked)."""
+    def encode(self, text: str, add_special_tokens: bool = True, *,
+               max_tokens: int | None = None) -> list[int]:
+        """``text`` -> token ids (BOS/EOS added by the file's post-processor when asked).
+        ``max_tokens``: refuse, before tokenizing, a text too long to encode to that many
+        tokens (more characters than ``max_tokens`` times the longest token's), which would
+        only be refused after seconds of work (a 30 M-character prompt took two minutes)."""
         if not isinstance(text, str):
             raise TypeError(f"text: expected a str, got {type(text).__name__}")
+        if max_tokens is not None and len(text) > max_tokens * self._longest_token_chars():
+            raise ValueError(f"text: {len(text)} characters are more than {max_tokens} tokens "
+                             f"can hold (the longest token has {self._longest_token_chars()} "
+                             "characters)")
         # encode_batch releases the GIL while it works, encode holds it: a 7 MB text would
         # stop every other thread (a server's event loop) for seconds.
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
@@ -237,13 +246,15 @@ class Tokenizer:
 
     # -- chat --------------------------------------------------------------------------------
     def apply_chat_template(self, messages: Sequence[dict], *, add_generation_prompt: bool = False,
-                            tokenize: bool = False, **kwargs: object) -> str | list[int]:
+                            tokenize: bool = False, max_tokens: int | None = None,
+                            **kwargs: object) -> str | list[int]:
         """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the template.
 
         The template sees ``messages``, ``add_generation_prompt``, ``tools=None``,
         ``documents=None``, the special tokens (``bos_token``, ``eos_token``, ...) and
         ``kwargs`` (JSON values). ``tokenize=True`` returns ids (encoded without adding special
-        tokens, since the template writes them). It renders in ``renderer``'s worker process:
+        tokens, since the template writes them; ``max_tokens`` as ``encode``'s). It renders in
+        ``renderer``'s worker process:
         every failure of the template (an exception it raises, its time or memory limit) is a
         ``ValueError`` naming ``template_file``.
         """
@@ -260,7 +271,21 @@ class Tokenizer:
                      "messages": list(messages), "add_generation_prompt": add_generation_prompt}
         origin = "chat_template" if self.template_file is None else str(self.template_file)
         text = self.renderer.render(self.chat_template, variables, origin=origin)
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        if not tokenize:
+            return text
+        try:
+            return self.encode(text, add_special_tokens=False, max_tokens=max_tokens)
+        except ValueError as error:
+            raise ValueError(f"{origin}: the rendered prompt: {error}") from None
+
+    def _longest_token_chars(self) -> int:
+        """The most characters one token stands for: the longest entry of the vocabulary
+        (byte-level entries have a character per byte, at least the characters they decode
+        to), counted once."""
+        if self._longest is None:
+            self._longest = max(map(len, self.backend.get_vocab(with_added_tokens=True)),
+                                default=1)
+        return self._longest
 
     def _id(self, role: str) -> int | None:
         token = self.special_tokens[role]

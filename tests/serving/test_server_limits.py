@@ -188,3 +188,24 @@ def test_more_choices_than_the_queue_holds_are_400_before_any_prompt_is_tokenize
                                                          "prompt": ["x", "y"], "n": 2,
                                                          "max_tokens": 1})
     assert status == 200 and len(body["choices"]) == 4, body
+
+
+def test_a_prompt_too_long_for_the_context_is_400_before_it_is_tokenized(small_pool,
+                                                                          qwen2_folder):
+    """More characters than the context's tokens can hold (each at most the longest token's
+    characters): a 400 naming the field, without tokenizing, for a prompt and for a chat
+    template's rendering of the messages."""
+    app, _ = small_pool
+    state = app.state.serving
+    longest = max(map(len, state.tokenizer.backend.get_vocab(with_added_tokens=True)))
+    text = "ab " * (state.context * longest)
+    status, body = post(small_pool, "/v1/completions",
+                        {"model": qwen2_folder.name, "prompt": text, "max_tokens": 1})
+    assert status == 400 and body["error"]["param"] == "prompt"
+    assert re.match(rf"prompt: text: {len(text)} characters are more than {state.context} "
+                    r"tokens can hold .*: longer than the model's context$",
+                    body["error"]["message"])
+    status, body = post(small_pool, "/v1/chat/completions",
+                        chat(qwen2_folder, messages=[{"role": "user", "content": text}]))
+    assert status == 400 and body["error"]["param"] == "messages"
+    assert "the rendered prompt: text:" in body["error"]["message"]

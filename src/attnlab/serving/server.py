@@ -209,7 +209,12 @@ class ServerState:
         """``prompt``'s ids (text tokenized in a thread: a large prompt takes seconds, which
         the event loop spends serving the others), checked against the vocabulary."""
         if isinstance(prompt, str):
-            ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
+            try:
+                ids = await asyncio.to_thread(self.tokenizer.encode, prompt,
+                                              max_tokens=self.context)
+            except ValueError as error:
+                raise ApiError(400, f"{field}: {error}: longer than the model's context",
+                               param=field) from None
             if not ids:
                 raise ApiError(400, f"{field}: encodes to no tokens, got {prompt!r}",
                                param=field)
@@ -229,7 +234,7 @@ class ServerState:
         requests behind it, not the other requests' tokenizing and body checks, which share
         asyncio's default threads."""
         render = partial(self.tokenizer.apply_chat_template, messages,
-                         add_generation_prompt=True, tokenize=True)
+                         add_generation_prompt=True, tokenize=True, max_tokens=self.context)
         try:
             ids = await asyncio.get_running_loop().run_in_executor(self.chat_threads, render)
         except ValueError as error:
