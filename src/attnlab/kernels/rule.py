@@ -107,7 +107,10 @@ def rule(scheme: str, dtype: torch.dtype, cpu: Features, *, extra_memory: bool =
       eight, where BLAS reads 48%; EPYC 84%; v3 122% / 87%), batch-invariant (each output a
       single chain of sums whatever the rows); from 9 rows it reads each weight once per 8
       rows where a BLAS GEMM reads it once, the price of one order of sums for every
-      decoding batch (``extra_memory`` trades it back). BLAS (the formula) from 33 rows.
+      decoding batch (``extra_memory`` trades it back). From 33 rows oneDNN's GEMM
+      (``onednn``, where torch has it; else BLAS, the formula): on the EPYC 1.08-1.6x BLAS's
+      at 128-512 rows of the Qwen2-0.5B and 1024-wide shapes (the plans ``attnlab calibrate``
+      measured, one thread); the weight stays as stored.
     - bfloat16 with AMX tiles: ``native_tiles`` for 1-32 rows (109% at one row, 105% at
       eight) and batch-invariant: a tile sums each row's products in the same order
       whatever the rows (x is padded to 16).
@@ -174,6 +177,7 @@ def largest(bucket: str) -> int:
 
 def _float_rule(scheme: str, cpu: Features, extra_memory: bool) -> dict[str, tuple[str, ...]]:
     gemm = ("formula",) if scheme == "float32" or cpu.bfloat16_gemm else ("widened",)
+    prefill = ("onednn", *gemm) if scheme == "float32" else gemm
     if scheme == "bfloat16" and cpu.tiles:
         decoding = ("native_tiles",)
     elif scheme == "bfloat16" and cpu.pairs:
@@ -182,16 +186,16 @@ def _float_rule(scheme: str, cpu: Features, extra_memory: bool) -> dict[str, tup
         decoding = ("native_gemv",)
         if extra_memory:
             return {"1": decoding, "2-8": decoding, "9-32": ("onednn_packed", *decoding),
-                    "33+": gemm}
+                    "33+": prefill}
     elif cpu.native:
         few = {"1": ("native_gemv",), "2-8": ("native_gemv",)}
         batch = ("onednn_packed", *gemm) if extra_memory else gemm
-        return {**few, "9-32": batch, "33+": gemm}
+        return {**few, "9-32": batch, "33+": prefill}
     else:
         few = ("formula",)
         batch = ("onednn_packed", *gemm) if extra_memory else gemm
-        return {"1": few, "2-8": few, "9-32": batch, "33+": gemm}
-    return {**dict.fromkeys(DECODING, decoding), "33+": gemm}
+        return {"1": few, "2-8": few, "9-32": batch, "33+": prefill}
+    return {**dict.fromkeys(DECODING, decoding), "33+": prefill}
 
 
 def _quantized_rule(bits: int, dtype: torch.dtype, cpu: Features) -> dict[str, tuple[str, ...]]:
