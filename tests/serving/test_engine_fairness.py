@@ -14,25 +14,16 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_engine import V, _model
 
 from attnlab.generation import generate
-from attnlab.models import DecoderLM, DecoderLMConfig
 from attnlab.serving import Engine, SamplingParams
 from attnlab.serving.engine import MIN_REQUEST_TOKENS
 from attnlab.serving.scheduler import fair_shares
 
-V = 61
 # The scheduler's bound (its module docstring): a request of a group that runs nothing is
 # admitted and computes prompt tokens in the first step after it arrives.
 K = 1
-
-
-@functools.cache
-def _model() -> DecoderLM:
-    torch.manual_seed(0)
-    config = DecoderLMConfig.llama(V, d_model=32, num_layers=2, num_heads=4, max_len=48,
-                                   initializer_range=0.3)
-    return DecoderLM(config).eval()
 
 
 def _prompt(length: int, seed: int) -> list[int]:
