@@ -26,6 +26,21 @@ from attnlab.models import DecoderLM, preset
 PROMPT = 16
 
 
+def timed(owner: object, name: str) -> list[float]:
+    """Replace ``owner.name`` by a wrapper adding its seconds into the returned one-item list."""
+    total, real = [0.0], getattr(owner, name)
+
+    def wrapper(*args):
+        start = time.perf_counter()
+        try:
+            return real(*args)
+        finally:
+            total[0] += time.perf_counter() - start
+
+    setattr(owner, name, wrapper)
+    return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -37,24 +52,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = DecoderLM(preset("qwen2.5-0.5b", num_hidden_layers=args.layers))
     model = optimize_for_inference(model.to(getattr(torch, args.dtype)).eval())
-    inside, outside = [0.0], [0.0]
-    real_native, real_fused = native.decode_layers, fused_module.fused_layers
-
-    def timed_native(*a):
-        start = time.perf_counter()
-        try:
-            return real_native(*a)
-        finally:
-            inside[0] += time.perf_counter() - start
-
-    def timed_fused(*a):
-        start = time.perf_counter()
-        try:
-            return real_fused(*a)
-        finally:
-            outside[0] += time.perf_counter() - start
-
-    native.decode_layers, fused_module.fused_layers = timed_native, timed_fused
+    inside = timed(native, "decode_layers")
+    outside = timed(fused_module, "fused_layers")
     ids = torch.randint(0, model.config.vocab_size, (1, PROMPT),
                         generator=torch.Generator().manual_seed(1))
     cache = model.make_cache(1, PROMPT + args.steps + 1)

@@ -110,12 +110,12 @@ def _environment_threads() -> int | None:
     it holds a positive int (torch itself ignores any other value), else ``None``."""
     ours = os.environ.get(ENV, "").strip()
     if ours:
-        if not _is_positive_int(ours):
-            raise ValueError(f"{ENV}: expected a positive int (torch threads), got {ours!r}")
-        return int(ours)
-    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
-    return int(omp) if _is_positive_int(omp) else None
-
-
-def _is_positive_int(text: str) -> bool:
-    return text.isascii() and text.isdigit() and int(text) >= 1
+        try:
+            return positive_int(ours)
+        except argparse.ArgumentTypeError:
+            raise ValueError(f"{ENV}: expected a positive int (torch threads), "
+                             f"got {ours!r}") from None
+    try:
+        return positive_int(os.environ.get("OMP_NUM_THREADS", "").strip())
+    except argparse.ArgumentTypeError:
+        return None

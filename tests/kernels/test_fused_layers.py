@@ -51,16 +51,22 @@ def model_of(model_type: str, dtype: torch.dtype, weights: str) -> DecoderLM:
     return optimize_for_inference(model.quantize(bits, group, kernel=kernel))
 
 
-def counted(monkeypatch) -> list[int]:
+def count_calls(monkeypatch, owner: object, name: str) -> list[int]:
+    """A one-item list counting the calls of ``owner.name`` from now on (patched through)."""
     calls = [0]
-    real = native.decode_layers
+    real = getattr(owner, name)
 
     def counting(*args):
         calls[0] += 1
         return real(*args)
 
-    monkeypatch.setattr(native, "decode_layers", counting)
+    monkeypatch.setattr(owner, name, counting)
     return calls
+
+
+def counted(monkeypatch) -> list[int]:
+    """How many times the native one-call step runs."""
+    return count_calls(monkeypatch, native, "decode_layers")
 
 
 def decode(model: DecoderLM, steps: int = 6) -> tuple[list[torch.Tensor], KVCache]:
@@ -222,15 +228,7 @@ def test_a_cache_of_another_shape_gets_the_modules_error(monkeypatch) -> None:
 
 def counted_builds(monkeypatch) -> list[int]:
     """How many times a layer list's step plan is built (or refused) from its modules."""
-    builds = [0]
-    real = fused_module._build
-
-    def counting(*args):
-        builds[0] += 1
-        return real(*args)
-
-    monkeypatch.setattr(fused_module, "_build", counting)
-    return builds
+    return count_calls(monkeypatch, fused_module, "_build")
 
 
 def modules_decode(monkeypatch, model: DecoderLM, steps: int) -> list[torch.Tensor]:

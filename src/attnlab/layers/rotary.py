@@ -77,7 +77,7 @@ class RotaryEmbedding(nn.Module):
         self.max_position_embeddings = max_position_embeddings
         # Plain attributes, not buffers: `model.to(torch.bfloat16)` would round a buffer, and
         # a model built on the meta device and then loaded would leave one there. They follow
-        # the positions' device instead, and are made at the first call (``_frequencies``).
+        # the positions' device instead, and are made at the first call (``make_frequencies``).
         self._inv_freq: Tensor | None = None
         self._original_inv_freq: Tensor | None = None
         self._long_inv_freq: Tensor | None = None
@@ -87,12 +87,14 @@ class RotaryEmbedding(nn.Module):
     @property
     def attention_factor(self) -> float:
         """The factor cos and sin are multiplied by (yarn, longrope; 1 otherwise)."""
-        self._frequencies()
+        self.make_frequencies()
         assert self._attention_factor is not None
         return self._attention_factor
 
-    def _frequencies(self) -> None:
-        """Compute ``inv_freq`` (and longrope's long ones) once, at first use."""
+    def make_frequencies(self) -> None:
+        """Compute ``inv_freq`` (``R/2`` values, and longrope's long ones) once, at first use;
+        ``ValueError`` when the scaling's values overflow together (a loader calls it to refuse
+        such a config at load rather than meet NaN at the first token)."""
         if self._inv_freq is not None:
             return
         inv_freq, self._attention_factor = rope_inverse_frequencies(
@@ -144,7 +146,7 @@ class RotaryEmbedding(nn.Module):
 
     def _update_frequencies(self, seq_len: int) -> None:
         """transformers' ``dynamic_rope_update``, step for step."""
-        self._frequencies()
+        self.make_frequencies()
         rope_type = self.scaling.rope_type
         if rope_type == "longrope":
             original = (self.scaling.original_max_position_embeddings
@@ -164,7 +166,7 @@ class RotaryEmbedding(nn.Module):
 
     def _inv_freq_on(self, device: torch.device) -> Tensor:
         """The current ``inv_freq`` on ``device``, kept there: moved once, not in every forward."""
-        self._frequencies()
+        self.make_frequencies()
         assert self._inv_freq is not None
         if device.type == "meta":  # a shape-only run must not leave the module on meta
             return self._inv_freq.to(device)

@@ -316,6 +316,6 @@ def check_rotary(model: nn.Module, file: Path) -> None:
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             try:
-                module.attention_factor  # noqa: B018 (computes and checks the frequencies)
+                module.make_frequencies()
             except ValueError as error:
                 raise ValueError(f"{file}: {error}") from None
