@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 SRC = ROOT / "src"
 HOOK = ROOT / "docs_hooks" / "exec_cache.py"
-TRANSLATED = ["index.md", "architecture.md", "glossary.md", "tutorials/index.md"]
+TRANSLATED = ["index.md", "architecture.md", "usage.md", "glossary.md", "tutorials/index.md"]
 
 
 def english_pages() -> list[Path]:
