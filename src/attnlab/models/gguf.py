@@ -52,8 +52,9 @@ from attnlab.models.gguf_reader import GGUFFile
 from attnlab.quantization.formats import QuantizedWeight
 from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
 
-__all__ = ["ARCHITECTURES", "KEPT_TYPES", "config_from_gguf", "gguf_file", "load_gguf",
-           "open_gguf", "tensor_weight"]
+__all__ = ["ARCHITECTURES", "CONFIG_KEYS", "FUSED", "GPT2_KEYS", "KEPT_TYPES", "LAYER_NAMES",
+           "NAMES", "PERMUTED", "UNIT_OFFSET_NORMS", "config_dict", "config_from_gguf",
+           "gguf_file", "load_gguf", "open_gguf", "our_names", "row_order", "tensor_weight"]
 
 MAGIC = b"GGUF"
 Q = gguf.GGMLQuantizationType
@@ -61,15 +62,16 @@ KEPT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1)  # held as attnlab formats, blocks as they
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 BLOCK = 32  # inputs per block of the kept types
 # GGUF general.architecture -> the family's model_type (Mistral and SmolLM write "llama").
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-                 "gpt2": "gpt2"}
-_PERMUTED = ("llama",)  # architectures whose q/k rows llama.cpp interleaves
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
+                 "phi3": "phi3", "gpt2": "gpt2"}
+PERMUTED = ("llama",)  # architectures whose q/k rows llama.cpp interleaves
+UNIT_OFFSET_NORMS = ("gemma",)  # norms scaling by 1 + w, which llama.cpp stores as 1 + w
 
 # llama.cpp's names -> ours: whole-model tensors, then those of block {}.
-_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
           "output_norm.bias": "norm.bias", "output.weight": "lm_head.weight",
           "position_embd.weight": "embed_positions.weight"}
-_LAYER_NAMES = {
+LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     **{f"attn_{p}.{kind}": f"self_attn.{p}_proj.{kind}" for p in "qkv"
@@ -79,7 +81,7 @@ _LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
-# An architecture's own block tensors, over _LAYER_NAMES: several names for a fused tensor
+# An architecture's own block tensors, over LAYER_NAMES: several names for a fused tensor
 # (rows stacked in that order: q, k and v in one, gate and up in one).
 _QKV = {f"attn_qkv.{kind}": tuple(f"self_attn.{p}_proj.{kind}" for p in "qkv")
         for kind in ("weight", "bias")}
@@ -88,16 +90,16 @@ _GPT2 = {f"{theirs}.{kind}": (f"{ours}.{kind}",) for kind in ("weight", "bias")
                               ("ffn_norm", "post_attention_layernorm"),
                               ("attn_output", "self_attn.o_proj"), ("ffn_up", "mlp.linear1"),
                               ("ffn_down", "mlp.linear2"))}
-_FUSED = {"phi3": {**_QKV, "ffn_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")},
+FUSED = {"phi3": {**_QKV, "ffn_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")},
           "gpt2": {**_QKV, **_GPT2}}
 # GGUF metadata key (after "<arch>.") -> config.json key; GPT-2 has its own names.
-_CONFIG_KEYS = {"block_count": "num_hidden_layers", "context_length": "max_position_embeddings",
+CONFIG_KEYS = {"block_count": "num_hidden_layers", "context_length": "max_position_embeddings",
                 "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
                 "attention.head_count": "num_attention_heads",
                 "attention.head_count_kv": "num_key_value_heads",
                 "attention.key_length": "head_dim", "rope.freq_base": "rope_theta",
                 "attention.layer_norm_rms_epsilon": "rms_norm_eps", "vocab_size": "vocab_size"}
-_GPT2_KEYS = {"block_count": "n_layer", "context_length": "n_positions",
+GPT2_KEYS = {"block_count": "n_layer", "context_length": "n_positions",
               "embedding_length": "n_embd", "feed_forward_length": "n_inner",
               "attention.head_count": "n_head",
               "attention.layer_norm_epsilon": "layer_norm_epsilon", "vocab_size": "vocab_size"}
@@ -131,33 +133,41 @@ def open_gguf(file: Path) -> GGUFFile:
 def config_from_gguf(reader: GGUFFile, file: Path) -> tuple[Family, DecoderLMConfig]:
     """``(family, config)`` from the file's metadata, read as the family reads a
     ``config.json`` (so its checks and defaults apply); errors name ``file`` and the key."""
-    arch = _field(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"{file}: general.architecture {arch!r} is not supported; expected "
-                         f"one of {sorted(ARCHITECTURES)}")
-    keys = _GPT2_KEYS if arch == "gpt2" else _CONFIG_KEYS
-    d: dict[str, Any] = {"model_type": ARCHITECTURES[arch]}
-    for key, hf in keys.items():
-        value = _field(reader, f"{arch}.{key}")
-        if value is not None:
-            d[hf] = value
-    if "vocab_size" not in d:  # older files: the vocabulary's length
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        if isinstance(tokens, list):
-            d["vocab_size"] = len(tokens)
-    names = {t.name for t in reader.tensors}
-    d["tie_word_embeddings"] = "output.weight" not in names
-    if arch != "gpt2":
-        d["attention_bias"] = "blk.0.attn_q.bias" in names
-    for role in ("bos", "eos"):
-        value = _field(reader, f"tokenizer.ggml.{role}_token_id")
-        if value is not None:
-            d[f"{role}_token_id"] = value
+    d = config_dict(reader.fields, [t.name for t in reader.tensors], file)
     family = family_for(d["model_type"])
     try:
         return family, family.config_from_hf(d)
     except (TypeError, ValueError) as error:
-        raise type(error)(f"{file}: {error} (read from the GGUF metadata {arch}.*)") from None
+        raise type(error)(f"{file}: {error} (read from the GGUF metadata "
+                          f"{d['model_type']}.*)") from None
+
+
+def config_dict(fields: dict[str, Any], names: list[str], file: Path | str) -> dict[str, Any]:
+    """The ``config.json``-like dict that the metadata ``fields`` and the tensor ``names`` of
+    a GGUF file describe (what ``config_from_gguf`` reads; ``attnlab.models.gguf_export``
+    checks with it that a file it writes reads back as the same model)."""
+    arch = fields.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{file}: general.architecture {arch!r} is not supported; expected "
+                         f"one of {sorted(ARCHITECTURES)}")
+    keys = GPT2_KEYS if arch == "gpt2" else CONFIG_KEYS
+    d: dict[str, Any] = {"model_type": ARCHITECTURES[arch]}
+    for key, hf in keys.items():
+        value = fields.get(f"{arch}.{key}")
+        if value is not None:
+            d[hf] = value
+    if "vocab_size" not in d:  # older files: the vocabulary's length
+        tokens = fields.get("tokenizer.ggml.tokens")
+        if isinstance(tokens, list):
+            d["vocab_size"] = len(tokens)
+    d["tie_word_embeddings"] = "output.weight" not in names
+    if arch != "gpt2":
+        d["attention_bias"] = "blk.0.attn_q.bias" in names
+    for role in ("bos", "eos"):
+        value = fields.get(f"tokenizer.ggml.{role}_token_id")
+        if value is not None:
+            d[f"{role}_token_id"] = value
+    return d
 
 
 def load_gguf(cls: type[nn.Module], file: Path, dtype: torch.dtype | None,
@@ -178,7 +188,7 @@ def load_gguf(cls: type[nn.Module], file: Path, dtype: torch.dtype | None,
     arch = _field(reader, "general.architecture")
     tensors: dict[tuple[str, ...], Any] = {}  # our names (a fused tensor: its parts) -> it
     for t in reader.tensors:
-        parts = _our_names(t.name, arch)
+        parts = our_names(t.name, arch)
         if parts is None or any(p not in targets for p in parts):
             raise ValueError(f"{file}: unexpected tensor {t.name!r}: no weight of a "
                              f"{family.name} model of this config is stored under that name")
@@ -196,9 +206,12 @@ def load_gguf(cls: type[nn.Module], file: Path, dtype: torch.dtype | None,
           flush=True)
     notices: dict[str, int] = {}
     for parts, t in tensors.items():
-        rows = _row_order(parts[0], config) if arch in _PERMUTED else None
+        rows = row_order(parts[0], config) if arch in PERMUTED else None
         sizes = [targets[p].shape[0] for p in parts]
-        _place(model, parts, sizes, t, rows, dtype, device, notices, config.tie_embeddings)
+        # Gemma's norms scale by 1 + w; llama.cpp stores 1 + w, transformers w.
+        offset = 1.0 if arch in UNIT_OFFSET_NORMS and t.name.endswith("norm.weight") else 0.0
+        _place(model, parts, sizes, t, rows, dtype, device, notices, config.tie_embeddings,
+               offset)
         reader.release(t)
     for kind, count in notices.items():
         print(f"attnlab: {file.name}: {count} {kind} tensors dequantized to "
@@ -255,10 +268,10 @@ def _half(pairs: np.ndarray) -> Tensor:
 
 def _place(model: nn.Module, parts: tuple[str, ...], sizes: list[int], t: Any,
            rows: Tensor | None, dtype: torch.dtype, device: torch.device,
-           notices: dict[str, int], tied: bool) -> None:
-    """Read the GGUF tensor ``t`` and make it the model's ``parts`` (a fused tensor split
-    by rows into pieces of ``sizes``; in ``rows`` order when given): quantized modules for a
-    kept block type, else float parameters."""
+           notices: dict[str, int], tied: bool, offset: float = 0.0) -> None:
+    """Read the GGUF tensor ``t`` (minus ``offset``) and make it the model's ``parts`` (a
+    fused tensor split by rows into pieces of ``sizes``; in ``rows`` order when given):
+    quantized modules for a kept block type, else float parameters."""
     kind = Q(t.tensor_type)
     owners = [p.rpartition(".") for p in parts]
     modules = [model.get_submodule(owner) for owner, _, _ in owners]
@@ -286,7 +299,8 @@ def _place(model: nn.Module, parts: tuple[str, ...], sizes: list[int], t: Any,
     values = gguf.quants.dequantize(t.data, kind)  # F32: a view of the mapped file
     values = torch.from_numpy(values if values.flags.writeable else values.copy())
     value = values.reshape(tuple(reversed(t.shape)))
-    value = (value if rows is None else value[rows]).to(device=device, dtype=dtype)
+    value = value if rows is None else value[rows]
+    value = (value - offset if offset else value).to(device=device, dtype=dtype)
     for (owner, _, leaf), module, piece in zip(owners, modules, value.split(sizes)):
         parameter = nn.Parameter(piece if len(parts) == 1 else piece.clone())
         setattr(module, leaf, parameter)
@@ -333,7 +347,7 @@ def _swap_quantized(model: nn.Module, name: str, module: nn.Module, weight: Quan
     model.get_submodule(parent)._modules[child] = embedding
 
 
-def _row_order(ours: str, config: DecoderLMConfig) -> Tensor | None:
+def row_order(ours: str, config: DecoderLMConfig) -> Tensor | None:
     """The rows of llama.cpp's q/k weight (or bias) in Hugging Face's order: per head, the
     interleaved pairs ``(2i, 2i + 1)`` back to the halves ``(i, i + D/2)``."""
     if ".self_attn.q_proj." in ours:
@@ -345,17 +359,17 @@ def _row_order(ours: str, config: DecoderLMConfig) -> Tensor | None:
     return torch.arange(heads * config.head_dim).view(heads, -1, 2).transpose(1, 2).reshape(-1)
 
 
-def _our_names(name: str, arch: str) -> tuple[str, ...] | None:
+def our_names(name: str, arch: str) -> tuple[str, ...] | None:
     """llama.cpp's tensor name -> ours, several for a fused tensor (rows stacked in that
     order), or None for a name no family here stores."""
-    if name in _NAMES:
-        return (_NAMES[name],)
+    if name in NAMES:
+        return (NAMES[name],)
     head, _, rest = name.partition(".")
     index, _, leaf = rest.partition(".")
-    fused = _FUSED.get(arch, {})
-    if head != "blk" or not index.isdigit() or (leaf not in _LAYER_NAMES and leaf not in fused):
+    fused = FUSED.get(arch, {})
+    if head != "blk" or not index.isdigit() or (leaf not in LAYER_NAMES and leaf not in fused):
         return None
-    ours = fused[leaf] if leaf in fused else (_LAYER_NAMES[leaf],)
+    ours = fused[leaf] if leaf in fused else (LAYER_NAMES[leaf],)
     return tuple(f"layers.{int(index)}.{name}" for name in ours)
 
 

@@ -14,6 +14,7 @@ none). SentencePiece vocabularies (``model = "llama"``) are not rebuilt yet.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-__all__ = ["SPLITS", "gguf_tokenizer"]
+__all__ = ["SPLITS", "gguf_tokenizer", "pre_tokenizer_name", "tokenizer_fields"]
 
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -31,7 +32,7 @@ _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 SPLITS = {**dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"),
                           _LLAMA3),
           **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2)}
-_CONTROL, _USER_DEFINED = 3, 4
+_NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5
 ROLES = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
          "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
 
@@ -106,3 +107,61 @@ def _byte_alphabet() -> dict[int, str]:
                  *range(ord("®"), ord("ÿ") + 1)]
     rest = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(rest)}}
+
+
+def tokenizer_fields(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
+    """The ``tokenizer.*`` metadata of ``tokenizer`` (an ``attnlab.tokenizer.Tokenizer``: its
+    ``backend``, ``special_tokens`` and ``chat_template``) for a model of ``vocab_size`` rows,
+    the inverse of ``gguf_tokenizer``: a byte-level BPE's tokens in id order (rows past the
+    vocabulary padded with ``[PAD<id>]`` tokens of type 5, unused, as llama.cpp's converter
+    pads), their types (special added tokens control, other added tokens user-defined),
+    merges, the pre-tokenizer's name (``pre_tokenizer_name``), the special tokens' ids and
+    the chat template. Another kind of tokenizer raises a ``ValueError`` naming it."""
+    backend = getattr(tokenizer, "backend", None)
+    if not isinstance(backend, Backend):
+        raise TypeError(f"tokenizer: expected an attnlab.tokenizer.Tokenizer, got "
+                        f"{tokenizer.__class__.__name__}")
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        raise ValueError(f"tokenizer: a {model.get('type')} model; GGUF export writes "
+                         "byte-level BPE vocabularies (tokenizer.ggml.model 'gpt2') only")
+    pre = pre_tokenizer_name(spec.get("pre_tokenizer"))
+    vocab = backend.get_vocab(with_added_tokens=True)
+    size = max(vocab_size, max(vocab.values()) + 1)
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    types = [_UNUSED] * size
+    for token, index in vocab.items():
+        tokens[index], types[index] = token, _NORMAL
+    for added in spec.get("added_tokens") or []:
+        types[added["id"]] = _CONTROL if added.get("special") else _USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    fields: dict[str, Any] = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+                              "tokenizer.ggml.tokens": tokens,
+                              "tokenizer.ggml.token_type": types,
+                              "tokenizer.ggml.merges": merges}
+    for role, key in ROLES.items():
+        token = (getattr(tokenizer, "special_tokens", None) or {}).get(role)
+        if token is not None:
+            fields[f"tokenizer.ggml.{key}"] = vocab[token]
+    template = getattr(tokenizer, "chat_template", None)
+    if template is not None:
+        fields["tokenizer.chat_template"] = template
+    return fields
+
+
+def pre_tokenizer_name(spec: Mapping[str, Any] | None) -> str:
+    """The ``tokenizer.ggml.pre`` name of a ``tokenizer.json`` pre-tokenizer ``spec``: the
+    ``SPLITS`` entry whose regex its ``Split`` uses (``llama-bpe``, ``qwen2``), or ``gpt2``
+    for a plain byte-level one; any other raises a ``ValueError`` naming it."""
+    kind = (spec or {}).get("type")
+    if kind == "ByteLevel" and spec.get("use_regex", True):
+        return "gpt2"
+    steps = spec.get("pretokenizers", []) if kind == "Sequence" else []
+    for step in steps:
+        pattern = (step.get("pattern") or {}).get("Regex") if step.get("type") == "Split" else None
+        for name in ("llama-bpe", "qwen2"):
+            if pattern == SPLITS[name]:
+                return name
+    raise ValueError(f"tokenizer: its pre-tokenizer ({kind}) is not one GGUF names; expected "
+                     "GPT-2's byte-level split or Llama 3's or Qwen2's regex")
