@@ -7,26 +7,20 @@ The header is read by ``attnlab.models.gguf_reader`` (the block types, sizes and
 dequantization are the ``gguf`` package's, llama.cpp's own), which maps the file: only the
 tensor being placed is read, and its pages are released once it is repacked.
 
-The blocks that attnlab's formats can hold keep their own numbers (a block is 32 consecutive
-inputs of one output row, ``d``/``m`` half-precision, ``q`` its codes):
-
-- ``Q8_0`` (``w = d q``, ``q`` int8): grouped int8, ``scales = d`` per group of 32;
-- ``Q4_0`` (``w = d (q - 8)``, ``q`` 0..15): int4 groups of 32, ``s = d``, ``z = 0``;
-- ``Q4_1`` (``w = d q + m``): int4 groups of 32, ``s = d``, ``z = m + 8 d`` (the value code 8
-  stands for), so ``(q - 8) s + z = d q + m``.
-
-In a float32 model the scales and zeros are kept in float32, where ``d``, ``m`` and (checked
-per tensor) ``m + 8 d`` are exact; ``(q - 8) s`` is then exact and ``+ z`` rounds once, as
-``gguf.quants.dequantize`` does: the dequantized weight equals gguf's bit for bit. A model
-loaded in another dtype computes in it, with its scales and zeros rounded to it (bfloat16:
-a relative error of at most 2^-9 on each, float16: exact ``d``). A Q4_1 tensor where
-``m + 8 d`` is not exact in float32 is dequantized instead (a notice says so). F32, F16 and
-BF16 tensors are converted to the model's dtype; every other type (Q5_0, Q5_1, Q4_K, Q5_K,
-Q6_K, ...) is dequantized by ``gguf`` to the model's dtype, with a one-line notice per type.
+The blocks that attnlab's formats can hold keep their own numbers
+(``attnlab.models.gguf_blocks``: Q8_0, Q5_0 and Q6_K as grouped int8, Q4_0, Q4_1 and Q4_K as
+int4 groups of 32), each dequantizing to ``gguf.quants.dequantize``'s weight bit for bit in
+a float32 model. A model loaded in another dtype computes in it, with its scales and zeros
+rounded to it (bfloat16: a relative error of at most 2^-9 on each, float16: exact ``d``). A
+Q4_1 or Q4_K tensor whose zero is not exact in float32 is dequantized instead (a notice says
+so). F32, F16 and BF16 tensors are converted to the model's dtype; every other type (Q5_1,
+Q5_K, Q2_K, Q3_K, ...) is dequantized by ``gguf`` to the model's dtype, with a one-line
+notice per type.
 
 Architectures (``general.architecture``): llama (Mistral and SmolLM write it too), qwen2,
-qwen3, phi3 and gpt2, each read by its family (``attnlab.models.families``) from a
-``config.json``-like dict made of the metadata. llama.cpp stores Llama's q and k rows
+qwen3, gemma (its norms, which scale by ``1 + w``, stored as ``1 + w``), phi3 and gpt2,
+each read by its family (``attnlab.models.families``) from a ``config.json``-like dict made
+of the metadata. llama.cpp stores Llama's q and k rows
 permuted (the two rotary halves of each head interleaved); they are put back in Hugging
 Face's order, as transformers' GGUF loader does. Phi-3's and GPT-2's fused tensors
 (``attn_qkv``, Phi-3's gate and up in ``ffn_up``) are split by rows, blocks kept.
@@ -42,12 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from attnlab.models.decoder_config import DecoderLMConfig
 from attnlab.models.families import Family, family_for
+from attnlab.models.gguf_blocks import KEPT_TYPES, tensor_weight
 from attnlab.models.gguf_reader import GGUFFile
 from attnlab.quantization.formats import QuantizedWeight
 from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
@@ -58,9 +52,8 @@ __all__ = ["ARCHITECTURES", "CONFIG_KEYS", "FUSED", "GPT2_KEYS", "KEPT_TYPES", "
 
 MAGIC = b"GGUF"
 Q = gguf.GGMLQuantizationType
-KEPT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1)  # held as attnlab formats, blocks as they are
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
-BLOCK = 32  # inputs per block of the kept types
+BLOCK = 32  # inputs per block of Q8_0, Q4_0, Q4_1 (what the exporter writes)
 # GGUF general.architecture -> the family's model_type (Mistral and SmolLM write "llama").
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
                  "phi3": "phi3", "gpt2": "gpt2"}
@@ -235,37 +228,6 @@ def _check_sizes(reader: GGUFFile, config: DecoderLMConfig, file: Path) -> None:
                              "values its tensors hold; the metadata does not match them")
 
 
-def tensor_weight(t: Any) -> QuantizedWeight:
-    """The GGUF tensor ``t`` (a ``gguf`` ``ReaderTensor`` of a ``KEPT_TYPES`` type, ``O x I``
-    with ``I`` a multiple of 32) as an attnlab ``QuantizedWeight`` holding its blocks' own
-    numbers, scales and zeros in float32 (module docstring); a Q4_1 tensor whose zero ``m +
-    8 d`` is not exact in float32 raises a ``ValueError`` (its loader dequantizes it)."""
-    cols, rows = t.shape[0], math.prod(t.shape[1:])
-    kind = Q(t.tensor_type)
-    # Read from the mapping into the kept arrays directly: a transient copy of a whole
-    # tensor would fragment the heap for the rest of the load.
-    blocks = t.data.reshape(rows, cols // BLOCK, -1)
-    d = _half(blocks[..., 0:2]).view(rows, -1)
-    if kind == Q.Q8_0:
-        codes = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8))
-        return QuantizedWeight(8, codes.view(rows, cols), d, None)
-    q = blocks[..., (2 if kind == Q.Q4_0 else 4):]  # byte j: input j low, j + 16 high
-    codes = np.concatenate((q & 15, q >> 4), axis=-1).reshape(rows, cols // 2, 2)
-    packed = torch.from_numpy(codes[..., 0] | (codes[..., 1] << 4))  # plain layout
-    if kind == Q.Q4_0:
-        return QuantizedWeight(4, packed, d, torch.zeros_like(d))
-    m = _half(blocks[..., 2:4]).view(rows, -1)
-    zeros = m + 8 * d
-    if not torch.equal(zeros.double(), m.double() + 8 * d.double()):
-        raise ValueError(f"tensor {t.name!r}: a Q4_1 zero m + 8 d is not exact in float32")
-    return QuantizedWeight(4, packed, d, zeros)
-
-
-def _half(pairs: np.ndarray) -> Tensor:
-    """Half-precision numbers stored as byte pairs (``N.. x 2`` uint8) -> float32 ``N..``."""
-    return torch.from_numpy(np.ascontiguousarray(pairs).view(np.float16)[..., 0]).float()
-
-
 def _place(model: nn.Module, parts: tuple[str, ...], sizes: list[int], t: Any,
            rows: Tensor | None, dtype: torch.dtype, device: torch.device,
            notices: dict[str, int], tied: bool, offset: float = 0.0) -> None:
@@ -329,19 +291,21 @@ def _swap_quantized(model: nn.Module, name: str, module: nn.Module, weight: Quan
     rows, cols = weight.shape
     if isinstance(module, nn.Linear):
         new = QuantizedLinear(cols, rows, module.bias is not None, bits=weight.bits,
-                              group_size=BLOCK, device="meta")
+                              group_size=weight.group_size, device="meta")
         if module.bias is not None:
             new.bias = module.bias  # placed when its own tensor is read
         new.set_weight(weight)
         model.get_submodule(parent)._modules[child] = new
         return
-    head = QuantizedLinear(cols, rows, False, bits=weight.bits, group_size=BLOCK, device="meta")
+    head = QuantizedLinear(cols, rows, False, bits=weight.bits, group_size=weight.group_size,
+                           device="meta")
     head.set_weight(weight)
     if tied:
         model.lm_head = head
         model.embed_tokens = QuantizedEmbedding.tied_to(head)
         return
-    embedding = QuantizedEmbedding(rows, cols, bits=weight.bits, group_size=BLOCK,
+    embedding = QuantizedEmbedding(rows, cols, bits=weight.bits,
+                                   group_size=weight.group_size,
                                    device="meta")
     embedding.table.set_weight(weight)
     model.get_submodule(parent)._modules[child] = embedding
