@@ -52,12 +52,14 @@ _K_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
 def write_gguf(path: Path, model: nn.Module, arch: str, qtype: Q, *,
                tokens: list[str], merges: list[str], pre: str = "qwen2",
-               tokenizer_model: str = "gpt2") -> Path:
+               tokenizer_model: str = "gpt2", split_max_tensors: int = 0) -> Path:
     """``model`` (a transformers Llama/Qwen2/Qwen3) as the GGUF ``path``: 2-d weights in
     ``qtype``, norms and biases in F32. ``gguf`` cannot quantize to the K-quants: for those,
-    each 2-d weight is random blocks of that type (finite scales), not the model's weight."""
+    each 2-d weight is random blocks of that type (finite scales), not the model's weight.
+    ``split_max_tensors``: shards ``STEM-0000i-of-0000N.gguf`` of at most that many tensors
+    (the first one's path returned)."""
     c = model.config
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_name("tiny")
     if arch == "gpt2":
         w.add_block_count(c.n_layer)
@@ -111,7 +113,7 @@ def write_gguf(path: Path, model: nn.Module, arch: str, qtype: Q, *,
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
+    return w.format_shard_names(path)[0]
 
 
 def random_blocks(shape: tuple[int, int], qtype: Q, seed: int = 0) -> np.ndarray:

@@ -21,6 +21,7 @@ from attnlab.models.gguf import open_gguf, tensor_weight
 from attnlab.models.gguf_reader import GGUFTensor
 from attnlab.quantization.kernels import QUANTIZED_KERNELS
 from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
+from attnlab.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -241,3 +242,25 @@ def check_q4_k(t, expected) -> int:
     exact = (true_z == weight.zeros.double()).repeat_interleave(32, dim=1)
     assert torch.equal(got[exact], expected[exact]), t.name
     return int((~exact).sum()) // 32
+
+
+def test_a_model_split_into_shards_loads_as_one(tmp_path, vocabulary):
+    tokens, merges = vocabulary
+    hf_model = tiny_model("qwen2", len(tokens))
+    whole = write_gguf(tmp_path / "whole.gguf", hf_model, "qwen2", Q.Q8_0, tokens=tokens,
+                       merges=merges)
+    (tmp_path / "split").mkdir()
+    first = write_gguf(tmp_path / "split" / "tiny.gguf", hf_model, "qwen2", Q.Q8_0,
+                       tokens=tokens, merges=merges, split_max_tensors=8)
+    shards = sorted((tmp_path / "split").iterdir())
+    assert first.name == "tiny-00001-of-00004.gguf" and len(shards) == 4
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        expected = from_pretrained(whole)(ids)
+        for path in (first, shards[2], tmp_path / "split"):  # any shard, or their folder
+            assert torch.equal(from_pretrained(path)(ids), expected), path
+    assert Tokenizer.from_pretrained(shards[1]).encode("The quick") == (
+        Tokenizer.from_pretrained(whole).encode("The quick"))
+    shards[3].unlink()
+    with pytest.raises(ValueError, match=r"tiny-00004-of-00004\.gguf: shard 4 of 4 is missing"):
+        from_pretrained(first)

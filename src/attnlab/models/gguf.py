@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from attnlab.models.decoder_config import DecoderLMConfig
 from attnlab.models.families import Family, family_for
 from attnlab.models.gguf_blocks import KEPT_TYPES, tensor_weight
-from attnlab.models.gguf_reader import GGUFFile
+from attnlab.models.gguf_reader import SHARD, GGUFFile, GGUFShards, first_shard
 from attnlab.quantization.formats import QuantizedWeight
 from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
 
@@ -101,29 +101,38 @@ GPT2_KEYS = {"block_count": "n_layer", "context_length": "n_positions",
 def gguf_file(path: str | Path) -> Path | None:
     """The GGUF file that ``path`` names: itself when it starts with the GGUF magic (any
     name: an Ollama blob has no extension), or the one ``*.gguf`` file of a folder without a
-    ``config.json``; None otherwise (a checkpoint folder, a missing path). A folder with
-    several ``*.gguf`` files is refused naming them."""
+    ``config.json``; the first shard for a model split into shards (any shard's name, or a
+    folder holding the set); None otherwise (a checkpoint folder, a missing path). A folder
+    with several ``*.gguf`` files that are not one set of shards is refused naming them."""
     path = Path(path)
     if path.is_file():
         with path.open("rb") as f:
-            return path if f.read(4) == MAGIC else None
+            if f.read(4) != MAGIC:
+                return None
+        first = first_shard(path)
+        return first if first is not None and first.is_file() else path
     if not path.is_dir() or (path / "config.json").exists():
         return None
     found = sorted(path.glob("*.gguf"))
-    if len(found) > 1:
+    firsts = {first_shard(f) for f in found}
+    if len(found) > 1 and (len(firsts) > 1 or None in firsts):
         raise ValueError(f"path: {path} holds {len(found)} GGUF files "
                          f"({', '.join(f.name for f in found)}); name the one to load")
     return found[0] if found else None
 
 
-def open_gguf(file: Path) -> GGUFFile:
+def open_gguf(file: Path) -> GGUFFile | GGUFShards:
     """``file``'s header read and checked (``attnlab.models.gguf_reader.GGUFFile``: counts
     that cannot fit in the file, a tensor that reaches past its end, a truncated header are
-    each a ``ValueError`` naming the file); its tensors mapped, none read."""
+    each a ``ValueError`` naming the file); its tensors mapped, none read. The first shard of
+    a split model opens every shard (``GGUFShards``)."""
+    if SHARD.match(file.name) and first_shard(file) == file:
+        return GGUFShards(file)
     return GGUFFile(file)
 
 
-def config_from_gguf(reader: GGUFFile, file: Path) -> tuple[Family, DecoderLMConfig]:
+def config_from_gguf(reader: GGUFFile | GGUFShards, file: Path
+                     ) -> tuple[Family, DecoderLMConfig]:
     """``(family, config)`` from the file's metadata, read as the family reads a
     ``config.json`` (so its checks and defaults apply); errors name ``file`` and the key."""
     d = config_dict(reader.fields, [t.name for t in reader.tensors], file)
@@ -214,7 +223,7 @@ def load_gguf(cls: type[nn.Module], file: Path, dtype: torch.dtype | None,
     return model.to(device).eval()
 
 
-def _check_sizes(reader: GGUFFile, config: DecoderLMConfig, file: Path) -> None:
+def _check_sizes(reader: GGUFFile | GGUFShards, config: DecoderLMConfig, file: Path) -> None:
     """Refuse, before a model is built, metadata asking for more layers than the file has
     tensors or a size above the number of values its tensors hold (a hostile header would
     otherwise make Python build a billion modules)."""
@@ -337,6 +346,6 @@ def our_names(name: str, arch: str) -> tuple[str, ...] | None:
     return tuple(f"layers.{int(index)}.{name}" for name in ours)
 
 
-def _field(reader: GGUFFile, key: str) -> Any:
+def _field(reader: GGUFFile | GGUFShards, key: str) -> Any:
     """The metadata value ``key``, or None when absent."""
     return reader.fields.get(key)
