@@ -171,7 +171,8 @@ def tiny_model(arch: str, vocab: int, *, tied: bool = True, seed: int = 0,
     cls, config_cls = {"llama": (tf.LlamaForCausalLM, tf.LlamaConfig),
                        "qwen2": (tf.Qwen2ForCausalLM, tf.Qwen2Config),
                        "qwen3": (tf.Qwen3ForCausalLM, tf.Qwen3Config),
-                       "phi3": (tf.Phi3ForCausalLM, tf.Phi3Config)}[arch]
+                       "phi3": (tf.Phi3ForCausalLM, tf.Phi3Config),
+                       "gemma": (tf.GemmaForCausalLM, tf.GemmaConfig)}[arch]
     extra = {"pad_token_id": None} if arch == "phi3" else {}
     config = config_cls(vocab_size=vocab, hidden_size=width,
                         intermediate_size=96 if width == 64 else width, num_hidden_layers=2,

@@ -86,6 +86,21 @@ def test_an_f32_export_reads_back_as_the_same_model(tmp_path, vocabulary, arch):
         assert torch.equal(back.state_dict()[name], value), name
 
 
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+def test_gemma_reads_back_with_its_norms(tmp_path, vocabulary, kind):
+    # transformers reads no Gemma (1) GGUF: attnlab's load against the transformers model
+    folder, theirs = folder_of(tmp_path, vocabulary, "gemma")
+    file = export_gguf(from_pretrained(folder, kernels=False), tmp_path / "out.gguf", type=kind)
+    reader = open_gguf(file)
+    norm = next(t for t in reader.tensors if t.name == "blk.0.attn_norm.weight")
+    stored = torch.tensor(gguf.quants.dequantize(norm.data, norm.tensor_type).reshape(-1))
+    assert torch.equal(stored, theirs.model.layers[0].input_layernorm.weight.detach() + 1)
+    ids = torch.randint(0, len(vocabulary[0]), (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        err = (from_pretrained(file, kernels=False)(ids) - theirs(input_ids=ids).logits).abs()
+    assert err.max().item() <= TOLERANCE[kind], err.max().item()
+
+
 @pytest.mark.parametrize("kind", ["f16", "bf16", "q8_0", "q4_0", "q4_1"])
 def test_each_type_reads_back_in_transformers_and_attnlab(tmp_path, vocabulary, kind):
     folder, theirs = folder_of(tmp_path, vocabulary, "qwen2")
