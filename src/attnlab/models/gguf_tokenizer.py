@@ -2,14 +2,24 @@
 transformers' GGUF loader builds it (so both encode a text to the same ids).
 
 A GGUF has no ``tokenizer.json``: it stores the vocabulary (``tokens``, ids in order), each
-token's type (1 normal, 3 control, 4 user-defined), the BPE ``merges`` (``"a b"``), the
-pre-tokenizer's name (``pre``) and the special tokens' ids. For ``model = "gpt2"`` (byte-level
-BPE: Llama 3, Qwen2, SmolLM, GPT-2) the pipeline is: the text split by the ``pre``
-pre-tokenizer's regex (GPT-2's when the name is not one of ``SPLITS``), each piece's bytes
-spelled in the byte alphabet, the BPE merges, the byte-level decoder; control tokens are
-special added tokens (matched whole, skipped by ``decode(skip_special_tokens=True)``),
-user-defined ones plain added tokens. No BOS is added (transformers' GGUF tokenizer adds
-none). SentencePiece vocabularies (``model = "llama"``) are not rebuilt yet.
+token's type (1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte), the BPE ``merges``
+(``"a b"``) or the SentencePiece ``scores``, the pre-tokenizer's name (``pre``) and the special
+tokens' ids.
+
+- ``model = "gpt2"`` (byte-level BPE: Llama 3, Qwen2, SmolLM, GPT-2): the text split by the
+  ``pre`` pre-tokenizer's regex (GPT-2's when the name is not one of ``SPLITS``), each
+  piece's bytes spelled in the byte alphabet, the BPE merges, the byte-level decoder. No BOS
+  is added (transformers' GGUF tokenizer adds none).
+- ``model = "llama"`` (SentencePiece BPE: Llama 2, Mistral, Phi-3): spaces as ``▁`` (a
+  ``Metaspace`` that prepends one to the text; Phi-3: a normalizer that does the same), the
+  merges rebuilt from the scores (every split of a token into two tokens, the best-scored
+  merged token first: transformers' ``generate_merges``), unknown bytes as ``<0xNN>``
+  tokens, the decoder undoing all that; BOS added unless ``add_bos_token`` is false, EOS when
+  ``add_eos_token``. Gemma's variant (its own merge order) is refused.
+
+Control tokens and the special tokens' own (BOS, EOS, unknown, padding) are special added
+tokens (matched whole, skipped by ``decode(skip_special_tokens=True)``), user-defined ones
+plain added tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 __all__ = ["SPLITS", "gguf_tokenizer", "pre_tokenizer_name", "tokenizer_fields"]
@@ -43,25 +53,31 @@ def gguf_tokenizer(fields: Mapping[str, Any], file: Path
     metadata ``fields``; a missing or malformed key raises a ``ValueError`` naming ``file``
     and the key."""
     kind = fields.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise ValueError(f"{file}: tokenizer.ggml.model {kind!r} is not supported; expected "
-                         "'gpt2' (byte-level BPE)")
+                         "'gpt2' (byte-level BPE) or 'llama' (SentencePiece)")
     tokens = _strings(fields, "tokenizer.ggml.tokens", file)
-    merges = _strings(fields, "tokenizer.ggml.merges", file)
     types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if len(types) != len(tokens):
         raise ValueError(f"{file}: tokenizer.ggml.token_type has {len(types)} entries for "
                          f"{len(tokens)} tokens")
+    special = {}
+    for role, key in ROLES.items():
+        index = fields.get(f"tokenizer.ggml.{key}")
+        if index is not None and not (isinstance(index, int) and 0 <= index < len(tokens)):
+            raise ValueError(f"{file}: tokenizer.ggml.{key} {index!r} is not a token id "
+                             f"(0 to {len(tokens) - 1})")
+        special[role] = None if index is None else tokens[index]
+    template = fields.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{file}: tokenizer.chat_template is not a string")
+    if kind == "llama":
+        return _sentencepiece(fields, tokens, types, special, file), special, template
+    merges = _strings(fields, "tokenizer.ggml.merges", file)
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
     vocab = {(t if set(t) <= alphabet else _spelled(t)): i for i, t in enumerate(tokens)}
-    pairs = []
-    for merge in merges:
-        left, space, right = merge.partition(" ")
-        if not space:
-            raise ValueError(f"{file}: tokenizer.ggml.merges: {merge!r} is not two tokens "
-                             "joined by a space")
-        pairs.append((left, right))
-    backend = Backend(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
+    backend = Backend(models.BPE(vocab, _pairs(merges, file), fuse_unk=False,
+                                 byte_fallback=False))
     split = SPLITS.get(fields.get("tokenizer.ggml.pre"))
     backend.pre_tokenizer = (pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None
                              else pre_tokenizers.Sequence([
@@ -74,17 +90,79 @@ def gguf_tokenizer(fields: Mapping[str, Any], file: Path
     backend.add_special_tokens(control)
     backend.add_tokens([AddedToken(t, normalized=False, special=False)
                         for t, kind in zip(tokens, types) if kind == _USER_DEFINED])
-    special = {}
-    for role, key in ROLES.items():
-        index = fields.get(f"tokenizer.ggml.{key}")
-        if index is not None and not (isinstance(index, int) and 0 <= index < len(tokens)):
-            raise ValueError(f"{file}: tokenizer.ggml.{key} {index!r} is not a token id "
-                             f"(0 to {len(tokens) - 1})")
-        special[role] = None if index is None else tokens[index]
-    template = fields.get("tokenizer.chat_template")
-    if template is not None and not isinstance(template, str):
-        raise ValueError(f"{file}: tokenizer.chat_template is not a string")
     return backend, special, template
+
+
+def _sentencepiece(fields: Mapping[str, Any], tokens: list[str], types: list[int],
+                   special: dict[str, str | None], file: Path) -> Backend:
+    """The SentencePiece BPE pipeline of a ``model = "llama"`` vocabulary (module
+    docstring)."""
+    arch = fields.get("general.architecture")
+    if arch in ("gemma", "gemma2", "gemma3"):
+        raise ValueError(f"{file}: a {arch} SentencePiece vocabulary is not supported (its "
+                         "merges follow the file's order, not its scores)")
+    scores = fields.get("tokenizer.ggml.scores")
+    if not isinstance(scores, list) or len(scores) != len(tokens):
+        raise ValueError(f"{file}: tokenizer.ggml.scores is missing or not one number per "
+                         "token")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = (_pairs(_strings(fields, "tokenizer.ggml.merges", file), file)
+              if "tokenizer.ggml.merges" in fields else merges_from_scores(vocab, scores))
+    backend = Backend(models.BPE(vocab, merges, fuse_unk=True, byte_fallback=True))
+    space = "\u2581"
+    if arch == "phi3":  # the prefix space from a normalizer (transformers' phi3_tokenizer)
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend(space),
+                                                   normalizers.Replace(" ", space)])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=space,
+                                                         prepend_scheme="first", split=False)
+    backend.decoder = decoders.Sequence([decoders.Replace(space, " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    named = [t for t in special.values() if t is not None]
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in
+                                dict.fromkeys([*named, *(t for t, kind in zip(tokens, types)
+                                                         if kind == _CONTROL)])])
+    backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                        for t, kind in zip(tokens, types) if kind == _USER_DEFINED])
+    ends = [(role, special[f"{role}_token"]) for role in ("bos", "eos")
+            if fields.get(f"tokenizer.ggml.add_{role}_token", role == "bos")
+            and special[f"{role}_token"] is not None]
+    if ends:
+        bos = [t for role, t in ends if role == "bos"]
+        eos = [t for role, t in ends if role == "eos"]
+        backend.post_processor = processors.TemplateProcessing(
+            single=" ".join([*bos, "$A", *eos]),
+            pair=" ".join([*bos, "$A", *eos, *(f"{t}:1" for t in bos), "$B:1",
+                           *(f"{t}:1" for t in eos)]),
+            special_tokens=[(t, vocab[t]) for t in dict.fromkeys([*bos, *eos])])
+    return backend
+
+
+def merges_from_scores(vocab: Mapping[str, int], scores: list[float]
+                       ) -> list[tuple[str, str]]:
+    """SentencePiece merges from its scores, as transformers' ``generate_merges`` makes them:
+    every split of a token into two tokens of the vocabulary, ordered by the merged token's
+    score (best first), then the left and right parts' lengths (longest first), ties in the
+    order of the parts' ids."""
+    merges = []
+    for token, score in zip(vocab, scores):
+        local = [(token[:i], token[i:], score) for i in range(1, len(token))
+                 if token[:i] in vocab and token[i:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _pairs(merges: list[str], file: Path) -> list[tuple[str, str]]:
+    """``"a b"`` merges as pairs; a merge without a space raises naming ``file``."""
+    pairs = []
+    for merge in merges:
+        left, space, right = merge.partition(" ")
+        if not space:
+            raise ValueError(f"{file}: tokenizer.ggml.merges: {merge!r} is not two tokens "
+                             "joined by a space")
+        pairs.append((left, right))
+    return pairs
 
 
 def _strings(fields: Mapping[str, Any], key: str, file: Path) -> list[str]:
