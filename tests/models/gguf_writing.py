@@ -75,15 +75,16 @@ _K_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 def write_gguf(path: Path, model: nn.Module, arch: str, qtype: Q, *,
                tokens: list[str], merges: list[str] | None, pre: str | None = "qwen2",
                tokenizer_model: str = "gpt2", split_max_tensors: int = 0,
-               scores: list[float] | None = None, types: list[int] | None = None) -> Path:
+               scores: list[float] | None = None, types: list[int] | None = None,
+               extra: dict[str, np.ndarray] | None = None) -> Path:
     """``model`` (a transformers Llama/Qwen2/Qwen3) as the GGUF ``path``: 2-d weights in
     ``qtype``, norms and biases in F32. ``gguf`` cannot quantize to the K-quants: for those,
     each 2-d weight is random blocks of that type (finite scales), not the model's weight.
     ``scores``/``types`` (a SentencePiece vocabulary, ``merges`` None): written instead of the
     merges and of the types made from ``SPECIALS``; ``pre`` None writes no pre-tokenizer
-    name. ``split_max_tensors``: shards ``STEM-0000i-of-0000N.gguf`` of at most that many
-    tensors
-    (the first one's path returned)."""
+    name. ``extra``: more tensors, written as they are, first. ``split_max_tensors``: shards
+    ``STEM-0000i-of-0000N.gguf`` of at most that many tensors (the first one's path
+    returned)."""
     c = model.config
     w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_name("tiny")
@@ -122,6 +123,8 @@ def write_gguf(path: Path, model: nn.Module, arch: str, qtype: Q, *,
         w.add_eos_token_id(tokens.index("<|im_end|>"))
         w.add_pad_token_id(tokens.index("<|endoftext|>"))
     w.add_chat_template(TEMPLATE)
+    for name, a in (extra or {}).items():
+        w.add_tensor(name, a)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue  # llama.cpp stores a tied table once, as token_embd

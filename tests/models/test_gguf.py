@@ -5,6 +5,7 @@ bit for bit; hostile files refused naming the file."""
 
 from __future__ import annotations
 
+import math
 import shutil
 import struct
 
@@ -264,3 +265,44 @@ def test_a_model_split_into_shards_loads_as_one(tmp_path, vocabulary):
     shards[3].unlink()
     with pytest.raises(ValueError, match=r"tiny-00004-of-00004\.gguf: shard 4 of 4 is missing"):
         from_pretrained(first)
+
+
+def test_rope_freqs_scale_the_rotary_frequencies_as_llama_cpp_does(tmp_path, vocabulary):
+    # A Llama 3-scaled model as llama.cpp's converter writes it: the scaling as rope_freqs,
+    # one divisor per frequency (its formula below), read by attnlab as the scaled model.
+    tokens, merges = vocabulary
+    theirs = tiny_model("llama", len(tokens))
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    theirs.config.rope_parameters = {**theirs.config.rope_parameters, **scaling}
+    theirs = type(theirs)(theirs.config).eval()  # rebuilt: its rotary embedding scaled
+    theirs.load_state_dict(tiny_model("llama", len(tokens)).state_dict())
+    file = write_gguf(tmp_path / "tiny.gguf", theirs, "llama", Q.F32, tokens=tokens,
+                      merges=merges, extra={"rope_freqs.weight": _llama3_factors(16, scaling)})
+    ours = from_pretrained(file, kernels=False)
+    ids = torch.randint(0, len(tokens), (1, 200), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected = theirs(input_ids=ids).logits
+        err = (ours(ids) - expected).abs().max().item()
+        unscaled = (tiny_model("llama", len(tokens))(input_ids=ids).logits - expected).abs()
+    assert err <= 1e-4, f"max |logit difference| {err:.3g}"
+    assert unscaled.max().item() > 100 * max(err, 1e-6)  # the scaling changes the logits
+
+
+def _llama3_factors(head_dim: int, s: dict) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors)."""
+    freqs = 1.0 / (10000.0 ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    old = s["original_max_position_embeddings"]
+    low, high = old / s["low_freq_factor"], old / s["high_freq_factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high:
+            factors.append(1.0)
+        elif wavelen > low:
+            factors.append(s["factor"])
+        else:
+            smooth = (old / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"]
+                                                               - s["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)

@@ -24,8 +24,10 @@ of the metadata. llama.cpp stores Llama's q and k rows
 permuted (the two rotary halves of each head interleaved); they are put back in Hugging
 Face's order, as transformers' GGUF loader does. Phi-3's and GPT-2's fused tensors
 (``attn_qkv``, Phi-3's gate and up in ``ffn_up``) are split by rows, blocks kept.
-A file is refused, naming it, before anything is allocated when its header's counts cannot
-fit in it or a tensor reaches past its end.
+A ``rope_freqs`` tensor (llama.cpp's Llama 3 RoPE scaling: each frequency divided by its
+factor) becomes the config's RoPE scaling, as ``longrope`` with that one list of factors
+(transformers' GGUF loader ignores the tensor). A file is refused, naming it, before anything
+is allocated when its header's counts cannot fit in it or a tensor reaches past its end.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": 
                  "phi3": "phi3", "gpt2": "gpt2"}
 PERMUTED = ("llama",)  # architectures whose q/k rows llama.cpp interleaves
 UNIT_OFFSET_NORMS = ("gemma",)  # norms scaling by 1 + w, which llama.cpp stores as 1 + w
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency divisors (Llama 3's scaling)
+_MAX_FACTORS = 2**15  # rope_freqs read before the config: a bound far above any head
 
 # llama.cpp's names -> ours: whole-model tensors, then those of block {}.
 NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
@@ -136,12 +140,28 @@ def config_from_gguf(reader: GGUFFile | GGUFShards, file: Path
     """``(family, config)`` from the file's metadata, read as the family reads a
     ``config.json`` (so its checks and defaults apply); errors name ``file`` and the key."""
     d = config_dict(reader.fields, [t.name for t in reader.tensors], file)
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:
+        if math.prod(freqs.shape) > _MAX_FACTORS:
+            raise ValueError(f"{file}: {ROPE_FREQS} has {math.prod(freqs.shape)} factors, "
+                             f"more than a rotary head's {_MAX_FACTORS} at most")
+        # llama.cpp divides each rotary frequency by its factor: longrope's computation with
+        # one factor list at every length and no attention factor.
+        factors = gguf.quants.dequantize(freqs.data, freqs.tensor_type).reshape(-1).tolist()
+        d["rope_parameters"] = {"rope_type": "longrope", "short_factor": factors,
+                                "long_factor": factors, "factor": 1.0,
+                                "rope_theta": d.get("rope_theta", 10000.0)}
     family = family_for(d["model_type"])
     try:
-        return family, family.config_from_hf(d)
+        config = family.config_from_hf(d)
     except (TypeError, ValueError) as error:
         raise type(error)(f"{file}: {error} (read from the GGUF metadata "
                           f"{d['model_type']}.*)") from None
+    if freqs is not None and 2 * math.prod(freqs.shape) != config.rotary_size:
+        raise ValueError(f"{file}: {ROPE_FREQS} has {math.prod(freqs.shape)} factors; the "
+                         f"model rotates {config.rotary_size} features, expected "
+                         f"{config.rotary_size // 2}")
+    return family, config
 
 
 def config_dict(fields: dict[str, Any], names: list[str], file: Path | str) -> dict[str, Any]:
@@ -190,6 +210,8 @@ def load_gguf(cls: type[nn.Module], file: Path, dtype: torch.dtype | None,
     arch = _field(reader, "general.architecture")
     tensors: dict[tuple[str, ...], Any] = {}  # our names (a fused tensor: its parts) -> it
     for t in reader.tensors:
+        if t.name == ROPE_FREQS:  # read into the config's RoPE scaling
+            continue
         parts = our_names(t.name, arch)
         if parts is None or any(p not in targets for p in parts):
             raise ValueError(f"{file}: unexpected tensor {t.name!r}: no weight of a "
