@@ -80,11 +80,11 @@ def export_gguf(model: nn.Module, path: str | Path, *, type: str = "f16",
     the atomic write."""
     config = getattr(model, "config", None)
     if not isinstance(model, nn.Module) or not isinstance(config, DecoderLMConfig):
-        raise TypeError(f"model: expected a DecoderLM, got {type_name(model)}")
+        raise TypeError(f"model: expected a DecoderLM, got {_type_name(model)}")
     if not isinstance(type, str) or type.lower() not in TYPES:
         raise ValueError(f"type: expected one of {sorted(TYPES)}, got {type!r}")
     if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path: expected a file path (str or Path), got {type_name(path)}")
+        raise TypeError(f"path: expected a file path (str or Path), got {_type_name(path)}")
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"path: {path} is a folder; expected the GGUF file to write")
@@ -110,7 +110,7 @@ def export_gguf(model: nn.Module, path: str | Path, *, type: str = "f16",
     return path
 
 
-def type_name(value: object) -> str:
+def _type_name(value: object) -> str:
     """``value``'s type's name, for error messages."""
     return value.__class__.__name__
 
