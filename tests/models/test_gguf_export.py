@@ -193,3 +193,13 @@ def test_what_gguf_cannot_hold_is_refused_naming_it(tmp_path, vocabulary):
     with pytest.raises(ValueError, match="quantized"):
         export_gguf(quantized, tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_the_command_refuses_to_overwrite_what_is_not_a_gguf(tmp_path, vocabulary, capsys):
+    folder, _ = folder_of(tmp_path, vocabulary, "qwen2")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    assert main(["export-gguf", str(folder), str(notes)]) == 2
+    assert "is not a GGUF file" in capsys.readouterr().err and notes.read_text() == "mine"
+    assert main(["export-gguf", str(folder), str(notes), "--model", str(folder)]) == 2
+    assert "FOLDER: give it once" in capsys.readouterr().err

@@ -99,8 +99,9 @@ def _q5_0_codes(blocks: np.ndarray) -> Tensor:
     """``q - 16`` (int8 ``R x N x 32``) of Q5_0 blocks (``d`` u16, ``qh`` u32: bit ``j`` the
     fifth bit of input ``j``, 16 bytes of nibbles: byte ``j`` input ``j`` low, ``j + 16``
     high)."""
-    high = np.ascontiguousarray(blocks[..., 2:6]).view(np.uint32)  # R x N x 1
-    fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    # qh little-endian: bit j of the u32 is bit j % 8 of byte j // 8 (a byte per input, not
+    # a u32: the transient stays the size of the int8 codes)
+    fifth = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")
     q = blocks[..., 6:]
     low = np.concatenate((q & 15, q >> 4), axis=-1)
     return torch.from_numpy((low | (fifth << 4)).astype(np.int8) - np.int8(16))
