@@ -15,7 +15,8 @@ tokens' ids.
   merges rebuilt from the scores (every split of a token into two tokens, the best-scored
   merged token first: transformers' ``generate_merges``), unknown bytes as ``<0xNN>``
   tokens, the decoder undoing all that; BOS added unless ``add_bos_token`` is false, EOS when
-  ``add_eos_token``. Gemma's variant (its own merge order) is refused.
+  ``add_eos_token``. Gemma's variant: merges in the file's order, runs of spaces respelled
+  as ``▁``, no prefix space (transformers' ``gemma_tokenizer``).
 
 Control tokens and the special tokens' own (BOS, EOS, unknown, padding) are special added
 tokens (matched whole, skipped by ``decode(skip_special_tokens=True)``), user-defined ones
@@ -98,26 +99,31 @@ def _sentencepiece(fields: Mapping[str, Any], tokens: list[str], types: list[int
     """The SentencePiece BPE pipeline of a ``model = "llama"`` vocabulary (module
     docstring)."""
     arch = fields.get("general.architecture")
-    if arch in ("gemma", "gemma2", "gemma3"):
-        raise ValueError(f"{file}: a {arch} SentencePiece vocabulary is not supported (its "
-                         "merges follow the file's order, not its scores)")
     scores = fields.get("tokenizer.ggml.scores")
     if not isinstance(scores, list) or len(scores) != len(tokens):
         raise ValueError(f"{file}: tokenizer.ggml.scores is missing or not one number per "
                          "token")
+    space = "\u2581"
+    gemma = arch in ("gemma", "gemma2", "gemma3")
+    if gemma:  # runs of spaces stored as spaces; merges in the file's order, not by score
+        tokens = [space * len(t) if " " in t and not t.strip() else t for t in tokens]
+        scores = [-float(i) for i in range(len(tokens))]
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = (_pairs(_strings(fields, "tokenizer.ggml.merges", file), file)
               if "tokenizer.ggml.merges" in fields else merges_from_scores(vocab, scores))
-    backend = Backend(models.BPE(vocab, merges, fuse_unk=True, byte_fallback=True))
-    space = "\u2581"
-    if arch == "phi3":  # the prefix space from a normalizer (transformers' phi3_tokenizer)
+    backend = Backend(models.BPE(vocab, merges, fuse_unk=True, byte_fallback=True,
+                                 unk_token="<unk>" if gemma else None))
+    steps = [decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if gemma:  # transformers' GemmaTokenizer: spaces marked, no prefix space
+        backend.normalizer = normalizers.Replace(" ", space)
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    elif arch == "phi3":  # the prefix space from a normalizer (transformers' phi3_tokenizer)
         backend.normalizer = normalizers.Sequence([normalizers.Prepend(space),
                                                    normalizers.Replace(" ", space)])
     else:
         backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=space,
                                                          prepend_scheme="first", split=False)
-    backend.decoder = decoders.Sequence([decoders.Replace(space, " "), decoders.ByteFallback(),
-                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    backend.decoder = decoders.Sequence(steps if gemma else [*steps, decoders.Strip(" ", 1, 0)])
     named = [t for t in special.values() if t is not None]
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in
                                 dict.fromkeys([*named, *(t for t, kind in zip(tokens, types)
