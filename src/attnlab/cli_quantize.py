@@ -1,4 +1,6 @@
-"""``attnlab quantize FOLDER OUT``: a checkpoint folder's weights as int8 or int4.
+"""``attnlab quantize FOLDER OUT``: a checkpoint folder's weights as int8 or int4; and
+``attnlab export-gguf FOLDER OUT.gguf --type TYPE``: the folder's model as a GGUF file
+(``attnlab.models.export_gguf``, the folder's tokenizer and chat template in its metadata).
 
 Reads any folder that ``attnlab.models.from_pretrained`` reads, quantizing each weight as it
 is read (``attnlab.quantization``: the float model is never held), and writes OUT in
@@ -20,14 +22,18 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
 from safetensors import SafetensorError
 
 from attnlab.durable import new_folder, swap_in
+from attnlab.models.gguf import gguf_file
+from attnlab.models.gguf_export import TYPES, export_gguf
 from attnlab.models.hf_loading import CONFIG_NAME, WEIGHTS_NAME, check_folder, weight_files
 from attnlab.models.io import from_pretrained
+from attnlab.tokenizer import Tokenizer
 
 __all__ = ["add_commands"]
 
@@ -57,6 +63,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true",
                    help="replace OUT whatever it holds (all of it: OUT becomes the new model)")
     p.set_defaults(handler=_quantize)
+    e = sub.add_parser("export-gguf", help="write a checkpoint folder's model as a GGUF file "
+                       "(llama.cpp, Ollama, transformers' gguf_file=)")
+    e.add_argument("folder", nargs="?", help="checkpoint folder (or use --model)")
+    e.add_argument("out", nargs="?", help="GGUF file to write (or use --out)")
+    e.add_argument("--model", help="checkpoint folder (any that `attnlab generate` reads)")
+    e.add_argument("--out", dest="out_option", metavar="OUT", help="GGUF file to write; an "
+                   "existing file is replaced only when it is a GGUF")
+    e.add_argument("--type", choices=sorted(TYPES), default="f16",
+                   help="type of the 2-d weights (norms and biases stay f32)")
+    e.set_defaults(handler=_export_gguf)
 
 
 def _quantize(args: argparse.Namespace) -> int:
@@ -96,6 +112,28 @@ def _quantize(args: argparse.Namespace) -> int:
           f"MiB -> {after / 2**20:.1f} MiB ({after / before:.2f}x) in "
           f"{time.perf_counter() - start:.1f} s")
     print(f"wrote {out}")
+    return 0
+
+
+def _export_gguf(args: argparse.Namespace) -> int:
+    folder, out = args.model or args.folder, args.out_option or args.out
+    for name, positional, option, value in (("FOLDER", args.folder, args.model, folder),
+                                            ("OUT", args.out, args.out_option, out)):
+        if value is None or (positional is not None and option is not None):
+            raise ValueError(f"{name}: give it once, as an argument or as its option; got "
+                             f"{positional!r} and {option!r}")
+    out = Path(out)
+    if out.exists() and (out.is_dir() or gguf_file(out) is None):
+        raise ValueError(f"out: {out} exists and is not a GGUF file; choose another path")
+    source = check_folder(folder)
+    model = from_pretrained(source, kernels=False)
+    tokenizer = (Tokenizer.from_pretrained(source)
+                 if (source / "tokenizer.json").is_file() else None)
+    if tokenizer is None:
+        print(f"attnlab: {source} has no tokenizer.json: the GGUF holds no vocabulary "
+              "(llama.cpp needs one to run it)", file=sys.stderr)
+    export_gguf(model, out, type=args.type, tokenizer=tokenizer)
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, {args.type})")
     return 0
 
 

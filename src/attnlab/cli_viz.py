@@ -35,6 +35,7 @@ from attnlab.analysis.capture import AttentionCapture, kind_label
 from attnlab.analysis.dates import check_date_checkpoint, date_alignment_report
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.families import FAMILIES
+from attnlab.models.gguf import gguf_file
 from attnlab.models.hf_loading import read_json
 from attnlab.models.io import from_pretrained
 from attnlab.threads import add_threads_option
@@ -52,10 +53,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                          description="Capture every attention layer and head of a checkpoint on "
                          "a text, print the head metric table, and write the interactive HTML "
                          "viewer and/or PNG pictures.")
-    viz.add_argument("--checkpoint", required=True, metavar="DIR",
-                     help="an attnlab checkpoint folder (seq2seq or character LM) or a Hugging "
+    viz.add_argument("--checkpoint", "--model", dest="checkpoint", required=True,
+                     metavar="DIR",
+                     help="an attnlab checkpoint folder (seq2seq or character LM), a Hugging "
                           "Face checkpoint folder with tokenizer.json, of a supported family "
-                          f"({', '.join(sorted(FAMILIES))})")
+                          f"({', '.join(sorted(FAMILIES))}), or a GGUF file")
     viz.add_argument("--text", required=True,
                      help="the input text: the source of a seq2seq model, else the prompt")
     viz.add_argument("--html", metavar="FILE",
@@ -85,11 +87,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 def load_for_viz(checkpoint: str | Path, text: str) -> tuple[nn.Module, Any, dict, str]:
     """``(model, inputs, tokens, description)`` ready for ``capture`` on ``text``."""
     folder = Path(checkpoint)
+    if not text:
+        raise ValueError("text: expected a non-empty string, got ''")
+    if gguf_file(folder) is not None:  # its tokenizer in its metadata
+        return _load_lm(folder, text)
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"checkpoint: no config.json in {str(folder)!r}")
-    if not text:
-        raise ValueError("text: expected a non-empty string, got ''")
     raw = read_json(config_path)
     if raw.get("format") != FORMAT:
         return _load_hf(folder, text, raw)
@@ -210,6 +214,11 @@ def _load_hf(folder: Path, text: str, raw: dict) -> tuple[nn.Module, Any, dict, 
                          "save_pretrained and attnlab quantize write it)")
     if not (folder / "tokenizer.json").is_file():
         raise ValueError(f"checkpoint: {str(folder)!r} has no tokenizer.json")
+    return _load_lm(folder, text)
+
+
+def _load_lm(folder: Path, text: str) -> tuple[nn.Module, Any, dict, str]:
+    """A decoder-only model and its tokenizer (a checkpoint folder or a GGUF file)."""
     tokenizer = Tokenizer.from_pretrained(folder)
     ids = tokenizer.encode(text)
     if not ids:

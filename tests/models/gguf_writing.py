@@ -12,7 +12,14 @@ import gguf
 import numpy as np
 import torch
 import transformers as tf
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import (
+    SentencePieceBPETokenizer,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    trainers,
+)
 from torch import nn
 
 Q = gguf.GGMLQuantizationType
@@ -46,18 +53,40 @@ def bpe_vocabulary() -> tuple[list[str], list[str]]:
     return tokens, [" ".join(m) if isinstance(m, list) else m for m in merges]
 
 
+def sentencepiece_vocabulary() -> tuple[list[str], list[float], list[int]]:
+    """``(tokens, scores, types)`` of a SentencePiece BPE trained on ``TEXT`` as llama.cpp
+    writes one: ``<unk>``, ``<s>``, ``</s>``, the 256 byte tokens ``<0xNN>``, then the pieces,
+    each scored minus its rank (a merged piece after its parts)."""
+    sp = SentencePieceBPETokenizer()
+    sp.train_from_iterator([TEXT], vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                           show_progress=False)
+    vocab = sp.get_vocab()
+    pieces = [p for p in sorted(vocab, key=vocab.__getitem__) if p not in ("<unk>", "<s>", "</s>")]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    types = [2, 3, 3, *[6] * 256, *[1] * len(pieces)]
+    return tokens, scores, types
+
+
 # K-quant blocks (256 inputs): their bytes, and where their half-precision scales sit.
 _K_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
 
 def write_gguf(path: Path, model: nn.Module, arch: str, qtype: Q, *,
-               tokens: list[str], merges: list[str], pre: str = "qwen2",
-               tokenizer_model: str = "gpt2") -> Path:
+               tokens: list[str], merges: list[str] | None, pre: str | None = "qwen2",
+               tokenizer_model: str = "gpt2", split_max_tensors: int = 0,
+               scores: list[float] | None = None, types: list[int] | None = None,
+               extra: dict[str, np.ndarray] | None = None) -> Path:
     """``model`` (a transformers Llama/Qwen2/Qwen3) as the GGUF ``path``: 2-d weights in
     ``qtype``, norms and biases in F32. ``gguf`` cannot quantize to the K-quants: for those,
-    each 2-d weight is random blocks of that type (finite scales), not the model's weight."""
+    each 2-d weight is random blocks of that type (finite scales), not the model's weight.
+    ``scores``/``types`` (a SentencePiece vocabulary, ``merges`` None): written instead of the
+    merges and of the types made from ``SPECIALS``; ``pre`` None writes no pre-tokenizer
+    name. ``extra``: more tensors, written as they are, first. ``split_max_tensors``: shards
+    ``STEM-0000i-of-0000N.gguf`` of at most that many tensors (the first one's path
+    returned)."""
     c = model.config
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_name("tiny")
     if arch == "gpt2":
         w.add_block_count(c.n_layer)
@@ -79,14 +108,23 @@ def write_gguf(path: Path, model: nn.Module, arch: str, qtype: Q, *,
         w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
     w.add_tokenizer_model(tokenizer_model)
-    w.add_tokenizer_pre(pre)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(tokens.index("<|endoftext|>"))
-    w.add_eos_token_id(tokens.index("<|im_end|>"))
-    w.add_pad_token_id(tokens.index("<|endoftext|>"))
+    w.add_token_types(types or [3 if t in SPECIALS else 1 for t in tokens])
+    if scores is not None:
+        w.add_token_scores(scores)
+        w.add_unk_token_id(tokens.index("<unk>"))
+        w.add_bos_token_id(tokens.index("<s>"))
+        w.add_eos_token_id(tokens.index("</s>"))
+    else:
+        w.add_token_merges(merges)
+        w.add_bos_token_id(tokens.index("<|endoftext|>"))
+        w.add_eos_token_id(tokens.index("<|im_end|>"))
+        w.add_pad_token_id(tokens.index("<|endoftext|>"))
     w.add_chat_template(TEMPLATE)
+    for name, a in (extra or {}).items():
+        w.add_tensor(name, a)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue  # llama.cpp stores a tied table once, as token_embd
@@ -111,7 +149,7 @@ def write_gguf(path: Path, model: nn.Module, arch: str, qtype: Q, *,
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
+    return w.format_shard_names(path)[0]
 
 
 def random_blocks(shape: tuple[int, int], qtype: Q, seed: int = 0) -> np.ndarray:
@@ -169,7 +207,8 @@ def tiny_model(arch: str, vocab: int, *, tied: bool = True, seed: int = 0,
     cls, config_cls = {"llama": (tf.LlamaForCausalLM, tf.LlamaConfig),
                        "qwen2": (tf.Qwen2ForCausalLM, tf.Qwen2Config),
                        "qwen3": (tf.Qwen3ForCausalLM, tf.Qwen3Config),
-                       "phi3": (tf.Phi3ForCausalLM, tf.Phi3Config)}[arch]
+                       "phi3": (tf.Phi3ForCausalLM, tf.Phi3Config),
+                       "gemma": (tf.GemmaForCausalLM, tf.GemmaConfig)}[arch]
     extra = {"pad_token_id": None} if arch == "phi3" else {}
     config = config_cls(vocab_size=vocab, hidden_size=width,
                         intermediate_size=96 if width == 64 else width, num_hidden_layers=2,

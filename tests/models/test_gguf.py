@@ -5,20 +5,24 @@ bit for bit; hostile files refused naming the file."""
 
 from __future__ import annotations
 
+import math
 import shutil
 import struct
 
 import gguf
+import numpy as np
 import pytest
 import torch
 import transformers as tf
-from gguf_writing import Q, bpe_vocabulary, tiny_model, write_gguf
+from gguf_writing import Q, bpe_vocabulary, random_blocks, tiny_model, write_gguf
 
 from attnlab.generation import generate
 from attnlab.models import from_pretrained
 from attnlab.models.gguf import open_gguf, tensor_weight
+from attnlab.models.gguf_reader import GGUFTensor
 from attnlab.quantization.kernels import QUANTIZED_KERNELS
 from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
+from attnlab.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +160,9 @@ def test_grouped_int8_runs_the_formula_and_looks_up_rows(tmp_path, vocabulary):
     assert torch.equal(ours.embed_tokens(ids), weight.dequantize()[ids])
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
-def test_k_quants_are_dequantized_with_a_notice(tmp_path, vocabulary, qtype, capsys):
+@pytest.mark.parametrize("qtype", [Q.Q5_K, Q.Q5_1], ids=lambda q: q.name)
+def test_types_without_a_format_are_dequantized_with_a_notice(tmp_path, vocabulary, qtype,
+                                                              capsys):
     file, theirs = make(tmp_path, vocabulary, "llama", qtype, width=256)
     ours = from_pretrained(file, kernels=False)
     assert f"{qtype.name} tensors dequantized to float32" in capsys.readouterr().err
@@ -188,3 +193,116 @@ def test_a_bfloat16_load_keeps_the_blocks_with_scales_in_bfloat16(tmp_path, voca
         got, expected = ours(ids), theirs(input_ids=ids).logits
     assert got.dtype == torch.bfloat16
     assert (got.float() - expected).abs().max().item() <= 0.1 * expected.abs().max().item()
+
+
+@pytest.mark.parametrize(("qtype", "bits", "group"), [(Q.Q5_0, 8, 32), (Q.Q6_K, 8, 16),
+                                                      (Q.Q4_K, 4, 32)], ids=lambda v: str(v))
+def test_q5_0_q6_k_and_q4_k_stay_quantized(tmp_path, vocabulary, qtype, bits, group, capsys):
+    file, theirs = make(tmp_path, vocabulary, "llama", qtype, width=256)
+    ours = from_pretrained(file, kernels=False)
+    assert "dequantized" not in capsys.readouterr().err
+    up = ours.layers[0].mlp.up_proj
+    assert isinstance(up, QuantizedLinear) and (up.bits, up.group_size) == (bits, group)
+    for t in open_gguf(file).tensors:
+        if len(t.shape) == 2:
+            expected = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
+            if qtype == Q.Q4_K:
+                check_q4_k(t, expected)
+            else:
+                assert torch.equal(tensor_weight(t).dequantize(), expected), t.name  # bitwise
+    ids = torch.randint(0, len(vocabulary[0]), (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        err = (theirs(input_ids=ids).logits - ours(ids)).abs().max().item()
+    assert err <= 1e-4, f"max |logit difference| {err:.3g}"
+
+
+def test_q4_k_zeros_not_exact_in_float32_stay_within_the_bound():
+    # d and dmin of full half-precision mantissas, 2^-12 apart: 8 d sc - dmin m needs more
+    # than float32's 24 bits in most groups
+    data = random_blocks((64, 512), Q.Q4_K, seed=7).reshape(64, 2, 144)
+    data[..., 0:2] = np.full((64, 2, 1), 1.9990234375, np.float16).view(np.uint8)
+    data[..., 2:4] = np.full((64, 2, 1), 1.9990234375 * 2**-12, np.float16).view(np.uint8)
+    data = data.reshape(64, -1)
+    t = GGUFTensor("w", Q.Q4_K, (512, 64), data.size, 0, data)
+    assert check_q4_k(t, torch.from_numpy(gguf.quants.dequantize(data, Q.Q4_K))) > 0
+
+
+def check_q4_k(t, expected) -> int:
+    """Q4_K kept as int4: bit for bit in the groups whose zero 8 d sc - dmin m is exact in
+    float32, else within one rounding of the zero and of the weight (gguf_blocks'
+    docstring); returns the number of inexact groups."""
+    weight = tensor_weight(t)
+    got = weight.dequantize(torch.float32)
+    z = weight.zeros.repeat_interleave(32, dim=1)
+    bound = 2.0**-24 * (z.abs() + 2 * expected.abs()) * (1 + 2.0**-20)
+    assert bool(((got - expected).abs() <= bound).all()), t.name
+    blocks = t.data.reshape(-1, 144)  # d, dmin, 12 bytes of 6-bit sc/m, the codes
+    dmin = torch.from_numpy(blocks[:, 2:4].copy().view(np.float16)).double()
+    m = torch.from_numpy(gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])[1].astype(float))
+    true_z = 8 * weight.scales.double() - (dmin * m).view(weight.scales.shape)
+    exact = (true_z == weight.zeros.double()).repeat_interleave(32, dim=1)
+    assert torch.equal(got[exact], expected[exact]), t.name
+    return int((~exact).sum()) // 32
+
+
+def test_a_model_split_into_shards_loads_as_one(tmp_path, vocabulary):
+    tokens, merges = vocabulary
+    hf_model = tiny_model("qwen2", len(tokens))
+    whole = write_gguf(tmp_path / "whole.gguf", hf_model, "qwen2", Q.Q8_0, tokens=tokens,
+                       merges=merges)
+    (tmp_path / "split").mkdir()
+    first = write_gguf(tmp_path / "split" / "tiny.gguf", hf_model, "qwen2", Q.Q8_0,
+                       tokens=tokens, merges=merges, split_max_tensors=8)
+    shards = sorted((tmp_path / "split").iterdir())
+    assert first.name == "tiny-00001-of-00004.gguf" and len(shards) == 4
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        expected = from_pretrained(whole)(ids)
+        for path in (first, shards[2], tmp_path / "split"):  # any shard, or their folder
+            assert torch.equal(from_pretrained(path)(ids), expected), path
+    assert Tokenizer.from_pretrained(shards[1]).encode("The quick") == (
+        Tokenizer.from_pretrained(whole).encode("The quick"))
+    shards[3].unlink()
+    with pytest.raises(ValueError, match=r"tiny-00004-of-00004\.gguf: shard 4 of 4 is missing"):
+        from_pretrained(first)
+
+
+def test_rope_freqs_scale_the_rotary_frequencies_as_llama_cpp_does(tmp_path, vocabulary):
+    # A Llama 3-scaled model as llama.cpp's converter writes it: the scaling as rope_freqs,
+    # one divisor per frequency (its formula below), read by attnlab as the scaled model.
+    tokens, merges = vocabulary
+    theirs = tiny_model("llama", len(tokens))
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    theirs.config.rope_parameters = {**theirs.config.rope_parameters, **scaling}
+    theirs = type(theirs)(theirs.config).eval()  # rebuilt: its rotary embedding scaled
+    theirs.load_state_dict(tiny_model("llama", len(tokens)).state_dict())
+    file = write_gguf(tmp_path / "tiny.gguf", theirs, "llama", Q.F32, tokens=tokens,
+                      merges=merges, extra={"rope_freqs.weight": _llama3_factors(16, scaling)})
+    ours = from_pretrained(file, kernels=False)
+    ids = torch.randint(0, len(tokens), (1, 200), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected = theirs(input_ids=ids).logits
+        err = (ours(ids) - expected).abs().max().item()
+        unscaled = (tiny_model("llama", len(tokens))(input_ids=ids).logits - expected).abs()
+    assert err <= 1e-4, f"max |logit difference| {err:.3g}"
+    assert unscaled.max().item() > 100 * max(err, 1e-6)  # the scaling changes the logits
+
+
+def _llama3_factors(head_dim: int, s: dict) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors)."""
+    freqs = 1.0 / (10000.0 ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    old = s["original_max_position_embeddings"]
+    low, high = old / s["low_freq_factor"], old / s["high_freq_factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high:
+            factors.append(1.0)
+        elif wavelen > low:
+            factors.append(s["factor"])
+        else:
+            smooth = (old / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"]
+                                                               - s["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)

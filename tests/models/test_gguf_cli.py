@@ -3,6 +3,8 @@ takes a file, and the text is the library's greedy text."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 from fastapi.testclient import TestClient
 from gguf_writing import Q, bpe_vocabulary, tiny_model, write_gguf
@@ -39,3 +41,15 @@ def test_the_server_loads_a_gguf_file(tmp_path):
                                                       "max_tokens": 3, "temperature": 0})
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 3
+
+
+def test_viz_takes_a_gguf_file(tmp_path, capsys):
+    file = _file(tmp_path)
+    html = tmp_path / "view.html"
+    assert main(["viz", "--model", str(file), "--text", "The quick brown fox",
+                 "--html", str(html)]) == 0
+    assert f"wrote {html}" in capsys.readouterr().out
+    tokens = [Tokenizer.from_pretrained(file).decode([i])
+              for i in Tokenizer.from_pretrained(file).encode("The quick brown fox")]
+    page = html.read_text()
+    assert page.startswith("<!DOCTYPE html>") and all(json.dumps(t) in page for t in tokens)

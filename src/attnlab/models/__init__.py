@@ -4,6 +4,7 @@ families in ``attnlab.models.families`` (Llama, Mistral, Qwen2, Qwen3, ...)."""
 
 from attnlab.models.decoder import DecoderBlock, DecoderLM, DecoderLMConfig
 from attnlab.models.families import PRESETS, preset
+from attnlab.models.gguf_export import export_gguf
 from attnlab.models.io import from_pretrained, save_pretrained
 from attnlab.models.summary import count_parameters, summary
 from attnlab.models.transformer import (
@@ -27,6 +28,7 @@ __all__ = [
     "Transformer",
     "TransformerConfig",
     "count_parameters",
+    "export_gguf",
     "from_pretrained",
     "preset",
     "save_pretrained",

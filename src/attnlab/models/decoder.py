@@ -45,6 +45,7 @@ from attnlab.masks import decoder_mask
 from attnlab.models.decoder_config import GATED, DecoderLMConfig, make_rotary
 from attnlab.models.families.loading import load_family, save_family
 from attnlab.models.gguf import gguf_file, load_gguf
+from attnlab.models.gguf_export import export_gguf
 from attnlab.models.hf_loading import (
     CONFIG_NAME,
     check_folder,
@@ -294,6 +295,13 @@ class DecoderLM(PreTrainedModel):
         if self.config.family is None or self.quantization is not None:
             return super().save_pretrained(path)
         return save_family(self, path)
+
+    def save_gguf(self, path: str | Path, *, type: str = "f16", tokenizer: Any = None) -> Path:
+        """Write this model as the GGUF file ``path`` (llama.cpp's format: Ollama, llama.cpp
+        and transformers' ``gguf_file=`` read it), its 2-d weights in ``type`` (``"f32"``,
+        ``"f16"``, ``"bf16"``, ``"q8_0"``, ``"q4_0"``, ``"q4_1"``), with ``tokenizer``'s
+        vocabulary and chat template when given: ``attnlab.models.gguf_export.export_gguf``."""
+        return export_gguf(self, path, type=type, tokenizer=tokenizer)
 
     def summary(self, max_depth: int = 2) -> str:
         """Print and return the per-module parameter counts."""

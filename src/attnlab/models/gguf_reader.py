@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import mmap
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-__all__ = ["GGUFFile", "GGUFTensor"]
+__all__ = ["SHARD", "GGUFFile", "GGUFShards", "GGUFTensor", "first_shard"]
 
 # value type -> (struct format, size); 8 is a string, 9 an array
 _SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4),
@@ -157,3 +158,60 @@ class GGUFFile:
 
     def _error(self, what: str) -> ValueError:
         return ValueError(f"{self.path}: {what}")
+
+
+SHARD = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+class GGUFShards:
+    """A model split into shards ``STEM-0000i-of-0000N.gguf`` (llama.cpp's ``gguf-split``,
+    ``GGUFWriter(split_max_*)``) read as one ``GGUFFile``: ``fields`` those of the first
+    shard (which holds the metadata; each shard records ``split.no`` and ``split.count``),
+    ``tensors`` every shard's, in order. A shard missing or recording another place in the
+    set raises a ``ValueError`` naming it."""
+
+    def __init__(self, first: Path) -> None:
+        match = SHARD.match(first.name)
+        if match is None:
+            raise ValueError(f"{first}: not a shard name (STEM-00001-of-0000N.gguf)")
+        count = int(match["count"])
+        self.path = first
+        self._files: list[GGUFFile] = []
+        self._owner: dict[str, GGUFFile] = {}
+        try:
+            for no in range(count):
+                path = first.with_name(f"{match['stem']}-{no + 1:05d}-of-{count:05d}.gguf")
+                if not path.is_file():
+                    raise ValueError(f"{path}: shard {no + 1} of {count} is missing")
+                shard = GGUFFile(path)
+                self._files.append(shard)
+                recorded = (shard.fields.get("split.no"), shard.fields.get("split.count"))
+                if recorded != (no, count):
+                    raise ValueError(f"{path}: records split.no/split.count {recorded}; "
+                                     f"its name says ({no}, {count})")
+                self._owner.update((t.name, shard) for t in shard.tensors)
+        except BaseException:
+            self.close()
+            raise
+        self.fields = self._files[0].fields
+        self.tensors = [t for shard in self._files for t in shard.tensors]
+        self.size = sum(shard.size for shard in self._files)
+
+    def release(self, t: GGUFTensor) -> None:
+        """Drop ``t``'s mapped pages (``GGUFFile.release``)."""
+        self._owner[t.name].release(t)
+
+    def close(self) -> None:
+        """Unmap every shard."""
+        self.tensors = []
+        for shard in self._files:
+            shard.close()
+
+
+def first_shard(path: Path) -> Path | None:
+    """The first shard of the set that ``path`` names (any of its shards), or None when
+    ``path`` is no shard name."""
+    match = SHARD.match(path.name)
+    if match is None:
+        return None
+    return path.with_name(f"{match['stem']}-00001-of-{match['count']}.gguf")
