@@ -13,7 +13,7 @@ from pathlib import Path
 import attnlab
 from attnlab.cli import build_parser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NO_DEFAULT = (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)
 
 

@@ -18,7 +18,7 @@ from attnlab import cli, cli_train, threads
 from attnlab.cli import BENCHMARKS, build_parser, main
 from attnlab.threads import ENV, default_threads, use_threads
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Each command that takes --threads, with the options it requires.
 COMMANDS = {
