@@ -10,47 +10,15 @@ import shutil
 
 import pytest
 import torch
-from tokenizers import Tokenizer as Backend
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from attnlab.bench.versus import random_checkpoint
 from attnlab.cli import build_parser, main
 from attnlab.cli_generate import summary
 from attnlab.generation import generate
-from attnlab.models.decoder import DecoderLM
 from attnlab.models.families import FAMILIES
-from attnlab.models.io import from_pretrained, save_pretrained
+from attnlab.models.io import from_pretrained
 from attnlab.tokenizer import Tokenizer
-
-TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
-            "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
-            "{{ '<|im_start|>assistant\\n' }}{% endif %}")
-
-
-def make_folder(folder) -> None:
-    """A Qwen2 folder written by our ``save_pretrained``, with a tokenizer."""
-    vocab = make_tokenizer(folder)
-    config = FAMILIES["qwen2"].config_from_hf(
-        {"vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "max_position_embeddings": 256, "initializer_range": 0.2})
-    torch.manual_seed(0)
-    save_pretrained(DecoderLM(config), folder)
-
-
-def make_tokenizer(folder) -> int:
-    """A byte-level BPE tokenizer of 300 tokens with a chat template; returns its size."""
-    tok = Backend(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(
-        ["once upon a time there was a fox", "the fox said hello to the world"],
-        trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
-                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps({"eos_token": "<|im_end|>", "chat_template": TEMPLATE}))
-    return tok.get_vocab_size()
+from tiny_folders import make_folder, make_tokenizer
 
 
 def test_generate_streams_text_and_reports_speed(tmp_path, capsys) -> None:

@@ -15,7 +15,7 @@ import pytest
 import attnlab.cli_quantize as cli_quantize
 from attnlab.cli import main
 from attnlab.models.io import from_pretrained
-from test_cli_generate import make_folder
+from tiny_folders import make_folder
 
 
 @pytest.fixture(scope="module")
