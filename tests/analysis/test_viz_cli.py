@@ -12,7 +12,7 @@ from tiny_families import tiny_hf_config
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM
 
-import attnlab.cli_viz
+import attnlab.cli.viz
 from attnlab.analysis import capture
 from attnlab.analysis.viewer_page import script_json
 from attnlab.cli import build_parser, main
@@ -93,7 +93,7 @@ def test_viz_hf_folder_of_every_family(tmp_path, capsys, model_type):
     assert "| self | 1 | 3 |" in capsys.readouterr().out
     assert '"queries":["the","cat","sat","on","the","mat"]' in html.read_text()
     # the weights drawn are transformers' own attention weights
-    model, ids, tokens, _ = attnlab.cli_viz.load_for_viz(folder, text)
+    model, ids, tokens, _ = attnlab.cli.viz.load_for_viz(folder, text)
     maps = capture(model, ids, tokens=tokens["input"])["self"]
     with torch.no_grad():
         expected = torch.stack(hf(ids, output_attentions=True).attentions, dim=1)

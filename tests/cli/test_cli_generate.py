@@ -13,7 +13,7 @@ import torch
 
 from attnlab.bench.versus import random_checkpoint
 from attnlab.cli import build_parser, main
-from attnlab.cli_generate import summary
+from attnlab.cli.generate import summary
 from attnlab.generation import generate
 from attnlab.models.families import FAMILIES
 from attnlab.models.io import from_pretrained

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from attnlab import cli_infer
+from attnlab.cli import infer as cli_infer
 from attnlab.cli import main
 from attnlab.training.tasks import seq2seq
 from attnlab.training.tasks.vocab import BOS, EOS, PAD, SPECIALS

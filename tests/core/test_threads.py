@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnlab import cli, cli_train, threads
+from attnlab import cli, threads
 from attnlab.cli import BENCHMARKS, build_parser, main
+from attnlab.cli import train as cli_train
 from attnlab.threads import ENV, default_threads, use_threads
 
 ROOT = Path(__file__).resolve().parents[2]

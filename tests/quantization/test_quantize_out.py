@@ -12,8 +12,8 @@ import stat
 
 import pytest
 
-import attnlab.cli_quantize as cli_quantize
 from attnlab.cli import main
+from attnlab.cli import quantize as cli_quantize
 from attnlab.models.io import from_pretrained
 from tiny_folders import make_folder
 

@@ -2,7 +2,7 @@
 
 import json
 
-from attnlab.demo import run_date_demo
+from attnlab.cli.demo import run_date_demo
 
 
 def test_date_demo_trains_evaluates_draws_and_reuses(tmp_path, capsys):

@@ -59,7 +59,7 @@ WEIGHTS = ("float32", "bfloat16", "int8", "int4")
 # Held-out dates at most: the other ~63,000 days of 1900-2099 stay for training.
 MAX_DATE_EXAMPLES = 10_000
 MAX_SEED = 2**63  # torch.manual_seed's range
-# The date translator's training, as ``attnlab demo`` trains it (``attnlab.demo`` is a layer
+# The date translator's training, as ``attnlab demo`` trains it (``attnlab.cli.demo`` is a layer
 # above the benchmarks), on half its batch: twice the steps in the same time.
 DATE_TRAINING = TrainConfig(batch_size=64, lr=2e-3, warmup=100)
 # ``--quick``: a smoke run of seconds (the size options are ignored).

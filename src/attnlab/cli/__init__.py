@@ -1,6 +1,6 @@
 """The ``attnlab`` command line: ``attnlab demo``, ``attnlab build``, ``attnlab bench NAME``, and
-the commands of ``cli_train``, ``cli_infer``, ``cli_viz``, ``cli_generate``, ``cli_quantize``,
-``cli_serve``, ``cli_calibrate`` and ``cli_exercises``.
+the commands of this package's modules (``train``, ``infer``, ``viz``, ``generate``,
+``quantize``, ``serve``, ``calibrate`` and ``exercises``).
 
 Each command uses the library's public API only and names the folder it wrote when it ends.
 ``attnlab bench NAME --quick`` writes to ``runs/bench-quick`` unless ``--out`` says otherwise,
@@ -18,14 +18,14 @@ from pathlib import Path
 
 from attnlab import __version__
 from attnlab.bench.harness import begin_run
-from attnlab.cli_calibrate import add_commands as add_calibrate_commands
-from attnlab.cli_exercises import add_commands as add_exercises_commands
-from attnlab.cli_generate import add_commands as add_generate_commands
-from attnlab.cli_infer import add_commands as add_infer_commands
-from attnlab.cli_quantize import add_commands as add_quantize_commands
-from attnlab.cli_serve import add_commands as add_serve_commands
-from attnlab.cli_train import add_commands
-from attnlab.cli_viz import add_commands as add_viz_commands
+from attnlab.cli.calibrate import add_commands as add_calibrate_commands
+from attnlab.cli.exercises import add_commands as add_exercises_commands
+from attnlab.cli.generate import add_commands as add_generate_commands
+from attnlab.cli.infer import add_commands as add_infer_commands
+from attnlab.cli.quantize import add_commands as add_quantize_commands
+from attnlab.cli.serve import add_commands as add_serve_commands
+from attnlab.cli.train import add_commands
+from attnlab.cli.viz import add_commands as add_viz_commands
 from attnlab.kernels import native
 from attnlab.threads import add_threads_option, use_threads
 
@@ -178,7 +178,7 @@ def _run_build(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from attnlab.demo import run_attention_demo, run_date_demo
+    from attnlab.cli.demo import run_attention_demo, run_date_demo
 
     if args.intro:
         run_attention_demo()
