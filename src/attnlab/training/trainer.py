@@ -42,8 +42,8 @@ from tqdm import tqdm
 from attnlab._checks import check_positive
 from attnlab.models.config import ConfigMixin
 from attnlab.training.checkpoint import (
+    check_current_layout,
     checkpoint_folder,
-    is_old_layout,
     load_trainer_state,
     load_weights,
     save_checkpoint,
@@ -251,11 +251,7 @@ class Trainer:
         if state is None:
             raise ValueError(f"resume: {str(folder)!r} holds weights only, no trainer state; "
                              "it cannot be resumed")
-        if is_old_layout(folder):
-            raise ValueError(f"resume: {str(folder)!r} was written by an older attnlab (tensor "
-                             "names embed, blocks.*); its optimizer state follows those "
-                             "parameters and cannot resume today's. Its weights load "
-                             "(attnlab.training.checkpoint.load_model): start a new run")
+        check_current_layout(folder)  # before the optimizer state, which follows the names
         check_resumable(state, self.config.to_dict(), RESUMABLE_CHANGES, self.world, folder)
         optimizer_state = checked_optimizer_state(state, self.optimizer, folder)
         load_weights(folder, self.model)
