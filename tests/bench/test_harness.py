@@ -6,16 +6,18 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from attnlab.bench import harness
 from attnlab.bench.harness import (
     begin_run,
     machine_info,
     machine_section,
+    oom_as_error,
     time_median,
     time_medians,
 )
-from attnlab.cli import main
+from devbench.cli import main
 
 
 def test_time_medians_takes_turns_and_turns_the_order_each_round():
@@ -105,9 +107,22 @@ def test_the_load_at_the_start_counts_too(monkeypatch):
 def test_a_benchmark_table_carries_the_load_and_the_warning(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))
-    assert main(["bench", "mha", "--quick", "--out", str(tmp_path)]) == 0
+    assert main(["mha", "--quick", "--out", str(tmp_path)]) == 0
     table = (tmp_path / "mha.md").read_text()
     assert "> **Warning:** the machine was busy (load 9.0 on 2 usable CPUs)" in table
     assert "- load average (1 min): 9.00 at start, 9.00 at end" in table
     assert "- spread of repeats: median " in table
     assert "the machine was busy" in capsys.readouterr().out
+
+
+def test_oom_as_error_records_out_of_memory_and_lets_other_errors_through():
+    def oom():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def broken():
+        raise RuntimeError("shape mismatch")
+
+    assert oom_as_error(oom) == (None, "OOM")
+    assert oom_as_error(lambda: 3) == (3, None)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        oom_as_error(broken)

@@ -1,6 +1,7 @@
 """The whole ``attnlab`` parser documents itself: every sub-command and option has a help text,
-every help shows the defaults (where there is one: not None, not a flag's False), and
-``--version`` / ``python -m attnlab`` work."""
+every help shows the defaults (where there is one: not None, not a flag's False), every
+command has a description in plain text, ``--help`` and ``--version`` import no command's
+module, and ``--version`` / ``python -m attnlab`` work."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import attnlab
-from attnlab.cli import build_parser
+from attnlab.cli import build_parser, describe
+from attnlab.cli.bench import first_sentence
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_DEFAULT = (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)
@@ -76,3 +80,67 @@ def test_version_matches_the_package_metadata_and_python_m_runs_the_cli():
     done = subprocess.run([sys.executable, "-m", "attnlab", "--version"], capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0 and done.stdout == f"attnlab {attnlab.__version__}\n"
+
+
+def test_every_command_has_a_description_in_plain_text():
+    """No reST markup reaches a terminal, and ``attnlab NAME --help`` always says what NAME
+    does (``demo``, ``train``, ``train seq2seq``, ``train lm`` and ``bench`` once did not)."""
+    problems = []
+    for prog, parser in walk(build_parser()):
+        text = parser.format_help()
+        if "``" in text or re.search(r":\w+:`", text):
+            problems.append(f"{prog}: reST markup in its help")
+        if prog != "attnlab" and not (parser.description or "").strip():
+            problems.append(f"{prog}: no description")
+    assert not problems, "\n".join(problems)
+
+
+def test_a_help_line_taken_from_a_docstring_is_its_whole_first_sentence():
+    bench = dict(walk(build_parser()))["attnlab bench"]
+    for action in bench._subparsers._group_actions[0]._choices_actions:
+        sub = bench._subparsers._group_actions[0].choices[action.dest]
+        if sub.get_default("moved"):
+            continue
+        assert action.help == first_sentence(sub.description), action.dest
+        assert " ".join(sub.description.split()).startswith(action.help), action.dest
+    assert first_sentence("A b, c\nd e. F g.\n\nH.") == "A b, c d e"
+    assert first_sentence("Qwen2 speed: ours vs transformers (sdpa), 1.5x faster.") == (
+        "Qwen2 speed: ours vs transformers (sdpa), 1.5x faster")
+
+
+def test_describe_makes_a_docstring_plain_and_wraps_its_paragraphs():
+    text = describe('''``attnlab x``: does :class:`Y` and
+    ``z``.
+
+        attnlab x --flag  # an example, kept as written
+
+    ''' + "word " * 30)
+    assert text.startswith("`attnlab x`: does `Y` and `z`.\n\n    attnlab x --flag  # an example")
+    assert all(len(line) <= 88 for line in text.splitlines())
+
+
+def modules_after(argv: list[str]) -> set[str]:
+    """The modules that ``attnlab ARGV`` has imported when it ends, in a fresh process."""
+    code = ("import sys\nfrom attnlab.cli import main\ntry:\n    main(sys.argv[1:])\n"
+            "except SystemExit:\n    pass\nprint(' '.join(sorted(sys.modules)), file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                          timeout=600)
+    return set(done.stderr.split())
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], []])
+def test_help_and_version_import_no_command_the_model_stack_or_the_server(argv):
+    """``attnlab --help`` took 20 s on a busy machine when it imported every command."""
+    loaded = modules_after(argv)
+    assert "attnlab.cli" in loaded
+    heavy = ("attnlab.models", "attnlab.serving", "attnlab.bench", "attnlab.training",
+             "attnlab.generation", "attnlab.kernels", "attnlab.analysis", "attnlab.quantization",
+             "attnlab.cli.", "uvicorn", "fastapi", "transformers", "devbench")
+    found = sorted(m for m in loaded if m.startswith(heavy))
+    assert not found, f"attnlab {' '.join(argv)} imported {found}"
+
+
+def test_a_command_imports_its_own_module_only():
+    loaded = modules_after(["exercises", "--help"])
+    assert "attnlab.cli.exercises" in loaded
+    assert not {"attnlab.cli.serve", "attnlab.cli.train", "attnlab.serving", "uvicorn"} & loaded

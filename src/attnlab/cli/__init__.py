@@ -1,49 +1,61 @@
-"""The ``attnlab`` command line: ``attnlab demo``, ``attnlab build``, ``attnlab bench NAME``, and
-the commands of this package's modules (``train``, ``infer``, ``viz``, ``generate``,
-``quantize``, ``serve``, ``calibrate`` and ``exercises``).
+"""The ``attnlab`` command line: one module of this package per command (``demo``, ``build``,
+``train``, ``translate`` and ``sample`` (``infer``), ``viz``, ``generate``, ``quantize``,
+``calibrate``, ``serve``, ``exercises``, ``bench``), each with ``add_commands(sub)``.
 
-Each command uses the library's public API only and names the folder it wrote when it ends.
-``attnlab bench NAME --quick`` writes to ``runs/bench-quick`` unless ``--out`` says otherwise,
-so that a smoke run never overwrites the tables committed in ``benchmarks/``.
+``COMMANDS`` names every command's module and its one-line help, so that ``attnlab --help``
+and ``attnlab --version`` import no command module (none of the model stack, the server or a
+benchmark), and ``attnlab NAME ...`` imports NAME's module only. Each command uses the
+library's public API only and names the folder it wrote when it ends.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
+import inspect
+import re
 import sys
-from collections.abc import Sequence
-from pathlib import Path
+import textwrap
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from attnlab import __version__
-from attnlab.bench.harness import begin_run
-from attnlab.cli.calibrate import add_commands as add_calibrate_commands
-from attnlab.cli.exercises import add_commands as add_exercises_commands
-from attnlab.cli.generate import add_commands as add_generate_commands
-from attnlab.cli.infer import add_commands as add_infer_commands
-from attnlab.cli.quantize import add_commands as add_quantize_commands
-from attnlab.cli.serve import add_commands as add_serve_commands
-from attnlab.cli.train import add_commands
-from attnlab.cli.viz import add_commands as add_viz_commands
-from attnlab.kernels import native
-from attnlab.threads import add_threads_option, use_threads
+from attnlab.threads import use_threads
 
-# Each benchmark module has ``add_arguments(parser)`` and ``run(args) -> Path`` (the folder
-# or file written).
-BENCHMARKS = {
-    "attention": "attnlab.bench.attention",
-    "families": "attnlab.bench.families",
-    "gemv": "attnlab.bench.gemv",
-    "generate": "attnlab.bench.generate",
-    "mha": "attnlab.bench.mha",
-    "qwen2": "attnlab.bench.qwen2",
-    "quantization": "attnlab.bench.quantization",
-    "sampling": "attnlab.bench.sampling",
-    "serve": "attnlab.bench.serve",
-    "variants": "attnlab.bench.variants",
+__all__ = ["COMMANDS", "Command", "add_command", "build_parser", "describe", "main"]
+
+
+@dataclass(frozen=True)
+class Command:
+    """A top-level command: the module whose ``add_commands(sub)`` registers it, and the line
+    that ``attnlab --help`` shows for it."""
+
+    module: str
+    help: str
+
+
+COMMANDS = {
+    "demo": Command("attnlab.cli.demo", "train a Transformer to translate dates into ISO 8601"),
+    "build": Command("attnlab.cli.build", "compile attnlab's C++ kernels for this CPU (once; "
+                     "1-3 min)"),
+    "train": Command("attnlab.cli.train", "train a model (runs under torchrun too)"),
+    "translate": Command("attnlab.cli.infer", "translate with a trained seq2seq checkpoint"),
+    "sample": Command("attnlab.cli.infer", "sample text from a trained character-level LM "
+                      "checkpoint"),
+    "viz": Command("attnlab.cli.viz", "capture and draw a checkpoint's attention on a text"),
+    "generate": Command("attnlab.cli.generate", "stream text from a Hugging Face-format "
+                        "checkpoint folder (Llama, Qwen2 and the other families attnlab reads)"),
+    "quantize": Command("attnlab.cli.quantize", "write a checkpoint folder's weights as int8 "
+                        "or int4"),
+    "calibrate": Command("attnlab.cli.calibrate", "measure the kernels for a model's shapes on "
+                         "this machine and write the plan that loads then use"),
+    "serve": Command("attnlab.cli.serve", "serve a checkpoint folder over an OpenAI-compatible "
+                     "HTTP API"),
+    "exercises": Command("attnlab.cli.exercises", "write the course's exercise stubs, and check "
+                         "your solutions"),
+    "bench": Command("attnlab.cli.bench", "measure a model on this machine: generation, "
+                     "serving, ours vs transformers, quantized accuracy"),
 }
-BENCH_OUT, BENCH_QUICK_OUT = Path("benchmarks"), Path("runs/bench-quick")
 # The commands that say so when the machine is busy and no one chose the thread count. The
 # others take --threads too: a benchmark records the load in its table instead, and a server
 # outlives the load of the moment it starts.
@@ -52,7 +64,11 @@ NOTE_WHEN_BUSY = ("demo", "train", "generate")
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``attnlab`` console script."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The first word that is not an option is the command (the top level has only --help and
+    # --version): only its module is imported.
+    command = next((word for word in argv if not word.startswith("-")), None)
+    parser = build_parser([command] if command in COMMANDS else [])
     args = parser.parse_args(argv)
     if not hasattr(args, "handler"):
         parser.print_help()
@@ -69,70 +85,55 @@ def main(argv: Sequence[str] | None = None) -> int:
         return getattr(error, "exit_code", 130)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``attnlab`` parser with every sub-command (each shows its options' defaults)."""
-    parser = _Parser(prog="attnlab", description="A Transformer toolkit for PyTorch.")
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The ``attnlab`` parser. The modules of ``commands`` (every command when None) register
+    their options; each other command is listed with its help line only."""
+    wanted = set(COMMANDS if commands is None else commands)
+    parser = _Parser(prog="attnlab", description=describe(
+        "A Transformer toolkit for PyTorch: attention from the formulas up, models that load "
+        "Hugging Face folders, training, generation, serving, quantization and looking inside."))
     parser.add_argument(
         "--version", action="version", version=f"attnlab {__version__}", help="print the version"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
-    demo = sub.add_parser("demo", help="train a Transformer to translate dates into ISO 8601")
-    demo.add_argument("--out", default="runs/demo", help="output folder")
-    demo.add_argument(
-        "--retrain", action="store_true", help="train again even if a checkpoint exists"
-    )
-    demo.add_argument("--steps", type=int, default=1200, help="training steps")
-    demo.add_argument("--batch-size", type=int, default=128, help="examples per training step")
-    demo.add_argument("--intro", action="store_true", help="only a short tour of the attention API")
-    add_threads_option(demo)
-    demo.set_defaults(handler=_run_demo)
-
-    build = sub.add_parser(
-        "build", help="compile attnlab's C++ kernels for this CPU (once; 1-3 min)",
-        description="Compile the native kernels (attnlab.kernels.native) for this CPU and "
-        "torch into $ATTNLAB_CACHE_DIR/native (else ~/.cache/attnlab/native), where every "
-        "later process loads them; nothing else ever compiles. Says 'already built' at once "
-        "when they are. Without them everything runs the reference modules. Exit status 2 "
-        "when a C++ compiler or ninja is missing, 1 when the compile fails.")
-    build.set_defaults(handler=_run_build)
-
-    add_commands(sub)
-    add_infer_commands(sub)
-    add_viz_commands(sub)
-    add_generate_commands(sub)
-    add_quantize_commands(sub)
-    add_calibrate_commands(sub)
-    add_serve_commands(sub)
-    add_exercises_commands(sub)
-
-    bench = sub.add_parser("bench", help="run a benchmark and save its table and plot")
-    bench_sub = bench.add_subparsers(dest="benchmark", metavar="NAME", required=True)
-    for name, module_name in BENCHMARKS.items():
-        module = importlib.import_module(module_name)
-        doc = (module.__doc__ or "").strip()
-        p = bench_sub.add_parser(name, help=doc.splitlines()[0], description=doc)
-        p.add_argument(
-            "--out",
-            type=Path,
-            default=None,
-            help=f"folder for the results (None: {BENCH_OUT}, or {BENCH_QUICK_OUT} with --quick)",
-        )
-        p.add_argument(
-            "--quick",
-            action="store_true",
-            help=f"tiny sizes for a smoke test (the size options are ignored); writes to "
-            f"{BENCH_QUICK_OUT} unless --out is given",
-        )
-        add_threads_option(p)
-        module.add_arguments(p)
-        p.set_defaults(handler=_bench_handler(module))
+    done: set[str] = set()
+    for name, command in COMMANDS.items():
+        if name in done:
+            continue
+        if name in wanted:
+            # Imported by name so that a command's module (the model stack, the server) loads
+            # only when that command runs.
+            importlib.import_module(command.module).add_commands(sub)
+            done |= {n for n, c in COMMANDS.items() if c.module == command.module}
+        else:
+            add_command(sub, name)
     return parser
 
 
-class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+def add_command(sub: argparse._SubParsersAction, name: str,
+                description: str | None = None) -> argparse.ArgumentParser:
+    """The sub-parser of the command ``name`` with its ``COMMANDS`` help line and
+    ``description`` (``describe``'d; default: the help line as a sentence)."""
+    line = COMMANDS[name].help
+    return sub.add_parser(name, help=line,
+                          description=describe(description or line[0].upper() + line[1:] + "."))
+
+
+def describe(text: str, width: int = 88) -> str:
+    """``text`` (a docstring) as a ``--help`` description: reST markup (double backticks,
+    ``:role:`` prefixes) made plain, each paragraph wrapped whole (an indented one, a usage
+    example, kept as written)."""
+    text = re.sub(r":\w+:`", "`", inspect.cleandoc(text)).replace("``", "`")
+    paragraphs = [p for p in re.split(r"\n\s*\n", text) if p.strip()]
+    return "\n\n".join(p if p.startswith(" ") else textwrap.fill(" ".join(p.split()), width)
+                       for p in paragraphs)
+
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                         argparse.RawDescriptionHelpFormatter):
     """Shows an option's default where there is one: not for a required option, nor a
-    None/False default ("(default: None)" after "all when not given" says less than the help)."""
+    None/False default ("(default: None)" after "all when not given" says less than the help).
+    Descriptions are printed as ``describe`` wrapped them (paragraphs and examples kept)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.required or action.default is None or action.default is False:
@@ -148,44 +149,3 @@ class _Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", _DefaultsFormatter)
         super().__init__(*args, **kwargs)
 
-
-def _bench_handler(module):
-    def handler(args: argparse.Namespace) -> int:
-        if args.out is None:
-            args.out = BENCH_QUICK_OUT if args.quick else BENCH_OUT
-        # Every memory measurement starts with gc.collect(); with the ~200k objects that the
-        # imports leave frozen out of it, each takes microseconds instead of ~0.1 s.
-        gc.collect()
-        gc.freeze()
-        begin_run()  # the load at the start, the repeats' spread from here on
-        try:
-            path = module.run(args)
-        finally:
-            gc.unfreeze()
-        print(f"results written to {path}")
-        return 0
-
-    return handler
-
-
-def _run_build(args: argparse.Namespace) -> int:
-    try:
-        native.build()
-    except native.BuildError as error:
-        print(f"attnlab build: {error}", file=sys.stderr)
-        return 2 if isinstance(error, native.MissingToolError) else 1
-    return 0
-
-
-def _run_demo(args: argparse.Namespace) -> int:
-    from attnlab.cli.demo import run_attention_demo, run_date_demo
-
-    if args.intro:
-        run_attention_demo()
-        return 0
-    run_date_demo(args.out, retrain=args.retrain, steps=args.steps, batch_size=args.batch_size)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

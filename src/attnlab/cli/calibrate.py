@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from attnlab.arg_types import positive_int
+from attnlab.cli import add_command
 from attnlab.kernels import calibration
 from attnlab.kernels.cache import cache_file
 from attnlab.models.io import from_pretrained
@@ -32,8 +33,7 @@ __all__ = ["add_commands", "calibrate"]
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``calibrate`` on the top-level sub-parsers."""
-    p = sub.add_parser("calibrate", help="measure the kernels for a model's shapes on this "
-                       "machine and write the plan that loads then use", description=__doc__)
+    p = add_command(sub, "calibrate", __doc__)
     p.add_argument("folder", help="checkpoint folder (any that `attnlab generate` reads)")
     p.add_argument("--dtype", default=None,
                    help="the dtype the model will be loaded in (default: the stored one)")

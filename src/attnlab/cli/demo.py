@@ -1,4 +1,4 @@
-"""The main job: teach an encoder-decoder Transformer to turn dates written by people into
+"""``attnlab demo``: teach an encoder-decoder Transformer to turn dates written by people into
 ISO 8601, on a CPU, in a few minutes — and show what it learned.
 
 ``run_date_demo`` trains (or reuses the checkpoint in ``out_dir``), measures exact match on
@@ -8,6 +8,7 @@ cross-attention heatmaps. ``run_attention_demo`` is a short tour of the attentio
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -16,13 +17,16 @@ import torch
 
 from attnlab.analysis import capture_attention, plot_attention_heads
 from attnlab.attention import MultiHeadAttention, scaled_dot_product_attention
+from attnlab.cli import add_command
 from attnlab.masks import causal_mask, combine_masks, padding_mask
 from attnlab.models.transformer import Transformer, TransformerConfig
+from attnlab.threads import add_threads_option
 from attnlab.training.checkpoint import load_model
 from attnlab.training.tasks.seq2seq import Seq2SeqTask, exact_match, make_seq2seq_task
 from attnlab.training.trainer import TrainConfig, Trainer
 
-__all__ = ["DEMO_EXAMPLES", "demo_model_config", "run_attention_demo", "run_date_demo"]
+__all__ = ["DEMO_EXAMPLES", "add_commands", "demo_model_config", "run_attention_demo",
+           "run_date_demo"]
 
 DEMO_EXAMPLES = (
     "21 November 2026",
@@ -34,6 +38,20 @@ DEMO_EXAMPLES = (
     "the 3rd of march 1901",
     "JULY 4TH, 1976",
 )
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Register ``demo`` on the top-level sub-parsers."""
+    demo = add_command(sub, "demo", __doc__)
+    demo.add_argument("--out", default="runs/demo", help="output folder")
+    demo.add_argument(
+        "--retrain", action="store_true", help="train again even if a checkpoint exists"
+    )
+    demo.add_argument("--steps", type=int, default=1200, help="training steps")
+    demo.add_argument("--batch-size", type=int, default=128, help="examples per training step")
+    demo.add_argument("--intro", action="store_true", help="only a short tour of the attention API")
+    add_threads_option(demo)
+    demo.set_defaults(handler=_run_demo)
 
 
 def demo_model_config(task: Seq2SeqTask) -> TransformerConfig:
@@ -149,6 +167,14 @@ def run_date_demo(
     print(f"\nCross-attention heatmaps: {', '.join(str(p) for p in pictures)}")
     print(f"Everything is in {out}/ (checkpoint best/ and last/, metrics.jsonl, results.json).")
     return results
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    if args.intro:
+        run_attention_demo()
+        return 0
+    run_date_demo(args.out, retrain=args.retrain, steps=args.steps, batch_size=args.batch_size)
+    return 0
 
 
 def _draw_cross_attention(

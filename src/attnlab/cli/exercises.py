@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from attnlab.cli import add_command
 from attnlab.exercises.workspace import chapters, find_chapter, init_workspace, run_checks
 
 MARKS = {"pass": "ok  ", "todo": "todo", "fail": "FAIL", "error": "ERR "}
@@ -14,19 +15,22 @@ MARKS = {"pass": "ok  ", "todo": "todo", "fail": "FAIL", "error": "ERR "}
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``exercises init`` and ``exercises check`` on the ``attnlab`` parser."""
-    exercises = sub.add_parser(
-        "exercises", help="write the course's exercise stubs, and check your solutions",
-        description="Each tutorial's exercises as functions to fill in (exercises/chNN_*.py, "
-        "made from the reference solutions shown on the pages) and their tests "
-        "(exercises/tests/); `check` runs the tests, `pytest exercises/` too.")
+    exercises = add_command(
+        sub, "exercises", "Each tutorial's exercises as functions to fill in "
+        "(exercises/chNN_*.py, made from the reference solutions shown on the pages) and their "
+        "tests (exercises/tests/); `check` runs the tests, `pytest exercises/` too.")
     actions = exercises.add_subparsers(dest="action", metavar="ACTION", required=True)
-    init = actions.add_parser("init", help="write the stubs and tests into DIR/exercises/")
+    init = actions.add_parser("init", help="write the stubs and tests into DIR/exercises/",
+                              description="Write every chapter's exercise stubs and their "
+                              "tests into DIR/exercises/.")
     init.add_argument("dir", type=Path, help="the folder to write exercises/ into")
     init.add_argument("--force", action="store_true",
                       help="overwrite exercise files that exist (your work in them is lost)")
     init.set_defaults(handler=_run_init)
     check = actions.add_parser(
-        "check", help="run the tests against your exercises (exit status 1 until all pass)")
+        "check", help="run the tests against your exercises (exit status 1 until all pass)",
+        description="Run the tests against your exercises, one chapter or all (exit status 1 "
+        "until all pass).")
     check.add_argument("chapter", nargs="?", default=None,
                        help=f"a chapter's number or module (all when not given): {chapters()}")
     check.add_argument("--dir", type=Path, default=Path("."),

@@ -35,6 +35,7 @@ from attnlab.arg_types import (
     positive_int,
     probability,
 )
+from attnlab.cli import add_command
 from attnlab.generation import SpeculativeStats, generate
 from attnlab.generation.config import GenerationConfig, read_generation_config
 from attnlab.generation.inputs import token_id, token_id_set
@@ -62,9 +63,7 @@ _DESCRIPTION = ("Stream text from a checkpoint folder. Each generation flag defa
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``generate`` on the top-level sub-parsers."""
     # Defaults are written in the help texts: the flags default to None ("not given").
-    p = sub.add_parser("generate", help="stream text from a Hugging Face-format checkpoint "
-                       "folder (Llama, Qwen2 and the other families attnlab reads)",
-                       description=_DESCRIPTION)
+    p = add_command(sub, "generate", _DESCRIPTION)
     p.add_argument("--model", required=True, help="folder with config.json (its model_type one "
                    "that attnlab reads), model.safetensors (or a sharded index), tokenizer.json, "
                    "tokenizer_config.json and, optionally, generation_config.json; or a GGUF "

@@ -14,6 +14,7 @@ import sys
 import torch
 
 from attnlab._checks import check_positive
+from attnlab.cli import add_command
 from attnlab.generation import generate
 from attnlab.generation.sampling import check_sampling_args
 from attnlab.training.checkpoint import load_model
@@ -25,25 +26,21 @@ __all__ = ["add_commands"]
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``translate`` and ``sample`` on the top-level sub-parsers."""
-    tr = sub.add_parser(
-        "translate",
-        help="translate with a trained seq2seq checkpoint",
-        description="Translate each input with a seq2seq checkpoint. One line per input: "
+    tr = add_command(
+        sub, "translate",
+        "Translate each input with a seq2seq checkpoint. One line per input: "
         "INPUT<TAB>OUTPUT, or INPUT<TAB>error: WHY for an input the model cannot read or "
-        "whose output is not a valid answer (exit status 1 if any failed).",
-    )
+        "whose output is not a valid answer (exit status 1 if any failed).")
     tr.add_argument("--checkpoint", required=True, help="checkpoint folder (e.g. runs/demo/best)")
     tr.add_argument("--beams", type=int, default=1, help="beam width (1 = greedy)")
     tr.add_argument("texts", nargs="+", metavar="TEXT", help="inputs to translate")
     tr.set_defaults(handler=_translate)
 
-    sa = sub.add_parser(
-        "sample",
-        help="sample text from a trained character LM",
-        description="Continue a prompt with a character-level LM checkpoint; the prompt and "
+    sa = add_command(
+        sub, "sample",
+        "Continue a prompt with a character-level LM checkpoint; the prompt and "
         "the new text go to stdout, and a note to stderr when it stops early (the model's "
-        "context is full, or the model produced a special token).",
-    )
+        "context is full, or the model produced a special token).")
     sa.add_argument("--checkpoint", required=True, help="checkpoint folder (e.g. runs/lm/best)")
     sa.add_argument("--prompt", default=None,
                     help="text to continue, in the model's characters (None: a newline, or the "

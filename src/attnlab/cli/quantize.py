@@ -25,6 +25,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
+from attnlab.cli import add_command
 from attnlab.durable import new_folder, swap_in
 from attnlab.models.hf_loading import CONFIG_NAME, WEIGHTS_NAME, check_folder, weight_files
 from attnlab.models.io import from_pretrained
@@ -40,8 +41,7 @@ MARKER, MARKER_FORMAT = "quantized_from.json", "attnlab-quantize"
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``quantize`` on the top-level sub-parsers."""
-    p = sub.add_parser("quantize", help="write a checkpoint folder's weights as int8 or int4",
-                       description=__doc__)
+    p = add_command(sub, "quantize", __doc__)
     p.add_argument("folder", help="checkpoint folder (any that `attnlab generate` reads)")
     p.add_argument("out", help="folder to write (made if missing; must not be FOLDER); an "
                    "existing one must be empty or an earlier output of this command for FOLDER")

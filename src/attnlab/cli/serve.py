@@ -28,6 +28,7 @@ from types import FrameType
 import uvicorn
 
 from attnlab.arg_types import non_negative_float, number, positive_int
+from attnlab.cli import add_command
 from attnlab.models.hf_loading import SUPPORTED_DTYPES
 from attnlab.quantization import METHODS
 from attnlab.serving.api import MAX_N
@@ -46,9 +47,7 @@ CUT_GUARD_S = 10.0
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``serve`` on the top-level sub-parsers."""
-    p = sub.add_parser("serve", help="serve a checkpoint folder over an OpenAI-compatible "
-                       "HTTP API (continuous batching, paged KV cache)",
-                       description=__doc__.strip().splitlines()[0])
+    p = add_command(sub, "serve", __doc__)
     p.add_argument("--model", required=True, help="checkpoint folder (as `attnlab generate "
                    "--model`), with its tokenizer")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every "

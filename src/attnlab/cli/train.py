@@ -29,6 +29,7 @@ from attnlab.arg_types import (
     positive_float,
     positive_int,
 )
+from attnlab.cli import add_command
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 from attnlab.models.transformer import Transformer, TransformerConfig
 from attnlab.threads import add_threads_option
@@ -49,10 +50,12 @@ _NOT_RECIPE = ("command", "kind", "handler", "out", "resume", "text", "threads")
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``train`` on the top-level sub-parsers."""
-    train = sub.add_parser("train", help="train a model (runs under torchrun too)")
+    train = add_command(sub, "train", __doc__)
     kinds = train.add_subparsers(dest="kind", metavar="KIND", required=True)
 
-    s2s = kinds.add_parser("seq2seq", help="encoder-decoder on a generated task")
+    s2s = kinds.add_parser("seq2seq", help="encoder-decoder on a generated task",
+                           description="Train an encoder-decoder Transformer on a generated "
+                           "task (dates to ISO 8601, or copy/reverse/sort/add of digits).")
     s2s.add_argument("--task", choices=SEQ2SEQ_TASKS, default="dates",
                      help="generated task: human dates to ISO 8601, or copy/reverse/sort/add "
                      "of digit strings")
@@ -62,7 +65,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     _train_arguments(s2s)
     s2s.set_defaults(handler=_train_seq2seq)
 
-    lm = kinds.add_parser("lm", help="character-level decoder-only LM on a UTF-8 text file")
+    lm = kinds.add_parser("lm", help="character-level decoder-only LM on a UTF-8 text file",
+                          description="Train a character-level decoder-only LM (GPT or Llama "
+                          "style) on a UTF-8 text file.")
     lm.add_argument("--text", required=True, help="UTF-8 text file to learn")
     lm.add_argument("--block-size", type=positive_int, default=128,
                     help="characters of context per training window")

@@ -33,6 +33,7 @@ from attnlab.analysis import (
 )
 from attnlab.analysis.capture import AttentionCapture, kind_label
 from attnlab.analysis.dates import check_date_checkpoint, date_alignment_report
+from attnlab.cli import add_command
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.families import FAMILIES
 from attnlab.models.hf_loading import read_json
@@ -48,10 +49,9 @@ __all__ = ["add_commands", "load_for_viz"]
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``viz`` on the top-level sub-parsers."""
-    viz = sub.add_parser("viz", help="capture and draw a checkpoint's attention on a text",
-                         description="Capture every attention layer and head of a checkpoint on "
-                         "a text, print the head metric table, and write the interactive HTML "
-                         "viewer and/or PNG pictures.")
+    viz = add_command(sub, "viz", "Capture every attention layer and head of a checkpoint on "
+                      "a text, print the head metric table, and write the interactive HTML "
+                      "viewer and/or PNG pictures.")
     viz.add_argument("--checkpoint", required=True, metavar="DIR",
                      help="an attnlab checkpoint folder (seq2seq or character LM) or a Hugging "
                           "Face checkpoint folder with tokenizer.json, of a supported family "

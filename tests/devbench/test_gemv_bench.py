@@ -1,4 +1,4 @@
-"""``attnlab bench gemv``: every scheme's kernels timed resident and streamed in one run, the
+"""``python -m devbench gemv``: every scheme's kernels timed resident and streamed in one run, the
 table written with its machine and the ratios computed from the timings it saved."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
-from attnlab.bench.gemv import _shape_list
-from attnlab.cli import main
+from devbench.cli import main
+from devbench.gemv import _shape_list
 
 
 def test_quick_run_writes_the_table_and_the_json(tmp_path, capsys):
-    assert main(["bench", "gemv", "--quick", "--out", str(tmp_path)]) == 0
+    assert main(["gemv", "--quick", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "gemv.json").read_text())
     kernels = {(row["scheme"], row["kernel"]) for row in r["rows"]}
     # The formulas run everywhere; each scheme has at least them.
@@ -39,7 +39,7 @@ def test_quick_run_writes_the_table_and_the_json(tmp_path, capsys):
 
 def test_a_kernel_that_cannot_run_a_shape_is_listed_with_the_reason(tmp_path):
     # 96 inputs: groups of 64 do not divide them, so no int4 kernel runs these shapes.
-    assert main(["bench", "gemv", "--shapes", "64x96,32x96", "--resident", "64x96",
+    assert main(["gemv", "--shapes", "64x96,32x96", "--resident", "64x96",
                  "--stream-mib", "1", "--repeats", "1", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "gemv.json").read_text())
     assert not [row for row in r["rows"] if row["scheme"] == "int4"]
@@ -51,11 +51,11 @@ def test_a_kernel_that_cannot_run_a_shape_is_listed_with_the_reason(tmp_path):
 
 
 def test_each_count_of_rows_gets_its_own_measures_against_its_own_fastest_bfloat16(tmp_path):
-    assert main(["bench", "gemv", "--quick", "--rows", "1,3,1", "--out", str(tmp_path)]) == 0
+    assert main(["gemv", "--quick", "--rows", "1,3,1", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "gemv.json").read_text())
     assert r["x_rows"] == [1, 3]  # each count once
     md = (tmp_path / "gemv.md").read_text()
-    assert "Rows of x: 1, 3" in md and "`attnlab bench gemv --rows 1,3`" in md
+    assert "Rows of x: 1, 3" in md and "`python -m devbench gemv --rows 1,3`" in md
     for m in (1, 3):
         rows = [row for row in r["rows"] if row["x_rows"] == m]
         assert {("float32", "formula"), ("bfloat16", "formula"), ("int8", "dequantize")} <= {
@@ -77,7 +77,7 @@ def test_each_count_of_rows_gets_its_own_measures_against_its_own_fastest_bfloat
 @pytest.mark.parametrize("text", ["0", "1,-2", "a", ""])
 def test_bad_rows_are_refused_naming_the_option(text, capsys):
     with pytest.raises(SystemExit):
-        main(["bench", "gemv", "--quick", "--rows", text])
+        main(["gemv", "--quick", "--rows", text])
     assert "--rows" in capsys.readouterr().err
 
 

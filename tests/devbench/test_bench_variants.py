@@ -1,15 +1,15 @@
-"""``attnlab bench variants --quick`` writes its table, JSON and plot (a smoke run)."""
+"""``python -m devbench variants --quick`` writes its table, JSON and plot (a smoke run)."""
 
 from __future__ import annotations
 
 import json
 
-from attnlab.bench.variants import VARIANTS
-from attnlab.cli import main
+from devbench.cli import main
+from devbench.variants import VARIANTS
 
 
 def test_quick_run_writes_table_json_and_plot(tmp_path, one_thread, capsys):
-    assert main(["bench", "variants", "--quick", "--out", str(tmp_path)]) == 0
+    assert main(["variants", "--quick", "--out", str(tmp_path)]) == 0
     table = (tmp_path / "variants.md").read_text()
     for variant in VARIANTS:
         assert f"| {variant} |" in table
@@ -24,7 +24,7 @@ def test_quick_run_writes_table_json_and_plot(tmp_path, one_thread, capsys):
 
 
 def test_causal_run_marks_linformer_not_applicable(tmp_path, one_thread):
-    args = ["bench", "variants", "--quick", "--causal", "--backward", "--variants",
+    args = ["variants", "--quick", "--causal", "--backward", "--variants",
             "fused,sliding,linformer,performer", "--out", str(tmp_path)]
     assert main(args) == 0
     rows = json.loads((tmp_path / "variants.json").read_text())["rows"]
@@ -35,5 +35,5 @@ def test_causal_run_marks_linformer_not_applicable(tmp_path, one_thread):
 
 
 def test_unknown_variant_is_an_error(tmp_path, capsys):
-    assert main(["bench", "variants", "--quick", "--variants", "nope", "--out", str(tmp_path)]) == 2
+    assert main(["variants", "--quick", "--variants", "nope", "--out", str(tmp_path)]) == 2
     assert "--variants" in capsys.readouterr().err

@@ -38,8 +38,8 @@ from attnlab.bench.harness import (
     peak_memory,
     time_median,
 )
-from attnlab.bench.variants_report import markdown, plot
 from attnlab.durable import write_text_atomic
+from devbench.variants_report import markdown, plot
 
 __all__ = ["VARIANTS", "add_arguments", "run"]
 
@@ -49,7 +49,7 @@ _Exact = tuple[tuple[torch.Tensor, "torch.Tensor | None"], nn.Module]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``attnlab bench variants``."""
+    """Options of ``python -m devbench variants``."""
     parser.add_argument("--max-len", type=positive_int, default=16384,
                         help="longest L (powers of two from --min-len)")
     parser.add_argument("--min-len", type=positive_int, default=512, help="shortest L")

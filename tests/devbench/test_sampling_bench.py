@@ -1,4 +1,4 @@
-"""``attnlab bench sampling``: both samplers timed in one run, the table written with its
+"""``python -m devbench sampling``: both samplers timed in one run, the table written with its
 machine, and the reference's warpers given the settings that were asked for."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from attnlab.cli import main
+from devbench.cli import main
 
 pytest.importorskip("transformers")
 
 
 def test_quick_run_writes_a_table_of_ratios_and_the_json(tmp_path, capsys):
-    assert main(["bench", "sampling", "--quick", "--out", str(tmp_path)]) == 0
+    assert main(["sampling", "--quick", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "sampling.json").read_text())["rows"]
     assert [r["setting"] for r in rows] == ["T=1", "T=0.7, top-p 0.8",
                                             "T=0.7, top-k 20, top-p 0.8", "T=0.7, top-k 50"]

@@ -34,7 +34,7 @@ SHAPES = ((8, 128), (1, 2048))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``attnlab bench mha``."""
+    """Options of ``python -m devbench mha``."""
     parser.add_argument("--embed-dim", type=positive_int, default=512,
                         help="model dimension E (a multiple of --heads)")
     parser.add_argument("--heads", type=positive_int, default=8, help="attention heads")
@@ -119,7 +119,7 @@ def _markdown(rows: list[dict], info: dict[str, str], E: int, H: int) -> str:
         "train = forward+backward in training mode; eval = forward in eval mode under",
         "`torch.inference_mode` (PyTorch's fast path). Medians in ms, the two timed in turns;",
         "ratio = attnlab / torch (<= 1.0 means ours is no slower). Regenerate with",
-        "`attnlab bench mha`.",
+        "`python -m devbench mha`.",
         "",
         "| B | L | mode | torch ms | attnlab ms | ratio |",
         "|---|---|---|---|---|---|",

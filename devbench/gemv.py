@@ -41,7 +41,6 @@ from attnlab.bench.harness import (
     machine_info,
     machine_section,
     time_medians,
-    write_with_history,
 )
 from attnlab.durable import write_text_atomic
 from attnlab.kernels import KERNELS, Kernel
@@ -57,7 +56,7 @@ SCHEMES = ("float32", "bfloat16", "int8", "int4")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``attnlab bench gemv``."""
+    """Options of ``python -m devbench gemv``."""
     parser.add_argument("--shapes", type=_shape_list, default=DEFAULT_SHAPES,
                         help="comma-separated OxK weight shapes read by one streamed pass")
     parser.add_argument("--rows", type=int_list, default="1",
@@ -115,8 +114,10 @@ def run(args: argparse.Namespace) -> Path:
          "bandwidth_gbs": bandwidth_gbs, "rows": rows, "skipped": skipped,
          "machine": machine_info()}
     write_text_atomic(out / "gemv.json", json.dumps(r, indent=2))
-    md = write_with_history(out / "gemv.md", _markdown(r))
-    print(md.read_text().split("\n## History\n")[0])
+    text = _markdown(r)
+    md = out / "gemv.md"
+    write_text_atomic(md, text)
+    print(text)
     return md
 
 
@@ -255,7 +256,7 @@ def _markdown(r: dict) -> str:
         "its scales). int8/int4 take bfloat16 activations, int4 in groups of "
         f"{r['group_size']}. A kernel whose resident rate is not well above the bandwidth "
         "cannot stream at it: its decoding is bound by arithmetic. Regenerate with "
-        f"`attnlab bench gemv{rows_option}`.",
+        f"`python -m devbench gemv{rows_option}`.",
         "",
         "| rows | scheme | kernel | resident GB/s | resident GFLOP/s | resident / bandwidth "
         "| streamed GB/s | streamed / bandwidth | speed-up vs bfloat16 |",

@@ -1,4 +1,4 @@
-"""`attnlab bench qwen2 --quick`: ours vs transformers from the same folder, float32 and
+"""`python -m devbench qwen2 --quick`: ours vs transformers from the same folder, float32 and
 bfloat16, one prompt and a batch, with ratios and the bandwidth bound; the runs already in the
 table stay below as history; out-of-memory is a result."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from attnlab.bench import versus
-from attnlab.cli import main
+from devbench.cli import main
 
 COMMITTED = Path(__file__).parents[2] / "benchmarks" / "qwen2.md"
 
@@ -22,7 +22,7 @@ def test_bench_qwen2_quick(tmp_path, one_thread, capsys) -> None:
     pytest.importorskip("transformers")
     shutil.copy(COMMITTED, tmp_path / "qwen2.md")  # an earlier run, to be kept as history
     old = COMMITTED.read_text()
-    assert main(["bench", "qwen2", "--quick", "--out", str(tmp_path)]) == 0
+    assert main(["qwen2", "--quick", "--out", str(tmp_path)]) == 0
     table = (tmp_path / "qwen2.md").read_text()
     current, history = table.split("\n## History\n")
     assert "| dtype | measure | ours tokens/s | transformers tokens/s | ours / transformers |" \
@@ -71,7 +71,7 @@ def test_bench_qwen2_records_out_of_memory_as_a_result(tmp_path, monkeypatch,
         return out_of_memory, gen
 
     monkeypatch.setattr(versus, "_ours_runner", ours_runner)
-    assert main(["bench", "qwen2", "--quick", "--dtypes", "float32", "--out",
+    assert main(["qwen2", "--quick", "--dtypes", "float32", "--out",
                  str(tmp_path)]) == 0
     cells = json.loads((tmp_path / "qwen2.json").read_text())["runs"][0]["cells"]
     for measure in ("prefill", "prefill batched"):
@@ -83,7 +83,7 @@ def test_bench_qwen2_records_out_of_memory_as_a_result(tmp_path, monkeypatch,
 
 
 def test_bench_qwen2_without_reference(tmp_path, one_thread) -> None:
-    assert main(["bench", "qwen2", "--quick", "--no-reference", "--dtypes", "bfloat16",
+    assert main(["qwen2", "--quick", "--no-reference", "--dtypes", "bfloat16",
                  "--out", str(tmp_path)]) == 0
     cells = json.loads((tmp_path / "qwen2.json").read_text())["runs"][0]["cells"]
     assert all(c["ours"] > 0 and c["transformers"] is None for c in cells.values())
@@ -101,9 +101,9 @@ def test_bench_qwen2_extra_memory_loads_ours_with_packed_copies(tmp_path, one_th
         return real(*args, **kwargs)
 
     monkeypatch.setattr(versus, "from_pretrained", spy)
-    argv = ["bench", "qwen2", "--quick", "--dtypes", "bfloat16", "--extra-memory",
+    argv = ["qwen2", "--quick", "--dtypes", "bfloat16", "--extra-memory",
             "--out", str(tmp_path)]
     assert main(argv) == 0
     assert seen == [True]
     table = (tmp_path / "qwen2.md").read_text()
-    assert "extra_memory=True" in table and "`attnlab bench qwen2 --extra-memory`" in table
+    assert "extra_memory=True" in table and "`python -m devbench qwen2 --extra-memory`" in table

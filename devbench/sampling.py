@@ -8,7 +8,7 @@ highest-ranked tokens before sorting all ``V``. Both give the same distribution
 (``tests/generation/test_sampling.py`` proves ours against the formula). Vocabularies of
 Llama 2 (32000) and Qwen2 (151936), one row (decoding) and 16 rows (a serving batch), four
 settings: plain temperature, top-p, Qwen2.5-Instruct's defaults (top-k 20 + top-p 0.8) and
-transformers' default top-k 50. Writes ``sampling.md`` (runs kept as history) and
+transformers' default top-k 50. Writes ``sampling.md`` (earlier runs kept as history) and
 ``sampling.json``.
 """
 
@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from attnlab.arg_types import positive_int
-from attnlab.bench.harness import machine_info, machine_section, time_medians, write_with_history
+from attnlab.bench.harness import machine_info, machine_section, time_medians
 from attnlab.durable import write_text_atomic
 from attnlab.generation import sample_logits
 
@@ -38,7 +38,7 @@ SETTINGS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``attnlab bench sampling``."""
+    """Options of ``python -m devbench sampling``."""
     parser.add_argument("--repeats", type=positive_int, default=21,
                         help="timed runs per cell (median)")
 
@@ -82,8 +82,10 @@ def run(args: argparse.Namespace) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info()
     write_text_atomic(out / "sampling.json", json.dumps({"rows": rows, "machine": info}, indent=2))
-    md = write_with_history(out / "sampling.md", _markdown(rows, info))
-    print(md.read_text().partition("\n## History")[0])
+    text = _markdown(rows, info)
+    md = out / "sampling.md"
+    write_text_atomic(md, text)
+    print(text)
     return md
 
 

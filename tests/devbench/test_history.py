@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from attnlab.bench.harness import machine_info, machine_section, write_with_history
+from attnlab.bench.harness import machine_info, machine_section
+from devbench.history import write_with_history
 
 
 def run_text(cpu: str, date: str, figure: str) -> str:

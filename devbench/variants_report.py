@@ -1,4 +1,4 @@
-"""Markdown table and PNG of ``attnlab bench variants`` (see :mod:`attnlab.bench.variants`)."""
+"""Markdown table and PNG of ``python -m devbench variants`` (see ``devbench.variants``)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def markdown(rows: list[dict], cfg: dict, info: dict[str, str], gqa: list[dict])
         "`|y - y_exact| / |y_exact|` on a random input with random (untrained) weights, where "
         "attention is diffuse: the hardest case for local and low-rank approximations "
         f"(measured up to L = {cfg['error_max_len']}). "
-        "Regenerate with `attnlab bench variants`.",
+        "Regenerate with `python -m devbench variants`.",
         "",
         head,
         rule,

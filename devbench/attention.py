@@ -41,7 +41,7 @@ DEFAULT_LENGTHS = "256,1024,4096,8192"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``attnlab bench attention``."""
+    """Options of ``python -m devbench attention``."""
     parser.add_argument("--lengths", type=int_list, default=DEFAULT_LENGTHS,
                         help="comma-separated sequence lengths L")
     parser.add_argument("--heads", type=positive_int, default=8, help="attention heads H")
@@ -144,7 +144,7 @@ def _markdown(rows: list[dict], info: dict[str, str], H: int, D: int) -> str:
         f"B=1, H={H}, D={D}, float32. Times are medians (ms); flash, fused and auto take their",
         "runs in turns. Peak is the extra memory at the peak of the call (MiB). Time ratios are",
         "against `fused`, memory ratios against `math`, all measured in the same run.",
-        "Regenerate with `attnlab bench attention`.",
+        "Regenerate with `python -m devbench attention`.",
         "",
         "| L | causal | backend | fwd ms | fwd vs fused | fwd+bwd ms | fwd+bwd vs fused "
         "| fwd peak MiB | fwd+bwd peak MiB | fwd peak vs math |",

@@ -32,12 +32,16 @@ from pathlib import Path
 
 import torch
 
-from attnlab.bench.harness import machine_info, machine_section, write_with_history
+from attnlab.bench.harness import machine_info, machine_section
 from attnlab.bench.versus import (
+    DTYPES,
     MEASURES,
+    QWEN2_FULL,
+    QWEN2_QUICK,
     Workload,
     add_workload_arguments,
     bandwidth_range,
+    dtype_list,
     measure_folder,
     measure_quantized,
     median_bandwidth,
@@ -50,26 +54,7 @@ from attnlab.durable import write_text_atomic
 from attnlab.quantization import METHODS
 from attnlab.quantization.formats import GROUP_SIZES
 
-__all__ = ["FULL", "QUICK", "add_arguments", "dtype_list", "method_list", "run"]
-
-FULL = {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
-        "num_hidden_layers": 4, "num_attention_heads": 14, "num_key_value_heads": 2,
-        "tie_word_embeddings": True, "rope_theta": 1e6, "max_position_embeddings": 4096}
-QUICK = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "tie_word_embeddings": True, "max_position_embeddings": 512}
-DTYPES = ("float32", "bfloat16")
-
-
-def dtype_list(text: str) -> tuple[str, ...]:
-    """``argparse`` type for comma-separated dtypes among ``DTYPES``, each once."""
-    names = tuple(x.strip() for x in text.split(","))
-    wrong = [x for x in names if x not in DTYPES]
-    if wrong or not names or len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(f"expected comma-separated dtypes among {DTYPES}, "
-                                         f"each once, got {text!r}")
-    return names
-
+__all__ = ["add_arguments", "method_list", "run"]
 
 def method_list(text: str) -> tuple[str, ...]:
     """``argparse`` type for comma-separated quantization methods among ``METHODS``."""
@@ -81,7 +66,7 @@ def method_list(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``attnlab bench qwen2``."""
+    """Options of ``python -m devbench qwen2``."""
     parser.add_argument("--dtypes", type=dtype_list, default=",".join(DTYPES),
                         help="comma-separated dtypes to measure, each a full set of rows")
     parser.add_argument("--no-reference", action="store_true",
@@ -96,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> Path:
     """Run the benchmark and write its files into ``args.out``; returns the markdown path."""
-    sizes = QUICK if args.quick else FULL
+    sizes = QWEN2_QUICK if args.quick else QWEN2_FULL
     quick = Workload(prefill=32, prompt=8, new_tokens=16, batch=4, repeats=3)
     device, work, out, bandwidth = start_run(args, quick)
     probe = torch.randint(0, sizes["vocab_size"], (1, 128),
@@ -126,13 +111,15 @@ def run(args: argparse.Namespace) -> Path:
     info = machine_info(device)
     r["machine"] = info
     write_text_atomic(out / "qwen2.json", json.dumps(r, indent=2))
-    md = write_with_history(out / "qwen2.md", _markdown(r, info))
+    text = _markdown(r, info)
+    md = out / "qwen2.md"
+    write_text_atomic(md, text)
     groups = [f"{run['dtype']}" for run in r["runs"]]
     plot_ratios(out / "qwen2.png", f"Qwen2 (4 layers of Qwen2-0.5B's shape) on {info['cpu']}"
                 if device.type == "cpu" else f"Qwen2 on {info.get('gpu', device)}", groups,
                 {m: [ratio_value(run["cells"].get(m, {})) for run in r["runs"]]
                  for m in MEASURES})
-    print(md.read_text().split("\n## History\n")[0])
+    print(text)
     return md
 
 
@@ -156,7 +143,7 @@ def _markdown(r: dict, info: dict[str, str]) -> str:
         "/ weight bytes, the bandwidth (`sum` over 1 GiB) timed in turns with the cell's runs: "
         f"{bandwidth_range(_cells(r))}. "
         f"{ours_label(r.get('extra_memory', False))}. Regenerate with "
-        f"`attnlab bench qwen2{' --extra-memory' if r.get('extra_memory') else ''}`.",
+        f"`python -m devbench qwen2{' --extra-memory' if r.get('extra_memory') else ''}`.",
         "",
         "| dtype | measure | ours tokens/s | transformers tokens/s | ours / transformers "
         "| bound tokens/s | ours % of bound | transformers % of bound |",
@@ -194,7 +181,7 @@ def _quantized_markdown(runs: list[dict]) -> list[str]:
     lines = ["", "## Quantized weights vs our bfloat16 model", "",
              "Our model loaded with `quantize=` (activations, norms and scales in bfloat16) "
              "and our bfloat16 model, both from the folder above, timed in turns. Regenerate "
-             "with `attnlab bench qwen2 --quantize int8,int4`.", "",
+             "with `python -m devbench qwen2 --quantize int8,int4`.", "",
              "| weights | measure | quantized tokens/s | bfloat16 tokens/s | quantized / "
              "bfloat16 | bound tokens/s | quantized % of bound |",
              "|---|---|---|---|---|---|---|"]
