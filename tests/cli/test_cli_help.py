@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 import attnlab
-from attnlab.cli import build_parser, describe
+from attnlab.cli import COMMANDS, build_parser, describe
 from attnlab.cli.bench import first_sentence
+from attnlab.cli.options import DTYPES, model_and_out
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_DEFAULT = (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)
@@ -144,3 +145,49 @@ def test_a_command_imports_its_own_module_only():
     loaded = modules_after(["exercises", "--help"])
     assert "attnlab.cli.exercises" in loaded
     assert not {"attnlab.cli.serve", "attnlab.cli.train", "attnlab.serving", "uvicorn"} & loaded
+
+
+def test_a_checkpoint_folder_is_model_and_dtype_has_one_set_of_choices_everywhere():
+    folder_commands = {"attnlab generate", "attnlab serve", "attnlab viz", "attnlab translate",
+                       "attnlab sample", "attnlab quantize", "attnlab calibrate"}
+    seen = set()
+    for prog, parser in walk(build_parser()):
+        for action in parser._actions:
+            if "--model" in action.option_strings and prog in folder_commands:
+                assert action.dest == "model", prog
+                seen.add(prog)
+            if "--checkpoint" in action.option_strings:  # an alias of --model only
+                assert action.option_strings == ["--model", "--checkpoint"], prog
+            if action.dest == "dtype":
+                assert tuple(action.choices) == DTYPES, prog
+    assert seen == folder_commands
+
+
+def test_the_old_spellings_still_work():
+    parser = build_parser()
+    assert parser.parse_args(["viz", "--checkpoint", "d", "--text", "t"]).model == "d"
+    assert parser.parse_args(["translate", "--checkpoint", "d", "x"]).model == "d"
+    old = parser.parse_args(["quantize", "in", "out", "--bits", "4"])
+    new = parser.parse_args(["quantize", "--model", "in", "--out", "out", "--bits", "4"])
+    for args in (old, new):
+        model_and_out(args, with_out=True)
+        assert (args.model, args.out, args.bits) == ("in", "out", 4)
+    calibrate = parser.parse_args(["calibrate", "in"])
+    model_and_out(calibrate, with_out=False)
+    assert calibrate.model == "in"
+    for argv, message in [(["quantize", "in"], r"FOLDER OUT: expected 2 positional path"),
+                          (["quantize", "in", "out", "--model", "x"], r"give the paths once"),
+                          (["quantize", "--model", "in"], r"--out: required"),
+                          (["quantize"], r"--model and --out: required")]:
+        with pytest.raises(ValueError, match=message):
+            model_and_out(parser.parse_args(argv), with_out=True)
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_the_parser_of_one_command_lists_every_command(name):
+    """``attnlab NAME ...`` builds NAME's options only; the others stay listed (a module that
+    registers two commands, as infer does for translate and sample, registers them once)."""
+    parser = build_parser([name])
+    listed = parser._subparsers._group_actions[0].choices
+    assert list(listed) == list(COMMANDS)
+    assert len(listed[name]._actions) > 1 or name == "build"

@@ -88,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
     """The ``attnlab`` parser. The modules of ``commands`` (every command when None) register
     their options; each other command is listed with its help line only."""
-    wanted = set(COMMANDS if commands is None else commands)
+    wanted = {COMMANDS[name].module for name in (COMMANDS if commands is None else commands)}
     parser = _Parser(prog="attnlab", description=describe(
         "A Transformer toolkit for PyTorch: attention from the formulas up, models that load "
         "Hugging Face folders, training, generation, serving, quantization and looking inside."))
@@ -100,7 +100,7 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
     for name, command in COMMANDS.items():
         if name in done:
             continue
-        if name in wanted:
+        if command.module in wanted:
             # Imported by name so that a command's module (the model stack, the server) loads
             # only when that command runs.
             importlib.import_module(command.module).add_commands(sub)

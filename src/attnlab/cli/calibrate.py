@@ -22,6 +22,7 @@ from torch import nn
 
 from attnlab.arg_types import positive_int
 from attnlab.cli import add_command
+from attnlab.cli.options import add_dtype_option, add_model_option, model_and_out
 from attnlab.kernels import calibration
 from attnlab.kernels.cache import cache_file
 from attnlab.models.io import from_pretrained
@@ -34,9 +35,9 @@ __all__ = ["add_commands", "calibrate"]
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``calibrate`` on the top-level sub-parsers."""
     p = add_command(sub, "calibrate", __doc__)
-    p.add_argument("folder", help="checkpoint folder (any that `attnlab generate` reads)")
-    p.add_argument("--dtype", default=None,
-                   help="the dtype the model will be loaded in (default: the stored one)")
+    add_model_option(p, "checkpoint folder (any that `attnlab generate` reads)", required=False)
+    p.add_argument("paths", nargs="*", metavar="FOLDER", help="the older spelling of --model")
+    add_dtype_option(p, "the dtype the model will be loaded in (default: the stored one)")
     p.add_argument("--quantize", choices=("int8", "int4"), default=None,
                    help="measure for from_pretrained(..., quantize=...) with this scheme")
     p.add_argument("--group-size", type=int, default=None, help="int4 group size (default 64)")
@@ -75,11 +76,12 @@ def calibrate(model: nn.Module, *, extra_memory: bool = False) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    model_and_out(args, with_out=False)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    model = from_pretrained(args.folder, dtype=args.dtype, kernels=False,
+    model = from_pretrained(args.model, dtype=args.dtype, kernels=False,
                             quantize=args.quantize, group_size=args.group_size)
-    print(f"attnlab calibrate: timing every kernel for each weight shape of {args.folder} on "
+    print(f"attnlab calibrate: timing every kernel for each weight shape of {args.model} on "
           f"{torch.get_num_threads()} threads (seconds to minutes a shape) ...",
           file=sys.stderr, flush=True)
     start = time.perf_counter()

@@ -36,6 +36,7 @@ from attnlab.arg_types import (
     probability,
 )
 from attnlab.cli import add_command
+from attnlab.cli.options import add_dtype_option, add_model_option
 from attnlab.generation import SpeculativeStats, generate
 from attnlab.generation.config import GenerationConfig, read_generation_config
 from attnlab.generation.inputs import token_id, token_id_set
@@ -43,7 +44,7 @@ from attnlab.generation.proposers import parse_speculative
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.families import family_for
 from attnlab.models.gguf import gguf_file
-from attnlab.models.hf_loading import CONFIG_NAME, SUPPORTED_DTYPES, check_folder, read_json
+from attnlab.models.hf_loading import CONFIG_NAME, check_folder, read_json
 from attnlab.models.io import from_pretrained
 from attnlab.threads import add_threads_option
 from attnlab.tokenizer import TextStreamer, Tokenizer
@@ -64,7 +65,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``generate`` on the top-level sub-parsers."""
     # Defaults are written in the help texts: the flags default to None ("not given").
     p = add_command(sub, "generate", _DESCRIPTION)
-    p.add_argument("--model", required=True, help="folder with config.json (its model_type one "
+    add_model_option(p, help="folder with config.json (its model_type one "
                    "that attnlab reads), model.safetensors (or a sharded index), tokenizer.json, "
                    "tokenizer_config.json and, optionally, generation_config.json; or a GGUF "
                    "file (an Ollama blob too), or a folder holding one")
@@ -101,8 +102,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "draft, or a smaller model with the same tokenizer (default: off)")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the sampling, for reproducible output (default: random)")
-    p.add_argument("--dtype", choices=sorted(SUPPORTED_DTYPES), default=None,
-                   help="weights dtype (default: the checkpoint's)")
+    add_dtype_option(p, "weights dtype (default: the checkpoint's)")
     add_threads_option(p)
     p.set_defaults(handler=run_generate)
 
@@ -234,7 +234,7 @@ def check_model_type(folder: str) -> None:
     if config.get("format") == TRAINING_CHECKPOINT:
         raise ValueError(f"--model: {file} is an attnlab training checkpoint (model_type "
                          f"{config.get('model_type')!r}); expected a Hugging Face-format "
-                         "folder. `attnlab sample --checkpoint` continues text with a "
+                         "folder. `attnlab sample --model` continues text with a "
                          "checkpoint of `attnlab train lm`")
     if config.get("model_type") == DecoderLM.MODEL_TYPE:
         return

@@ -15,6 +15,7 @@ import torch
 
 from attnlab._checks import check_positive
 from attnlab.cli import add_command
+from attnlab.cli.options import add_model_option
 from attnlab.generation import generate
 from attnlab.generation.sampling import check_sampling_args
 from attnlab.training.checkpoint import load_model
@@ -31,7 +32,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "Translate each input with a seq2seq checkpoint. One line per input: "
         "INPUT<TAB>OUTPUT, or INPUT<TAB>error: WHY for an input the model cannot read or "
         "whose output is not a valid answer (exit status 1 if any failed).")
-    tr.add_argument("--checkpoint", required=True, help="checkpoint folder (e.g. runs/demo/best)")
+    add_model_option(tr, "checkpoint folder (e.g. runs/demo/best)", alias="--checkpoint")
     tr.add_argument("--beams", type=int, default=1, help="beam width (1 = greedy)")
     tr.add_argument("texts", nargs="+", metavar="TEXT", help="inputs to translate")
     tr.set_defaults(handler=_translate)
@@ -41,7 +42,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "Continue a prompt with a character-level LM checkpoint; the prompt and "
         "the new text go to stdout, and a note to stderr when it stops early (the model's "
         "context is full, or the model produced a special token).")
-    sa.add_argument("--checkpoint", required=True, help="checkpoint folder (e.g. runs/lm/best)")
+    add_model_option(sa, "checkpoint folder (e.g. runs/lm/best)", alias="--checkpoint")
     sa.add_argument("--prompt", default=None,
                     help="text to continue, in the model's characters (None: a newline, or the "
                     "model's first character if its text had no newline)")
@@ -60,7 +61,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 def _translate(args: argparse.Namespace) -> int:
     check_positive("--beams", args.beams)
-    model, task = _load_seq2seq(args.checkpoint)
+    model, task = _load_seq2seq(args.model)
     results = task.translate_checked(model, args.texts, num_beams=args.beams)
     failed = 0
     for number, result in enumerate(results, start=1):
@@ -79,7 +80,7 @@ def _sample(args: argparse.Namespace) -> int:
     _check_sampling_flags(args)
     if not -(2**63) <= args.seed < 2**64:  # the range torch.Generator.manual_seed takes
         raise ValueError(f"--seed: expected an int from -2**63 to 2**64 - 1, got {args.seed}")
-    model, vocab = _load_lm(args.checkpoint)
+    model, vocab = _load_lm(args.model)
     max_len = model.config.max_len
     if args.prompt is None:
         args.prompt = "\n" if "\n" in vocab.chars else vocab.chars[0]

@@ -1,4 +1,5 @@
-"""``attnlab quantize FOLDER OUT``: a checkpoint folder's weights as int8 or int4.
+"""``attnlab quantize --model FOLDER --out OUT``: a checkpoint folder's weights as int8 or int4
+(``attnlab quantize FOLDER OUT``, the older spelling, works too).
 
 Reads any folder that ``attnlab.models.from_pretrained`` reads, quantizing each weight as it
 is read (``attnlab.quantization``: the float model is never held), and writes OUT in
@@ -26,6 +27,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 
 from attnlab.cli import add_command
+from attnlab.cli.options import add_dtype_option, add_model_option, model_and_out
 from attnlab.durable import new_folder, swap_in
 from attnlab.models.hf_loading import CONFIG_NAME, WEIGHTS_NAME, check_folder, weight_files
 from attnlab.models.io import from_pretrained
@@ -42,9 +44,12 @@ MARKER, MARKER_FORMAT = "quantized_from.json", "attnlab-quantize"
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``quantize`` on the top-level sub-parsers."""
     p = add_command(sub, "quantize", __doc__)
-    p.add_argument("folder", help="checkpoint folder (any that `attnlab generate` reads)")
-    p.add_argument("out", help="folder to write (made if missing; must not be FOLDER); an "
-                   "existing one must be empty or an earlier output of this command for FOLDER")
+    add_model_option(p, "checkpoint folder (any that `attnlab generate` reads)", required=False)
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="folder to write (made if missing; must not be the model's); an "
+                   "existing one must be empty or an earlier output of this command for it")
+    p.add_argument("paths", nargs="*", metavar="FOLDER OUT",
+                   help="the older spelling of --model FOLDER --out OUT")
     p.add_argument("--bits", type=int, choices=(8, 4), default=8,
                    help="8: int8 per output row; 4: int4 in groups of --group-size")
     p.add_argument("--group-size", type=int, default=None,
@@ -52,15 +57,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "int4 only)")
     p.add_argument("--skip", nargs="*", default=[], metavar="PATTERN",
                    help="module names kept in float (fnmatch patterns, e.g. lm_head '*.mlp.*')")
-    p.add_argument("--dtype", default=None,
-                   help="dtype of what stays float and of the scales (default: the stored one)")
+    add_dtype_option(p, "dtype of what stays float and of the scales (default: the stored one)")
     p.add_argument("--force", action="store_true",
                    help="replace OUT whatever it holds (all of it: OUT becomes the new model)")
     p.set_defaults(handler=_quantize)
 
 
 def _quantize(args: argparse.Namespace) -> int:
-    source = check_folder(args.folder)
+    model_and_out(args, with_out=True)
+    source = check_folder(args.model)
     # A link is written through, at its target: swapping the new folder in beside the link
     # would replace the link itself (the model on the link's disk, the target untouched).
     out = Path(args.out).resolve() if Path(args.out).is_symlink() else Path(args.out)

@@ -29,7 +29,7 @@ import uvicorn
 
 from attnlab.arg_types import non_negative_float, number, positive_int
 from attnlab.cli import add_command
-from attnlab.models.hf_loading import SUPPORTED_DTYPES
+from attnlab.cli.options import add_dtype_option, add_model_option
 from attnlab.quantization import METHODS
 from attnlab.serving.api import MAX_N
 from attnlab.serving.server import create_app
@@ -48,8 +48,7 @@ CUT_GUARD_S = 10.0
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register ``serve`` on the top-level sub-parsers."""
     p = add_command(sub, "serve", __doc__)
-    p.add_argument("--model", required=True, help="checkpoint folder (as `attnlab generate "
-                   "--model`), with its tokenizer")
+    add_model_option(p, "checkpoint folder (as `attnlab generate --model`), with its tokenizer")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every "
                    "interface; the server has no authentication)")
     p.add_argument("--port", type=_port, default=8000, help="port (0: a free one)")
@@ -70,8 +69,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-n", type=_max_n, default=MAX_N, metavar="N",
                    help=f"choices (n) a request may ask for at most, in [1, {MAX_N}]; more "
                    "are answered 400")
-    p.add_argument("--dtype", choices=sorted(SUPPORTED_DTYPES), default=None,
-                   help="weights and activations dtype (default: the checkpoint's)")
+    add_dtype_option(p, "weights and activations dtype (default: the checkpoint's)")
     p.add_argument("--quantize", choices=sorted(METHODS), default=None,
                    help="quantize the weights on loading (default: as stored)")
     p.add_argument("--extra-memory", action="store_true",

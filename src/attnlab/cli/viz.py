@@ -1,6 +1,6 @@
 """``attnlab viz``: look inside a checkpoint on one input text.
 
-``attnlab viz --checkpoint DIR --text "..." [--html out.html] [--png out/]`` captures every
+``attnlab viz --model DIR --text "..." [--html out.html] [--png out/]`` captures every
 attention layer and head on the text, prints the head metric table, and writes the
 interactive HTML viewer and/or PNG pictures (a head grid per kind and layer, a layer x head
 entropy map per kind, a head similarity per kind and layer). ``DIR`` is an attnlab
@@ -34,6 +34,7 @@ from attnlab.analysis import (
 from attnlab.analysis.capture import AttentionCapture, kind_label
 from attnlab.analysis.dates import check_date_checkpoint, date_alignment_report
 from attnlab.cli import add_command
+from attnlab.cli.options import add_model_option
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.families import FAMILIES
 from attnlab.models.hf_loading import read_json
@@ -52,7 +53,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     viz = add_command(sub, "viz", "Capture every attention layer and head of a checkpoint on "
                       "a text, print the head metric table, and write the interactive HTML "
                       "viewer and/or PNG pictures.")
-    viz.add_argument("--checkpoint", required=True, metavar="DIR",
+    add_model_option(viz, alias="--checkpoint",
                      help="an attnlab checkpoint folder (seq2seq or character LM) or a Hugging "
                           "Face checkpoint folder with tokenizer.json, of a supported family "
                           f"({', '.join(sorted(FAMILIES))})")
@@ -123,25 +124,25 @@ def _viz(args: argparse.Namespace) -> int:
         _check_output("--png", Path(args.png), folder=True)
     if args.alignment:
         try:
-            check_date_checkpoint(args.checkpoint)
+            check_date_checkpoint(args.model)
         except (ValueError, FileNotFoundError) as error:
             raise ValueError(f"--alignment: needs a date-task checkpoint (attnlab demo writes "
                              f"runs/demo/best); {error}") from None
-    model, inputs, tokens, description = load_for_viz(args.checkpoint, args.text)
+    model, inputs, tokens, description = load_for_viz(args.model, args.text)
     result = capture(model, inputs, args.layers, args.heads, tokens=tokens)
     report = head_report(result)
-    print(f"{args.checkpoint}: {description}\n")
+    print(f"{args.model}: {description}\n")
     print(report.to_markdown())
     written: list[Path] = []
     if html:
         written.append(save_html(result, html, report=report, max_tokens=args.max_tokens,
                                  max_lines=args.max_lines,
-                                 title=f"{Path(args.checkpoint).name}: {description}"))
+                                 title=f"{Path(args.model).name}: {description}"))
     if args.png:
         written += _pictures(result, report, Path(args.png))
     if args.alignment:
         folder = Path(args.png or ".") / "alignment"
-        report_ = date_alignment_report(args.checkpoint, out_dir=folder)
+        report_ = date_alignment_report(args.model, out_dir=folder)
         print("\n" + report_.summary())
         written += report_.pictures
     print("\nwrote " + ", ".join(str(p) for p in written))
