@@ -18,6 +18,7 @@ import torch
 from attnlab.analysis import capture_attention, plot_attention_heads
 from attnlab.attention import MultiHeadAttention, scaled_dot_product_attention
 from attnlab.cli import add_command
+from attnlab.cli.train import time_estimate
 from attnlab.masks import causal_mask, combine_masks, padding_mask
 from attnlab.models.transformer import Transformer, TransformerConfig
 from attnlab.threads import add_threads_option
@@ -130,6 +131,7 @@ def run_date_demo(
             d_model=128,
             progress=progress,
         )
+        print(time_estimate(trainer.estimate_step_seconds(), steps))
         trainer.fit()
     else:
         print(f"Reusing the trained model in {best} (pass --retrain to train again).")

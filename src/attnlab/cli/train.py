@@ -40,7 +40,7 @@ from attnlab.training.tasks.seq2seq import SEQ2SEQ_TASKS, make_seq2seq_task
 from attnlab.training.tasks.text import CharLMTask, read_text
 from attnlab.training.trainer import TrainConfig, Trainer, TrainingInterrupted
 
-__all__ = ["RESUME_MAY_CHANGE", "add_commands"]
+__all__ = ["RESUME_MAY_CHANGE", "add_commands", "time_estimate"]
 
 # Options that a resumed run may set anew; none changes the arithmetic of the steps done.
 RESUME_MAY_CHANGE = ("--steps", "--eval-every", "--log-every", "--patience", "--no-progress",
@@ -210,7 +210,7 @@ def _train(model: torch.nn.Module, task: object, args: argparse.Namespace, save_
                       f"{args.steps}: nothing to do (a larger --steps trains further)")
             return 0
         if trainer.is_main:
-            print(_time_estimate(trainer.estimate_step_seconds(), args.steps - trainer.step))
+            print(time_estimate(trainer.estimate_step_seconds(), args.steps - trainer.step))
         try:
             result = trainer.fit()
         except TrainingInterrupted as stop:
@@ -225,8 +225,9 @@ def _train(model: torch.nn.Module, task: object, args: argparse.Namespace, save_
             return 130
         if trainer.is_main:
             how = "stopped early at" if result.stopped_early else "reached"
+            best = "-" if result.best_metric is None else f"{result.best_metric:.4f}"
             print(f"{how} step {result.step}: loss {result.final_loss:.4f}, best {metric} "
-                  f"{result.best_metric}; outputs in {out}")
+                  f"{best}; outputs in {out}")
         return 0
 
 
@@ -258,7 +259,8 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
             if name not in _NOT_RECIPE}
 
 
-def _time_estimate(seconds: float, steps: int) -> str:
+def time_estimate(seconds: float, steps: int) -> str:
+    """What a run of ``steps`` steps of ``seconds`` each will take, said before it starts."""
     total = seconds * steps
     if total < 90:
         span = f"{total:.0f} s"
