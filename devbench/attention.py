@@ -57,6 +57,10 @@ def run(args: argparse.Namespace) -> Path:
     lengths = (64, 128) if args.quick else tuple(args.lengths)
     H, D = (2, 16) if args.quick else (args.heads, args.head_dim)
     repeats = 3 if args.quick else args.repeats
+    # A warm-up before the first cell, discarded: the first peak measured in a process also
+    # holds one-off allocations (the allocator's arenas, each backend's first call), which made
+    # the first cell's peak several times the next ones' and the memory fall as L grew.
+    oom_as_error(partial(_measure, lengths[0], False, H, D, 1, device))
     rows = []
     groups = [(L, c) for L in lengths for c in (False, True)]
     for L, causal in tqdm(groups, desc="bench attention", unit="group"):
@@ -70,7 +74,7 @@ def run(args: argparse.Namespace) -> Path:
     info = machine_info(device)
     write_text_atomic(out / "attention.json", json.dumps({"machine": info, "rows": rows}, indent=2))
     md = out / "attention.md"
-    write_text_atomic(md, _markdown(rows, info, H, D))
+    write_text_atomic(md, _markdown(rows, info, H, D, quick=args.quick))
     _plot(rows, out / "attention.png")
     print(md.read_text())
     return md
@@ -114,8 +118,9 @@ def _measure(
                 if not is_oom(error):
                     raise
                 errors[backend] = "OOM"
-        # math is timed on its own: freeing its L x L matrices slows whichever call follows
-        # it (measured: flash 1.33x fused after it in the turns, 1.23x without it).
+        # math is timed on its own: freeing its L x L matrices slows whichever call follows it
+        # in the turns, so it would skew the others' ratios (timing flash after math and
+        # without it in this benchmark shows the difference).
         fast = {b: make(b) for b in peaks if b != "math"}
         seconds, error = oom_as_error(partial(time_medians, fast, repeats=repeats, device=device))
         seconds = seconds or {}
@@ -130,7 +135,8 @@ def _measure(
     return rows
 
 
-def _markdown(rows: list[dict], info: dict[str, str], H: int, D: int) -> str:
+def _markdown(rows: list[dict], info: dict[str, str], H: int, D: int, *,
+              quick: bool = False) -> str:
     by_key = {(r["L"], r["causal"], r["backend"]): r for r in rows}
 
     def ratio(r: dict, kind: str, ref: str, field: str) -> str:
@@ -145,6 +151,9 @@ def _markdown(rows: list[dict], info: dict[str, str], H: int, D: int) -> str:
         "runs in turns. Peak is the extra memory at the peak of the call (MiB). Time ratios are",
         "against `fused`, memory ratios against `math`, all measured in the same run.",
         "Regenerate with `python -m devbench attention`.",
+        *(["", "**A `--quick` run** (tiny sizes: L = 64 and 128, H = 2, D = 16), not the full "
+            "one: the full sizes take too long on a busy machine. Run `python -m devbench "
+            "attention` for them."] if quick else []),
         "",
         "| L | causal | backend | fwd ms | fwd vs fused | fwd+bwd ms | fwd+bwd vs fused "
         "| fwd peak MiB | fwd+bwd peak MiB | fwd peak vs math |",

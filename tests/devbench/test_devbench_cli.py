@@ -41,6 +41,26 @@ def test_bench_attention_quick_records_out_of_memory_at_a_length(tmp_path, monke
     assert str(tmp_path) in capsys.readouterr().out
 
 
+def test_bench_attention_warms_up_before_its_first_cell(tmp_path, monkeypatch, one_thread):
+    """The first peak measured in a process holds one-off allocations: a discarded warm-up
+    call of the first length comes before the first cell, so memory does not fall as L grows;
+    a --quick table says that it is one."""
+    calls = []
+    real = attention._measure
+
+    def measure(L, causal, H, D, repeats, device):
+        calls.append((L, causal, repeats))
+        return real(L, causal, H, D, repeats, device)
+
+    monkeypatch.setattr(attention, "_measure", measure)
+    assert main(["attention", "--quick", "--out", str(tmp_path)]) == 0
+    assert calls == [(64, False, 1), (64, False, 3), (64, True, 3), (128, False, 3),
+                     (128, True, 3)]
+    rows = json.loads((tmp_path / "attention.json").read_text())["rows"]
+    assert len(rows) == 16  # the warm-up's rows are not in the table
+    assert "**A `--quick` run**" in (tmp_path / "attention.md").read_text()
+
+
 def test_bench_quick_leaves_the_committed_tables_alone(tmp_path, monkeypatch, one_thread,
                                                        capsys):
     monkeypatch.chdir(tmp_path)
