@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from attnlab.bench.harness import machine_info, machine_section
-from devbench.history import write_with_history
+from devbench.history import keep_history, write_with_history
 
 
 def run_text(cpu: str, date: str, figure: str) -> str:
@@ -67,3 +67,22 @@ def test_a_run_killed_while_writing_leaves_the_table_and_its_history(tmp_path, m
         write_with_history(path, "# third\n\n- cpu: C\n- measured: 3\n")
     assert path.read_text() == before and "- cpu: A" in before
     assert [p.name for p in tmp_path.iterdir()] == ["qwen2.md"]  # no temporary file left
+
+
+def test_keep_history_gives_each_rewritten_table_its_earlier_runs(tmp_path) -> None:
+    """``python -m devbench`` wraps every run in it: a table the run rewrote keeps the runs it
+    held below the new one; a table the run did not touch, and a new one, stay as they are."""
+    (tmp_path / "sub").mkdir()
+    rewritten, untouched = tmp_path / "a.md", tmp_path / "sub" / "b.md"
+    rewritten.write_text(run_text("AMD EPYC", "2026-01-01 10:00 UTC", "1"))
+    untouched.write_text("# b\n\nas it was\n")
+    with keep_history(tmp_path):
+        rewritten.write_text(run_text("Intel Xeon", "2026-02-01 10:00 UTC", "2"))
+        (tmp_path / "c.md").write_text(run_text("Apple M3", "2026-03-01 10:00 UTC", "3"))
+    current, history = rewritten.read_text().split("\n## History\n")
+    assert "ours 2" in current and "ours 1" not in current
+    assert history.lstrip().startswith("### AMD EPYC, 2026-01-01 10:00 UTC") and "ours 1" in history
+    assert untouched.read_text() == "# b\n\nas it was\n"
+    assert "## History" not in (tmp_path / "c.md").read_text()
+    with keep_history(tmp_path / "missing"):  # a folder the run makes
+        pass
