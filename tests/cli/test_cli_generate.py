@@ -84,7 +84,7 @@ def test_every_family_generates_as_transformers_does(tmp_path, capsys, model_typ
                              r"of \[.*'llama'.*'qwen2'.*\]"),
     ({"architectures": ["X"]}, r"config.json: model_type None is not supported"),
     ({"format": "attnlab-checkpoint", "model_type": "decoder_lm", "model": {}},
-     r"config.json is an attnlab training checkpoint .*attnlab sample --checkpoint"),
+     r"config.json is an attnlab training checkpoint .*attnlab sample --model"),
 ])
 def test_unsupported_folders_are_refused_naming_what_is_read(tmp_path, capsys, config: dict,
                                                              message: str) -> None:
