@@ -1,4 +1,5 @@
-"""``attnlab train seq2seq|lm``.
+"""``attnlab train seq2seq|lm``: train an encoder-decoder on a generated task, or a
+character-level decoder-only LM on a UTF-8 text file.
 
 Training runs unchanged under ``torchrun`` (one process per device; only rank 0 writes).
 Every command ends by naming the folder it wrote. SIGINT (Ctrl-C) and SIGTERM stop a run at
