@@ -37,17 +37,19 @@ docs: $(STAMP)
 docs-serve: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 MPLBACKEND=Agg $(BIN)/mkdocs serve
 
+# The committed tables in benchmarks/ (each keeps its earlier runs as history): the developer
+# benchmarks of devbench/, run from the repository's root.
 bench: $(STAMP)
-	$(BIN)/attnlab bench attention
-	$(BIN)/attnlab bench mha
-	$(BIN)/attnlab bench generate
-	$(BIN)/attnlab bench sampling
-	$(BIN)/attnlab bench variants --max-len 32768 --repeats 3
-	$(BIN)/attnlab bench qwen2
-	$(BIN)/attnlab bench families
+	$(BIN)/python -m devbench attention
+	$(BIN)/python -m devbench mha
+	$(BIN)/python -m devbench generate
+	$(BIN)/python -m devbench sampling
+	$(BIN)/python -m devbench variants --max-len 32768 --repeats 3
+	$(BIN)/python -m devbench qwen2
+	$(BIN)/python -m devbench families
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests devbench
 	$(BIN)/lint-imports --no-cache
 
 clean:

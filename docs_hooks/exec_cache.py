@@ -7,7 +7,8 @@ key: a SHA-256 of
 - the page's executed blocks, each with its options, in order (the blocks of a session share
   their globals, so one changed block re-runs the whole page), and
 - the library they import: every file of the ``attnlab`` package that Python imports
-  (``src/attnlab`` in a checkout), with its path, plus the Python and torch versions.
+  (``src/attnlab`` in a checkout) and of the repository's ``devbench/``, with its path, plus
+  the Python and torch versions.
 
 So ``make docs`` re-runs a page only when its code or the library changed; a Japanese page,
 whose code is its English twin's, replays the English page's outputs. An entry is written
@@ -43,7 +44,10 @@ _state: dict = {}
 def on_config(config):
     default = Path(config.config_file_path).parent / ".cache" / "docs-exec"
     _state["folder"] = Path(os.environ.get("ATTNLAB_DOCS_CACHE", default))
-    _state["library"] = library_hash(Path(attnlab.__file__).parent)
+    # The developer benchmarks (devbench/, beside mkdocs.yml) run on a page too.
+    devbench = Path(config.config_file_path).parent / "devbench"
+    _state["library"] = library_hash(Path(attnlab.__file__).parent) + (
+        library_hash(devbench) if devbench.is_dir() else "")
     _state["hits"] = _state["runs"] = 0
     exec_python._run_python = _run_python
     return config

@@ -123,8 +123,8 @@ def _one_thread_unless_told():
 @pytest.fixture(scope="session")
 def qwen2_folder(tmp_path_factory: pytest.TempPathFactory):
     """A tiny random Qwen2 folder with a BPE tokenizer and a chat template
-    (``test_cli_generate.make_folder``), written once per session: read it, never write."""
-    from test_cli_generate import make_folder
+    (``tiny_folders.make_folder``), written once per session: read it, never write."""
+    from tiny_folders import make_folder
 
     path = tmp_path_factory.mktemp("qwen2-folder")
     make_folder(path)

@@ -12,10 +12,11 @@ before any work. The count, in order of precedence:
 4. the CPUs this process may use (``os.sched_getaffinity``, else ``os.cpu_count()``).
 
 Why it matters: torch's OpenMP threads spin at every barrier until all of them arrive. When
-another program holds a core, the thread that waits for it spins instead of working; on a
-busy 2-core machine 2 threads ran 7-11x slower than 1. So a command that picked the count
-itself (none of the three was set) and finds the 1-minute load average above the usable CPUs
-says so on stderr once and suggests ``--threads 1``.
+another program holds a core, the thread that waits for it spins instead of working, so on a
+busy machine more threads than free cores run slower than fewer (the ``- load average`` and
+``spread of repeats`` lines of a benchmark's table record such a run). So a command that
+picked the count itself (none of the three was set) and finds the 1-minute load average above
+the usable CPUs says so on stderr once and suggests ``--threads 1``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from tiny_families import tiny_hf_config
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM
 
-import attnlab.cli_viz
+import attnlab.cli.viz
 from attnlab.analysis import capture
 from attnlab.analysis.viewer_page import script_json
 from attnlab.cli import build_parser, main
@@ -93,7 +93,7 @@ def test_viz_hf_folder_of_every_family(tmp_path, capsys, model_type):
     assert "| self | 1 | 3 |" in capsys.readouterr().out
     assert '"queries":["the","cat","sat","on","the","mat"]' in html.read_text()
     # the weights drawn are transformers' own attention weights
-    model, ids, tokens, _ = attnlab.cli_viz.load_for_viz(folder, text)
+    model, ids, tokens, _ = attnlab.cli.viz.load_for_viz(folder, text)
     maps = capture(model, ids, tokens=tokens["input"])["self"]
     with torch.no_grad():
         expected = torch.stack(hf(ids, output_attentions=True).attentions, dim=1)
@@ -135,7 +135,7 @@ def test_viz_alignment_refuses_other_checkpoints_before_any_work(tmp_path, capsy
     def no_work(*args, **kwargs):
         raise AssertionError("viz captured attention before refusing --alignment")
 
-    monkeypatch.setattr(attnlab.cli_viz, "load_for_viz", no_work)
+    monkeypatch.setattr(attnlab.cli.viz, "load_for_viz", no_work)
     monkeypatch.chdir(tmp_path)
     copy = _seq2seq_checkpoint(tmp_path / "copy")
     assert main(["viz", "--checkpoint", str(copy), "--text", "123", "--alignment"]) == 2
@@ -174,7 +174,7 @@ def test_viz_help_describes_every_option():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     viz = sub.choices["viz"]
     options = [a for a in viz._actions if a.option_strings and a.dest != "help"]
-    assert {a.dest for a in options} >= {"checkpoint", "text", "html", "png", "layers",
+    assert {a.dest for a in options} >= {"model", "text", "html", "png", "layers",
                                          "heads", "max_tokens", "max_lines", "alignment"}
     assert all(a.help and len(a.help) > 20 for a in options)
     text = " ".join(viz.format_help().split())  # undo the line wrapping

@@ -27,6 +27,7 @@ from attnlab.bench.quantization import (
 from attnlab.bench.quantization_report import Target, targets, write_report
 from attnlab.cli import main
 from attnlab.training.tasks.seq2seq import exact_match, make_seq2seq_task
+from devbench.history import keep_history
 
 # Plain English, long enough for windows of 16 characters and a held-out tenth.
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it "
@@ -106,11 +107,15 @@ def test_python_function_writes_the_table(tiny_settings, tmp_path, one_thread) -
     for row in result.dates.scores:
         assert f"| {row.exact_match:.2%} |" in table
     assert f"- cpu: {result.machine['cpu']}" in table
-    # A second run goes on top and keeps the first as history.
-    write_report(result, path)
+    write_report(result, path)  # attnlab bench: the new table alone
+    assert "## History" not in path.read_text()
+    # An earlier run on another machine is there: devbench puts the new one on top of it.
+    path.write_text(table.replace(f"- cpu: {result.machine['cpu']}", "- cpu: Old CPU"))
+    with keep_history(tmp_path):
+        write_report(result, path)
     current, history = path.read_text().split("\n## History\n")
     assert current.startswith("# Quantized weights: accuracy")
-    assert history.lstrip().startswith(f"### {result.machine['cpu']}")
+    assert history.lstrip().startswith("### Old CPU")
 
 
 def test_perplexity_is_exp_of_the_mean_cross_entropy_computed_here(tiny_lm,

@@ -17,6 +17,7 @@ import pytest
 from page_runner import BlockError, code_blocks, executed_blocks, run_page
 
 from attnlab.cli import build_parser
+from devbench.cli import build_parser as build_devbench_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -105,9 +106,10 @@ def test_shell_commands_parses_continuations_and_comments():
 @pytest.mark.parametrize("page", english_pages(), ids=lambda p: str(p.relative_to(DOCS)))
 def test_every_command_line_on_a_page_is_one_the_cli_accepts(page: Path):
     """The shell blocks are not run (they name real checkpoints and full-size runs), but they
-    cannot rot either: each ``attnlab`` line must parse with the real command line, each
-    ``make`` target must exist."""
-    parser = build_parser()
+    cannot rot either: each ``attnlab`` line must parse with the real command line (and not
+    name a benchmark that moved to devbench), each ``python -m devbench`` line with devbench's,
+    each ``make`` target must exist."""
+    parser, devbench_parser = build_parser(), build_devbench_parser()
     targets = set(re.findall(r"^([a-z][\w-]*):", (DOCS.parent / "Makefile").read_text(), re.M))
     for path in (page, page.with_suffix(".ja.md")):
         if not path.exists():
@@ -119,9 +121,15 @@ def test_every_command_line_on_a_page_is_one_the_cli_accepts(page: Path):
                 where = f"{path.relative_to(DOCS)}: {' '.join(words)!r}"
                 if words[0] == "attnlab":
                     try:
-                        parser.parse_args(words[1:])
+                        args = parser.parse_args(words[1:])
                     except SystemExit as exit_:
                         pytest.fail(f"{where} is refused by attnlab's parser ({exit_})")
+                    assert not getattr(args, "moved", False), f"{where}: moved to devbench"
+                elif words[:3] == ["python", "-m", "devbench"]:
+                    try:
+                        devbench_parser.parse_args(words[3:])
+                    except SystemExit as exit_:
+                        pytest.fail(f"{where} is refused by devbench's parser ({exit_})")
                 elif words[0] == "make":
                     assert set(words[1:]) <= targets, f"{where}: no such make target"
 

@@ -13,7 +13,7 @@ from attnlab.cli import main
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.families import FAMILIES
 from attnlab.models.io import save_pretrained
-from test_cli_generate import make_folder, make_tokenizer
+from tiny_folders import make_folder, make_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -224,7 +224,7 @@ def test_without_the_kernels_the_reference_runs_and_it_is_said_once(monkeypatch,
 
 
 def test_the_import_contracts_keep_the_reference_packages_free_of_the_fast_package() -> None:
-    """The contracts themselves (``tests/test_layering.py`` runs them): the formulas'
+    """The contracts themselves (``tests/project/test_layering.py`` runs them): the formulas'
     packages may not import ``attnlab.kernels`` at all, the model classes not directly."""
     text = (Path(__file__).parents[2] / ".importlinter").read_text()
     formulas = text[text.index("[importlinter:contract:formulas]"):]

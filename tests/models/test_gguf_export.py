@@ -210,4 +210,4 @@ def test_the_command_refuses_to_overwrite_what_is_not_a_gguf(tmp_path, vocabular
     assert main(["export-gguf", str(folder), str(notes)]) == 2
     assert "is not a GGUF file" in capsys.readouterr().err and notes.read_text() == "mine"
     assert main(["export-gguf", str(folder), str(notes), "--model", str(folder)]) == 2
-    assert "FOLDER: give it once" in capsys.readouterr().err
+    assert "give the paths once" in capsys.readouterr().err

@@ -12,10 +12,10 @@ import stat
 
 import pytest
 
-import attnlab.cli_quantize as cli_quantize
 from attnlab.cli import main
+from attnlab.cli import quantize as cli_quantize
 from attnlab.models.io import from_pretrained
-from test_cli_generate import make_folder
+from tiny_folders import make_folder
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from attnlab.models.transformer import Transformer, TransformerConfig
 from attnlab.quantization import QuantizedEmbedding, QuantizedLinear, weight_bytes
 from attnlab.quantization import kernels as qkernels
 from attnlab.tokenizer import Tokenizer
-from test_cli_generate import make_folder
+from tiny_folders import make_folder
 
 
 @pytest.fixture(scope="module")

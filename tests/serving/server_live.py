@@ -15,7 +15,7 @@ import openai
 import uvicorn
 from fastapi import FastAPI
 
-from attnlab.cli_serve import ReadyServer
+from attnlab.cli.serve import ReadyServer
 
 # Hang guards, far above the expected times on a busy 2-core machine.
 START_TIMEOUT_S = STOP_TIMEOUT_S = HANG_S = 600.0

@@ -18,7 +18,7 @@ from attnlab.generation import generate
 from attnlab.models.io import from_pretrained
 from attnlab.serving.server import create_app
 from attnlab.tokenizer import Tokenizer
-from test_cli_generate import make_folder
+from tiny_folders import make_folder
 
 PROMPT = "once upon a time"
 

@@ -186,8 +186,8 @@ def test_connections_past_the_limit_are_503_and_served_again_once_closed(qwen2_f
 
 
 def test_serve_passes_max_connections_to_uvicorn(qwen2_folder, monkeypatch) -> None:
-    from attnlab import cli_serve
     from attnlab.cli import build_parser
+    from attnlab.cli import serve as cli_serve
 
     seen = {}
 

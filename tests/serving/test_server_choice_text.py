@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from attnlab.serving.choice_text import ChoiceText
 from attnlab.tokenizer import TextStreamer, Tokenizer
-from test_cli_generate import make_tokenizer
+from tiny_folders import make_tokenizer
 
 
 @pytest.fixture(scope="module")

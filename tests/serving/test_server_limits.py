@@ -13,8 +13,8 @@ import shutil
 import pytest
 from server_live import live, raw
 
-from attnlab import cli_serve
 from attnlab.cli import build_parser
+from attnlab.cli import serve as cli_serve
 from attnlab.serving.server import create_app
 
 POOL = 64  # tokens: 16 pages of 4, under the folder's context of 256

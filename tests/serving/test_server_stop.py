@@ -21,7 +21,7 @@ import pytest
 import uvicorn
 from server_live import HANG_S, client, raw, wait_for
 
-from attnlab.cli_serve import ReadyServer
+from attnlab.cli.serve import ReadyServer
 from attnlab.serving.server import create_app
 from conftest import pause_until_abort
 

@@ -146,7 +146,7 @@ def test_torchrun_two_processes_reach_the_same_parameters_as_one(tmp_path):
         "--standalone",
         "--nproc_per_node=2",
         "-m",
-        "attnlab.cli",
+        "attnlab",
     ]
     done = subprocess.run(
         [*launcher, *common, "--out", str(tmp_path / "two")],

@@ -1,8 +1,9 @@
 """The main job's code path end to end, at a tiny size: train, evaluate, draw, reuse."""
 
 import json
+import re
 
-from attnlab.demo import run_date_demo
+from attnlab.cli.demo import run_date_demo
 
 
 def test_date_demo_trains_evaluates_draws_and_reuses(tmp_path, capsys):
@@ -16,6 +17,9 @@ def test_date_demo_trains_evaluates_draws_and_reuses(tmp_path, capsys):
     assert json.loads((tmp_path / "results.json").read_text())["num_beams"] == 2
     out = capsys.readouterr().out
     assert "21 November 2026" in out and str(tmp_path) in out
+    # How long the training will take, said before it starts (as attnlab train does).
+    assert re.search(r"^about \S+ s/step, ~\S+ s for 6 steps", out, re.M)
+    assert out.index(" s/step, ~") < out.index("21 November 2026")
     again = run_date_demo(tmp_path, steps=6, batch_size=16, n_test=30, num_beams=2,
                           progress=False)
     assert not again["trained_now"]

@@ -1,17 +1,24 @@
-"""Checkpoints of the ``DecoderLM`` of earlier attnlab versions (tensor names ``embed``,
-``pos``, ``blocks.{i}.norm1``, ``blocks.{i}.attn.in_proj_weight`` = q, k, v stacked, ...)
-still load, into today's names, with the same weights and logits."""
+"""Checkpoints of the ``DecoderLM`` of the development versions before the one decoder stack
+(tensor names ``embed``, ``pos``, ``blocks.{i}.norm1``, ``blocks.{i}.attn.in_proj_weight`` = q,
+k, v stacked, ...) are refused with an error that names the file and the commit that converts
+them; today's checkpoints load."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
-from attnlab.training.checkpoint import FORMAT, is_old_layout, load_model
+from attnlab.training.checkpoint import (
+    FORMAT,
+    check_current_layout,
+    load_model,
+    save_checkpoint,
+)
 from attnlab.training.tasks.text import CharLMTask
 from attnlab.training.trainer import TrainConfig, Trainer
 
@@ -77,49 +84,31 @@ def random_model(style: str) -> DecoderLM:
 @pytest.mark.parametrize(("style", "head"), [("gpt-tied", "embed.weight"),
                                              ("gpt-tied", "lm_head.weight"),
                                              ("llama-untied", "embed.weight")])
-def test_an_old_layout_checkpoint_loads_with_the_same_weights_and_logits(tmp_path, style: str,
-                                                                         head: str) -> None:
-    model = random_model(style)
-    write_old_checkpoint(tmp_path / "old", model, head=head)
-    assert is_old_layout(tmp_path / "old")
-    loaded, config = load_model(tmp_path / "old")
-    assert config["model_type"] == "decoder_lm" and not loaded.training
-    assert loaded.config == model.config
+def test_an_old_layout_checkpoint_is_refused_naming_the_file_and_the_way_to_convert_it(
+        tmp_path, style: str, head: str) -> None:
+    write_old_checkpoint(tmp_path / "old", random_model(style), head=head)
+    weights = str(tmp_path / "old" / "model.safetensors")
+    for load in (load_model, check_current_layout):
+        with pytest.raises(ValueError, match=re.escape(repr(weights)) + r" holds the tensor "
+                           r"names of the DecoderLM before .*\(embed, blocks\.\*\).* does "
+                           r"not read; convert it with attnlab at commit d2db3a7 \(load_model, "
+                           r"then save_checkpoint"):
+            load(tmp_path / "old")
+
+
+def test_a_current_checkpoint_passes_the_layout_check(tmp_path) -> None:
+    model = random_model("llama-untied")
+    save_checkpoint(tmp_path / "new", model, model_type="decoder_lm",
+                    model_config=model.config.to_dict())
+    check_current_layout(tmp_path / "new")
+    loaded, _ = load_model(tmp_path / "new")
     for name, t in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], t), name
-    if model.config.tie_embeddings:
-        assert loaded.lm_head.weight is loaded.embed_tokens.weight
-    ids = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        assert torch.equal(loaded(ids), model(ids))
-
-
-def test_an_old_layout_that_does_not_fit_its_config_is_refused(tmp_path) -> None:
-    model = random_model("llama-untied")
-    write_old_checkpoint(tmp_path / "old", model)
-    path = tmp_path / "old" / "config.json"
-    saved = json.loads(path.read_text())
-    for change, message in [
-        ({"num_kv_heads": 4}, r"old-layout weights .*model\.safetensors.*RuntimeError"),
-        ({"bias": True}, r"does not match the weights .*q_proj\.bias: not in the file"),
-        ({"num_layers": 3}, r"does not match the weights .*layers\.2\..*: not in the file"),
-        ({"d_model": 2**20, "d_ff": 2**22}, r"old-layout weights .*RuntimeError"),  # no alloc
-    ]:
-        path.write_text(json.dumps({**saved, "model": {**saved["model"], **change}}))
-        with pytest.raises(ValueError, match=message):
-            load_model(tmp_path / "old")
-    path.write_text(json.dumps(saved))
-    for extra, message in [("blocks.0.attn.bogus", r"unexpected tensor 'blocks\.0\.attn\.bogus'"),
-                           ("blocks.0.attn.in_proj_bias", r"KeyError.*q_proj\.bias")]:
-        state = {**old_state(model), extra: torch.zeros(48)}
-        save_file(state, str(tmp_path / "old" / "model.safetensors"))
-        with pytest.raises(ValueError, match="old-layout weights .*" + message):
-            load_model(tmp_path / "old")
 
 
 def test_an_old_layout_run_does_not_resume(tmp_path) -> None:
-    """Its weights load, but its optimizer state follows the old parameters: resume says so
-    instead of failing on a shape deep inside the optimizer."""
+    """Its optimizer state follows the old parameters: resume refuses it by the file's name
+    before reading that state, instead of failing on a shape deep inside the optimizer."""
     task = CharLMTask("the quick brown fox jumps over the lazy dog. " * 4, block_size=8)
     config = DecoderLMConfig.gpt(len(task.vocab), d_model=16, num_layers=1, num_heads=2,
                                  max_len=16)
@@ -133,9 +122,8 @@ def test_an_old_layout_run_does_not_resume(tmp_path) -> None:
 
     first = trainer()
     first.fit()
-    assert not is_old_layout(tmp_path / "last")
+    check_current_layout(tmp_path / "last")
     save_file({k: v.contiguous() for k, v in old_state(first.model).items()},
               str(tmp_path / "last" / "model.safetensors"))
-    assert is_old_layout(tmp_path / "last")
-    with pytest.raises(ValueError, match=r"resume: .*older attnlab.*start a new run"):
+    with pytest.raises(ValueError, match=r"model\.safetensors' holds the tensor names .*d2db3a7"):
         trainer().resume()

@@ -5,6 +5,7 @@ option, name bad flags, estimate the time and show the validation metric."""
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 
@@ -135,6 +136,8 @@ def test_time_estimate_before_training(tmp_path, capsys):
     estimate = out.index("s/step, ~")
     assert out.startswith("about ") and " for 2 steps" in out
     assert estimate < out.index("reached step 2")
+    # The last line's figures are formatted (it once printed best valid_loss 2.5465917587280273).
+    assert re.search(r"reached step 2: loss \d+\.\d{4}, best valid_\w+ \d+\.\d{4}; outputs", out)
 
 
 @pytest.fixture(scope="module")

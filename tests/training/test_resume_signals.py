@@ -5,7 +5,7 @@ bit for bit, the weights, trainer state and metrics of a run never interrupted.
 
 The faults at chosen moments run in a forked process (a real process receiving real signals,
 without the seconds of a fresh ``import torch``); the signals from outside go to a real
-``python -m attnlab.cli`` process.
+``python -m attnlab`` process.
 """
 
 import json
@@ -111,7 +111,7 @@ def test_sigterm_from_outside_at_a_random_moment(tmp_path, corpus, long_referenc
     out = tmp_path / "run"
     args = run_args(corpus, out, steps=150, eval_every=50)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "attnlab.cli", *args],
+        [sys.executable, "-m", "attnlab", *args],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

@@ -1,5 +1,6 @@
 """The trainer: learning happens, interrupted runs resume exactly, checkpoints are safe."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -237,3 +238,25 @@ def test_close_frees_the_ddp_wrapper_and_fit_is_refused_after(tmp_path, task, mo
             trainer.fit()
     finally:
         dist.destroy_process_group()
+
+
+def test_the_progress_bar_shows_the_latest_evaluation_at_once(tmp_path, task, monkeypatch):
+    """An evaluation's figure reaches the bar when it is measured, not at the next log line
+    (with log_every=10 and eval_every=5 it would show only at step 10)."""
+    from attnlab.training import trainer as trainer_module
+
+    seen, runs = [], []
+
+    class Bar(trainer_module.tqdm):
+        def set_postfix(self, ordered_dict=None, refresh=True, **kwargs):
+            seen.append((runs[0].step, dict(ordered_dict)))
+            super().set_postfix(ordered_dict, refresh=refresh, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "tqdm", Bar)
+    runs.append(make_trainer(tmp_path, task, steps=10))
+    runs[0].config = dataclasses.replace(runs[0].config, log_every=10)
+    runs[0].fit()
+    metric = runs[0].metric
+    evals = [r[metric] for r in runs[0].history if metric in r]
+    step, shown = next((step, shown) for step, shown in seen if metric in shown)
+    assert step == 5 and shown[metric] == f"{evals[0]:.4g}"

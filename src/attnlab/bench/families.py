@@ -12,8 +12,9 @@ tokens/s; decode also against the bandwidth bound (rows x read bandwidth / weigh
 With ``--model FOLDER`` (repeatable) the checkpoints a user has on disk are measured
 instead, one row per folder and dtype, each folder's own ``config.json`` saying its family and
 sizes (read as ``from_pretrained`` reads it, so an unsupported one is refused before any
-timing). Out-of-memory is recorded as ``OOM``. Writes ``families.md`` (the new table on top,
-the runs already there kept below as history), ``families.json`` and ``families.png``.
+timing). Out-of-memory is recorded as ``OOM``. Writes ``families.md``,
+``families.json`` and ``families.png`` (``python -m devbench families`` keeps the earlier runs
+of a committed table below the new one).
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ from attnlab.bench.harness import (
     BandwidthProbe,
     machine_info,
     machine_section,
-    write_with_history,
 )
-from attnlab.bench.qwen2 import DTYPES, dtype_list
 from attnlab.bench.versus import (
+    DTYPES,
     MEASURES,
     Workload,
     add_workload_arguments,
     bandwidth_range,
+    dtype_list,
     measure_folder,
     median_bandwidth,
     ours_label,
@@ -117,14 +118,16 @@ def run(args: argparse.Namespace) -> Path:
     info = machine_info(device)
     r["machine"] = info
     write_text_atomic(out / "families.json", json.dumps(r, indent=2))
-    md = write_with_history(out / "families.md", _markdown(r, info))
+    text = _markdown(r, info)
+    md = out / "families.md"
+    write_text_atomic(md, text)
     pairs = [(_label(f, r).replace("`", ""), run) for f in r["families"] for run in f["runs"]]
     plot_ratios(out / "families.png",
                 f"Families, ours vs transformers, on {info.get('gpu', info['cpu'])}",
                 [f"{name} {run['dtype']}" for name, run in pairs],
                 {m: [ratio_value(run["cells"].get(m, {})) for _, run in pairs]
                  for m in MEASURES})
-    print(md.read_text().split("\n## History\n")[0])
+    print(text)
     return md
 
 

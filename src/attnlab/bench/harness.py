@@ -25,13 +25,11 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TypeVar
 
 import torch
 
 from attnlab._checks import check_positive
-from attnlab.durable import write_text_atomic
 from attnlab.threads import load_average, usable_cpus
 
 __all__ = [
@@ -48,10 +46,8 @@ __all__ = [
     "peak_memory",
     "time_median",
     "time_medians",
-    "write_with_history",
 ]
 
-HISTORY = "## History"
 # Repeats whose (max - min) / median exceeds this disagree: their median is not one figure.
 SPREAD_LIMIT = 0.10
 
@@ -241,30 +237,6 @@ def machine_section(info: dict[str, str]) -> list[str]:
             *[f"- {k}: {v}" for k, v in info.items() if k != "warning"], ""]
 
 
-def write_with_history(path: Path, text: str) -> Path:
-    """Write the markdown ``text`` of a new run to ``path``, keeping the runs already there.
-
-    The new run goes on top; the run that was on top moves into the ``## History`` section
-    below it (newest first), headed by its machine (the ``- gpu:`` and ``- cpu:`` lines of
-    ``machine_section``) and its ``- measured:`` date, its own headings two levels down. So
-    one machine's figures are never presented as the project's, and the older ones stay
-    readable.
-    """
-    path = Path(path)
-    # A byte that is not UTF-8 (an edit by hand) must not lose the run just measured.
-    old = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
-    current, _, history = old.partition(f"\n{HISTORY}\n")
-    entries = [history.strip()] if history.strip() else []
-    if current.strip():
-        entries.insert(0, _as_history_entry(current))
-    sections = [text.rstrip("\n")]
-    if entries:
-        sections += [HISTORY, "\n\n".join(entries)]
-    # In one step: a kill mid-write must not lose the history the file held.
-    write_text_atomic(path, "\n\n".join(sections) + "\n")
-    return path
-
-
 def int_list(text: str) -> tuple[int, ...]:
     """``argparse`` type for comma-separated positive ints (``"256,1024"``)."""
     try:
@@ -362,22 +334,6 @@ def _load(load: float | None) -> str:
 
 # The run being recorded; ``begin_run`` starts a new one.
 _run = _Run(load_average())
-
-
-def _as_history_entry(markdown: str) -> str:
-    """A run's markdown as one ``### <cpu>, <date>`` entry of the history section."""
-    lines = markdown.strip().splitlines()
-    if lines and lines[0].startswith("# "):
-        lines = lines[1:]
-    cpu = next((line.split(":", 1)[1].strip() for line in lines
-                if line.startswith("- cpu:")), "machine not recorded")
-    gpu = next((line.split(":", 1)[1].strip() for line in lines
-                if line.startswith("- gpu:")), None)
-    date = next((line.split(":", 1)[1].strip() for line in lines
-                 if line.startswith("- measured:")), None)
-    label = ", ".join(x for x in (gpu, cpu, date) if x)
-    body = [("##" + line) if line.startswith("#") else line for line in lines]
-    return "\n".join([f"### {label}", *body]).strip()
 
 
 def _sync(device: torch.device | None) -> None:

@@ -16,9 +16,9 @@ the benchmark reports, on every held-out character after the first:
 with the ratio of each to float32's, and the weight bytes (``weight_bytes``) against float32.
 The date translator of ``attnlab demo`` is trained for ``--date-seconds`` and its greedy
 exact match on held-out dates is reported for the same copies. Writes
-``quantization-accuracy.md`` (the new table on top, earlier runs kept below as history)
-and prints PASS/FAIL for the issue's targets: int8 perplexity within 1 % of float32's, int4
-with groups of 64 within 5 %.
+``quantization-accuracy.md`` (``python -m devbench quantization`` keeps a committed table's
+earlier runs below it) and prints PASS/FAIL for the issue's targets: int8 perplexity within
+1 % of float32's, int4 with groups of 64 within 5 %.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ WEIGHTS = ("float32", "bfloat16", "int8", "int4")
 # Held-out dates at most: the other ~63,000 days of 1900-2099 stay for training.
 MAX_DATE_EXAMPLES = 10_000
 MAX_SEED = 2**63  # torch.manual_seed's range
-# The date translator's training, as ``attnlab demo`` trains it (``attnlab.demo`` is a layer
+# The date translator's training, as ``attnlab demo`` trains it (``attnlab.cli.demo`` is a layer
 # above the benchmarks), on half its batch: twice the steps in the same time.
 DATE_TRAINING = TrainConfig(batch_size=64, lr=2e-3, warmup=100)
 # ``--quick``: a smoke run of seconds (the size options are ignored).
@@ -256,7 +256,7 @@ def run(args: argparse.Namespace) -> Path:
     args.out.mkdir(parents=True, exist_ok=True)  # before minutes of training, not after
     result = measure_accuracy(settings, progress=True)
     path = write_report(result, args.out / "quantization-accuracy.md")
-    print(path.read_text().split("\n## History\n")[0])
+    print(path.read_text())
     for target in targets(result):
         print(f"{'PASS' if target.passed else 'FAIL'}: {target.describe()}")
     return path
@@ -387,7 +387,7 @@ def _cached_logits(model: nn.Module, x: Tensor, rows: int) -> Tensor:
 def variants(group_sizes: tuple[int, ...]) -> tuple[Variant, ...]:
     """float32 first (the reference), bfloat16, int8, then int4 per group size, computing in
     float32; then int8 and int4 in groups of 64 (or the first group size) computing in
-    bfloat16 (how ``attnlab bench qwen2 --quantize`` and a bfloat16 model decode)."""
+    bfloat16 (how ``python -m devbench qwen2 --quantize`` and a bfloat16 model decode)."""
     group = 64 if 64 in group_sizes else group_sizes[0]
     return (Variant("float32"), Variant("bfloat16"), Variant("int8"),
             *(Variant("int4", g) for g in group_sizes),

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from attnlab.bench.harness import machine_section, write_with_history
+from attnlab.bench.harness import machine_section
+from attnlab.durable import write_text_atomic
 
 # Positions a forward for the variants scored as a decoder runs: within the rows that the
 # quantized GEMVs are offered for (attnlab.quantization.kernels), where a longer forward
@@ -57,8 +58,9 @@ def targets(result: Any) -> list[Target]:
 
 
 def write_report(result: Any, path: Path) -> Path:
-    """Write ``markdown(result)`` to ``path``, earlier runs kept below as history."""
-    return write_with_history(path, markdown(result))
+    """Write ``markdown(result)`` to ``path``."""
+    write_text_atomic(path, markdown(result))
+    return path
 
 
 def markdown(result: Any) -> str:

@@ -1,6 +1,6 @@
 """Serving under load: ``attnlab serve`` driven by concurrent streaming clients.
 
-A random checkpoint shaped like Qwen2-0.5B with 4 layers (``bench.qwen2``'s ``FULL`` sizes;
+A random checkpoint shaped like Qwen2-0.5B with 4 layers (``bench.versus``'s ``QWEN2_FULL`` sizes;
 ``--layers`` changes the depth) and a word-level tokenizer whose tokens ``w0 .. w{V-1}``
 cover the model's whole vocabulary (so that every generated id decodes to text and is
 streamed as its own server-sent event) are written into a temporary folder. The app of
@@ -27,8 +27,8 @@ client that stops reading does.
 3. the issue's targets, PASS/FAIL: ``--clients``' largest ``C`` >= 5x the tokens/s of one
    at a time; its p95 ITL <= 3x one client's; prefix caching cuts the TTFT p50 >= 3x.
 
-Writes ``serve.md`` (the new table on top, earlier runs kept below as history, each with
-its machine), ``serve.json`` and ``serve.png``.
+Writes ``serve.md``, ``serve.json`` and ``serve.png`` (``python -m devbench serve`` keeps a
+committed table's earlier runs below the new one, each with its machine).
 """
 
 from __future__ import annotations
@@ -52,10 +52,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from attnlab._checks import check_positive, is_int, is_number
 from attnlab.arg_types import non_negative_int, number, positive_int
-from attnlab.bench.harness import int_list, machine_info, write_with_history
-from attnlab.bench.qwen2 import FULL, QUICK
+from attnlab.bench.harness import int_list, machine_info
 from attnlab.bench.serve_report import OUTPUT_TOKENS, PROMPT_TOKENS, markdown, plot, targets
-from attnlab.bench.versus import random_checkpoint
+from attnlab.bench.versus import QWEN2_FULL, QWEN2_QUICK, random_checkpoint
 from attnlab.durable import write_text_atomic
 from attnlab.models.hf_loading import SUPPORTED_DTYPES
 from attnlab.serving.server import ServerState, create_app
@@ -140,7 +139,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "weights where they win (batched decoding; up to twice the memory)")
     parser.add_argument("--page-size", type=positive_int, default=16,
                         help="the server's --page-size: tokens per KV cache page")
-    parser.add_argument("--layers", type=_layers, default=FULL["num_hidden_layers"],
+    parser.add_argument("--layers", type=_layers, default=QWEN2_FULL["num_hidden_layers"],
                         help="decoder layers of the Qwen2-0.5B-shaped model (Qwen2-0.5B: 24)")
     parser.add_argument("--system-tokens", type=positive_int, default=1000,
                         help="length of the shared system prompt of the prefix-caching run")
@@ -153,7 +152,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> Path:
     """Run the benchmark and write its files into ``args.out``; returns the markdown path."""
-    sizes = QUICK if args.quick else {**FULL, "num_hidden_layers": args.layers}
+    sizes = QWEN2_QUICK if args.quick else {**QWEN2_FULL, "num_hidden_layers": args.layers}
     work = QUICK_WORK if args.quick else Workload(
         requests=args.requests, prompt=args.prompt_tokens, output=args.output_tokens,
         system=args.system_tokens, **FULL_WORK)
@@ -190,10 +189,12 @@ def run(args: argparse.Namespace) -> Path:
     info = machine_info()
     r["machine"] = info
     write_text_atomic(out / "serve.json", json.dumps(r, indent=2))
-    md = write_with_history(out / "serve.md", markdown(r, info))
+    text = markdown(r, info)
+    md = out / "serve.md"
+    write_text_atomic(md, text)
     plot(out / "serve.png", r, f"attnlab serve, Qwen2-0.5B shape ({sizes['num_hidden_layers']}"
          f" layers), on {info['cpu']}")
-    print(md.read_text().split("\n## History\n")[0])
+    print(text)
     for target in r["targets"]:
         print(f"{target['result']}: {target['target']} (measured {target['measured']})")
     return md

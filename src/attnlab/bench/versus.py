@@ -1,7 +1,7 @@
 """Ours vs transformers on one checkpoint folder: prefill and decode tokens/s, one prompt and a
 left-padded batch, each figure a median of repeats with both models timed in turns.
 
-Shared by ``attnlab bench qwen2`` and ``attnlab bench families``. Both models are loaded from
+Shared by ``python -m devbench qwen2`` and ``attnlab bench families``. Both models are loaded from
 the same folder: ours with ``attnlab.models.io.from_pretrained``, the reference with
 ``transformers.AutoModelForCausalLM.from_pretrained(attn_implementation="sdpa")``.
 
@@ -46,10 +46,14 @@ from attnlab.models.io import from_pretrained, save_pretrained
 from attnlab.quantization import weight_bytes as held_bytes
 
 __all__ = [
+    "DTYPES",
     "MEASURES",
+    "QWEN2_FULL",
+    "QWEN2_QUICK",
     "Workload",
     "bandwidth_range",
     "compare",
+    "dtype_list",
     "load_reference",
     "measure_folder",
     "measure_quantized",
@@ -58,6 +62,27 @@ __all__ = [
     "random_checkpoint",
     "weight_bytes",
 ]
+
+# The random Qwen2 checkpoint of the qwen2 and serve benchmarks: Qwen2-0.5B's shape with 4
+# layers (196 M parameters), and a tiny one for --quick.
+QWEN2_FULL = {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+              "num_hidden_layers": 4, "num_attention_heads": 14, "num_key_value_heads": 2,
+              "tie_word_embeddings": True, "rope_theta": 1e6, "max_position_embeddings": 4096}
+QWEN2_QUICK = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "tie_word_embeddings": True, "max_position_embeddings": 512}
+DTYPES = ("float32", "bfloat16")
+
+
+def dtype_list(text: str) -> tuple[str, ...]:
+    """``argparse`` type for comma-separated dtypes among ``DTYPES``, each once."""
+    names = tuple(x.strip() for x in text.split(","))
+    wrong = [x for x in names if x not in DTYPES]
+    if wrong or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated dtypes among {DTYPES}, "
+                                         f"each once, got {text!r}")
+    return names
+
 
 # measure -> (what it runs, batched)
 MEASURES = {"prefill": ("prefill", False), "prefill batched": ("prefill", True),

@@ -30,7 +30,8 @@ __all__ = [
 
 
 # top-p looks for its nucleus among this many highest-ranked tokens before sorting them all:
-# nuclei are small next to a vocabulary of 32k-256k tokens, and a sort of all V costs ~10 ms.
+# nuclei are small next to a vocabulary of 32k-256k tokens, and a sort of all V costs more
+# than the rest of a draw (`python -m devbench sampling` measures both).
 _TOP_P_CANDIDATES = 1024
 
 
@@ -46,9 +47,10 @@ def sample_logits(logits: Tensor, temperature: float = 1.0, top_k: int | None = 
     probs = sampling_probs(logits, temperature, top_k, top_p, check=check)
     flat = probs.reshape(-1, probs.shape[-1])
     # Inverse CDF: the first token whose cumulative probability exceeds u * total, one uniform
-    # u per row. The same law as torch.multinomial, at a tenth of its cost over a large
-    # vocabulary (3 ms a row at V = 152k). A token of probability 0 is never drawn: the
-    # cumulative sum only rises at a positive probability, and the target stays below the total.
+    # u per row. The same law as torch.multinomial, at a fraction of its cost over a large
+    # vocabulary (`python -m devbench sampling` compares them). A token of probability 0 is
+    # never drawn: the cumulative sum only rises at a positive probability, and the target
+    # stays below the total.
     cdf = flat.cumsum(dim=-1)
     total = cdf[:, -1:]
     u = torch.rand(total.shape, generator=generator, device=flat.device, dtype=cdf.dtype)

@@ -93,9 +93,10 @@ def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 def _blocks_gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``y = x W^T`` for one row ``x`` (``1 x I``) as ``n`` products ``W_b x^T``, ``W_b`` the
     ``b``-th block of ``O / n`` contiguous rows of ``W``, ``n`` a multiple of the thread
-    count ``T`` (up to ``4 T``): each thread streams its own blocks row by row (a plain GEMV,
-    about twice the read rate of the transposed product ``x W_b^T`` on an AMD EPYC; several
-    blocks per thread read a cold matrix ~1.2-1.5x faster than one). -> ``1 x O``."""
+    count ``T`` (up to ``4 T``): each thread streams its own blocks row by row (the rule: a
+    plain GEMV reads faster than the transposed product ``x W_b^T``, and several blocks per
+    thread read a cold matrix faster than one; ``python -m devbench gemv`` measures both).
+    -> ``1 x O``."""
     n = _block_count(weight.shape[0], torch.get_num_threads())
     blocks = weight.view(n, -1, weight.shape[1])  # n x O/n x I
     y = torch.bmm(blocks, x.t().expand(n, -1, 1)).view(1, -1)

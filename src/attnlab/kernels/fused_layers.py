@@ -2,9 +2,10 @@
 :class:`FusedLayers`, the fast module for a decoder's layer list.
 
 A one-token step runs ~7 matrix-vector products per block, which read the weights, and
-~100 Python frames and small ATen calls around them, which on a 2-core CPU cost ~2 ms a token
-whatever the model's size (the per-token cost outside the products: ``attnlab bench qwen2``'s
-decode). A step plan (``attnlab.kernels.native.step_plan``, typed structs in C++) runs the
+~100 Python frames and small ATen calls around them, a cost per token that does not shrink with
+the model's size (the rule: a step's cost outside the products is paid once per step, so it
+goes into one native call; ``python -m devbench qwen2``'s decode against the bandwidth bound
+measures it). A step plan (``attnlab.kernels.native.step_plan``, typed structs in C++) runs the
 same kernels in the same order: each product the one its module's plan picks, the norms, RoPE
 and the attention the native kernels that the fast modules (:mod:`attnlab.kernels.fast_modules`)
 call, the residual adds and activations ATen's. So the result is the fast modules' result, bit

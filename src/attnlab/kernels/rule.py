@@ -108,9 +108,9 @@ def rule(scheme: str, dtype: torch.dtype, cpu: Features, *, extra_memory: bool =
       single chain of sums whatever the rows); from 9 rows it reads each weight once per 8
       rows where a BLAS GEMM reads it once, the price of one order of sums for every
       decoding batch (``extra_memory`` trades it back). From 33 rows oneDNN's GEMM
-      (``onednn``, where torch has it; else BLAS, the formula): on the EPYC 1.08-1.6x BLAS's
-      at 128-512 rows of the Qwen2-0.5B and 1024-wide shapes (the plans ``attnlab calibrate``
-      measured, one thread); the weight stays as stored.
+      (``onednn``, where torch has it; else BLAS, the formula), the faster of the two on
+      prefill-sized products (``python -m devbench qwen2``'s prefill and the plans of
+      ``attnlab calibrate`` measure it on each CPU); the weight stays as stored.
     - bfloat16 with AMX tiles: ``native_tiles`` for 1-32 rows (109% at one row, 105% at
       eight) and batch-invariant: a tile sums each row's products in the same order
       whatever the rows (x is padded to 16).
@@ -138,8 +138,8 @@ def rule(scheme: str, dtype: torch.dtype, cpu: Features, *, extra_memory: bool =
       (``native_dequantize``: the same numbers, one pass) for a BLAS GEMM; for bfloat16 x
       without bfloat16 GEMM arithmetic, ``native_widened`` (float32 BLAS).
     - ``extra_memory``: oneDNN's packed copy (``onednn_packed``) first for a float weight's
-      9-32 rows (82% vs 48-58% at eight rows on the Xeon), giving up batch invariance for
-      a server's batches; prefill keeps the formula.
+      9-32 rows (its rows in ``benchmarks/gemv.md``: the best at eight rows), giving up
+      batch invariance for a server's batches; prefill keeps the formula.
     """
     if scheme not in ("float32", "bfloat16", "int8", "int4"):
         raise ValueError(f"scheme: expected 'float32', 'bfloat16', 'int8' or 'int4', got "

@@ -304,10 +304,8 @@ class DecoderLM(PreTrainedModel):
         return export_gguf(self, path, type=type, tokenizer=tokenizer)
 
     def summary(self, max_depth: int = 2) -> str:
-        """Print and return the per-module parameter counts."""
-        text = summary(self, max_depth=max_depth)
-        print(text)
-        return text
+        """The per-module parameter counts as a table (``models.summary``); prints nothing."""
+        return summary(self, max_depth=max_depth)
 
 
 class DecoderBlock(nn.Module):

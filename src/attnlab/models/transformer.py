@@ -360,10 +360,8 @@ class Transformer(PreTrainedModel):
                        dtype=self.dtype, device=self.device, grow=grow)
 
     def summary(self, max_depth: int = 2) -> str:
-        """Print and return the per-module parameter counts."""
-        text = summary(self, max_depth=max_depth)
-        print(text)
-        return text
+        """The per-module parameter counts as a table (``models.summary``); prints nothing."""
+        return summary(self, max_depth=max_depth)
 
     def source_mask(self, src: Tensor, src_mask: Tensor | None = None) -> Tensor | None:
         """The source key mask ``B x S`` bool (True = real token): ``src_mask`` checked, or

@@ -285,8 +285,9 @@ def _native_widened_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
     """The formula's product by float32 BLAS: ``W'`` made in float32 by attnlab's C++
     dequantization a block of output rows at a time (:func:`widened_product`), each sum
     rounded once to x's dtype. For bfloat16 x where BLAS has no bfloat16 arithmetic (a CPU
-    without AVX-512: its bfloat16 GEMM ~5x slower than float32's), many rows repay it. ``W'``
-    is not rounded to bfloat16 first, so its sums differ from the formula's by that rounding."""
+    without AVX-512: its bfloat16 GEMM slower than float32's, as ``benchmarks/avx2/`` shows),
+    many rows repay it. ``W'`` is not rounded to bfloat16 first, so its sums differ from the
+    formula's by that rounding."""
     data, scales, zeros, group_size = state
 
     def block(o0: int, o1: int) -> Tensor:

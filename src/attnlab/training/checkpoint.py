@@ -9,16 +9,19 @@ A checkpoint is written in a hidden folder, fsync'd and swapped in (``attnlab.du
 a crash at any moment leaves the previous checkpoint or the new one, complete, and every
 loader here finds it.
 
-A ``DecoderLM`` checkpoint written by an attnlab older than the one decoder stack (tensor
-names ``embed``, ``blocks.{i}.attn.in_proj_weight`` ...) loads too: its names are mapped onto
-today's by ``training.old_layout``. Its trainer state does not resume (the optimizer's
-per-parameter state follows the old parameters); its weights start a new run.
+attnlab 0.1.0 reads the checkpoints written since its one decoder stack (commit d2db3a7,
+2026-11-23: Hugging Face's tensor names, ``embed_tokens``, ``layers.{i}.self_attn.q_proj`` ...).
+A ``DecoderLM`` checkpoint of the development versions before it (tensor names ``embed``,
+``blocks.{i}.attn.in_proj_weight`` ...) is refused with an error that names the file and the
+way to convert it: ``load_model`` then ``save_checkpoint`` with attnlab at commit d2db3a7,
+which reads both layouts and writes today's.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +39,12 @@ from attnlab.models.pretrained import (
     stored_shapes,
 )
 from attnlab.models.transformer import Transformer, TransformerConfig
-from attnlab.training.old_layout import OLD_DECODER_LM, is_old_decoder_lm
 from attnlab.training.trainer_state import TrainerState, read_trainer_state, write_trainer_state
 
 __all__ = [
     "FORMAT",
+    "check_current_layout",
     "checkpoint_folder",
-    "is_old_layout",
     "load_config",
     "load_model",
     "load_trainer_state",
@@ -117,15 +119,17 @@ def load_config(directory: str | Path) -> dict[str, Any]:
 
 
 def load_weights(directory: str | Path, model: nn.Module) -> None:
-    """Load ``model.safetensors`` into ``model``, strictly (old tensor names mapped onto
-    today's); errors name the file."""
+    """Load ``model.safetensors`` into ``model``, strictly; errors name the file."""
     path = _existing(directory) / WEIGHTS
-    load_state(model, _weights(path, model), path, "checkpoint")
+    load_state(model, _weights(path), path, "checkpoint")
 
 
-def is_old_layout(directory: str | Path) -> bool:
-    """Whether the checkpoint's weights carry the old ``DecoderLM`` names (module docstring)."""
-    return is_old_decoder_lm(stored_shapes(_existing(directory) / WEIGHTS))
+def check_current_layout(directory: str | Path) -> None:
+    """Raise a ``ValueError`` naming the file when the checkpoint's weights carry the tensor
+    names of the ``DecoderLM`` before the one decoder stack (module docstring); read from the
+    file's header alone."""
+    path = _existing(directory) / WEIGHTS
+    _check_layout(stored_shapes(path), path)
 
 
 def load_trainer_state(directory: str | Path) -> TrainerState | None:
@@ -161,7 +165,7 @@ def load_model(directory: str | Path) -> tuple[nn.Module, dict[str, Any]]:
             f"checkpoint: bad model config in {str(directory / CONFIG)!r} ({error})"
         ) from None
     path = directory / WEIGHTS
-    state = _weights(path, skeleton)  # memory-mapped: nothing read yet
+    state = _weights(path)  # memory-mapped: nothing read yet
     wrong = shape_mismatch({name: tuple(t.shape) for name, t in state.items()}, skeleton, path,
                            "checkpoint")
     if wrong:
@@ -179,14 +183,19 @@ def _existing(directory: str | Path) -> Path:
     return found
 
 
-def _weights(path: Path, model: nn.Module) -> dict[str, Tensor]:
-    """The tensors of ``path`` under ``model``'s names (an old layout's mapped)."""
+def _weights(path: Path) -> dict[str, Tensor]:
+    """The tensors of ``path``, refused when they carry the old layout's names."""
     tensors = read_weights(path, "checkpoint")
-    if not is_old_decoder_lm(tensors):
-        return tensors
-    shapes = {name: t.shape for name, t in model.state_dict().items()}
-    try:
-        return OLD_DECODER_LM.to_ours(tensors, shapes)
-    except (KeyError, RuntimeError, ValueError) as error:  # a name or size the config lacks
-        raise ValueError(f"checkpoint: the config does not match the old-layout weights in "
-                         f"{str(path)!r} ({type(error).__name__}: {error})") from None
+    _check_layout(tensors, path)
+    return tensors
+
+
+def _check_layout(names: Collection[str], path: Path) -> None:
+    # The old DecoderLM's token embedding was ``embed`` and its blocks ``blocks``; one of them
+    # is stored even when the head is tied.
+    if any(name == "embed.weight" or name.startswith("blocks.") for name in names):
+        raise ValueError(
+            f"checkpoint: {str(path)!r} holds the tensor names of the DecoderLM before "
+            "attnlab's one decoder stack (embed, blocks.*), which this version does not read; "
+            "convert it with attnlab at commit d2db3a7 (load_model, then save_checkpoint to a "
+            "new folder), or train again")

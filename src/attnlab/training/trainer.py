@@ -42,8 +42,8 @@ from tqdm import tqdm
 from attnlab._checks import check_positive
 from attnlab.models.config import ConfigMixin
 from attnlab.training.checkpoint import (
+    check_current_layout,
     checkpoint_folder,
-    is_old_layout,
     load_trainer_state,
     load_weights,
     save_checkpoint,
@@ -251,11 +251,7 @@ class Trainer:
         if state is None:
             raise ValueError(f"resume: {str(folder)!r} holds weights only, no trainer state; "
                              "it cannot be resumed")
-        if is_old_layout(folder):
-            raise ValueError(f"resume: {str(folder)!r} was written by an older attnlab (tensor "
-                             "names embed, blocks.*); its optimizer state follows those "
-                             "parameters and cannot resume today's. Its weights load "
-                             "(attnlab.training.checkpoint.load_model): start a new run")
+        check_current_layout(folder)  # before the optimizer state, which follows the names
         check_resumable(state, self.config.to_dict(), RESUMABLE_CHANGES, self.world, folder)
         optimizer_state = checked_optimizer_state(state, self.optimizer, folder)
         load_weights(folder, self.model)
@@ -319,6 +315,7 @@ class Trainer:
         )
         stopped = c.patience is not None and self.bad_evals >= c.patience
         tokens, t0 = 0, time.perf_counter()
+        shown: dict[str, str] = {}  # the bar's figures: the latest log's and evaluation's
         self._stops = StopRequests()
         try:
             with self._stops:
@@ -340,11 +337,15 @@ class Trainer:
                         record = {"step": self.step, "loss": None if skipped else loss, "lr": lr,
                                   "tokens_per_s": rate}
                         self._log({**record, "skipped": True} if skipped else record)
-                        bar.set_postfix(self._postfix(lr, rate), refresh=False)
+                        shown = self._postfix(lr, rate)
+                        bar.set_postfix(shown, refresh=False)
                         tokens, t0 = 0, time.perf_counter()
                     bar.update(1)
                     if self.step % c.eval_every == 0 or self.step == c.steps:
                         stopped = self._evaluate()
+                        if self.metric in self.last_eval:  # shown now, not at the next log
+                            shown[self.metric] = _figure(self.last_eval[self.metric])
+                            bar.set_postfix(shown, refresh=False)
                     due = self.step % c.checkpoint_every == 0 or self.step == c.steps or stopped
                     if due:
                         self._save_last()
@@ -503,13 +504,18 @@ class Trainer:
         shown = {"loss": f"{self.last_loss:.4f}" if self.last_loss is not None else "-",
                  "lr": f"{lr:.2e}", "tok_s": f"{rate:,.0f}"}
         if self.metric in self.last_eval:
-            shown[self.metric] = f"{self.last_eval[self.metric]:.4g}"
+            shown[self.metric] = _figure(self.last_eval[self.metric])
         return shown
 
     def _log(self, record: dict[str, Any]) -> None:
         self.history.append(record)
         if self.is_main and self.out_dir is not None:
             append_record(self.out_dir / "metrics.jsonl", record)
+
+
+def _figure(value: float) -> str:
+    """A metric as the progress bar shows it (4 significant digits)."""
+    return f"{value:.4g}"
 
 
 def _check_save_info(info: dict[str, Any]) -> None:

@@ -107,7 +107,7 @@ def test_hub_name_says_only_local_folders_are_read(tmp_path, monkeypatch) -> Non
 def test_cli_model_nonexist_reports_the_folder(tmp_path) -> None:
     """``attnlab generate --model nonexist`` used to report a missing tokenizer.json."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    run = subprocess.run([sys.executable, "-m", "attnlab.cli", "generate", "--model",
+    run = subprocess.run([sys.executable, "-m", "attnlab", "generate", "--model",
                           "nonexist", "--prompt", "hi"], capture_output=True, text=True,
                          cwd=tmp_path, env=env, timeout=600)
     assert run.returncode != 0
