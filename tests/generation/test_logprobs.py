@@ -84,7 +84,7 @@ def test_logprobs_zero_alternatives_and_echo_only(pair) -> None:
     assert_close(out.prompt_logprobs[0, 1:], want, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match=r"logprobs: expected an int in \[0, 20\]"):
         generate(model, ids, 1, logprobs=21)
-    with pytest.raises(ValueError, match="prompt_logprobs: .* logprobs=k"):
+    with pytest.raises(ValueError, match=r"prompt_logprobs: .* logprobs=k"):
         generate(model, ids, 1, prompt_logprobs=True)
 
 
