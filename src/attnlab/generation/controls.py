@@ -62,8 +62,9 @@ class Controls:
     @classmethod
     def make(cls, batch_size: int, vocab_size: int, *, min_p: object, presence_penalty: object,
              frequency_penalty: object, logit_bias: object, grammar: object, logprobs: object,
-             prompt_logprobs: object, do_sample: bool) -> Controls:
-        """Check every argument (errors name it and its range) before any compute."""
+             prompt_logprobs: object, eos: tuple[int, ...] | None) -> Controls:
+        """Check every argument (errors name it and its range) before any compute; ``eos``:
+        the end ids of the generation, which must hold the grammar's."""
         self = cls()
         B, V = batch_size, vocab_size
         if min_p is not None:
@@ -81,6 +82,10 @@ class Controls:
             if grammar.vocab_size != V:
                 raise ValueError(f"grammar: compiled for a vocabulary of {grammar.vocab_size} "
                                  f"tokens, expected the model's {V}")
+            if eos is None or not set(grammar.eos_token_id) <= set(eos):
+                raise ValueError(f"grammar: closes a value with end ids "
+                                 f"{list(grammar.eos_token_id)}, which eos_token_id ({eos}) "
+                                 "must hold for the row to end there")
             self.states = [grammar.start() for _ in range(B)]
         if logprobs is not None:
             self.record = LogprobRecord(check_top_logprobs(logprobs))
@@ -99,24 +104,20 @@ class Controls:
         if self.bias is not None:
             logits = apply_logit_bias(logits, self.bias.to(logits.device))
         if self.states is not None:
+            # A complete value allows only the end ids: the row then ends as any other does.
             allowed = torch.stack([
-                torch.ones(logits.shape[-1], dtype=torch.bool) if done or state.done
-                else state.allowed() for state, done in zip(self.states, finished.tolist())])
+                torch.ones(logits.shape[-1], dtype=torch.bool) if done else state.allowed()
+                for state, done in zip(self.states, finished.tolist())])
             logits = logits.masked_fill(~allowed.to(logits.device), -math.inf)
         return logits
 
-    def advance(self, tokens: Tensor, finished: Tensor) -> Tensor:
-        """Feed the grammar states each running row's token; -> ``B`` bool, True where a row's
-        value (and its end token) is now complete."""
-        done = torch.zeros_like(finished)
+    def advance(self, tokens: Tensor, finished: Tensor) -> None:
+        """Feed each running row's grammar state its token (``B``)."""
         if self.states is None:
-            return done
-        for row, (state, token, was) in enumerate(zip(self.states, tokens.tolist(),
-                                                       finished.tolist())):
+            return
+        for state, token, was in zip(self.states, tokens.tolist(), finished.tolist()):
             if not was and not state.done:
                 state.advance(token)
-                done[row] = state.done
-        return done
 
 
 class LogprobRecord:

@@ -171,7 +171,7 @@ def generate(
     controls = Controls.make(B, V, min_p=min_p, presence_penalty=presence_penalty,
                              frequency_penalty=frequency_penalty, logit_bias=logit_bias,
                              grammar=grammar, logprobs=logprobs,
-                             prompt_logprobs=prompt_logprobs, do_sample=do_sample)
+                             prompt_logprobs=prompt_logprobs, eos=eos)
 
     ids, mask = input_ids, attention_mask
     eos_ids = None if eos is None else torch.tensor(eos, device=ids.device)
@@ -208,7 +208,7 @@ def generate(
             token = token.masked_fill(finished, pad_token_id)
         if record is not None:
             record.step(raw, token, finished)
-        finished |= controls.advance(token, finished)
+        controls.advance(token, finished)
         ids = torch.cat([ids, token[:, None]], dim=1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         if eos_ids is not None:

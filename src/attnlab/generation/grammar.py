@@ -5,7 +5,7 @@ of a generation gets its own ``GrammarState`` (``grammar.start()``), which at ev
 the tokens allowed next (``allowed() -> bool V``) and takes the chosen one (``advance(id)``).
 ``generate`` sets the logits of the other tokens to ``-inf`` before sampling (after the
 penalties and the bias, so that no processor can let a forbidden token back in), and a row
-ends when its state is done (the JSON value is complete and the end token was taken).
+ends with its end token, the only one allowed once the JSON value is complete.
 
 llguidance refuses a schema keyword that it cannot enforce (``uniqueItems``, ``not``,
 ``if``/``then``, ``dependentRequired``, ...) instead of dropping it; the refusal is a
@@ -83,7 +83,8 @@ class JsonSchemaGrammar:
 
 class GrammarState:
     """One row's place in the grammar: ``allowed()`` the tokens allowed next (bool ``V``),
-    ``advance(token)`` takes one, ``done`` once the value and its end token are complete."""
+    ``advance(token)`` takes one, ``done`` once the value is complete (then ``allowed`` holds
+    the end ids only)."""
 
     def __init__(self, grammar: JsonSchemaGrammar) -> None:
         self.matcher = grammar.matcher.deep_copy()
