@@ -1,6 +1,7 @@
 """generate(grammar=JsonSchemaGrammar(...)): every output of a random-weight model that ends
 with its end token parses and validates with jsonschema, and a row ends only with its end
-token (one cut by the token limit is not reported as finished); a keyword the engine cannot enforce is refused by name."""
+token (one cut by the token limit is not reported as finished); a keyword the engine cannot
+enforce is refused by name."""
 
 from __future__ import annotations
 

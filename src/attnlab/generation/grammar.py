@@ -113,6 +113,7 @@ def _why(error: str) -> str:
     """llguidance's message, worded for a user: an unimplemented keyword is named as such."""
     if "Unimplemented keys" in error:
         keys = error[error.index("Unimplemented keys"):].split("\n")[0]
-        return (f"the grammar engine cannot enforce these JSON Schema keywords, and a weaker "
-                f"constraint is not given silently: {keys.removeprefix('Unimplemented keys: ')}")
+        return (f"the grammar engine cannot enforce the JSON Schema keywords "
+                f"{keys.removeprefix('Unimplemented keys: ')} (refused rather than enforced "
+                f"loosely)")
     return f"not a schema the grammar engine can enforce ({error.strip()})"
