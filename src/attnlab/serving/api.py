@@ -52,6 +52,7 @@ __all__ = [
     "completion_chunk",
     "error_body",
     "new_id",
+    "now",
     "parsed",
     "usage",
 ]
@@ -286,23 +287,30 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def now() -> int:
+    """A response's ``created``: the Unix time in whole seconds."""
+    return int(time.time())
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion(id: str, model: str, texts: list[str], finishes: list[str], use: dict) -> dict:
-    """A ``text_completion`` object, one choice per text."""
-    return {"id": id, "object": "text_completion", "created": int(time.time()), "model": model,
+def completion(id: str, model: str, texts: list[str], finishes: list[str], use: dict, *,
+               created: int) -> dict:
+    """A ``text_completion`` object, one choice per text; ``created``: the completion's Unix
+    time (``now()``, read once per completion)."""
+    return {"id": id, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
                         for i, (t, f) in enumerate(zip(texts, finishes, strict=True))],
             "usage": use}
 
 
 def chat_completion(id: str, model: str, texts: list[str], finishes: list[str],
-                    use: dict) -> dict:
+                    use: dict, *, created: int) -> dict:
     """A ``chat.completion`` object, one assistant message per text."""
-    return {"id": id, "object": "chat.completion", "created": int(time.time()), "model": model,
+    return {"id": id, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": i, "message": {"role": "assistant", "content": t},
                          "logprobs": None, "finish_reason": f}
                         for i, (t, f) in enumerate(zip(texts, finishes, strict=True))],
@@ -310,24 +318,26 @@ def chat_completion(id: str, model: str, texts: list[str], finishes: list[str],
 
 
 def completion_chunk(id: str, model: str, index: int | None, text: str,
-                     finish: str | None, use: dict | None, *, with_usage: bool) -> dict:
-    """One streamed ``text_completion`` chunk; ``index=None`` makes the usage-only chunk."""
+                     finish: str | None, use: dict | None, *, with_usage: bool,
+                     created: int) -> dict:
+    """One streamed ``text_completion`` chunk; ``index=None`` makes the usage-only chunk.
+    Every chunk of a completion carries its one ``id`` and ``created``, as OpenAI's do."""
     choices = [] if index is None else [{"index": index, "text": text, "logprobs": None,
                                          "finish_reason": finish}]
-    return _chunk(id, "text_completion", model, choices, use, with_usage)
+    return _chunk(id, "text_completion", model, choices, use, with_usage, created)
 
 
 def chat_chunk(id: str, model: str, index: int | None, delta: dict, finish: str | None,
-               use: dict | None, *, with_usage: bool) -> dict:
+               use: dict | None, *, with_usage: bool, created: int) -> dict:
     """One ``chat.completion.chunk``; ``index=None`` makes the usage-only chunk."""
     choices = [] if index is None else [{"index": index, "delta": delta, "logprobs": None,
                                          "finish_reason": finish}]
-    return _chunk(id, "chat.completion.chunk", model, choices, use, with_usage)
+    return _chunk(id, "chat.completion.chunk", model, choices, use, with_usage, created)
 
 
 def _chunk(id: str, object: str, model: str, choices: list, use: dict | None,
-           with_usage: bool) -> dict:
-    body = {"id": id, "object": object, "created": int(time.time()), "model": model,
+           with_usage: bool, created: int) -> dict:
+    body = {"id": id, "object": object, "created": created, "model": model,
             "choices": choices}
     if with_usage:  # OpenAI: null on every chunk but the last one when usage is asked for
         body["usage"] = use

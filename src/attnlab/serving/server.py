@@ -48,15 +48,16 @@ from attnlab.serving.api import (
     ChatRequest,
     CompletionRequest,
     add_error_handlers,
-    chat_chunk,
     chat_completion,
     completion,
-    completion_chunk,
     error_body,
     new_id,
+    now,
     parsed,
     usage,
 )
+from attnlab.serving.api import chat_chunk as _chat_chunk
+from attnlab.serving.api import completion_chunk as _completion_chunk
 from attnlab.serving.choice_text import ChoiceText
 from attnlab.serving.engine_thread import EngineError, EngineThread, release_openmp_threads
 from attnlab.serving.metrics import CONTENT_TYPE, Metrics
@@ -355,6 +356,7 @@ class _Job:
                            "false", param="stream_options")
         self.prompt_tokens = sum(map(len, prompts)) * body.n
         self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = now()  # one for the whole completion, every chunk included
         # Every choice is checked before any is started: a refusal leaves nothing running.
         # The choices share one fair share of the engine (its scheduler's groups).
         self.work = [(ids, state.params(body, len(ids), asked, field, j, group=self.id))
@@ -474,13 +476,16 @@ class _Job:
         texts, finishes = [t.text for t in self._texts()], [
             self.finishes[i] for i in range(len(self.work))]
         make = chat_completion if self.chat else completion
-        return JSONResponse(make(self.id, self.state.name, texts, finishes, self._usage()))
+        return JSONResponse(make(self.id, self.state.name, texts, finishes, self._usage(),
+                                 created=self.created))
 
     async def _stream(self) -> AsyncIterator[str]:
         """Server-sent events: for chat, a first delta with the role per choice; text
         deltas; each choice's last chunk with its finish reason; the usage chunk when asked;
         ``[DONE]``. Leaving early (client gone) aborts the choices still running."""
         name, with_usage = self.state.name, self.body.include_usage
+        chat_chunk = partial(_chat_chunk, created=self.created)
+        completion_chunk = partial(_completion_chunk, created=self.created)
         try:
             if self.chat:
                 for index in range(len(self.work)):
