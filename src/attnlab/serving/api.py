@@ -2,10 +2,13 @@
 
 Requests are pydantic models in strict mode: a string where a number is expected, or a float
 where an integer is, is refused rather than converted, and each range is checked, so that a
-bad request gets a 400 naming its field instead of a surprise. Fields the OpenAI API defines
-but this server does not implement (``logprobs``, penalties, ``logit_bias``, ...) are refused
-when given a value that would change the output; other unknown fields are ignored, as
-OpenAI's own server does.
+bad request gets a 400 naming its field instead of a surprise. Every field of OpenAI's chat and
+completions request schemas is implemented, refused when given a value that would change
+the output (``logprobs``, penalties, ``logit_bias``, ... : ``_UNSUPPORTED``), or accepted and
+ignored because it does not change the output (``user``, ``store``, ``metadata``, ...:
+``_Sampling``'s last fields); attnlab's extensions (``top_k``; ``min_p`` and ``repetition_penalty``,
+refused for now) are fields too. Any other field is a 400 "Unrecognized request argument
+supplied: X", as OpenAI answers.
 
 Responses are plain dicts built by the functions below (``completion``, ``chat_completion``,
 ``chunk``, ...), each in the shape of the OpenAI reference: ``choices`` with ``index`` and
@@ -23,7 +26,7 @@ import math
 import sys
 import time
 import uuid
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -91,7 +94,11 @@ class StreamOptions(BaseModel):
 _UNSUPPORTED = {"logprobs": (None, False, 0), "presence_penalty": (None, 0),
                 "frequency_penalty": (None, 0), "logit_bias": (None, {}), "best_of": (None, 1),
                 "echo": (None, False), "suffix": (None, ""), "top_logprobs": (None, 0),
-                "tools": (None, []), "response_format": (None, {"type": "text"})}
+                "tools": (None, []), "response_format": (None, {"type": "text"}),
+                "functions": (None, []), "function_call": (None, "none", "auto"),
+                "modalities": (None, ["text"]), "audio": (None,),
+                "web_search_options": (None,), "min_p": (None, 0, 0.0),
+                "repetition_penalty": (None, 1, 1.0)}
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
@@ -99,9 +106,10 @@ StopText = Annotated[str, Field(min_length=1)]
 
 
 class _Sampling(BaseModel):
-    """The fields that completions and chat share."""
+    """The fields that completions and chat share. An unknown field is refused
+    (``extra="forbid"``; the error handler words it as OpenAI does)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str
     temperature: Temperature = 1.0
@@ -125,6 +133,26 @@ class _Sampling(BaseModel):
     top_logprobs: int | None = None
     tools: list | None = None
     response_format: dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    modalities: list | None = None
+    audio: dict | None = None
+    web_search_options: dict | None = None
+    # attnlab's (and vLLM's) extensions, refused until the server applies them.
+    min_p: float | int | None = None
+    repetition_penalty: float | int | None = None
+    # OpenAI's, accepted and ignored: none changes the text of this server's answers
+    # (storage, billing, routing and caching hints; tool options without tools).
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    parallel_tool_calls: Any = None
+    tool_choice: Any = None
+    prediction: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -361,6 +389,10 @@ def add_error_handlers(app: FastAPI) -> None:
                  if p != "body" and (isinstance(p, int) or str(p).isidentifier())]
         param = ".".join(where) or None
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        if first.get("type") == "extra_forbidden":  # OpenAI's words for an unknown field
+            name = str(first["loc"][-1])
+            message = f"Unrecognized request argument supplied: {name}"
+            return JSONResponse(error_body(message, param=name), status_code=400)
         if first.get("type") == "json_invalid":
             message, param = f"The body is not valid JSON: {message}", None
         elif first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
