@@ -39,6 +39,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from starlette.exceptions import HTTPException
 
@@ -47,7 +48,9 @@ __all__ = [
     "ChatMessage",
     "ChatRequest",
     "CompletionRequest",
+    "DetokenizeRequest",
     "StreamOptions",
+    "TokenizeRequest",
     "add_error_handlers",
     "chat_chunk",
     "chat_completion",
@@ -269,6 +272,33 @@ class ChatRequest(_Sampling):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (as vLLM's): ``prompt`` tokenized (with the tokenizer's special
+    tokens unless ``add_special_tokens`` is false), or ``messages`` rendered by the chat
+    template with the assistant's turn begun."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str
+    prompt: UnicodeText | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("expected one of prompt (a text) or messages (a chat), got "
+                             f"{'both' if self.prompt is not None else 'neither'}")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (as vLLM's): ``tokens`` -> their text."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 RequestBody = TypeVar("RequestBody", bound=BaseModel)
