@@ -97,8 +97,8 @@ class Controls:
     def process(self, logits: Tensor, new_ids: Tensor, finished: Tensor) -> Tensor:
         """Penalties, bias, grammar mask: logits ``B x V`` -> ``B x V`` (new_ids ``B x n``)."""
         if self.presence is not None:
-            counts = token_counts(new_ids, logits.shape[-1], ~finished[:, None].expand_as(new_ids)
-                                  if new_ids.numel() else None)
+            # OpenAI's counts: the tokens generated so far (not the prompt's, as in vLLM).
+            counts = token_counts(new_ids, logits.shape[-1])
             logits = apply_penalties(logits, counts, self.presence.flatten(),
                                      self.frequency.flatten())
         if self.bias is not None:
