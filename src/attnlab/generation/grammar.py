@@ -21,7 +21,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import numpy as np
 import torch
 from tokenizers import Tokenizer as TokenizersBackend
@@ -93,7 +93,9 @@ class GrammarState:
 
     def __init__(self, grammar: JsonSchemaGrammar) -> None:
         self.matcher = grammar.matcher.deep_copy()
-        self._bits = llguidance.torch.allocate_token_bitmask(1, grammar.vocab_size)
+        # llguidance.numpy, not .torch: importing that one compiles a kernel with
+        # torch.compile (seconds at `import attnlab`).
+        self._bits = llguidance.numpy.allocate_token_bitmask(1, grammar.vocab_size)
         self.vocab_size = grammar.vocab_size
 
     @property
@@ -102,11 +104,11 @@ class GrammarState:
 
     def allowed(self) -> Tensor:
         """bool ``V``: True for each token that keeps the text a prefix of a valid value."""
-        llguidance.torch.fill_next_token_bitmask(self.matcher, self._bits)
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, self._bits)
         # Token t is bit t % 32 of word t // 32, so, in little-endian memory, bit t % 8 of
         # byte t // 8: numpy unpacks that in one pass (a quarter of the time of 32 shifts
         # per word in torch, ~0.1 ms at V = 49k).
-        bits = np.unpackbits(self._bits.numpy().view(np.uint8), bitorder="little")
+        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")
         return torch.from_numpy(bits[:self.vocab_size].view(np.bool_))
 
     def advance(self, token: int) -> None:
