@@ -176,3 +176,10 @@ def test_serve_flags_reach_create_app(qwen2_folder, monkeypatch) -> None:
     with pytest.raises(SeenError):
         args.handler(args)
     assert seen["api_key"] == KEY and seen["allowed_origins"] == [ORIGIN, "*"]
+
+
+@pytest.mark.parametrize("key", ["", "caf\u00e9", "a\nb"])
+def test_a_key_that_no_header_can_carry_is_refused_at_start(qwen2_folder, key: str) -> None:
+    with pytest.raises(ValueError, match="api_key: expected a non-empty string of printable "
+                                         "ASCII"):
+        create_app(qwen2_folder, api_key=key)

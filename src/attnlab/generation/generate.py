@@ -5,8 +5,10 @@ One prefill pass runs the whole (left-padded) prompt and fills the KV cache; eac
 step feeds only the newest token, at position ``offset = cache.length``. Per step:
 
     logits = model(last_token, attention_mask, cache, logits_to_keep=1)[:, -1]    B x V
-    logits = repetition_penalty(logits) -> token = argmax(logits)       (greedy)
-                                        or token ~ softmax(filter(logits / T))  (sampling)
+    [logprobs: log_softmax(logits), recorded before anything changes them]
+    logits = grammar_mask(bias(penalties(logits)))  (controls.py, each only when asked)
+    token = argmax(logits)                           (greedy)
+         or token ~ softmax(filter(logits / T))     (sampling: top-k, top-p, min-p)
 
 A row finishes on any of its end ids or when its new text contains a stop string
 (``stopping.py``); it is then filled with the pad id, and generation ends when all rows have.
@@ -109,8 +111,9 @@ def generate(
       sampling only). Order per step: repetition penalty, presence/frequency, bias, grammar
       mask, then greedy or temperature, top-k, top-p, min-p.
     - ``grammar`` (``attnlab.generation.grammar.JsonSchemaGrammar``): every row's tokens keep
-      the text a prefix of a value of the schema; a row ends once its value and an end id are
-      complete (``eos_token_id`` defaults to the grammar's end ids).
+      the text a prefix of a value of the schema; once the value is complete only the end
+      ids are allowed, so the row ends with one (``eos_token_id`` defaults to the grammar's
+      end ids, and must hold them).
     - ``logprobs=k`` (``0..20``) returns a ``GenerationOutput``: the ids and, per new token,
       the model's ``log_softmax`` (before every processor) of the chosen token and of the
       ``k`` most likely ones (``attnlab.generation.logprobs``); ``prompt_logprobs=True`` adds

@@ -1,9 +1,9 @@
 """Pure functions that turn next-token logits into a token: temperature, top-k, top-p,
-repetition penalty, sampling.
+repetition penalty, sampling (min-p and OpenAI's penalties: ``processors.py``).
 
 Each function takes logits ``N.. x V`` (usually ``B x V``) and returns a new tensor; none
 changes its input. Filtering sets the logits of removed tokens to ``-inf``; the order
-(the one of Hugging Face) is: repetition penalty, temperature, top-k, top-p.
+(the one of Hugging Face) is: repetition penalty, temperature, top-k, top-p, min-p.
 """
 
 from __future__ import annotations

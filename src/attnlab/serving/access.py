@@ -22,7 +22,7 @@ from pydantic import BaseModel
 
 from attnlab.serving.api import error_body
 
-__all__ = ["BearerKey", "allow_origins", "document"]
+__all__ = ["BearerKey", "allow_origins", "check_key", "document"]
 
 # Open without the key: a load balancer's probe carries no credentials.
 OPEN_ROUTES = ("/health",)
@@ -34,9 +34,7 @@ class BearerKey:
     without credentials; ``CORSMiddleware``, outside this one, answers them)."""
 
     def __init__(self, app, *, key: str) -> None:
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"api_key: expected a non-empty string, got {key!r}")
-        self.app, self.expected = app, f"Bearer {key}".encode()
+        self.app, self.expected = app, f"Bearer {check_key(key)}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_ROUTES \
@@ -55,6 +53,15 @@ class BearerKey:
                                 (b"content-length", str(len(data)).encode()),
                                 (b"www-authenticate", b"Bearer")]})
         await send({"type": "http.response.body", "body": data})
+
+
+def check_key(key: object) -> str:
+    """``key`` when it is a non-empty string of printable ASCII (what an HTTP header
+    carries); else a ``ValueError`` naming ``api_key``."""
+    if not isinstance(key, str) or not key or not key.isascii() or not key.isprintable():
+        raise ValueError(f"api_key: expected a non-empty string of printable ASCII (it is "
+                         f"sent in an HTTP header), got {key!r}")
+    return key
 
 
 def allow_origins(app: FastAPI, origins: Sequence[str]) -> None:

@@ -42,7 +42,7 @@ from attnlab.generation.inputs import token_id_set
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.io import from_pretrained
 from attnlab.serving import Engine, QueueFull, SamplingParams
-from attnlab.serving.access import BearerKey, allow_origins, document
+from attnlab.serving.access import BearerKey, allow_origins, check_key, document
 from attnlab.serving.api import (
     MAX_N,
     MAX_SEED,
@@ -109,6 +109,8 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
                          f"{body_timeout_s!r}")
     if max_tokens_limit is not None:
         check_positive("max_tokens_limit", max_tokens_limit)
+    if api_key is not None:
+        check_key(api_key)
     if not is_int(max_n) or not 1 <= max_n <= MAX_N:
         raise ValueError(f"max_n: expected an int in [1, {MAX_N}], got {max_n!r}")
     if served_name is not None and (not isinstance(served_name, str) or not served_name):
