@@ -16,6 +16,7 @@ UTF-8 character until it is complete.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,6 +24,7 @@ from pathlib import Path
 import jinja2
 import torch
 from tokenizers import Tokenizer as _Backend
+from tokenizers.decoders import ByteLevel as ByteLevelDecoder
 from torch import Tensor
 
 from attnlab._checks import is_int
@@ -55,6 +57,7 @@ class Tokenizer:
                             f"{type(backend).__name__}")
         self.backend = backend
         self._longest: int | None = None  # _longest_token_chars, counted at first need
+        self._added: frozenset[int] | None = None  # _added_ids, read at first need
         unknown = sorted(set(special_tokens or {}) - set(_SPECIAL), key=str)
         if unknown:
             raise ValueError(f"special_tokens: unknown roles {unknown}; expected some of "
@@ -226,6 +229,26 @@ class Tokenizer:
                                  f"position {i}")
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of text that one token stands for, exact also for a token that holds part
+        of a UTF-8 character (which ``decode`` shows as U+FFFD): a byte-level vocabulary's
+        entry mapped back through GPT-2's byte-to-character table, a SentencePiece byte
+        ``<0xAB>`` as that byte, another entry with its ``▁`` as a space; a special (added)
+        token as its text. For token log-probabilities (``attnlab.generation.logprobs``)."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            raise ValueError(f"token_id: expected an id in [0, {self.vocab_size}), got "
+                             f"{token_id!r}")
+        if token_id in self._added_ids():
+            return piece.encode("utf-8")
+        if isinstance(self.backend.decoder, ByteLevelDecoder):
+            table = _unicode_to_byte()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
     def batch_encode(self, texts: Sequence[str], add_special_tokens: bool = True
                      ) -> tuple[Tensor, Tensor]:
         """Texts -> ``(input_ids B x P, attention_mask B x P)``, **left**-padded for ``generate``.
@@ -287,6 +310,11 @@ class Tokenizer:
                                 default=1)
         return self._longest
 
+    def _added_ids(self) -> frozenset[int]:
+        if self._added is None:
+            self._added = frozenset(self.backend.get_added_tokens_decoder())
+        return self._added
+
     def _id(self, role: str) -> int | None:
         token = self.special_tokens[role]
         return None if token is None else self.backend.token_to_id(token)
@@ -332,6 +360,22 @@ class TextStreamer:
             self.write(new)
             self.text += new
             self.prefix, self.read = self.read, len(self.ids)
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level table, inverted: the printable character that stands for each byte
+    in a byte-level BPE vocabulary -> the byte (printable bytes stand for themselves, the
+    others for 256 + n in their order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
 
 
 def _stdout_write(text: str) -> None:

@@ -5,12 +5,18 @@ that ``attnlab.models.from_pretrained`` reads (``config.json`` ``model_type``: s
     attnlab generate --model DIR --prompt "Once upon a time" [--chat] [--max-new-tokens 64]
                      [--do-sample --temperature 0.7 --top-k 50 --top-p 0.9 --seed 0]
                      [--stop "\\n\\n"] [--speculative ngram|ngram:K|self:N|draft:DIR]
+                     [--min-p P --presence-penalty X --frequency-penalty X --logit-bias ID=B]
+                     [--json-schema FILE]
 
 Every generation flag defaults to the folder's ``generation_config.json`` (as Hugging Face's
 ``generate`` does), and to the built-in default when the file does not set it; a flag given
 on the command line wins. The text goes to stdout token by token; a summary (prompt tokens,
 prefill time, new tokens and decode tokens/s; with ``--speculative`` the drafts accepted and
 the tokens per pass) goes to stderr at the end.
+
+``--json-schema FILE`` constrains the output to a JSON value of that schema while decoding
+(``attnlab.generation.grammar``); a keyword the engine cannot enforce is refused by name, and
+an output cut by the token limit is said to be incomplete on stderr.
 
 ``--speculative`` (``attnlab.generation.speculative``; the text is the same as without it):
 ``ngram[:K]`` proposes the ``K`` (default 10) tokens that followed the latest earlier match
@@ -21,6 +27,7 @@ layers, ``draft:DIR`` with a smaller model of the same tokenizer.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -39,6 +46,7 @@ from attnlab.cli import add_command
 from attnlab.cli.options import add_dtype_option, add_model_option
 from attnlab.generation import SpeculativeStats, generate
 from attnlab.generation.config import GenerationConfig, read_generation_config
+from attnlab.generation.grammar import JsonSchemaGrammar
 from attnlab.generation.inputs import token_id, token_id_set
 from attnlab.generation.proposers import parse_speculative
 from attnlab.models.decoder import DecoderLM
@@ -92,6 +100,21 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repetition-penalty", type=positive_float, default=None, metavar="R",
                    help=f"CTRL's penalty on tokens already in the text, R > 1 repeats less "
                    f"({_FROM_FILE} 1.0: none)")
+    p.add_argument("--min-p", type=_min_p, default=None, metavar="P",
+                   help=f"sample only among tokens at least P times as likely as the most "
+                   f"likely one, 0 <= P <= 1 ({_FROM_FILE} 0: all)")
+    p.add_argument("--presence-penalty", type=_penalty, default=0.0, metavar="X",
+                   help="OpenAI's presence penalty, -2..2: subtract X from the logit of every "
+                   "token already generated")
+    p.add_argument("--frequency-penalty", type=_penalty, default=0.0, metavar="X",
+                   help="OpenAI's frequency penalty, -2..2: subtract X times the number of "
+                   "times a token was generated from its logit")
+    p.add_argument("--logit-bias", action="append", type=_bias, default=None, metavar="ID=B",
+                   help="add B (-100..100) to token ID's logit at every step; repeat for "
+                   "several (default: none)")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="constrain the output to a JSON value of the JSON Schema in FILE "
+                   "(default: free text)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT", type=_text,
                    help="stop when the new text contains TEXT (printed); repeat for several "
                    "(default: none)")
@@ -120,6 +143,7 @@ class GenerateSettings:
     top_k: int | None
     top_p: float | None
     repetition_penalty: float
+    min_p: float | None
     eos_token_id: tuple[int, ...] | None
     pad_token_id: int | None
     capped: bool = False
@@ -159,7 +183,8 @@ def resolve_settings(args: argparse.Namespace, file: GenerationConfig, *, prompt
     return GenerateSettings(
         max_new_tokens=new_tokens, do_sample=bool(do_sample), temperature=float(temperature),
         top_k=pick("top_k", None)[0], top_p=pick("top_p", None)[0],
-        repetition_penalty=float(pick("repetition_penalty", 1.0)[0]), eos_token_id=eos,
+        repetition_penalty=float(pick("repetition_penalty", 1.0)[0]),
+        min_p=pick("min_p", None)[0], eos_token_id=eos,
         pad_token_id=pad, capped=capped)
 
 
@@ -188,7 +213,7 @@ def run_generate(args: argparse.Namespace) -> int:
     fallback_eos = tuple(dict.fromkeys(i for i in fallback if i is not None))
     s = resolve_settings(args, file, prompt_length=len(ids), limit=config.max_len,
                          vocab_size=config.vocab_size, fallback_eos=fallback_eos)
-    unused = [flag for flag in ("temperature", "top_k", "top_p")
+    unused = [flag for flag in ("temperature", "top_k", "top_p", "min_p")
               if getattr(args, flag) not in (None, 0) and not s.do_sample]
     if unused:
         flags = ", ".join("--" + f.replace("_", "-") for f in unused)
@@ -197,15 +222,20 @@ def run_generate(args: argparse.Namespace) -> int:
     speculative, stats = _speculative_kwargs(args.speculative, model, args.dtype), None
     if speculative:
         stats = speculative["speculative_stats"] = SpeculativeStats()
+    controls = _controls(args, tokenizer, config.vocab_size, s.eos_token_id)
     streamer = _TimedStreamer(tokenizer)
     start = time.perf_counter()
-    generate(model, torch.tensor([ids]), s.max_new_tokens, do_sample=s.do_sample,
-             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-             repetition_penalty=s.repetition_penalty, eos_token_id=s.eos_token_id,
-             pad_token_id=s.pad_token_id, stop_strings=args.stop,
-             tokenizer=tokenizer if args.stop else None, seed=args.seed, streamer=streamer,
-             **speculative)
+    out = generate(model, torch.tensor([ids]), s.max_new_tokens, do_sample=s.do_sample,
+                   temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                   repetition_penalty=s.repetition_penalty, eos_token_id=s.eos_token_id,
+                   pad_token_id=s.pad_token_id, stop_strings=args.stop,
+                   tokenizer=tokenizer if args.stop else None, seed=args.seed,
+                   streamer=streamer, min_p=s.min_p, **controls, **speculative)
     end = time.perf_counter()
+    if "grammar" in controls and (out.shape[1] == len(ids)
+                                  or int(out[0, -1]) not in s.eos_token_id):
+        print("attnlab: note: the JSON is incomplete: generation stopped at the token limit "
+              "(--max-new-tokens) before the value was complete", file=sys.stderr)
     print(file=sys.stdout, flush=True)
     dtype = str(model.dtype).removeprefix("torch.")
     threads = torch.get_num_threads()
@@ -219,6 +249,34 @@ def run_generate(args: argparse.Namespace) -> int:
     print(summary(len(ids), streamer.count, start, streamer.first_time, end, note=note,
                   machine=machine), file=sys.stderr)
     return 0
+
+
+def _controls(args: argparse.Namespace, tokenizer: Tokenizer, vocab_size: int,
+              eos: tuple[int, ...] | None) -> dict:
+    """``generate``'s keywords for the penalties, --logit-bias and --json-schema (read and
+    compiled here; errors name the flag and the file)."""
+    out = {"presence_penalty": args.presence_penalty,
+           "frequency_penalty": args.frequency_penalty}
+    if args.logit_bias:
+        bias = dict(args.logit_bias)
+        bad = next((i for i in bias if not 0 <= i < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"--logit-bias: expected token ids in [0, {vocab_size}) (the "
+                             f"model's vocabulary), got {bad}")
+        out["logit_bias"] = bias
+    if args.json_schema is not None:
+        if not eos:
+            raise ValueError("--json-schema: a JSON value ends with an end token, and this "
+                             "model has none (eos_token_id in generation_config.json, "
+                             "config.json or tokenizer_config.json)")
+        try:
+            with open(args.json_schema, encoding="utf-8") as file:
+                schema = json.load(file)
+            out["grammar"] = JsonSchemaGrammar(schema, tokenizer, vocab_size=vocab_size,
+                                               eos_token_id=eos)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"--json-schema: {args.json_schema}: {error}") from None
+    return out
 
 
 def check_model_type(folder: str) -> None:
@@ -333,6 +391,23 @@ def _speculative_kwargs(choice: tuple[str, int | str] | None, model: DecoderLM,
 
 _temperature = number(float, lambda v: v >= 0 and math.isfinite(v),
                       "a finite number >= 0 (0: greedy)")
+
+
+_min_p = number(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+_penalty = number(float, lambda v: -2 <= v <= 2, "a number in [-2, 2]")
+
+
+def _bias(text: str) -> tuple[int, float]:
+    """``--logit-bias ID=B`` -> (id, bias), B in [-100, 100]."""
+    token, _, value = text.partition("=")
+    try:
+        pair = int(token), float(value)
+    except ValueError:
+        pair = None
+    if pair is None or not -100 <= pair[1] <= 100 or pair[0] < 0:
+        raise argparse.ArgumentTypeError(f"expected ID=B, a token id and a bias in "
+                                         f"[-100, 100], got {text!r}")
+    return pair
 
 
 def _text(text: str) -> str:

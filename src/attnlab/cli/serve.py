@@ -5,6 +5,7 @@
                   [--max-tokens-limit N] [--max-n N]
                   [--dtype DTYPE] [--quantize int8|int4] [--extra-memory]
                   [--max-connections 256] [--shutdown-grace SECONDS]
+                  [--api-key KEY] [--allowed-origin ORIGIN]
 
 The app is ``attnlab.serving.server.create_app``, run by uvicorn; the URL is printed once the
 socket listens (``--port 0`` takes a free port and prints it).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import socket
 import sys
@@ -38,6 +40,9 @@ from attnlab.threads import add_threads_option
 __all__ = ["DEFAULT_SHUTDOWN_GRACE_S", "ReadyServer", "add_commands", "run_serve"]
 
 DEFAULT_SHUTDOWN_GRACE_S = 5.0
+# The key from the environment: a --api-key on the command line is visible to every user of
+# the machine (ps), a variable is not.
+API_KEY_VARIABLE = "ATTNLAB_API_KEY"
 # Well under a common open-file limit of 1024, far over what one CPU's engine serves at once.
 DEFAULT_MAX_CONNECTIONS = 256
 # A hang guard for the requests ended at the stop to write their last chunk, and for uvicorn's
@@ -50,7 +55,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "serve", __doc__)
     add_model_option(p, "checkpoint folder (as `attnlab generate --model`), with its tokenizer")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every "
-                   "interface; the server has no authentication)")
+                   "interface; without --api-key, anyone who reaches it may call it)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="answer 401 on every route but /health without the header "
+                   "'Authorization: Bearer KEY' (default: $ATTNLAB_API_KEY, else no key)")
+    p.add_argument("--allowed-origin", action="append", default=None, metavar="ORIGIN",
+                   help="let browser pages of ORIGIN (https://host[:port], or *) call the API "
+                   "(CORS); repeat for several (default: none, CORS off)")
     p.add_argument("--port", type=_port, default=8000, help="port (0: a free one)")
     p.add_argument("--max-batch", type=positive_int, default=8, metavar="N",
                    help="requests decoded together at most")
@@ -94,7 +105,9 @@ def run_serve(args: argparse.Namespace) -> int:
                      extra_memory=args.extra_memory, max_batch=args.max_batch,
                      max_tokens_per_step=args.max_tokens_per_step, kv_pages=args.kv_pages,
                      page_size=args.page_size, max_queue=args.max_queue,
-                     max_tokens_limit=args.max_tokens_limit, max_n=args.max_n)
+                     max_tokens_limit=args.max_tokens_limit, max_n=args.max_n,
+                     api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
+                     allowed_origins=args.allowed_origin or ())
     server = ReadyServer(uvicorn.Config(app, host=args.host, port=args.port,
                                         log_level="warning",
                                         limit_concurrency=args.max_connections),

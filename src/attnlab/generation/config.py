@@ -30,6 +30,7 @@ class GenerationConfig:
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
     repetition_penalty: float | None = None
     eos_token_id: tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -94,6 +95,11 @@ def _check_top_p(config: GenerationConfig, name: str, value: object) -> None:
         config._fail(name, value, "a number in (0, 1]")
 
 
+def _check_min_p(config: GenerationConfig, name: str, value: object) -> None:
+    if not is_number(value, finite=True) or not 0 <= value <= 1:
+        config._fail(name, value, "a number in [0, 1]")
+
+
 def _check_count(config: GenerationConfig, name: str, value: object) -> None:
     if not is_int(value) or value < 0:
         config._fail(name, value, "an int >= 0")
@@ -115,6 +121,7 @@ _CHECKS = {
     "temperature": _check_temperature,
     "top_k": _check_count,
     "top_p": _check_top_p,
+    "min_p": _check_min_p,
     "repetition_penalty": _check_positive_number,
     "eos_token_id": _check_eos,
     "pad_token_id": _check_token,

@@ -5,8 +5,10 @@ One prefill pass runs the whole (left-padded) prompt and fills the KV cache; eac
 step feeds only the newest token, at position ``offset = cache.length``. Per step:
 
     logits = model(last_token, attention_mask, cache, logits_to_keep=1)[:, -1]    B x V
-    logits = repetition_penalty(logits) -> token = argmax(logits)       (greedy)
-                                        or token ~ softmax(filter(logits / T))  (sampling)
+    [logprobs: log_softmax(logits), recorded before anything changes them]
+    logits = grammar_mask(bias(penalties(logits)))  (controls.py, each only when asked)
+    token = argmax(logits)                           (greedy)
+         or token ~ softmax(filter(logits / T))     (sampling: top-k, top-p, min-p)
 
 A row finishes on any of its end ids or when its new text contains a stop string
 (``stopping.py``); it is then filled with the pad id, and generation ends when all rows have.
@@ -15,12 +17,14 @@ Arguments are checked first (``inputs.py``), so bad ids fail before any compute.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from attnlab._checks import check_token_ids, is_int
+from attnlab.generation.controls import Controls, GenerationOutput
+from attnlab.generation.grammar import JsonSchemaGrammar
 from attnlab.generation.inputs import new_token_count, token_id, token_id_set
 from attnlab.generation.protocols import CausalLM, CausalLMConfig, Streamer
 from attnlab.generation.sampling import (
@@ -38,7 +42,7 @@ from attnlab.generation.speculative import (
 )
 from attnlab.generation.stopping import Decoder, StopStrings
 
-__all__ = ["Streamer", "generate"]
+__all__ = ["GenerationOutput", "Streamer", "generate"]
 
 
 @torch.no_grad()
@@ -66,7 +70,14 @@ def generate(
     assistant_model: CausalLM | None = None,
     assistant_early_exit: int | None = None,
     speculative_stats: SpeculativeStats | None = None,
-) -> Tensor:
+    min_p: float | None = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    logit_bias: Mapping[int, float] | Sequence[Mapping[int, float] | None] | None = None,
+    grammar: JsonSchemaGrammar | None = None,
+    logprobs: int | None = None,
+    prompt_logprobs: bool = False,
+) -> Tensor | GenerationOutput:
     """Extend each prompt of ``input_ids`` (``B x P``) by up to ``max_new_tokens`` tokens.
 
     Returns ``B x (P + n)`` ids, the prompts followed by the new tokens, ``n <= max_new_tokens``
@@ -94,6 +105,19 @@ def generate(
       its head) drafts tokens. The output is the plain decoding's: the same greedy tokens,
       the same sampling distribution. ``speculative_stats`` (a ``SpeculativeStats``) is
       filled in with the acceptance counts.
+    - OpenAI's sampling controls (``attnlab.generation.processors``): ``presence_penalty`` and
+      ``frequency_penalty`` (``[-2, 2]``) on the tokens generated so far, ``logit_bias``
+      (token id -> ``[-100, 100]``, one mapping or one per row), ``min_p`` (``[0, 1]``,
+      sampling only). Order per step: repetition penalty, presence/frequency, bias, grammar
+      mask, then greedy or temperature, top-k, top-p, min-p.
+    - ``grammar`` (``attnlab.generation.grammar.JsonSchemaGrammar``): every row's tokens keep
+      the text a prefix of a value of the schema; once the value is complete only the end
+      ids are allowed, so the row ends with one (``eos_token_id`` defaults to the grammar's
+      end ids, and must hold them).
+    - ``logprobs=k`` (``0..20``) returns a ``GenerationOutput``: the ids and, per new token,
+      the model's ``log_softmax`` (before every processor) of the chosen token and of the
+      ``k`` most likely ones (``attnlab.generation.logprobs``); ``prompt_logprobs=True`` adds
+      the prompt's (its first token has none: NaN).
 
     Every argument is checked before any compute: token ids (prompt, end, pad) must lie in
     the model's vocabulary ``[0, V)``. Logits with NaN or +inf give a ``ValueError``.
@@ -109,6 +133,8 @@ def generate(
     B, P = input_ids.shape
     max_new_tokens = new_token_count(P, model.config.max_len, max_new_tokens, max_length)
     check_sampling_args(temperature, top_k, top_p, repetition_penalty, do_sample=do_sample)
+    if eos_token_id is None and isinstance(grammar, JsonSchemaGrammar):
+        eos_token_id = grammar.eos_token_id
     eos = None if eos_token_id is None else token_id_set("eos_token_id", eos_token_id, V)
     if pad_token_id is not None:
         pad_token_id = token_id("pad_token_id", pad_token_id, V)
@@ -125,6 +151,12 @@ def generate(
             raise ValueError(f"seed: expected an int in [-2**63, 2**64) (torch's range), got "
                              f"{seed!r}")
         generator = torch.Generator(device=input_ids.device).manual_seed(seed)
+    _refuse_with_speculative(
+        prompt_lookup_num_tokens is not None or assistant_model is not None
+        or assistant_early_exit is not None,
+        min_p=min_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        logit_bias=logit_bias, grammar=grammar, logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs)
     proposer = make_proposer(
         model, input_ids, attention_mask, P + max_new_tokens,
         prompt_lookup_num_tokens=prompt_lookup_num_tokens,
@@ -139,6 +171,10 @@ def generate(
     if speculative_stats is not None:
         raise ValueError("speculative_stats: counts speculative decoding, which none of "
                          "prompt_lookup_num_tokens, assistant_model, assistant_early_exit asks")
+    controls = Controls.make(B, V, min_p=min_p, presence_penalty=presence_penalty,
+                             frequency_penalty=frequency_penalty, logit_bias=logit_bias,
+                             grammar=grammar, logprobs=logprobs,
+                             prompt_logprobs=prompt_logprobs, eos=eos)
 
     ids, mask = input_ids, attention_mask
     eos_ids = None if eos is None else torch.tensor(eos, device=ids.device)
@@ -148,16 +184,24 @@ def generate(
     expires = getattr(model, "cache_expires", lambda length: False)
     # A model may own its greedy choice (a module that a fast one can stand in for).
     greedy = getattr(model, "greedy", greedy_tokens)
-    if max_new_tokens:
+    record = controls.record
+    if record is not None and prompt_logprobs:
+        full = model(ids, attention_mask=mask, cache=cache if max_new_tokens else None)
+        record.prompt(full, ids, mask)
+        logits = full[:, -1]
+    elif max_new_tokens:
         logits = model(ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]
     for step in range(max_new_tokens):
+        raw = logits
         if repetition_penalty != 1.0:
             logits = apply_repetition_penalty(logits, ids, repetition_penalty, mask)
+        logits = controls.process(logits, ids[:, P:], finished)
         # Once a step, for greedy and sampling alike; after the penalty, which may overflow.
         name = f"logits (the model's output for new token {step + 1})"
         if do_sample:
             check_logits(logits, name)
-            token = sample_logits(logits, temperature, top_k, top_p, generator, check=False)
+            token = sample_logits(logits, temperature, top_k, top_p, generator, check=False,
+                                  min_p=min_p)
         else:
             token = greedy(logits)
             # The chosen entry is its row's maximum: NaN or +inf when the row holds one, -inf
@@ -165,6 +209,9 @@ def generate(
             check_logits(logits.gather(-1, token[:, None]), name)
         if pad_token_id is not None:
             token = token.masked_fill(finished, pad_token_id)
+        if record is not None:
+            record.step(raw, token, finished)
+        controls.advance(token, finished)
         ids = torch.cat([ids, token[:, None]], dim=1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         if eos_ids is not None:
@@ -185,7 +232,19 @@ def generate(
             logits = model(ids, attention_mask=mask, logits_to_keep=1)[:, -1]
     if streamer is not None:
         streamer.end()
-    return ids
+    return ids if record is None else record.output(ids)
+
+
+def _refuse_with_speculative(speculative: bool, **controls: object) -> None:
+    """Speculative decoding verifies drafts against the plain distribution: the request
+    controls are not part of it yet, so asking for both is refused by name."""
+    defaults = {"min_p": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                "logit_bias": None, "grammar": None, "logprobs": None, "prompt_logprobs": False}
+    given = [name for name, value in controls.items() if value != defaults[name]]
+    if speculative and given:
+        raise ValueError(f"{given[0]}: not available with speculative decoding "
+                         "(prompt_lookup_num_tokens, assistant_model, assistant_early_exit); "
+                         "use one or the other")
 
 
 def _check_mask(attention_mask: object, input_ids: Tensor) -> Tensor:

@@ -1,19 +1,21 @@
 """Pure functions that turn next-token logits into a token: temperature, top-k, top-p,
-repetition penalty, sampling.
+repetition penalty, sampling (min-p and OpenAI's penalties: ``processors.py``).
 
 Each function takes logits ``N.. x V`` (usually ``B x V``) and returns a new tensor; none
 changes its input. Filtering sets the logits of removed tokens to ``-inf``; the order
-(the one of Hugging Face) is: repetition penalty, temperature, top-k, top-p.
+(the one of Hugging Face) is: repetition penalty, temperature, top-k, top-p, min-p.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
 from attnlab._checks import check_positive, is_int, is_number
+from attnlab.generation.processors import min_p_filter, per_row
 
 __all__ = [
     "GreedyTokens",
@@ -33,18 +35,23 @@ __all__ = [
 # nuclei are small next to a vocabulary of 32k-256k tokens, and a sort of all V costs more
 # than the rest of a draw (`python -m devbench sampling` measures both).
 _TOP_P_CANDIDATES = 1024
+# A per-row repetition penalty must be > 0: the smallest positive float stands for "> 0" in
+# per_row's closed range.
+_SMALLEST_PENALTY = 5e-324
 
 
 def sample_logits(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
                   top_p: float | None = None,
-                  generator: torch.Generator | None = None, *, check: bool = True) -> Tensor:
-    """Draw one token per row from ``sampling_probs(logits, temperature, top_k, top_p)``.
+                  generator: torch.Generator | None = None, *, check: bool = True,
+                  min_p: float | Sequence[float] | Tensor | None = None) -> Tensor:
+    """Draw one token per row from ``sampling_probs(logits, temperature, top_k, top_p,
+    min_p=min_p)``.
 
     logits ``N.. x V`` -> token ids ``N..`` (long). ``generator`` makes the draw reproducible.
     A row that holds NaN or +inf, or only -inf, gives a ``ValueError`` (``check_logits``);
     ``check=False`` skips the checks for a caller that made them (``generate``, once a step).
     """
-    probs = sampling_probs(logits, temperature, top_k, top_p, check=check)
+    probs = sampling_probs(logits, temperature, top_k, top_p, check=check, min_p=min_p)
     flat = probs.reshape(-1, probs.shape[-1])
     # Inverse CDF: the first token whose cumulative probability exceeds u * total, one uniform
     # u per row. The same law as torch.multinomial, at a fraction of its cost over a large
@@ -78,8 +85,11 @@ def greedy_tokens(logits: Tensor) -> Tensor:
 
 
 def sampling_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
-                   top_p: float | None = None, *, check: bool = True) -> Tensor:
+                   top_p: float | None = None, *, check: bool = True,
+                   min_p: float | Sequence[float] | Tensor | None = None) -> Tensor:
     """``softmax(filter(logits / temperature))``: the distribution ``sample_logits`` draws from.
+    The filters, in transformers' order: top-k, top-p, min-p (``processors.min_p_filter``,
+    one value for all rows or one per row).
 
     logits ``N.. x V`` -> probabilities ``N.. x V`` (float32 or wider). Each row is shifted
     by its maximum before the division, so that a tiny temperature cannot overflow to
@@ -98,6 +108,8 @@ def sampling_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None =
         scaled = top_k_filter(scaled, top_k, rank_by=wide)
     if top_p is not None:
         scaled = top_p_filter(scaled, top_p, rank_by=wide)
+    if min_p is not None:
+        scaled = min_p_filter(scaled.reshape(-1, scaled.shape[-1]), min_p).view(scaled.shape)
     return torch.softmax(scaled, dim=-1)
 
 
@@ -167,19 +179,28 @@ def _top_p_among_candidates(logits: Tensor, keys: Tensor, p: float) -> Tensor | 
     return torch.zeros_like(logits, dtype=torch.bool).scatter(-1, candidates, keep)
 
 
-def apply_repetition_penalty(logits: Tensor, token_ids: Tensor, penalty: float,
+def apply_repetition_penalty(logits: Tensor, token_ids: Tensor,
+                             penalty: float | Sequence[float] | Tensor,
                              token_mask: Tensor | None = None) -> Tensor:
     """CTRL's penalty (Keskar et al., 2019) on every token already in the sequence.
 
     For a token ``t`` present in ``token_ids`` (``B x T``, where ``token_mask`` ``B x T``,
     if given, is True): ``logit_t / penalty`` if ``logit_t > 0`` else ``logit_t * penalty``,
-    so ``penalty > 1`` makes repeats less likely. logits ``B x V`` -> ``B x V``.
+    so ``penalty > 1`` makes repeats less likely. logits ``B x V`` -> ``B x V``. ``penalty``
+    is one number > 0 or one per row (a sequence or 1-d tensor of ``B``; 1 leaves a row as is).
     """
-    check_sampling_args(1.0, None, None, penalty)
     if token_ids.dim() != 2 or token_ids.shape[0] != logits.shape[0] or logits.dim() != 2:
         raise ValueError(f"token_ids: expected shape B x T with B = {logits.shape[0]} for "
                          f"logits B x V, got {tuple(token_ids.shape)} and {tuple(logits.shape)}")
-    if penalty == 1.0 or token_ids.shape[1] == 0:
+    if is_number(penalty):
+        check_sampling_args(1.0, None, None, penalty)
+        if penalty == 1.0:
+            return logits.clone()
+    else:
+        penalty = per_row("repetition_penalty", penalty, logits.shape[0],
+                          (_SMALLEST_PENALTY, math.inf), "a finite number > 0"
+                          ).to(logits.dtype)
+    if token_ids.shape[1] == 0:
         return logits.clone()
     weight = torch.ones_like(token_ids, dtype=torch.float32)
     if token_mask is not None:

@@ -2,10 +2,13 @@
 
 Requests are pydantic models in strict mode: a string where a number is expected, or a float
 where an integer is, is refused rather than converted, and each range is checked, so that a
-bad request gets a 400 naming its field instead of a surprise. Fields the OpenAI API defines
-but this server does not implement (``logprobs``, penalties, ``logit_bias``, ...) are refused
-when given a value that would change the output; other unknown fields are ignored, as
-OpenAI's own server does.
+bad request gets a 400 naming its field instead of a surprise. Every field of OpenAI's chat and
+completions request schemas is implemented, refused when given a value that would change
+the output (``logprobs``, penalties, ``logit_bias``, ... : ``_UNSUPPORTED``), or accepted and
+ignored because it does not change the output (``user``, ``store``, ``metadata``, ...:
+``_Sampling``'s last fields); attnlab's extensions (``top_k``; ``min_p`` and ``repetition_penalty``,
+refused for now) are fields too. Any other field is a 400 "Unrecognized request argument
+supplied: X", as OpenAI answers.
 
 Responses are plain dicts built by the functions below (``completion``, ``chat_completion``,
 ``chunk``, ...), each in the shape of the OpenAI reference: ``choices`` with ``index`` and
@@ -23,7 +26,7 @@ import math
 import sys
 import time
 import uuid
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,6 +39,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from starlette.exceptions import HTTPException
 
@@ -44,7 +48,9 @@ __all__ = [
     "ChatMessage",
     "ChatRequest",
     "CompletionRequest",
+    "DetokenizeRequest",
     "StreamOptions",
+    "TokenizeRequest",
     "add_error_handlers",
     "chat_chunk",
     "chat_completion",
@@ -52,6 +58,7 @@ __all__ = [
     "completion_chunk",
     "error_body",
     "new_id",
+    "now",
     "parsed",
     "usage",
 ]
@@ -90,7 +97,11 @@ class StreamOptions(BaseModel):
 _UNSUPPORTED = {"logprobs": (None, False, 0), "presence_penalty": (None, 0),
                 "frequency_penalty": (None, 0), "logit_bias": (None, {}), "best_of": (None, 1),
                 "echo": (None, False), "suffix": (None, ""), "top_logprobs": (None, 0),
-                "tools": (None, []), "response_format": (None, {"type": "text"})}
+                "tools": (None, []), "response_format": (None, {"type": "text"}),
+                "functions": (None, []), "function_call": (None, "none", "auto"),
+                "modalities": (None, ["text"]), "audio": (None,),
+                "web_search_options": (None,), "min_p": (None, 0, 0.0),
+                "repetition_penalty": (None, 1, 1.0)}
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
@@ -98,9 +109,10 @@ StopText = Annotated[str, Field(min_length=1)]
 
 
 class _Sampling(BaseModel):
-    """The fields that completions and chat share."""
+    """The fields that completions and chat share. An unknown field is refused
+    (``extra="forbid"``; the error handler words it as OpenAI does)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str
     temperature: Temperature = 1.0
@@ -124,6 +136,26 @@ class _Sampling(BaseModel):
     top_logprobs: int | None = None
     tools: list | None = None
     response_format: dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    modalities: list | None = None
+    audio: dict | None = None
+    web_search_options: dict | None = None
+    # attnlab's (and vLLM's) extensions, refused until the server applies them.
+    min_p: float | int | None = None
+    repetition_penalty: float | int | None = None
+    # OpenAI's, accepted and ignored: none changes the text of this server's answers
+    # (storage, billing, routing and caching hints; tool options without tools).
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    parallel_tool_calls: Any = None
+    tool_choice: Any = None
+    prediction: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -242,6 +274,33 @@ class ChatRequest(_Sampling):
         return self.max_tokens, "max_tokens"
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (as vLLM's): ``prompt`` tokenized (with the tokenizer's special
+    tokens unless ``add_special_tokens`` is false), or ``messages`` rendered by the chat
+    template with the assistant's turn begun."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str
+    prompt: UnicodeText | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("expected one of prompt (a text) or messages (a chat), got "
+                             f"{'both' if self.prompt is not None else 'neither'}")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (as vLLM's): ``tokens`` -> their text."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
 RequestBody = TypeVar("RequestBody", bound=BaseModel)
 
 
@@ -286,23 +345,30 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def now() -> int:
+    """A response's ``created``: the Unix time in whole seconds."""
+    return int(time.time())
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion(id: str, model: str, texts: list[str], finishes: list[str], use: dict) -> dict:
-    """A ``text_completion`` object, one choice per text."""
-    return {"id": id, "object": "text_completion", "created": int(time.time()), "model": model,
+def completion(id: str, model: str, texts: list[str], finishes: list[str], use: dict, *,
+               created: int) -> dict:
+    """A ``text_completion`` object, one choice per text; ``created``: the completion's Unix
+    time (``now()``, read once per completion)."""
+    return {"id": id, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
                         for i, (t, f) in enumerate(zip(texts, finishes, strict=True))],
             "usage": use}
 
 
 def chat_completion(id: str, model: str, texts: list[str], finishes: list[str],
-                    use: dict) -> dict:
+                    use: dict, *, created: int) -> dict:
     """A ``chat.completion`` object, one assistant message per text."""
-    return {"id": id, "object": "chat.completion", "created": int(time.time()), "model": model,
+    return {"id": id, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": i, "message": {"role": "assistant", "content": t},
                          "logprobs": None, "finish_reason": f}
                         for i, (t, f) in enumerate(zip(texts, finishes, strict=True))],
@@ -310,24 +376,26 @@ def chat_completion(id: str, model: str, texts: list[str], finishes: list[str],
 
 
 def completion_chunk(id: str, model: str, index: int | None, text: str,
-                     finish: str | None, use: dict | None, *, with_usage: bool) -> dict:
-    """One streamed ``text_completion`` chunk; ``index=None`` makes the usage-only chunk."""
+                     finish: str | None, use: dict | None, *, with_usage: bool,
+                     created: int) -> dict:
+    """One streamed ``text_completion`` chunk; ``index=None`` makes the usage-only chunk.
+    Every chunk of a completion carries its one ``id`` and ``created``, as OpenAI's do."""
     choices = [] if index is None else [{"index": index, "text": text, "logprobs": None,
                                          "finish_reason": finish}]
-    return _chunk(id, "text_completion", model, choices, use, with_usage)
+    return _chunk(id, "text_completion", model, choices, use, with_usage, created)
 
 
 def chat_chunk(id: str, model: str, index: int | None, delta: dict, finish: str | None,
-               use: dict | None, *, with_usage: bool) -> dict:
+               use: dict | None, *, with_usage: bool, created: int) -> dict:
     """One ``chat.completion.chunk``; ``index=None`` makes the usage-only chunk."""
     choices = [] if index is None else [{"index": index, "delta": delta, "logprobs": None,
                                          "finish_reason": finish}]
-    return _chunk(id, "chat.completion.chunk", model, choices, use, with_usage)
+    return _chunk(id, "chat.completion.chunk", model, choices, use, with_usage, created)
 
 
 def _chunk(id: str, object: str, model: str, choices: list, use: dict | None,
-           with_usage: bool) -> dict:
-    body = {"id": id, "object": object, "created": int(time.time()), "model": model,
+           with_usage: bool, created: int) -> dict:
+    body = {"id": id, "object": object, "created": created, "model": model,
             "choices": choices}
     if with_usage:  # OpenAI: null on every chunk but the last one when usage is asked for
         body["usage"] = use
@@ -351,6 +419,10 @@ def add_error_handlers(app: FastAPI) -> None:
                  if p != "body" and (isinstance(p, int) or str(p).isidentifier())]
         param = ".".join(where) or None
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        if first.get("type") == "extra_forbidden":  # OpenAI's words for an unknown field
+            name = str(first["loc"][-1])
+            message = f"Unrecognized request argument supplied: {name}"
+            return JSONResponse(error_body(message, param=name), status_code=400)
         if first.get("type") == "json_invalid":
             message, param = f"The body is not valid JSON: {message}", None
         elif first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):

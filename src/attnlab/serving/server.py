@@ -4,7 +4,8 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (the
-messages rendered by the tokenizer's chat template), ``GET /health``, ``GET /metrics``. Each
+messages rendered by the tokenizer's chat template), ``POST /tokenize`` and
+``POST /detokenize`` (vLLM's), ``GET /health``, ``GET /metrics``, ``GET /openapi.json``. Each
 choice of a request (``n`` per prompt) is one engine request; ``stream: true`` answers with
 server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``.
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -41,22 +42,26 @@ from attnlab.generation.inputs import token_id_set
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.io import from_pretrained
 from attnlab.serving import Engine, QueueFull, SamplingParams
+from attnlab.serving.access import BearerKey, allow_origins, check_key, document
 from attnlab.serving.api import (
     MAX_N,
     MAX_SEED,
     ApiError,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     add_error_handlers,
-    chat_chunk,
     chat_completion,
     completion,
-    completion_chunk,
     error_body,
     new_id,
+    now,
     parsed,
     usage,
 )
+from attnlab.serving.api import chat_chunk as _chat_chunk
+from attnlab.serving.api import completion_chunk as _completion_chunk
 from attnlab.serving.choice_text import ChoiceText
 from attnlab.serving.engine_thread import EngineError, EngineThread, release_openmp_threads
 from attnlab.serving.metrics import CONTENT_TYPE, Metrics
@@ -70,7 +75,8 @@ CHAT_THREADS = 2
 # How often a non-streaming request checks that its client is still there.
 DISCONNECT_POLL_S = 0.1
 SAMPLING_EPS, MIN_TOP_P = 1e-5, 1e-8
-ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics",
+          "/tokenize", "/detokenize", "/openapi.json")
 
 
 def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
@@ -79,7 +85,8 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
                max_tokens_per_step: int = 512, kv_pages: int | None = None, page_size: int = 16,
                max_queue: int = 64, prefix_caching: bool = True,
                max_body_bytes: int = 8 * 2**20, body_timeout_s: float = 60.0,
-               max_tokens_limit: int | None = None, max_n: int = MAX_N) -> FastAPI:
+               max_tokens_limit: int | None = None, max_n: int = MAX_N,
+               api_key: str | None = None, allowed_origins: Sequence[str] = ()) -> FastAPI:
     """The FastAPI app serving ``model``: a checkpoint folder (read by ``from_pretrained``,
     weights in ``dtype`` (default the stored one) and quantized when ``quantize`` is
     ``"int8"``/``"int4"``, with oneDNN's packed copies beside them where they win when
@@ -92,13 +99,18 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
     that stops arriving for that long is refused (408). ``max_tokens_limit`` (default: none
     but the context and the KV cache) and ``max_n`` (at most ``MAX_N``): a request asking for
     more new tokens per choice, or more choices, is refused (400 naming the field); a request
-    that does not say caps its new tokens at ``max_tokens_limit``."""
+    that does not say caps its new tokens at ``max_tokens_limit``. ``api_key``: every route
+    but ``/health`` wants ``Authorization: Bearer <api_key>`` (401 without);
+    ``allowed_origins``: the browser origins CORS lets in (none: CORS off). Both:
+    ``attnlab.serving.access``."""
     check_positive("max_body_bytes", max_body_bytes)
     if not is_number(body_timeout_s, finite=True) or body_timeout_s <= 0:
         raise ValueError(f"body_timeout_s: expected a finite number of seconds > 0, got "
                          f"{body_timeout_s!r}")
     if max_tokens_limit is not None:
         check_positive("max_tokens_limit", max_tokens_limit)
+    if api_key is not None:
+        check_key(api_key)
     if not is_int(max_n) or not 1 <= max_n <= MAX_N:
         raise ValueError(f"max_n: expected an int in [1, {MAX_N}], got {max_n!r}")
     if served_name is not None and (not isinstance(served_name, str) or not served_name):
@@ -129,13 +141,18 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
             state.engine.stop()
             state.chat_threads.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="attnlab serve", lifespan=lifespan, openapi_url=None, docs_url=None,
-                  redoc_url=None)
+    app = FastAPI(title="attnlab serve", lifespan=lifespan, openapi_url="/openapi.json",
+                  docs_url=None, redoc_url=None)
     app.state.serving = state
     add_error_handlers(app)
     _add_routes(app, state)
+    document(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest,
+                   "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
     app.add_middleware(_Gate, metrics=state.metrics, drain=state.drain,
                        max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    if api_key is not None:  # outside the gate: a caller without the key costs no body read
+        app.add_middleware(BearerKey, key=api_key)
+    allow_origins(app, allowed_origins)  # outermost: it answers the browsers' preflights
     return app
 
 
@@ -342,6 +359,29 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         job = _Job(state, body, [ids], asked, field, chat=True)
         return await job.respond(request)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = await parsed(request, TokenizeRequest)
+        state.check_model(body.model)
+        if body.messages is not None:
+            ids = await state.chat_ids([{"role": m.role, "content": m.text}
+                                        for m in body.messages])
+        else:
+            try:
+                ids = await asyncio.to_thread(state.tokenizer.encode, body.prompt,
+                                              body.add_special_tokens, max_tokens=state.context)
+            except ValueError as error:
+                raise ApiError(400, f"prompt: {error}: longer than the model's context",
+                               param="prompt") from None
+        return {"count": len(ids), "max_model_len": state.context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body = await parsed(request, DetokenizeRequest)
+        state.check_model(body.model)
+        ids = await state.encode(body.tokens, "tokens") if body.tokens else []
+        return {"prompt": await asyncio.to_thread(state.tokenizer.decode, ids)}
+
 
 class _Job:
     """One HTTP request: ``n`` engine requests per prompt, whose events share one queue."""
@@ -355,6 +395,7 @@ class _Job:
                            "false", param="stream_options")
         self.prompt_tokens = sum(map(len, prompts)) * body.n
         self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = now()  # one for the whole completion, every chunk included
         # Every choice is checked before any is started: a refusal leaves nothing running.
         # The choices share one fair share of the engine (its scheduler's groups).
         self.work = [(ids, state.params(body, len(ids), asked, field, j, group=self.id))
@@ -474,13 +515,16 @@ class _Job:
         texts, finishes = [t.text for t in self._texts()], [
             self.finishes[i] for i in range(len(self.work))]
         make = chat_completion if self.chat else completion
-        return JSONResponse(make(self.id, self.state.name, texts, finishes, self._usage()))
+        return JSONResponse(make(self.id, self.state.name, texts, finishes, self._usage(),
+                                 created=self.created))
 
     async def _stream(self) -> AsyncIterator[str]:
         """Server-sent events: for chat, a first delta with the role per choice; text
         deltas; each choice's last chunk with its finish reason; the usage chunk when asked;
         ``[DONE]``. Leaving early (client gone) aborts the choices still running."""
         name, with_usage = self.state.name, self.body.include_usage
+        chat_chunk = partial(_chat_chunk, created=self.created)
+        completion_chunk = partial(_completion_chunk, created=self.created)
         try:
             if self.chat:
                 for index in range(len(self.work)):
