@@ -172,7 +172,7 @@ def test_serve_flags_reach_create_app(qwen2_folder, monkeypatch) -> None:
         raise SeenError  # no server: the options are what this test reads
 
     monkeypatch.setenv("ATTNLAB_API_KEY", KEY)  # the key from the environment
-    monkeypatch.setattr("attnlab.cli_serve.create_app", fake_create_app)
+    monkeypatch.setattr("attnlab.cli.serve.create_app", fake_create_app)
     with pytest.raises(SeenError):
         args.handler(args)
     assert seen["api_key"] == KEY and seen["allowed_origins"] == [ORIGIN, "*"]
