@@ -13,9 +13,14 @@ from collections.abc import Callable
 
 from torch import Tensor
 
+from attnlab.attention.paged import LayerPages, paged_attention
 from attnlab.generation.sampling import GreedyTokens
 from attnlab.kernels import native
-from attnlab.kernels.decode_attention import native_attention, native_decoding
+from attnlab.kernels.decode_attention import (
+    native_attention,
+    native_decoding,
+    paged_native_attention,
+)
 from attnlab.layers import FeedForward, GatedMLP, RMSNorm
 from attnlab.layers.feedforward import activated
 from attnlab.layers.self_attention import SelfAttention
@@ -74,7 +79,9 @@ class FastFeedForward(FeedForward):
 class FastSelfAttention(SelfAttention):
     """``SelfAttention`` whose RoPE runs in one C++ pass (``native.rotary``: the same products
     and roundings) and whose attention, for a decoding step's few queries on the ``auto``
-    backend with no score hooks, runs ``native.decode_attention``."""
+    backend with no score hooks, runs ``native.decode_attention`` (and, for a serving step's
+    decode rows, ``native.paged_attention``, which reads the keys where they lie in their
+    pages instead of gathering them)."""
 
     def _rotate(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         if self.training or not (_rotary_fits(q, cos, sin) and _rotary_fits(k, cos, sin)):
@@ -93,6 +100,23 @@ class FastSelfAttention(SelfAttention):
         # One query is the last position: the bottom-right causal mask hides nothing.
         return native_attention(q, k, v, mask, is_causal=is_causal and q.shape[-2] > 1,
                                 scale=self.scale)
+
+    def _attend_paged(self, q: Tensor, paged: LayerPages, *,
+                      hook: Callable[[str, Tensor], Tensor] | None) -> Tensor:
+        m = paged.metadata
+        d = m.num_decode
+        if hook is not None or self.training or self.backend != "auto" or not d:
+            return super()._attend_paged(q, paged, hook=hook)
+        one = q[0, :, :d, None].transpose(0, 1)  # B x H x 1 x D: a request's row each
+        S, window = m.decode_keys, m.window_mask
+        if q.dtype != paged.k.dtype or not native_decoding(one, paged.k[:1], paged.v[:1],
+                                                           window, keys=S):
+            return super()._attend_paged(q, paged, hook=hook)
+        decode = paged_native_attention(one, paged.k, paged.v, m.block_tables[:d],
+                                        m.decode_first, S,
+                                        window, is_causal=False, scale=self.scale)
+        return paged_attention(q, paged, scale=self.scale, backend=self.backend,
+                               decode=decode.transpose(0, 2))
 
 
 def _activates(name: str) -> bool:

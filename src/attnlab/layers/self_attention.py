@@ -2,7 +2,8 @@
 
     q, k, v = q_proj(x), k_proj(x), v_proj(x)             B x L x (H|G) x D per head
     q, k    = RoPE(norm(q)), RoPE(norm(k))                q/k norms (Qwen3) and RoPE optional
-    k, v    = cache(k, v)                                 the cached keys come first
+    k, v    = cache(k, v)                                 the cached keys come first (or
+                                                          the pages of a serving step)
     z       = softmax(q k^T * scale + mask) v  B x H x L x D; head h uses kv head h // (H/G)
     out     = o_proj(concat_h z_h)                        B x L x E
 
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 
 from attnlab._checks import check_positive
 from attnlab.attention.kv_cache import LayerKVCache
+from attnlab.attention.paged import LayerPages, paged_attention, write_pages
 from attnlab.attention.sdpa import BACKENDS, scaled_dot_product_attention
 from attnlab.hook_point import HookPoint
 from attnlab.layers.rotary import apply_rotary
@@ -66,13 +68,16 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: Tensor, *, rotary: tuple[Tensor, Tensor] | None = None,
                 mask: Tensor | None = None, is_causal: bool = True,
-                cache: LayerKVCache | None = None) -> Tensor:
+                cache: LayerKVCache | None = None, paged: LayerPages | None = None) -> Tensor:
         """x ``B x L x E`` -> ``B x L x E``.
 
         ``rotary``: ``(cos, sin)`` for these ``L`` positions (``attnlab.layers.rotary``);
         ``mask``: bool, broadcasting to ``B x H x L x S`` (True = may attend) over the
         ``S = offset + L`` keys; ``is_causal`` adds the bottom-right causal mask; ``cache``
         (``LayerKVCache``) holds ``offset`` earlier positions and takes the ``L`` new ones.
+        ``paged``: a serving step instead (``attnlab.attention.paged``): x ``1 x T x E`` is
+        its packed rows, their keys and values go to the pages, and its metadata, not
+        ``mask`` and ``is_causal``, says what each row sees.
         """
         B, L, _ = x.shape
         H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -84,13 +89,10 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             q, k = self._rotate(q, k, *rotary)
         q, k, v = self.q(q.transpose(1, 2)), self.k(k.transpose(1, 2)), self.v(v.transpose(1, 2))
-        hooked = self.scores.has_hooks or self.pattern.has_hooks
-        # A cache may attend over its own storage (the serving engine's pages, read where
-        # they lie); with score hooks or dropout its keys are read out and attended here.
-        attend = None if hooked or self.training else getattr(cache, "attention", None)
-        if attend is not None:
-            z = attend(q, k, v, mask, is_causal=is_causal, scale=self.scale,
-                       backend=self.backend)
+        hook = self._score_hook if self.scores.has_hooks or self.pattern.has_hooks else None
+        if paged is not None:
+            write_pages(paged, k, v)
+            z = self._attend_paged(q, paged, hook=hook)
         else:
             if cache is not None:
                 offset = cache.length
@@ -98,8 +100,7 @@ class SelfAttention(nn.Module):
                 if L + offset != k.shape[-2]:
                     raise ValueError(f"cache: expected query length + offset = {L} + {offset} "
                                      f"keys, got {k.shape[-2]}")
-            z = self._attend(q, k, v, mask, is_causal=is_causal,
-                             hook=self._score_hook if hooked else None)
+            z = self._attend(q, k, v, mask, is_causal=is_causal, hook=hook)
         z = self.z(z)
         return self.o_proj(z.transpose(1, 2).reshape(B, L, H * D))
 
@@ -116,6 +117,15 @@ class SelfAttention(nn.Module):
             q, k, v, mask, is_causal=is_causal, scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.num_kv_heads != self.num_heads, backend=self.backend, hook=hook)
+
+    def _attend_paged(self, q: Tensor, paged: LayerPages, *,
+                      hook: Callable[[str, Tensor], Tensor] | None) -> Tensor:
+        """q ``1 x H x T x D`` of a packed step over the keys in its pages (``paged_attention``
+        on this layer's backend) -> ``1 x H x T x D``."""
+        if self.training and self.dropout > 0:
+            raise ValueError("paged: a serving step runs in eval mode (no attention dropout); "
+                             "expected model.eval()")
+        return paged_attention(q, paged, scale=self.scale, backend=self.backend, hook=hook)
 
     def _score_hook(self, point: str, x: Tensor) -> Tensor:
         return self.get_submodule(point)(x)
