@@ -122,6 +122,20 @@ class PagedAttentionMetadata:
         return decoder_mask(real, 1, S - 1, self.window, device=first.device)
 
     @functools.cached_property
+    def chunk_first(self) -> Tensor:
+        """``first`` of a chunk, ``[0]``: a request alone has no left padding."""
+        return torch.zeros(1, dtype=torch.long, device=self.block_tables.device)
+
+    @functools.cached_property
+    def chunk_masks(self) -> tuple[Tensor | None, ...]:
+        """Each prefill chunk's mask ``n x T_r`` over its request's keys: bottom-right causal
+        within the window; None where the plain causal mask is all there is (``is_causal``)."""
+        return tuple(decoder_mask(None, n, total - n, self.window,
+                                  device=self.block_tables.device)
+                     for n, total in zip(self.query_lens[self.num_decode:],
+                                         self.context_lens[self.num_decode:]))
+
+    @functools.cached_property
     def window_mask(self) -> Tensor | None:
         """The decode rows' window alone, ``B x 1 x 1 x S`` (None without one): what a kernel
         that skips the padding itself needs."""
@@ -145,36 +159,46 @@ def write_pages(pages: LayerPages, k: Tensor, v: Tensor) -> None:
         store[slots // ps, :, slots % ps] = new[0].transpose(0, 1).to(store.dtype)
 
 
+# A fast kernel for one part of a step: (queries, pages, request index r, or None for the
+# decode rows) -> the part's output, or None where it does not take the call.
+PartKernel = Callable[[Tensor, LayerPages, "int | None"], "Tensor | None"]
+
+
 def paged_attention(q: Tensor, pages: LayerPages, *, scale: float | None = None,
                     backend: str = "auto", hook: Callable[[str, Tensor], Tensor] | None = None,
-                    decode: Tensor | None = None) -> Tensor:
+                    kernel: PartKernel | None = None) -> Tensor:
     """q ``1 x H x T x D`` of a packed step -> ``1 x H x T x D``: each request's queries over
     its keys in ``pages`` (written already: ``write_pages``), under the causal mask (module
     docstring); ``scale``, ``backend`` and ``hook`` as ``scaled_dot_product_attention``'s
     (a hook sees the decode rows' scores ``B x H x 1 x S`` and each chunk's ``1 x H x n x
-    S``). ``decode``: the decode rows' output ``1 x H x num_decode x D``, computed by the
-    caller (a fast kernel), else here."""
+    S``). ``kernel``: a fast module's kernel, asked first for each part: the decode rows'
+    queries ``B x H x 1 x D`` (``r = None``), then each chunk's ``1 x H x n x D``."""
     m = pages.metadata
     d = m.num_decode
     parts = []
-    if d and decode is None:
-        page, slot = m.decode_gather
-        k, v = (store[page, :, slot].transpose(1, 2) for store in (pages.k, pages.v))
-        decode = scaled_dot_product_attention(
-            q[0, :, :d, None].transpose(0, 1), k, v, m.decode_mask, scale=scale,
-            enable_gqa=k.shape[1] != q.shape[1], backend=backend, hook=hook).transpose(0, 2)
     if d:
-        parts.append(decode)
+        one = q[0, :, :d, None].transpose(0, 1)  # B x H x 1 x D: a request's row each
+        out = None if kernel is None else kernel(one, pages, None)
+        if out is None:
+            page, slot = m.decode_gather
+            k, v = (store[page, :, slot].transpose(1, 2) for store in (pages.k, pages.v))
+            out = scaled_dot_product_attention(
+                one, k, v, m.decode_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1],
+                backend=backend, hook=hook)
+        parts.append(out.transpose(0, 2))
     row = d
-    for r in range(d, len(m.starts)):
+    for r, mask in zip(range(d, len(m.starts)), m.chunk_masks):
         n, total = m.query_lens[r], m.context_lens[r]
-        t = torch.arange(total, device=q.device)
-        page = m.block_tables[r, t // m.page_size]
-        k, v = (store[page, :, t % m.page_size].transpose(0, 1)[None]
-                for store in (pages.k, pages.v))
-        mask = decoder_mask(None, n, total - n, m.window, device=q.device)
-        parts.append(scaled_dot_product_attention(
-            q[:, :, row:row + n], k, v, mask, is_causal=mask is None and n > 1, scale=scale,
-            enable_gqa=k.shape[1] != q.shape[1], backend=backend, hook=hook))
+        chunk = q[:, :, row:row + n]
+        out = None if kernel is None else kernel(chunk, pages, r)
+        if out is None:
+            t = torch.arange(total, device=q.device)
+            page = m.block_tables[r, t // m.page_size]
+            k, v = (store[page, :, t % m.page_size].transpose(0, 1)[None]
+                    for store in (pages.k, pages.v))
+            out = scaled_dot_product_attention(
+                chunk, k, v, mask, is_causal=mask is None and n > 1, scale=scale,
+                enable_gqa=k.shape[1] != q.shape[1], backend=backend, hook=hook)
+        parts.append(out)
         row += n
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)

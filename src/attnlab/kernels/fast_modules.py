@@ -103,20 +103,27 @@ class FastSelfAttention(SelfAttention):
 
     def _attend_paged(self, q: Tensor, paged: LayerPages, *,
                       hook: Callable[[str, Tensor], Tensor] | None) -> Tensor:
+        if hook is not None or self.training or self.backend != "auto":
+            return super()._attend_paged(q, paged, hook=hook)
+        return paged_attention(q, paged, scale=self.scale, kernel=self._paged_part)
+
+    def _paged_part(self, q: Tensor, paged: LayerPages, r: int | None) -> Tensor | None:
+        """``native.paged_attention`` for one part of a packed step (``paged_attention``'s
+        ``kernel``): the decode rows (``r`` None) or request ``r``'s chunk, where the kernel
+        takes its few queries; None otherwise."""
         m = paged.metadata
-        d = m.num_decode
-        if hook is not None or self.training or self.backend != "auto" or not d:
-            return super()._attend_paged(q, paged, hook=hook)
-        one = q[0, :, :d, None].transpose(0, 1)  # B x H x 1 x D: a request's row each
-        S, window = m.decode_keys, m.window_mask
-        if q.dtype != paged.k.dtype or not native_decoding(one, paged.k[:1], paged.v[:1],
-                                                           window, keys=S):
-            return super()._attend_paged(q, paged, hook=hook)
-        decode = paged_native_attention(one, paged.k, paged.v, m.block_tables[:d],
-                                        m.decode_first, S,
-                                        window, is_causal=False, scale=self.scale)
-        return paged_attention(q, paged, scale=self.scale, backend=self.backend,
-                               decode=decode.transpose(0, 2))
+        if r is None:
+            tables, first, keys = m.block_tables[:m.num_decode], m.decode_first, m.decode_keys
+            mask, causal = m.window_mask, False
+        else:
+            tables, first, keys = m.block_tables[r:r + 1], m.chunk_first, m.context_lens[r]
+            mask = m.chunk_masks[r - m.num_decode]
+            causal = mask is None and q.shape[-2] > 1
+        if q.dtype != paged.k.dtype or not native_decoding(q, paged.k[:1], paged.v[:1], mask,
+                                                           keys=keys):
+            return None
+        return paged_native_attention(q, paged.k, paged.v, tables, first, keys, mask,
+                                      is_causal=causal, scale=self.scale)
 
 
 def _activates(name: str) -> bool:
