@@ -86,15 +86,20 @@ class PagedAttentionMetadata:
         """``T``, the new tokens of the step."""
         return self.positions.shape[0]
 
-    @property
+    @functools.cached_property
     def context_lens(self) -> tuple[int, ...]:
         """Each request's keys after the step, ``start_r + n_r``."""
         return tuple(s + n for s, n in zip(self.starts, self.query_lens))
 
-    @property
+    @functools.cached_property
     def decode_keys(self) -> int:
         """``S``: the decode rows' keys, left-padded to the longest, ``max T_r``."""
         return max(self.context_lens[:self.num_decode])
+
+    @functools.cached_property
+    def write_index(self) -> tuple[Tensor, Tensor]:
+        """``slot_mapping`` as the page and the slot in it of each new row, ``T`` each."""
+        return self.slot_mapping // self.page_size, self.slot_mapping % self.page_size
 
     @functools.cached_property
     def decode_first(self) -> Tensor:
@@ -148,15 +153,14 @@ class PagedAttentionMetadata:
 
 def write_pages(pages: LayerPages, k: Tensor, v: Tensor) -> None:
     """Store the step's new keys and values, k and v ``1 x G x T x D``, in their slots."""
-    ps = pages.metadata.page_size
-    slots = pages.metadata.slot_mapping
+    page, slot = pages.metadata.write_index
+    T = pages.metadata.num_rows
     for name, new, store in (("k", k, pages.k), ("v", v, pages.v)):
-        T = pages.metadata.num_rows
         if new.dim() != 4 or new.shape[0] != 1 or new.shape[2] != T \
                 or new.shape[1:2] + new.shape[3:] != store.shape[1:2] + store.shape[3:]:
             raise ValueError(f"{name}: expected shape 1 x G x T x D = (1, {store.shape[1]}, "
                              f"{T}, {store.shape[3]}), got {tuple(new.shape)}")
-        store[slots // ps, :, slots % ps] = new[0].transpose(0, 1).to(store.dtype)
+        store[page, :, slot] = new[0].transpose(0, 1).to(store.dtype)
 
 
 # A fast kernel for one part of a step: (queries, pages, request index r, or None for the
