@@ -93,10 +93,12 @@ class FastSelfAttention(SelfAttention):
                 native.rotary(k, cos, sin, self.rope_interleaved))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *,
-                is_causal: bool, hook: Callable[[str, Tensor], Tensor] | None) -> Tensor:
-        if (hook is not None or self.training or self.backend != "auto"
+                is_causal: bool, hook: Callable[[str, Tensor], Tensor] | None,
+                return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        if (hook is not None or return_weights or self.training or self.backend != "auto"
                 or not native_decoding(q, k, v, mask)):
-            return super()._attend(q, k, v, mask, is_causal=is_causal, hook=hook)
+            return super()._attend(q, k, v, mask, is_causal=is_causal, hook=hook,
+                                   return_weights=return_weights)
         # One query is the last position: the bottom-right causal mask hides nothing.
         return native_attention(q, k, v, mask, is_causal=is_causal and q.shape[-2] > 1,
                                 scale=self.scale)
