@@ -232,7 +232,7 @@ def test_other_families_and_quantized_models_serve_the_same_greedy_tokens(style)
 def test_a_model_on_the_gpu_serves_the_same_greedy_tokens_as_generate_there():
     model = _styled("gpt").cuda()
     engine = Engine(model, max_batch=3, page_size=4)
-    assert engine.pool.k[0].device.type == "cuda"
+    assert engine.runner.k[0].device.type == "cuda"
     prompts = [list(p) for p in _prompts()]
     results = _run(engine, [(0, p, GREEDY) for p in prompts])
     for prompt, events in zip(prompts, results.values()):
@@ -242,9 +242,9 @@ def test_a_model_on_the_gpu_serves_the_same_greedy_tokens_as_generate_there():
 
 @pytest.mark.parametrize("hooked", [False, True])
 def test_decode_rows_are_not_padded_to_a_prefill_chunk(monkeypatch, hooked):
-    """One forward of the step's 20 tokens (2 decode + an 18-token chunk); with a hook on the
-    attention pattern (which needs each forward's keys), the decode rows together, then the
-    chunk. The tokens are generate's either way."""
+    """One forward of the step's 20 tokens (2 decode + an 18-token chunk, within the
+    decoding kernels' rows), with or without a hook on the attention pattern (which sees
+    each request's scores). The tokens are generate's either way."""
     model = copy.deepcopy(_model())  # the cached one stays without hooks
     if hooked:
         model.layers[0].self_attn.pattern.register_forward_hook(lambda *args: None)
@@ -257,7 +257,7 @@ def test_decode_rows_are_not_padded_to_a_prefill_chunk(monkeypatch, hooked):
     monkeypatch.setattr(model.embed_tokens, "forward",
                         lambda x: shapes.append(tuple(x.shape)) or real(x))
     events += engine.step()
-    assert shapes == ([(2, 1), (1, 18)] if hooked else [(1, 20)])
+    assert shapes == [(1, 20)]
     while engine.has_work():
         events += engine.step()
     for request_id, prompt in zip(ids, prompts):

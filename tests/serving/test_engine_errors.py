@@ -225,7 +225,7 @@ def test_models_the_engine_cannot_serve_are_refused():
 def test_default_pool_holds_max_batch_contexts():
     engine = Engine(_model(), max_batch=3, page_size=4)
     assert engine.pool.num_pages == 3 * 32 // 4
-    assert engine.pool.k[0].dtype == torch.float32
+    assert engine.runner.k[0].dtype == torch.float32
 
 
 def test_requests_added_from_another_thread_while_stepping():

@@ -1,17 +1,23 @@
-"""PagePool: reference counts, no fragmentation, prefix table, LRU eviction; chain hashes."""
+"""PagePool: allocation results, reference counts, no fragmentation, prefix table, LRU
+eviction; chain hashes."""
 
 from __future__ import annotations
 
 import hashlib
 
 import pytest
-import torch
 
-from attnlab.serving import PagePool, page_hashes
+from attnlab.serving import Allocation, PagePool, page_hashes
 
 
 def _pool(pages: int = 6, page: int = 4) -> PagePool:
-    return PagePool(2, pages, page, 2, 8, dtype=torch.float64)
+    return PagePool(pages, page)
+
+
+def _pages(pool: PagePool, count: int) -> list[int]:
+    granted = pool.allocate(count)
+    assert granted is not None and granted.shared == 0
+    return list(granted.pages)
 
 
 def test_page_hashes_are_the_chain_formula():
@@ -31,15 +37,9 @@ def test_a_page_hash_names_the_whole_prefix():
     assert page_hashes(a, 4) == page_hashes([*a, 1, 2], 4)
 
 
-def test_buffers_have_the_documented_shape_and_dtype():
-    pool = _pool()
-    assert len(pool.k) == len(pool.v) == 2
-    assert pool.k[0].shape == (6, 2, 4, 8) and pool.v[1].dtype == torch.float64
-
-
 def test_allocation_counts_and_release_return_every_page():
     pool = _pool()
-    a, b = pool.allocate(2), pool.allocate(3)
+    a, b = _pages(pool, 2), _pages(pool, 3)
     assert len(set(a + b)) == 5 and pool.used == 5 and pool.available == 1
     pool.release(a)
     pool.release(b)
@@ -48,72 +48,90 @@ def test_allocation_counts_and_release_return_every_page():
 
 def test_no_fragmentation_any_free_pages_serve_any_request():
     pool = _pool()
-    pages = [pool.allocate(1)[0] for _ in range(6)]
+    pages = [_pages(pool, 1)[0] for _ in range(6)]
     pool.release(pages[0::2])  # every other page: scattered holes
-    assert sorted(pool.allocate(3)) == sorted(pages[0::2])
+    assert sorted(_pages(pool, 3)) == sorted(pages[0::2])
 
 
-def test_allocating_more_than_available_raises():
+def test_an_allocation_that_does_not_fit_is_none_and_takes_nothing():
     pool = _pool()
-    pool.allocate(5)
-    with pytest.raises(RuntimeError, match="count: 2 pages asked for, only 1"):
-        pool.allocate(2)
+    _pages(pool, 5)
+    assert pool.allocate(2) is None and pool.available == 1
+    assert pool.allocate(1, keep=1) is None  # the last page is kept for another request
+    assert pool.allocate(1) == Allocation((5,), 0)
+    with pytest.raises(ValueError, match="count: expected a positive int, got 0"):
+        pool.allocate(0)
 
 
-def test_shared_pages_are_counted_and_kept_until_the_last_user():
+def test_an_allocation_shares_the_prefix_pages_and_counts_them_until_the_last_user():
     pool = _pool()
     hashes = page_hashes(list(range(8)), 4)
-    pages = pool.allocate(2)
+    pages = _pages(pool, 2)
     for page, h in zip(pages, hashes):
         pool.register(page, h)
-    assert pool.match(hashes) == pages
-    pool.share(pages)
+    granted = pool.allocate(3, prefix=hashes)
+    assert granted.pages[:2] == tuple(pages) and granted.shared == 2
     assert [pool.refcount[p] for p in pages] == [2, 2] and pool.prefix_hits == 2
     pool.release(pages)
-    assert pool.used == 2
-    pool.release(pages)
+    assert pool.used == 3
+    pool.release(granted.pages)
     assert pool.used == 0 and pool.cached == 2
-    assert pool.match(hashes) == pages  # idle, still findable
+    again = pool.allocate(2, prefix=hashes)  # idle, still findable
+    assert again == Allocation(tuple(pages), 2) and pool.used == 2
 
 
-def test_match_stops_at_the_first_unknown_page():
+def test_an_idle_shared_page_is_not_counted_twice():
+    """Two idle cached pages and one free: a request that shares both and needs one more
+    fits; one that needs two more does not (the shared pages are no longer available)."""
+    pool = _pool(pages=3)
+    hashes = page_hashes(list(range(8)), 4)
+    pages = _pages(pool, 2)
+    for page, h in zip(pages, hashes):
+        pool.register(page, h)
+    pool.release(pages)
+    assert pool.available == 3
+    assert pool.allocate(4, prefix=hashes) is None and pool.prefix_hits == 0
+    assert pool.allocate(3, prefix=hashes).shared == 2 and pool.available == 0
+
+
+def test_a_prefix_match_stops_at_the_first_unknown_page():
     pool = _pool()
     hashes = page_hashes(list(range(12)), 4)
-    pages = pool.allocate(3)
+    pages = _pages(pool, 3)
     pool.register(pages[0], hashes[0])
     pool.register(pages[2], hashes[2])
-    assert pool.match(hashes) == pages[:1]
+    assert pool.allocate(3, prefix=hashes).pages[:1] == tuple(pages[:1])
+    assert pool.prefix_hits == 1
 
 
 def test_idle_cached_pages_are_evicted_least_recently_released_first():
     pool = _pool(pages=3)
     hashes = page_hashes(list(range(8)), 4)
-    old, new = pool.allocate(1), pool.allocate(1)
+    old, new = _pages(pool, 1), _pages(pool, 1)
     pool.register(old[0], hashes[0])
     pool.register(new[0], hashes[1])
     pool.release(old)
     pool.release(new)
-    assert pool.allocate(1) not in (old, new)  # a free page goes first
-    assert pool.allocate(1) == old  # then the least recently released cached one
-    assert pool.match(hashes[:1]) == [] and pool.cached == 1
-    assert pool.match(page_hashes(list(range(8)), 4)[1:]) == new
+    assert _pages(pool, 1) not in (old, new)  # a free page goes first
+    assert _pages(pool, 1) == old  # then the least recently released cached one
+    assert pool.cached == 1  # old's hash went with it; new is still findable
+    assert pool.allocate(1, prefix=hashes[1:]) == Allocation(tuple(new), 1)
 
 
 def test_register_keeps_the_first_page_of_a_prefix():
     pool = _pool()
     h = page_hashes(list(range(4)), 4)
-    first, second = pool.allocate(2)
+    first, second = _pages(pool, 2)
     pool.register(first, h[0])
     pool.register(second, h[0])  # the same prefix, computed concurrently
-    assert pool.match(h) == [first]
     pool.release([second])
     assert pool.available == 5  # the unregistered copy is simply free
+    assert pool.allocate(1, prefix=h).pages == (first,)
 
 
-@pytest.mark.parametrize("name", ["num_layers", "num_pages", "page_size", "num_kv_heads",
-                                  "head_dim"])
+@pytest.mark.parametrize("name", ["num_pages", "page_size"])
 def test_bad_sizes_are_named(name):
-    sizes = dict(num_layers=1, num_pages=2, page_size=4, num_kv_heads=1, head_dim=2)
+    sizes = dict(num_pages=2, page_size=4)
     sizes[name] = 0
     with pytest.raises(ValueError, match=f"{name}: expected a positive int, got 0"):
         PagePool(**sizes)

@@ -9,16 +9,14 @@ head ``g = h // (H / G)``. ``G = H`` is classic MHA, ``1 < G < H`` grouped-query
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor, nn
 
 from attnlab._checks import check_positive
 from attnlab.attention.kv_cache import LayerKVCache
+from attnlab.attention.layer import AttentionLayer
 from attnlab.attention.sdpa import BACKENDS, scaled_dot_product_attention
 from attnlab.formulas import linear
-from attnlab.hook_point import HookPoint
 from attnlab.masks import combine_masks, key_mask_to_attention_mask, key_mask_to_bool
 
 __all__ = [
@@ -29,7 +27,7 @@ __all__ = [
 ]
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(AttentionLayer):
     """Self- and cross-attention with ``H`` query heads and ``G`` key/value heads.
 
     Tensors are batch-first: query ``B x L x E``, key ``B x S x kdim``, value ``B x S x vdim``
@@ -45,11 +43,13 @@ class MultiHeadAttention(nn.Module):
     PyTorch, since Transformer layers drop the residual branch themselves) drops the output.
     Initialisation: Xavier-uniform weights, zero biases.
 
-    Hook points (``attnlab.hook_point.HookPoint`` submodules, as in ``SelfAttention``; a
-    forward hook on one sees, and may replace, its tensor): ``q`` ``B x H x L x D``, ``k``,
-    ``v`` ``B x G x S x D`` (the new keys: after ``rotary``, before the cache), ``scores``,
-    ``pattern`` ``B x H x L x S`` and ``z`` (per-head outputs ``B x H x L x D``, before
-    ``out_proj``). The call is the same with or without hooks, on the module's backend; only
+    After the projections, the heads run ``AttentionLayer.heads``, the path that the
+    decoders' ``SelfAttention`` runs too: RoPE (``rotary``, with ``rope_interleaved``'s
+    layout), hook points (``attnlab.hook_point.HookPoint`` submodules; a forward hook on one
+    sees, and may replace, its tensor): ``q`` ``B x H x L x D``, ``k``, ``v`` ``B x G x S x
+    D`` (the new keys: after ``rotary``, before the cache), ``scores``, ``pattern`` ``B x H x
+    L x S`` and ``z`` (per-head outputs ``B x H x L x D``, before ``out_proj``), the cache,
+    attention. The call is the same with or without hooks, on the module's backend; only
     ``scores`` and ``pattern`` need the ``math`` backend (the only one that forms them), so a
     hook there makes ``auto`` run ``math`` and an explicit ``flash``/``fused`` backend raise.
     """
@@ -67,6 +67,7 @@ class MultiHeadAttention(nn.Module):
         kdim: int | None = None,
         vdim: int | None = None,
         backend: str = "auto",
+        rope_interleaved: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -91,6 +92,7 @@ class MultiHeadAttention(nn.Module):
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim
         self.num_kv_heads, self.kdim, self.vdim = num_kv_heads, kdim, vdim
         self.dropout, self.output_dropout, self.backend = dropout, output_dropout, backend
+        self.scale, self.rope_interleaved = None, rope_interleaved
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self._sizes = (q_size, kv_size, kv_size)
         factory = {"device": device, "dtype": dtype}
@@ -112,8 +114,7 @@ class MultiHeadAttention(nn.Module):
         else:
             self.register_parameter("in_proj_bias", None)
         self.out_proj = nn.Linear(q_size, embed_dim, bias=bias, **factory)
-        for point in ("q", "k", "v", "scores", "pattern", "z"):
-            setattr(self, point, HookPoint())
+        self.add_hook_points()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -137,7 +138,7 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool = False,
         return_weights: bool = False,
         cache: LayerKVCache | None = None,
-        rotary: Callable[[Tensor], Tensor] | None = None,
+        rotary: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``query`` (``B x L x E``) to ``key``/``value`` (``B x S x kdim/vdim``).
 
@@ -151,9 +152,10 @@ class MultiHeadAttention(nn.Module):
         bottom-right causal mask.
         Returns ``B x L x E``, or ``(output, weights B x H x L x S)`` with ``return_weights``.
 
-        Incremental decoding (``attnlab.generation``): ``rotary`` maps the projected queries
-        and keys ``B x L x heads x D`` (e.g. ``partial(rope, offset=...)``); ``cache`` (a
-        ``LayerKVCache``) appends the new keys/values and the attention runs over all
+        Incremental decoding (``attnlab.generation``): ``rotary`` is the ``(cos, sin)`` ``B x
+        L x R`` of the ``L`` positions (``attnlab.layers.RotaryEmbedding``; self-attention,
+        ``S = L``) that turn the projected queries and keys, as in ``SelfAttention``; ``cache``
+        (a ``LayerKVCache``) appends the new keys/values and the attention runs over all
         ``offset + L`` of them, so ``mask``/``key_mask`` then cover ``S = offset + L`` keys.
         """
         self_attention = key is None or (key is query and (value is None or value is query))
@@ -181,35 +183,10 @@ class MultiHeadAttention(nn.Module):
 
         q, k, v = self._project(query, key, value, self_attention)
         H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k = q.view(B, L, H, D), k.view(B, S, G, D)
-        if rotary is not None:
-            q, k = rotary(q), rotary(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, S, G, D).transpose(1, 2)
-        q, k, v = self.q(q), self.k(k), self.v(v)
-        if cache is not None:
-            offset = cache.length
-            k, v = cache.update(k, v)
-            if L + offset != k.shape[-2]:
-                raise ValueError(
-                    f"cache: expected query length + offset = {L} + {offset} keys, "
-                    f"got {k.shape[-2]}"
-                )
-        hooked = self.scores.has_hooks or self.pattern.has_hooks
-        result = scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            mask,
-            is_causal=is_causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=G != H,
-            return_weights=return_weights,
-            backend=self.backend,
-            hook=self._score_hook if hooked else None,
-        )
-        out, weights = result if return_weights else (result, None)
-        out = self.z(out)
-        out = self.out_proj(out.transpose(1, 2).reshape(B, L, H * D))
+        out, weights = self.heads(
+            q.view(B, L, H, D), k.view(B, S, G, D), v.view(B, S, G, D), rotary=rotary,
+            mask=mask, is_causal=is_causal, cache=cache, return_weights=return_weights)
+        out = self.out_proj(out)
         if self.output_dropout > 0.0 and self.training:
             out = nn.functional.dropout(out, self.output_dropout, training=True)
         return (out, weights) if return_weights else out
@@ -238,10 +215,6 @@ class MultiHeadAttention(nn.Module):
             )
             return q, k, v
         return q, linear(key, w_k, biases[1]), linear(value, w_v, biases[2])
-
-    def _score_hook(self, point: str, x: Tensor) -> Tensor:
-        """What ``scaled_dot_product_attention`` calls at ``"scores"`` and ``"pattern"``."""
-        return self.get_submodule(point)(x)
 
     def _check_input(self, name: str, x: Tensor, dim: int) -> None:
         if not isinstance(x, Tensor):

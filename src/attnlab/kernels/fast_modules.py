@@ -13,9 +13,14 @@ from collections.abc import Callable
 
 from torch import Tensor
 
+from attnlab.attention.paged import LayerPages, paged_attention
 from attnlab.generation.sampling import GreedyTokens
 from attnlab.kernels import native
-from attnlab.kernels.decode_attention import native_attention, native_decoding
+from attnlab.kernels.decode_attention import (
+    native_attention,
+    native_decoding,
+    paged_native_attention,
+)
 from attnlab.layers import FeedForward, GatedMLP, RMSNorm
 from attnlab.layers.feedforward import activated
 from attnlab.layers.self_attention import SelfAttention
@@ -74,7 +79,9 @@ class FastFeedForward(FeedForward):
 class FastSelfAttention(SelfAttention):
     """``SelfAttention`` whose RoPE runs in one C++ pass (``native.rotary``: the same products
     and roundings) and whose attention, for a decoding step's few queries on the ``auto``
-    backend with no score hooks, runs ``native.decode_attention``."""
+    backend with no score hooks, runs ``native.decode_attention`` (and, for a serving step's
+    decode rows, ``native.paged_attention``, which reads the keys where they lie in their
+    pages instead of gathering them)."""
 
     def _rotate(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         if self.training or not (_rotary_fits(q, cos, sin) and _rotary_fits(k, cos, sin)):
@@ -86,13 +93,39 @@ class FastSelfAttention(SelfAttention):
                 native.rotary(k, cos, sin, self.rope_interleaved))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *,
-                is_causal: bool, hook: Callable[[str, Tensor], Tensor] | None) -> Tensor:
-        if (hook is not None or self.training or self.backend != "auto"
+                is_causal: bool, hook: Callable[[str, Tensor], Tensor] | None,
+                return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        if (hook is not None or return_weights or self.training or self.backend != "auto"
                 or not native_decoding(q, k, v, mask)):
-            return super()._attend(q, k, v, mask, is_causal=is_causal, hook=hook)
+            return super()._attend(q, k, v, mask, is_causal=is_causal, hook=hook,
+                                   return_weights=return_weights)
         # One query is the last position: the bottom-right causal mask hides nothing.
         return native_attention(q, k, v, mask, is_causal=is_causal and q.shape[-2] > 1,
                                 scale=self.scale)
+
+    def _attend_paged(self, q: Tensor, paged: LayerPages, *,
+                      hook: Callable[[str, Tensor], Tensor] | None) -> Tensor:
+        if hook is not None or self.training or self.backend != "auto":
+            return super()._attend_paged(q, paged, hook=hook)
+        return paged_attention(q, paged, scale=self.scale, kernel=self._paged_part)
+
+    def _paged_part(self, q: Tensor, paged: LayerPages, r: int | None) -> Tensor | None:
+        """``native.paged_attention`` for one part of a packed step (``paged_attention``'s
+        ``kernel``): the decode rows (``r`` None) or request ``r``'s chunk, where the kernel
+        takes its few queries; None otherwise."""
+        m = paged.metadata
+        if r is None:
+            tables, first, keys = m.block_tables[:m.num_decode], m.decode_first, m.decode_keys
+            mask, causal = m.window_mask, False
+        else:
+            tables, first, keys = m.block_tables[r:r + 1], m.chunk_first, m.context_lens[r]
+            mask = m.chunk_masks[r - m.num_decode]
+            causal = mask is None and q.shape[-2] > 1
+        if q.dtype != paged.k.dtype or not native_decoding(q, paged.k[:1], paged.v[:1], mask,
+                                                           keys=keys):
+            return None
+        return paged_native_attention(q, paged.k, paged.v, tables, first, keys, mask,
+                                      is_causal=causal, scale=self.scale)
 
 
 def _activates(name: str) -> bool:

@@ -60,6 +60,7 @@ from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
 from attnlab.attention.kv_cache import KVCache
+from attnlab.attention.paged import LayerPages
 from attnlab.hook_point import global_hooks
 from attnlab.kernels import native
 from attnlab.kernels.fast_modules import (
@@ -304,13 +305,13 @@ class FusedLayers(nn.ModuleList):
 
     def forward(self, x: Tensor, *, rotary: tuple[Tensor, Tensor] | None = None,
                 mask: Tensor | None = None, is_causal: bool = True, cache: KVCache | None = None,
-                rows: Tensor | None = None) -> Tensor:
-        fused = None if self.training else fused_layers(self, self.block_type, x, rotary,
-                                                          mask, cache)
+                rows: Tensor | None = None, paged: list[LayerPages] | None = None) -> Tensor:
+        fused = None if self.training or paged is not None else fused_layers(
+            self, self.block_type, x, rotary, mask, cache)
         if fused is not None:
             return fused
         return super().forward(x, rotary=rotary, mask=mask, is_causal=is_causal, cache=cache,
-                               rows=rows)
+                               rows=rows, paged=paged)
 
     def __getstate__(self) -> dict:
         # A plan holds C++ objects and the tensors of these modules, not of a copy's.

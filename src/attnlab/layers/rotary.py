@@ -20,13 +20,16 @@ import torch
 from torch import Tensor, nn
 
 from attnlab._checks import check_positive
+from attnlab.formulas import apply_rotary
 from attnlab.layers.rope_scaling import (
     RopeScaling,
     check_rope_arguments,
     rope_inverse_frequencies,
 )
 
-# RopeScaling and rope_inverse_frequencies are part of this module's interface too.
+# RopeScaling, rope_inverse_frequencies and apply_rotary (the rotation's formula, in
+# attnlab.formulas so that the attention layers below this package use it too) are part of
+# this module's interface.
 __all__ = ["RopeScaling", "RotaryEmbedding", "apply_rotary", "rope_inverse_frequencies"]
 
 # The scalings whose frequencies are chosen by the sequence length, read from the positions.
@@ -179,50 +182,3 @@ class RotaryEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return (f"rotary_dim={self.rotary_dim}, base={self.base}, max_len={self.max_len}, "
                 f"rope_type={self.scaling.rope_type!r}, interleaved={self.interleaved}")
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False) -> Tensor:
-    """Rotate the first ``R`` features of each head of ``x`` by cos/sin; pass the rest through.
-
-    x ``B x L x H x D`` (heads before the head transpose), cos and sin ``B x L x R`` or
-    ``1 x L x R`` from ``RotaryEmbedding`` (``R <= D``, even) -> x's shape and dtype:
-    ``x_rot * cos + rotate(x_rot) * sin`` with ``rotate`` the pair turn ``(a, b) -> (-b, a)``
-    of the layout (``interleaved`` must match the module's). As transformers does, cos and sin
-    are cast to x's dtype first, so half-precision results match its own; a model that is not
-    float32 casts them once per forward (``cos.to(dtype)``) rather than in every layer.
-    """
-    if not isinstance(x, Tensor) or x.dim() != 4:
-        raise ValueError(f"x: expected a Tensor of shape B x L x H x D, got "
-                         f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if not isinstance(t, Tensor) or t.dim() != 3:
-            raise ValueError(f"{name}: expected a Tensor of shape B x L x R, got "
-                             f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"x: expected a floating-point Tensor, got {x.dtype}")
-    if cos.device != x.device or sin.device != x.device:
-        raise ValueError(f"cos, sin: expected x's device {x.device}, got {cos.device} and "
-                         f"{sin.device}")
-    if sin.shape != cos.shape:
-        raise ValueError(f"sin: expected cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
-    batch, length, _, dim = x.shape
-    rows, cos_len, rotary_dim = cos.shape
-    if rows not in (1, batch) or cos_len != length or rotary_dim % 2 or rotary_dim > dim:
-        raise ValueError(f"cos: expected shape ({batch} or 1) x {length} x R with R even and "
-                         f"<= {dim} (x is {tuple(x.shape)}), got {tuple(cos.shape)}")
-    if cos.dtype != x.dtype:
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # B x L x 1 x R: the same for every head
-    rot = x if rotary_dim == dim else x[..., :rotary_dim]
-    turned = _rotate_pairs(rot) if interleaved else _rotate_half(rot)
-    out = rot * cos + turned * sin
-    return out if rotary_dim == dim else torch.cat((out, x[..., rotary_dim:]), dim=-1)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rotate_pairs(x: Tensor) -> Tensor:
-    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)

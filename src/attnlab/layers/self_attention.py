@@ -1,15 +1,15 @@
 """``SelfAttention``: a decoder's causal self-attention, with its projections as submodules.
 
     q, k, v = q_proj(x), k_proj(x), v_proj(x)             B x L x (H|G) x D per head
-    q, k    = RoPE(norm(q)), RoPE(norm(k))                q/k norms (Qwen3) and RoPE optional
-    k, v    = cache(k, v)                                 the cached keys come first
-    z       = softmax(q k^T * scale + mask) v  B x H x L x D; head h uses kv head h // (H/G)
-    out     = o_proj(concat_h z_h)                        B x L x E
+    q, k    = norm(q), norm(k)                            q/k norms (Qwen3), optional
+    z       = AttentionLayer.heads(q, k, v)               RoPE, hooks, cache, attention
+    out     = o_proj(z)                                   B x L x E
 
-The model computes the rotary ``(cos, sin)`` and the mask once per forward and passes them
-to every layer. Hook points (``attnlab.hook_point.HookPoint``) name ``q``, ``k``, ``v`` (after
-RoPE, before the cache), ``scores``, ``pattern`` and ``z``; a hook on ``scores`` or
-``pattern`` makes the ``auto`` backend run ``math``, the only one that forms them.
+The heads run the path that ``MultiHeadAttention`` runs too (``attnlab.attention.layer``):
+RoPE with the ``(cos, sin)`` that the model computes once per forward, hook points ``q``,
+``k``, ``v`` (after RoPE, before the cache), ``scores``, ``pattern`` and ``z``, the cache (or a
+serving step's pages), attention. A hook on ``scores`` or ``pattern`` makes the ``auto``
+backend run ``math``, the only one that forms them.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from torch import Tensor, nn
 
 from attnlab._checks import check_positive
 from attnlab.attention.kv_cache import LayerKVCache
-from attnlab.attention.sdpa import BACKENDS, scaled_dot_product_attention
-from attnlab.hook_point import HookPoint
-from attnlab.layers.rotary import apply_rotary
+from attnlab.attention.layer import AttentionLayer
+from attnlab.attention.paged import LayerPages
+from attnlab.attention.sdpa import BACKENDS
 
 __all__ = ["SelfAttention"]
 
 
-class SelfAttention(nn.Module):
+class SelfAttention(AttentionLayer):
     """Causal self-attention with ``H`` query heads and ``G`` key/value heads of size ``D``.
 
     Submodules: ``q_proj`` (``H*D x E``), ``k_proj``, ``v_proj`` (``G*D x E``), ``o_proj``
@@ -61,18 +61,20 @@ class SelfAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
         self.q_norm = None if qk_norm is None else qk_norm()
         self.k_norm = None if qk_norm is None else qk_norm()
-        for point in ("q", "k", "v", "scores", "pattern", "z"):
-            setattr(self, point, HookPoint())
+        self.add_hook_points()
 
     def forward(self, x: Tensor, *, rotary: tuple[Tensor, Tensor] | None = None,
                 mask: Tensor | None = None, is_causal: bool = True,
-                cache: LayerKVCache | None = None) -> Tensor:
+                cache: LayerKVCache | None = None, paged: LayerPages | None = None) -> Tensor:
         """x ``B x L x E`` -> ``B x L x E``.
 
         ``rotary``: ``(cos, sin)`` for these ``L`` positions (``attnlab.layers.rotary``);
         ``mask``: bool, broadcasting to ``B x H x L x S`` (True = may attend) over the
         ``S = offset + L`` keys; ``is_causal`` adds the bottom-right causal mask; ``cache``
         (``LayerKVCache``) holds ``offset`` earlier positions and takes the ``L`` new ones.
+        ``paged``: a serving step instead (``attnlab.attention.paged``): x ``1 x T x E`` is
+        its packed rows, their keys and values go to the pages, and its metadata, not
+        ``mask`` and ``is_causal``, says what each row sees.
         """
         B, L, _ = x.shape
         H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -81,46 +83,10 @@ class SelfAttention(nn.Module):
         v = self.v_proj(x).view(B, L, G, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rotary is not None:
-            q, k = self._rotate(q, k, *rotary)
-        q, k, v = self.q(q.transpose(1, 2)), self.k(k.transpose(1, 2)), self.v(v.transpose(1, 2))
-        hooked = self.scores.has_hooks or self.pattern.has_hooks
-        # A cache may attend over its own storage (the serving engine's pages, read where
-        # they lie); with score hooks or dropout its keys are read out and attended here.
-        attend = None if hooked or self.training else getattr(cache, "attention", None)
-        if attend is not None:
-            z = attend(q, k, v, mask, is_causal=is_causal, scale=self.scale,
-                       backend=self.backend)
-        else:
-            if cache is not None:
-                offset = cache.length
-                k, v = cache.update(k, v)
-                if L + offset != k.shape[-2]:
-                    raise ValueError(f"cache: expected query length + offset = {L} + {offset} "
-                                     f"keys, got {k.shape[-2]}")
-            z = self._attend(q, k, v, mask, is_causal=is_causal,
-                             hook=self._score_hook if hooked else None)
-        z = self.z(z)
-        return self.o_proj(z.transpose(1, 2).reshape(B, L, H * D))
-
-    def _rotate(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """RoPE on q ``B x L x H x D`` and k ``B x L x G x D`` (``apply_rotary``)."""
-        return (apply_rotary(q, cos, sin, interleaved=self.rope_interleaved),
-                apply_rotary(k, cos, sin, interleaved=self.rope_interleaved))
-
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *,
-                is_causal: bool, hook: Callable[[str, Tensor], Tensor] | None) -> Tensor:
-        """``softmax(q k^T * scale + mask) v``: q ``B x H x L x D``, k and v ``B x G x S x D``
-        -> ``B x H x L x D`` (``scaled_dot_product_attention`` on this layer's backend)."""
-        return scaled_dot_product_attention(
-            q, k, v, mask, is_causal=is_causal, scale=self.scale,
-            dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.num_kv_heads != self.num_heads, backend=self.backend, hook=hook)
-
-    def _score_hook(self, point: str, x: Tensor) -> Tensor:
-        return self.get_submodule(point)(x)
+        z, _ = self.heads(q, k, v, rotary=rotary, mask=mask, is_causal=is_causal, cache=cache,
+                          paged=paged)
+        return self.o_proj(z)
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, backend={self.backend!r}")
-

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from attnlab._checks import check_token_ids
 from attnlab.attention.kv_cache import KVCache, LayerKVCache
+from attnlab.attention.paged import LayerPages
 from attnlab.generation import GreedyTokens, generate
 from attnlab.hook_point import HookPoint, global_hooks
 from attnlab.layers import FeedForward, GatedMLP, LearnedPositionalEmbedding, RMSNorm
@@ -156,21 +157,34 @@ class DecoderLM(PreTrainedModel):
 
     def final_hidden(self, input_ids: Tensor, attention_mask: Tensor | None = None, *,
                      cache: KVCache | None = None, position_ids: Tensor | None = None,
-                     logits_to_keep: int = 0) -> Tensor:
+                     logits_to_keep: int = 0,
+                     paged: list[LayerPages] | None = None) -> Tensor:
         """The last layer's output after the final norm, what ``lm_head`` turns into logits:
         input_ids ``B x L`` -> ``B x L x H`` (``B x min(k, L) x H`` for ``logits_to_keep=k >
         0``).
 
         The arguments are ``forward``'s. A caller that wants logits for only some rows (a
         serving engine's prefill chunk that does not end its prompt wants none) projects
-        them itself, in one ``lm_head`` call for every row of a step.
+        them itself, in one ``lm_head`` call for every row of a step. ``paged``: a serving
+        step's pages, one ``LayerPages`` per layer (``attnlab.serving.runner`` builds them):
+        input_ids ``1 x T`` are then its packed rows, placed and masked by their metadata
+        (no ``attention_mask``, ``cache`` or ``position_ids``).
         """
         c = self.config
+        if paged is not None:
+            if cache is not None or attention_mask is not None or position_ids is not None \
+                    or len(paged) != c.num_layers:
+                raise ValueError(f"paged: expected {c.num_layers} layers' pages and no cache, "
+                                 f"attention_mask or position_ids beside them, got "
+                                 f"{len(paged)} layers")
+            position_ids = paged[0].metadata.positions[None]
         _, L, offset, key_mask, positions = decoder_inputs(
             input_ids, attention_mask, cache, position_ids, logits_to_keep,
             vocab_size=c.vocab_size, max_len=c.max_len,
             num_layers=c.num_layers)
-        mask = decoder_mask(key_mask, L, offset, c.sliding_window, device=self.device)
+        # a paged step's metadata masks each request; a mask for the packed rows is not used
+        mask = None if paged is not None else decoder_mask(key_mask, L, offset,
+                                                           c.sliding_window, device=self.device)
         x = self.embed_tokens(input_ids)
         if c.embedding_scale is not None:  # in x's dtype, as Gemma rounds it
             x = x * torch.tensor(c.embedding_scale, dtype=x.dtype)
@@ -183,7 +197,8 @@ class DecoderLM(PreTrainedModel):
             rotary = tuple(t.to(x.dtype) for t in self.rotary(positions))
         x = _dropped(self.drop, x)
         x = self.layers(x, rotary=rotary, mask=mask, is_causal=mask is None and L > 1,
-                        cache=cache, rows=self._real_rows(key_mask, L, logits_to_keep))
+                        cache=cache, rows=self._real_rows(key_mask, L, logits_to_keep),
+                        paged=paged)
         if logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
         return self.norm(x)
@@ -336,15 +351,17 @@ class DecoderBlock(nn.Module):
 
     def forward(self, x: Tensor, *, rotary: tuple[Tensor, Tensor] | None = None,
                 mask: Tensor | None = None, is_causal: bool = True,
-                cache: LayerKVCache | None = None, rows: Tensor | None = None) -> Tensor:
+                cache: LayerKVCache | None = None, rows: Tensor | None = None,
+                paged: LayerPages | None = None) -> Tensor:
         """x ``B x L x E``; ``rotary`` ``(cos, sin)``; ``mask`` ``B x 1 x L x S`` bool or
         ``None`` with ``is_causal``; ``cache`` this layer's ``LayerKVCache``; ``rows``: the
         flat ``B * L`` indices of the real positions, the only ones the MLP (row by row)
         then computes, a padded position's MLP output left zero (no real position reads it:
-        the mask hides its key)."""
+        the mask hides its key); ``paged``: this layer's pages of a serving step (then x is
+        ``1 x T x E``, ``SelfAttention.forward``)."""
         x = self.resid_pre(x)
         h = self.self_attn(self.input_layernorm(x), rotary=rotary, mask=mask,
-                           is_causal=is_causal, cache=cache)
+                           is_causal=is_causal, cache=cache, paged=paged)
         x = self.resid_mid(x + _dropped(self.drop, self.attn_out(h)))
         if rows is None:
             h = self.mlp(self.post_attention_layernorm(x))
@@ -366,11 +383,14 @@ class DecoderLayers(nn.ModuleList):
 
     def forward(self, x: Tensor, *, rotary: tuple[Tensor, Tensor] | None = None,
                 mask: Tensor | None = None, is_causal: bool = True,
-                cache: KVCache | None = None, rows: Tensor | None = None) -> Tensor:
-        """``DecoderBlock.forward``'s arguments, ``cache`` the whole ``KVCache``."""
+                cache: KVCache | None = None, rows: Tensor | None = None,
+                paged: list[LayerPages] | None = None) -> Tensor:
+        """``DecoderBlock.forward``'s arguments, ``cache`` the whole ``KVCache``, ``paged``
+        every layer's pages."""
         for i, layer in enumerate(self):
             x = layer(x, rotary=rotary, mask=mask, is_causal=is_causal,
-                      cache=None if cache is None else cache[i], rows=rows)
+                      cache=None if cache is None else cache[i], rows=rows,
+                      paged=None if paged is None else paged[i])
         return x
 
 

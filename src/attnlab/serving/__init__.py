@@ -1,18 +1,11 @@
-"""Serving: a paged KV cache (``paged_cache``), attention over its pages
-(``paged_attention``), continuous batching (``scheduler``) and the engine behind
-``attnlab serve`` (``engine``)."""
+"""Serving: the page bookkeeping (``paged_cache``), continuous batching (``scheduler``), the
+runner that owns the pages and runs the model over them (``runner``; attention over the
+pages is ``attnlab.attention.paged``) and the engine behind ``attnlab serve``
+(``engine``)."""
 
 from attnlab.serving.engine import Engine, QueueFull, SamplingParams, TokenEvent
-from attnlab.serving.paged_attention import (
-    PackedPagedKVCache,
-    PagedKVCache,
-    PagedRow,
-    packed_hidden,
-    paged_forward,
-    paged_hidden,
-)
-from attnlab.serving.paged_cache import PagePool, page_hashes
+from attnlab.serving.paged_cache import Allocation, PagePool, page_hashes
+from attnlab.serving.runner import ModelRunner, PagedRow, PreparedStep
 
-__all__ = ["Engine", "PackedPagedKVCache", "PagePool", "PagedKVCache", "PagedRow", "QueueFull",
-           "SamplingParams", "TokenEvent", "packed_hidden", "page_hashes", "paged_forward",
-           "paged_hidden"]
+__all__ = ["Allocation", "Engine", "ModelRunner", "PagePool", "PagedRow", "PreparedStep",
+           "QueueFull", "SamplingParams", "TokenEvent", "page_hashes"]

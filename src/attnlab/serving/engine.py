@@ -1,16 +1,16 @@
 """The serving engine: requests in, one token per running request per ``step()`` out.
 
     add_request(prompt ids, SamplingParams) -> id      checked, queued (QueueFull past max_queue)
-    step():  plan (scheduler)  ->  one forward over the pages of the planned requests
-             (paged_attention.packed_hidden: every new token in one sequence, attention
-             per request; with score hooks, the decode tokens together and each prefill
-             chunk alone)
+    step():  plan (scheduler)  ->  the runner's forward over the pages of the planned
+             requests (``runner.ModelRunner.hidden``: every new token in one sequence,
+             attention per request, in batch-invariant groups)
              ->  one lm_head call for the requests whose prompt is done (a prefill chunk
              that does not end its prompt needs no logits)  ->  sample each of them
              ->  [TokenEvent(id, token, finish_reason)], pages released on finish
 
-Everything a request holds is in a ``PagePool`` (``paged_cache``) and the ``Scheduler``;
-``abort`` and an error in the model release it the same way as a finish.
+Everything a request holds is in a ``PagePool`` (``paged_cache``: which pages) and the
+``Scheduler``; the ``ModelRunner`` holds the pages' tensors. ``abort`` and an error in the
+model release a request the same way as a finish.
 
 Threads: ``add_request``, ``abort``, ``stats`` and ``has_work`` may be called from any
 thread (the HTTP layer's event loop); ``step`` from one thread only. A lock guards the
@@ -22,18 +22,17 @@ from __future__ import annotations
 import math
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from attnlab._checks import check_positive, is_int
 from attnlab.generation import check_logits, sample_logits, unusable_rows
-from attnlab.layers.self_attention import SelfAttention
 from attnlab.models import DecoderLM
-from attnlab.serving.paged_attention import PagedRow, packed_hidden, paged_hidden
 from attnlab.serving.paged_cache import PagePool
 from attnlab.serving.params import QueueFull, SamplingParams, TokenEvent
+from attnlab.serving.runner import ModelRunner, PagedRow
 from attnlab.serving.scheduler import Request, Scheduler
 
 __all__ = ["DEFAULT_POOL_BYTES", "MIN_REQUEST_TOKENS", "Engine", "QueueFull", "SamplingParams",
@@ -113,9 +112,8 @@ class Engine:
                              f"tokens: the model's context max_len={c.max_len}, or "
                              f"{MIN_REQUEST_TOKENS} when it is longer)")
         self.model, self.max_queue = model, max_queue
-        self._attentions = [m for m in model.modules() if isinstance(m, SelfAttention)]
-        self.pool = PagePool(c.num_layers, kv_pages, page_size, c.kv_heads, c.head_dim,
-                             dtype=model.dtype, device=model.device)
+        self.pool = PagePool(kv_pages, page_size)
+        self.runner = ModelRunner(model, kv_pages, page_size)
         self.scheduler = Scheduler(self.pool, max_batch=max_batch,
                                    max_tokens_per_step=max_tokens_per_step,
                                    prefix_caching=prefix_caching)
@@ -224,36 +222,22 @@ class Engine:
             plan = self.scheduler.schedule()
             rows = [PagedRow(list(r.table), r.computed, r.tokens[r.computed:r.computed + n])
                     for r, n in plan]
-        ready: list[tuple[Request, Tensor]] = []
-        groups = _forward_groups(plan)
-        if len(groups) > 1 and not self._hooked():  # one forward for them all
-            groups, forward = [list(range(len(plan)))], packed_hidden
-        else:
-            forward = paged_hidden
-        for group in groups:
-            ended, done = self._run([plan[i] for i in group], [rows[i] for i in group],
-                                    forward)
+        if plan:
+            ended, ready = self._run(plan, rows)
             events += ended
-            ready += done
-        if ready:
-            events += self._sample(ready)
+            if ready:
+                events += self._sample(ready)
         return events
 
-    def _hooked(self) -> bool:
-        """Whether an attention layer has score or pattern hooks: it then asks its cache for
-        the keys, which a packed step does not gather."""
-        return any(a.scores.has_hooks or a.pattern.has_hooks for a in self._attentions)
-
-    def _run(self, plan: list[tuple[Request, int]], rows: list[PagedRow],
-             forward: Callable[[DecoderLM, PagePool, list[PagedRow]], Tensor]
+    def _run(self, plan: list[tuple[Request, int]], rows: list[PagedRow]
              ) -> tuple[list[TokenEvent], list[tuple[Request, Tensor]]]:
-        """One ``forward`` (``paged_hidden`` or ``packed_hidden``) over ``rows``; record it.
-        Returns the events of the requests it ended (a failure ends these requests, with the
-        error, not the engine) and, for each request whose prompt is now done, the request
-        and its last hidden state ``H``."""
+        """The runner's forward over ``rows``; record it. Returns the events of the requests
+        it ended (a failure ends these requests, with the error, not the engine) and, for
+        each request whose prompt is now done, the request and its last hidden state
+        ``H``."""
         try:
             with torch.inference_mode():
-                last = forward(self.model, self.pool, rows)
+                last = self.runner.hidden(rows)
         except Exception as error:
             with self._lock:
                 return [self._end(request, f"{type(error).__name__}: {error}")
@@ -272,7 +256,7 @@ class Engine:
         all. A failure ends these requests, not the engine."""
         try:
             with torch.inference_mode():
-                logits = self.model.lm_head(torch.stack([h for _, h in ready]))
+                logits = self.runner.logits(torch.stack([h for _, h in ready]))
             unusable, best = unusable_rows(logits).tolist(), self.model.greedy(logits).tolist()
         except Exception as error:
             with self._lock:
@@ -347,10 +331,3 @@ def _token_list(prompt_ids: object, vocab_size: int) -> list[int]:
                          f"vocabulary), got {bad[:5]!r}")
     return list(prompt_ids)
 
-
-def _forward_groups(plan: list[tuple[Request, int]]) -> list[list[int]]:
-    """Indices of ``plan`` run together: every one-token row in one forward, each prefill
-    chunk in its own. One forward pads every row to the longest (``L = max n``): a decode row
-    batched with a 500-token chunk would run 500 positions for its one token."""
-    single = [i for i, (_, n) in enumerate(plan) if n == 1]
-    return ([single] if single else []) + [[i] for i, (_, n) in enumerate(plan) if n > 1]

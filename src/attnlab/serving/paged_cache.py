@@ -1,11 +1,14 @@
-"""A pool of fixed-size KV pages shared by every request a model serves, with prefix caching.
+"""The bookkeeping of fixed-size KV pages shared by every request a model serves, with prefix
+caching.
 
-The pool holds, per layer, keys and values ``P x G x page x D`` (``P`` pages of ``page``
-token slots, ``G`` key/value heads of size ``D``), allocated once in the model's dtype and
-device. A request owns a *block table*, the list of its pages in order: token ``t`` of the
-request lives in page ``table[t // page]`` at slot ``t % page``. Any free page serves any
-request, so the pool never fragments: a request needs ``ceil(T / page)`` pages, wherever
-they are.
+The pool says which of ``P`` pages of ``page`` token slots each request holds; the tensors
+themselves, per layer keys and values ``P x G x page x D``, belong to the runner
+(``attnlab.serving.runner``). A request owns a *block table*, the list of its pages in
+order: token ``t`` of the request lives in page ``table[t // page]`` at slot ``t % page``.
+Any free page serves any request, so the pool never fragments: a request needs ``ceil(T /
+page)`` pages, wherever they are. ``allocate`` answers with an ``Allocation`` (the pages
+granted, the first ``shared`` of them from the prefix cache) or None when the pool cannot
+grant them: the scheduler needs nothing else of the pool's state.
 
     request A  tokens 0..39, page 16:  table [7, 2, 9]   (page 9 holds tokens 32..39)
     request B  same first 32 tokens:   table [7, 2, 4]   (pages 7 and 2 shared, refcount 2)
@@ -22,13 +25,20 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-
-import torch
-from torch import Tensor
+from dataclasses import dataclass
 
 from attnlab._checks import check_positive
 
-__all__ = ["PagePool", "page_hashes"]
+__all__ = ["Allocation", "PagePool", "page_hashes"]
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Pages granted by ``PagePool.allocate``: ``pages`` in block-table order, the first
+    ``shared`` of them found in the prefix cache (their tokens computed already)."""
+
+    pages: tuple[int, ...]
+    shared: int = 0
 
 
 def page_hashes(tokens: Sequence[int], page_size: int, count: int | None = None, *,
@@ -50,26 +60,17 @@ def page_hashes(tokens: Sequence[int], page_size: int, count: int | None = None,
 
 
 class PagePool:
-    """``num_pages`` pages of ``page_size`` slots for ``num_layers`` layers: ``k[i]``, ``v[i]``
-    ``P x G x page x D``; reference counts, free list, prefix table, LRU of cached pages.
+    """``num_pages`` pages of ``page_size`` slots: reference counts (``refcount``, to look
+    at), free list, prefix table, LRU of cached pages.
 
     ``available`` pages (free or cached with no user) can be allocated; ``used`` pages have a
     user. ``allocate`` takes a free page first and evicts the least recently released cached
     page only when none is left.
     """
 
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
-        for name, value in (("num_layers", num_layers), ("num_pages", num_pages),
-                            ("page_size", page_size), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim)):
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        for name, value in (("num_pages", num_pages), ("page_size", page_size)):
             check_positive(name, value)
-        shape = (num_pages, num_kv_heads, page_size, head_dim)
-        self.k: list[Tensor] = [torch.zeros(shape, dtype=dtype, device=device)
-                                for _ in range(num_layers)]
-        self.v: list[Tensor] = [torch.zeros(shape, dtype=dtype, device=device)
-                                for _ in range(num_layers)]
         self.num_pages, self.page_size = num_pages, page_size
         self.refcount = [0] * num_pages
         self._free: deque[int] = deque(range(num_pages))
@@ -94,12 +95,27 @@ class PagePool:
         """Pages registered in the prefix table (used or not)."""
         return len(self._hash_of)
 
-    def allocate(self, count: int) -> list[int]:
-        """``count`` pages, each with reference count 1; a ``RuntimeError`` when fewer are
-        available (callers check ``available`` first: running out is a scheduling bug)."""
-        if count > self.available:
-            raise RuntimeError(f"count: {count} pages asked for, only {self.available} of "
-                               f"{self.num_pages} available")
+    def allocate(self, count: int, *, prefix: Sequence[bytes] = (),
+                 keep: int = 0) -> Allocation | None:
+        """``count`` pages for one block table, or None when the pool cannot grant them and
+        still leave ``keep`` pages available (for requests that need one this step).
+
+        The pages registered under the longest run of the ``prefix`` hashes (from the
+        first; ``page_hashes``) come first, shared (one more reference each, counted in
+        ``prefix_hits``); the rest are new, each with reference count 1."""
+        check_positive("count", count)
+        shared = self._match(prefix[:count])
+        needed = count - len(shared)
+        # an idle shared page stops being available once shared
+        idle = sum(page in self._idle for page in shared)
+        if self.available - idle - keep < needed:
+            return None
+        self._share(shared)
+        return Allocation((*shared, *self._take(needed)), len(shared))
+
+    def _take(self, count: int) -> list[int]:
+        """``count`` pages (``count <= available``), each with reference count 1: free pages
+        first, then the least recently released cached ones (evicted from the table)."""
         pages = []
         for _ in range(count):
             if self._free:
@@ -124,9 +140,8 @@ class PagePool:
                 else:
                     self._free.append(page)
 
-    def match(self, hashes: Sequence[bytes]) -> list[int]:
-        """The pages registered under the longest run of ``hashes`` from the first (not
-        taken: see ``share``)."""
+    def _match(self, hashes: Sequence[bytes]) -> list[int]:
+        """The pages registered under the longest run of ``hashes`` from the first."""
         pages = []
         for h in hashes:
             page = self._by_hash.get(h)
@@ -135,8 +150,8 @@ class PagePool:
             pages.append(page)
         return pages
 
-    def share(self, pages: Sequence[int]) -> None:
-        """Take one more reference to each of ``pages`` (found by ``match``), counted in
+    def _share(self, pages: Sequence[int]) -> None:
+        """Take one more reference to each of ``pages`` (found by ``_match``), counted in
         ``prefix_hits``."""
         for page in pages:
             self._idle.pop(page, None)

@@ -160,29 +160,28 @@ class Scheduler:
         need this step; else leave it waiting."""
         if len(self.running) >= self.max_batch:
             return False
-        ps, pool = self.pool.page_size, self.pool
+        ps = self.pool.page_size
         # the last token is always run, for its logits: at most (T - 1) // page pages shared
         hashes = (page_hashes(request.tokens, ps, (len(request.tokens) - 1) // ps)
                   if self.prefix_caching else [])
-        shared = pool.match(hashes)
-        needed = -(-(len(request.tokens) + 1) // ps) - len(shared)
-        idle_shared = sum(pool.refcount[page] == 0 for page in shared)
         decoding = sum(r.pending == 1 and len(r.table) * ps < r.computed + 1
                        for r in self.running)
-        if pool.available - idle_shared - decoding < needed:
+        granted = self.pool.allocate(-(-(len(request.tokens) + 1) // ps), prefix=hashes,
+                                     keep=decoding)
+        if granted is None:
             return False
-        pool.share(shared)
-        request.table = shared + pool.allocate(needed)
-        request.computed = len(shared) * ps
-        request.hashes = hashes[:len(shared)]
+        request.table = list(granted.pages)
+        request.computed = granted.shared * ps
+        request.hashes = hashes[:granted.shared]
         return True
 
     def _make_room(self, request: Request) -> None:
         """A page for ``request``'s next slot, pausing requests while none is available
         (``request`` itself, when it is the one chosen)."""
         while len(request.table) * self.pool.page_size < request.computed + 1:
-            if self.pool.available:
-                request.table += self.pool.allocate(1)
+            granted = self.pool.allocate(1)
+            if granted is not None:
+                request.table += granted.pages
                 continue
             victim = self._victim(at_least=1)
             self._pause(victim)

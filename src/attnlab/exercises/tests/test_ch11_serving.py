@@ -5,7 +5,7 @@ import torch
 from attnlab.exercises.checks import assert_equal, learner
 from attnlab.generation import generate
 from attnlab.models import DecoderLM, DecoderLMConfig
-from attnlab.serving import Engine, PagePool, SamplingParams, page_hashes
+from attnlab.serving import Engine, ModelRunner, SamplingParams, page_hashes
 
 
 def chapter():
@@ -21,11 +21,13 @@ def tiny_model() -> DecoderLM:
 
 def test_11_1_pages_and_bytes():
     for layers, kv_heads, head_dim, page in [(24, 2, 64, 16), (2, 1, 8, 4)]:
-        pool = PagePool(layers, 4, page, kv_heads, head_dim, dtype=torch.bfloat16)
-        measured = sum(t.numel() * t.element_size() for t in pool.k + pool.v) // pool.num_pages
+        config = DecoderLMConfig.llama(10, d_model=kv_heads * head_dim, num_layers=layers,
+                                       num_heads=kv_heads, num_kv_heads=kv_heads, max_len=page)
+        runner = ModelRunner(DecoderLM(config).to(torch.bfloat16).eval(), 4, page)
+        measured = runner.nbytes // 4
         pages, page_bytes = chapter().pages_and_bytes(1200, page, layers, kv_heads, head_dim, 2)
         assert_equal(page_bytes, measured, name=f"the bytes of a page ({layers} layers, G="
-                     f"{kv_heads}, D={head_dim}, page {page}) against a PagePool's")
+                     f"{kv_heads}, D={head_dim}, page {page}) against a ModelRunner's")
         assert_equal(pages, -(-1200 // page), name=f"the pages of 1200 tokens (page {page})")
 
 
