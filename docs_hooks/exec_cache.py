@@ -4,14 +4,16 @@ Every ``exec="on"`` block of a page runs at build time, which takes minutes. A p
 are replayed from the cache, without running, when the cache holds an entry for the same
 key: a SHA-256 of
 
-- the page's executed blocks, each with its options, in order (the blocks of a session share
-  their globals, so one changed block re-runs the whole page), and
+- the page's executed blocks, each with its options, in order, with their comments set aside
+  (the blocks of a session share their globals, so one changed block re-runs the whole page;
+  a changed comment changes nothing that runs), and
 - the library they import: every file of the ``attnlab`` package that Python imports
   (``src/attnlab`` in a checkout) and of the repository's ``devbench/``, with its path, plus
   the Python and torch versions.
 
 So ``make docs`` re-runs a page only when its code or the library changed; a Japanese page,
-whose code is its English twin's, replays the English page's outputs. An entry is written
+whose code is its English twin's with the comments translated, replays the English page's
+outputs (one whose figure labels are translated runs on its own). An entry is written
 only when every block of the page ran without raising: a failed check is never cached, and
 fails every build until it is fixed. Entries are JSON files (the printed text of each block)
 under ``$ATTNLAB_DOCS_CACHE``, by default ``.cache/docs-exec`` beside ``mkdocs.yml``;
@@ -21,11 +23,13 @@ deleting the folder runs everything again.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
 import re
 import sys
+import tokenize
 from pathlib import Path
 
 import torch
@@ -59,7 +63,8 @@ def on_page_markdown(markdown, page, **kwargs):
     if not blocks:
         _page = None
         return markdown
-    key = hashlib.sha256(json.dumps([_state["library"], blocks]).encode()).hexdigest()
+    code = [[info, without_comments(body)] for info, body in blocks]
+    key = hashlib.sha256(json.dumps([_state["library"], code]).encode()).hexdigest()
     entry = _state["folder"] / f"{key}.json"
     replay = None
     if entry.is_file():
@@ -131,6 +136,16 @@ def executed_blocks(markdown: str) -> list[list[str]]:
         if 'exec="on"' in opening["info"]:
             blocks.append([opening["info"].strip(), "\n".join(body)])
     return blocks
+
+
+def without_comments(code: str) -> str | list[list]:
+    """The tokens of ``code`` that run, as [type, text] pairs: comments and the line breaks
+    of comment-only lines left out. Code that does not tokenize is kept as it is."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(code).readline))
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return code
+    return [[t.type, t.string] for t in tokens if t.type not in (tokenize.COMMENT, tokenize.NL)]
 
 
 def library_hash(package: Path) -> str:

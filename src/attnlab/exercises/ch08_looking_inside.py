@@ -18,6 +18,7 @@ EXERCISES = {
     "8.2": "previous_token_head",
     "8.3": "ablate_z",
     "8.4": "patterns_on_any_backend",
+    "8.5": "induction_share",
 }
 
 
@@ -71,3 +72,14 @@ def patterns_on_any_backend(model: nn.Module, input_ids: Tensor) -> dict[str, Te
         for m, backend in zip(layers, before):
             m.backend = backend
 # --8<-- [end:patterns_on_any_backend]
+
+
+# --8<-- [start:induction_share]
+def induction_share(w: Tensor, n: int) -> Tensor:
+    """On a sequence of ``n`` tokens repeated once (``2n`` positions), the weight that each
+    query of the second copy (positions ``n .. 2n - 1``) puts on the token that followed its
+    own token's earlier occurrence (key ``i - n + 1``), averaged over those queries:
+    w ``N.. x 2n x 2n`` -> ``N..``."""
+    second = torch.arange(n, 2 * n)
+    return w[..., second, second - n + 1].mean(-1)
+# --8<-- [end:induction_share]

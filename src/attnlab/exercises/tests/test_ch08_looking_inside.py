@@ -61,3 +61,15 @@ def test_8_4_patterns_on_any_backend():
         assert_close(got[name], weights, atol=1e-6, name=f"{name} on the flash model")
     assert_equal([layer.self_attn.backend for layer in flash.layers], ["flash", "flash"],
                  name="the layers' backends afterwards (put them back)")
+
+
+def test_8_5_induction_share():
+    n = 5
+    w = random_weights(2, 3, 2 * n, 2 * n)
+    expected = torch.stack([w[..., i, i - n + 1] for i in range(n, 2 * n)], -1).mean(-1)
+    assert_close(chapter().induction_share(w, n), expected,
+                 name="induction_share(w, 5), w 2 x 3 x 10 x 10")
+    copy = torch.zeros(2 * n, 2 * n)
+    copy[torch.arange(n, 2 * n), torch.arange(1, n + 1)] = 1.0  # a perfect induction head
+    assert_close(chapter().induction_share(copy, n), torch.tensor(1.0),
+                 name="induction_share of a head that always reads key i - n + 1")
