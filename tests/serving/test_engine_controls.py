@@ -10,11 +10,11 @@ import random
 
 import pytest
 import torch
-from conftest import assert_close
 
 from attnlab.generation import generate
 from attnlab.models import DecoderLM, DecoderLMConfig
 from attnlab.serving import Engine, SamplingParams
+from conftest import assert_close
 
 V = 61
 NEW = 8
