@@ -301,7 +301,7 @@ def test_model_failure_in_the_engine_fails_its_requests_only(server, qwen2_folde
                                                              monkeypatch) -> None:
     """The engine ends the requests of a step whose forward raised (an "abort" event with
     the error): the client gets a 500 naming it; the next request is served."""
-    real, calls = engine_module.ModelRunner.hidden, []
+    real, calls = engine_module.ModelRunner.hidden_states, []
 
     def failing(*args, **kwargs):
         calls.append(1)
@@ -309,7 +309,7 @@ def test_model_failure_in_the_engine_fails_its_requests_only(server, qwen2_folde
             raise RuntimeError("model down")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module.ModelRunner, "hidden", failing)
+    monkeypatch.setattr(engine_module.ModelRunner, "hidden_states", failing)
     status, body = post(server, "/v1/completions", completion(qwen2_folder, max_tokens=5))
     assert status == 500 and "RuntimeError: model down" in body["error"]["message"]
     wait_for(lambda: idle(server[0]), what="the failed request's pages to be freed")
