@@ -3,11 +3,12 @@
 Requests are pydantic models in strict mode: a string where a number is expected, or a float
 where an integer is, is refused rather than converted, and each range is checked, so that a
 bad request gets a 400 naming its field instead of a surprise. Every field of OpenAI's chat and
-completions request schemas is implemented, refused when given a value that would change
-the output (``logprobs``, penalties, ``logit_bias``, ... : ``_UNSUPPORTED``), or accepted and
-ignored because it does not change the output (``user``, ``store``, ``metadata``, ...:
-``_Sampling``'s last fields); attnlab's extensions (``top_k``; ``min_p`` and ``repetition_penalty``,
-refused for now) are fields too. Any other field is a 400 "Unrecognized request argument
+completions request schemas is implemented (sampling, ``logprobs`` in each endpoint's form,
+``echo``, penalties, ``logit_bias``, ``response_format``), refused when given a value that
+would change the output (``tools``, ``best_of``, ``suffix``, ... : ``_UNSUPPORTED``), or
+accepted and ignored because it does not change the output (``user``, ``store``, ``metadata``,
+...: ``_Sampling``'s last fields); attnlab's extensions (vLLM's ``top_k``, ``min_p``,
+``repetition_penalty``) are fields too. Any other field is a 400 "Unrecognized request argument
 supplied: X", as OpenAI answers.
 
 Responses are plain dicts built by the functions below (``completion``, ``chat_completion``,
