@@ -160,7 +160,7 @@ def test_completion_logprobs_streamed_equal_non_streamed(api, qwen2_folder) -> N
         assert_close(torch.tensor(values[i][1:]), torch.tensor(c.logprobs.token_logprobs[1:]))
 
 
-def test_eight_clients_at_once_equal_one_at_a_time(api, qwen2_folder) -> None:
+def test_eight_clients_at_once_equal_one_at_a_time(api, qwen2_folder, tok) -> None:
     """Batched logprobs and penalties: 8 concurrent requests with n=2 answer as each does
     alone (temperature 0)."""
     def ask(prompt: str):
@@ -187,6 +187,22 @@ def test_eight_clients_at_once_equal_one_at_a_time(api, qwen2_folder) -> None:
             assert (text, tokens) == answer[0][:2]
             assert values[0] is None
             assert_close(torch.tensor(values[1:]), torch.tensor(answer[0][2][1:]))
+        # and the batched values are transformers' (before the penalties and the bias)
+        text, tokens, values = together[i][0]
+        ids = [_id_of(tok, t) for t in tokens]
+        _check_against_hf(qwen2_folder, ids, 1, values[1:])
+
+
+def test_penalties_and_bias_reach_the_engine(api, qwen2_folder, tok) -> None:
+    """logit_bias 100 forces its token (OpenAI: "exclusive selection"); -100 bans the
+    greedy one. (Each control against generate's: tests/serving/test_engine_controls.py.)"""
+    ask = {"model": qwen2_folder.name, "prompt": PROMPTS[0], "max_tokens": 4,
+           "temperature": 0, "logprobs": 0}
+    forced = api.completions.create(**ask, logit_bias={"50": 100})
+    assert [_id_of(tok, t) for t in forced.choices[0].logprobs.tokens] == [50] * 4
+    plain = api.completions.create(**ask).choices[0].logprobs.tokens
+    banned = api.completions.create(**ask, logit_bias={str(_id_of(tok, plain[0])): -100})
+    assert banned.choices[0].logprobs.tokens[0] != plain[0]
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [
