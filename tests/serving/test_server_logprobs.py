@@ -143,18 +143,22 @@ def test_chat_logprobs_streamed_and_not(api, qwen2_folder, tok) -> None:
     assert [c.top_logprobs for c in plain.choices[0].logprobs.content] == [[]] * len(content)
 
 
-def test_completion_logprobs_streamed_equal_non_streamed(api, qwen2_folder) -> None:
-    ask = {"model": qwen2_folder.name, "prompt": PROMPTS[2], "max_tokens": 8, "logprobs": 2,
+@pytest.mark.parametrize("new", [0, 8])
+def test_completion_logprobs_streamed_equal_non_streamed(api, qwen2_folder, new) -> None:
+    ask = {"model": qwen2_folder.name, "prompt": PROMPTS[2], "max_tokens": new, "logprobs": 2,
            "echo": True, "temperature": 1.0, "seed": 3, "n": 2}
     whole = api.completions.create(**ask)
     tokens: dict[int, list] = {0: [], 1: []}
     values: dict[int, list] = {0: [], 1: []}
+    texts = {0: "", 1: ""}
     for chunk in api.completions.create(**ask, stream=True):
         for c in chunk.choices:
+            texts[c.index] += c.text
             if c.logprobs is not None:
                 tokens[c.index] += c.logprobs.tokens
                 values[c.index] += c.logprobs.token_logprobs
     for i, c in enumerate(whole.choices):
+        assert texts[i] == c.text and c.text.startswith(PROMPTS[2])
         assert tokens[i] == c.logprobs.tokens
         assert values[i][0] is None and c.logprobs.token_logprobs[0] is None
         assert_close(torch.tensor(values[i][1:]), torch.tensor(c.logprobs.token_logprobs[1:]))
