@@ -58,7 +58,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "fox " * 300}, "prompt", "leaving no room"),
     ({"max_tokens": "5"}, "max_tokens", "valid integer"),
     ({"max_tokens": 2.5}, "max_tokens", "valid integer"),
-    ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"max_tokens": 0}, "max_tokens", "0 only with echo: true"),
+    ({"max_tokens": -1}, "max_tokens", "greater than or equal to 0"),
     ({"temperature": 2.5}, "temperature", "less than or equal to 2"),
     ({"temperature": -1}, "temperature", "greater than or equal to 0"),
     ({"temperature": "hot"}, "temperature", "valid number"),
@@ -85,8 +86,10 @@ BAD_COMPLETIONS = [
     ({"model": 3}, "model", "valid string"),
     ({"prompt": "\ud800"}, "prompt", "valid Unicode"),
     ({"prompt": ["ok", "a\udfff"]}, "prompt", "valid Unicode"),
-    ({"logprobs": 2}, "logprobs", "not supported"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"logprobs": 6}, "logprobs", "expected an int in [0, 5]"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+    ({"best_of": 2}, "best_of", "not supported"),
+    ({"suffix": "x"}, "suffix", "not supported"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "only with stream: true"),
     ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options",
      "valid boolean"),
@@ -298,7 +301,7 @@ def test_model_failure_in_the_engine_fails_its_requests_only(server, qwen2_folde
                                                              monkeypatch) -> None:
     """The engine ends the requests of a step whose forward raised (an "abort" event with
     the error): the client gets a 500 naming it; the next request is served."""
-    real, calls = engine_module.ModelRunner.hidden, []
+    real, calls = engine_module.ModelRunner.hidden_states, []
 
     def failing(*args, **kwargs):
         calls.append(1)
@@ -306,7 +309,7 @@ def test_model_failure_in_the_engine_fails_its_requests_only(server, qwen2_folde
             raise RuntimeError("model down")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module.ModelRunner, "hidden", failing)
+    monkeypatch.setattr(engine_module.ModelRunner, "hidden_states", failing)
     status, body = post(server, "/v1/completions", completion(qwen2_folder, max_tokens=5))
     assert status == 500 and "RuntimeError: model down" in body["error"]["message"]
     wait_for(lambda: idle(server[0]), what="the failed request's pages to be freed")

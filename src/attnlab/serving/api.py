@@ -3,11 +3,12 @@
 Requests are pydantic models in strict mode: a string where a number is expected, or a float
 where an integer is, is refused rather than converted, and each range is checked, so that a
 bad request gets a 400 naming its field instead of a surprise. Every field of OpenAI's chat and
-completions request schemas is implemented, refused when given a value that would change
-the output (``logprobs``, penalties, ``logit_bias``, ... : ``_UNSUPPORTED``), or accepted and
-ignored because it does not change the output (``user``, ``store``, ``metadata``, ...:
-``_Sampling``'s last fields); attnlab's extensions (``top_k``; ``min_p`` and ``repetition_penalty``,
-refused for now) are fields too. Any other field is a 400 "Unrecognized request argument
+completions request schemas is implemented (sampling, ``logprobs`` in each endpoint's form,
+``echo``, penalties, ``logit_bias``, ``response_format``), refused when given a value that
+would change the output (``tools``, ``best_of``, ``suffix``, ... : ``_UNSUPPORTED``), or
+accepted and ignored because it does not change the output (``user``, ``store``, ``metadata``,
+...: ``_Sampling``'s last fields); attnlab's extensions (vLLM's ``top_k``, ``min_p``,
+``repetition_penalty``) are fields too. Any other field is a 400 "Unrecognized request argument
 supplied: X", as OpenAI answers.
 
 Responses are plain dicts built by the functions below (``completion``, ``chat_completion``,
@@ -94,16 +95,16 @@ class StreamOptions(BaseModel):
 
 
 # OpenAI fields this server does not implement -> the values that change nothing.
-_UNSUPPORTED = {"logprobs": (None, False, 0), "presence_penalty": (None, 0),
-                "frequency_penalty": (None, 0), "logit_bias": (None, {}), "best_of": (None, 1),
-                "echo": (None, False), "suffix": (None, ""), "top_logprobs": (None, 0),
-                "tools": (None, []), "response_format": (None, {"type": "text"}),
+_UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
                 "functions": (None, []), "function_call": (None, "none", "auto"),
                 "modalities": (None, ["text"]), "audio": (None,),
-                "web_search_options": (None,), "min_p": (None, 0, 0.0),
-                "repetition_penalty": (None, 1, 1.0)}
+                "web_search_options": (None,)}
+# OpenAI's limits on the alternatives per token: completions' logprobs, chat's top_logprobs.
+MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS = 5, 20
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 StopText = Annotated[str, Field(min_length=1)]
 
@@ -125,25 +126,27 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Refused when they would change the output (see _UNSUPPORTED).
+    # Checked per endpoint (completions: an int k; chat: a bool with top_logprobs).
     logprobs: bool | int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict | None = None
-    best_of: int | None = None
     echo: bool | None = None
-    suffix: str | None = None
     top_logprobs: int | None = None
-    tools: list | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    # token id (its decimal string, as JSON writes keys) -> bias
+    logit_bias: dict[str, Bias] | None = None
     response_format: dict | None = None
+    # Refused when they would change the output (see _UNSUPPORTED).
+    best_of: int | None = None
+    suffix: str | None = None
+    tools: list | None = None
     functions: list | None = None
     function_call: str | dict | None = None
     modalities: list | None = None
     audio: dict | None = None
     web_search_options: dict | None = None
-    # attnlab's (and vLLM's) extensions, refused until the server applies them.
-    min_p: float | int | None = None
-    repetition_penalty: float | int | None = None
+    # attnlab's (and vLLM's) extensions.
+    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
     # OpenAI's, accepted and ignored: none changes the text of this server's answers
     # (storage, billing, routing and caching hints; tool options without tools).
     metadata: Any = None
@@ -171,6 +174,44 @@ class _Sampling(BaseModel):
                              f"{harmless[1]!r})")
         return value
 
+    @field_validator("logit_bias", mode="after")
+    @classmethod
+    def _token_keys(cls, value: dict | None) -> dict | None:
+        for key in value or {}:
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"expected token ids (decimal strings) as keys, got {key!r}")
+        return value
+
+    @field_validator("response_format", mode="after")
+    @classmethod
+    def _response_format(cls, value: dict | None) -> dict | None:
+        """OpenAI's three forms: ``{"type": "text"}``, ``{"type": "json_object"}``,
+        ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``."""
+        if value is None:
+            return value
+        kind = value.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"expected type 'text', 'json_object' or 'json_schema', got "
+                             f"{kind!r}")
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) \
+                    or not isinstance(spec.get("schema", {}), dict):
+                raise ValueError("expected json_schema: {name: a str, schema: a JSON Schema "
+                                 f"object, strict: a bool}}, got {spec!r}")
+        return value
+
+    @property
+    def json_schema(self) -> dict | None:
+        """The JSON Schema that ``response_format`` asks the output to follow (``None``: free
+        text; ``{"type": "object"}`` for ``json_object``)."""
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_object":
+            return {"type": "object"}
+        if kind == "json_schema":
+            return self.response_format["json_schema"].get("schema", {})
+        return None
+
     @property
     def stop_texts(self) -> tuple[str, ...]:
         return tuple(self.stop or ())
@@ -185,7 +226,29 @@ class CompletionRequest(_Sampling):
     either (several prompts, each giving ``n`` choices)."""
 
     prompt: list[str | list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    # 0 with echo: the prompt's logprobs only (what evaluation harnesses ask for)
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
+
+    @model_validator(mode="after")
+    def _logprobs_form(self) -> CompletionRequest:
+        """OpenAI's legacy form: ``logprobs: k`` in ``[0, 5]``; ``max_tokens: 0`` only with
+        ``echo``; no ``top_logprobs`` (chat's)."""
+        k = self.logprobs
+        if k is not None and (type(k) is not int or not 0 <= k <= MAX_COMPLETION_LOGPROBS):
+            raise _field_error("logprobs", f"expected an int in [0, {MAX_COMPLETION_LOGPROBS}] "
+                               f"(the alternatives per token), got {k!r}")
+        if self.top_logprobs is not None:
+            raise _field_error("top_logprobs", "chat's field; completions take logprobs: k, "
+                               f"got {self.top_logprobs!r}")
+        if self.max_tokens == 0 and not self.echo:
+            raise _field_error("max_tokens", "expected >= 1 (0 only with echo: true, the "
+                               "prompt's logprobs alone), got 0")
+        return self
+
+    @property
+    def top_k_logprobs(self) -> int | None:
+        """The alternatives per token asked for (``None``: no logprobs)."""
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -203,6 +266,12 @@ class CompletionRequest(_Sampling):
                              f"token ids "
                              f"(ints >= 0), or a non-empty list of either, got {shown}")
         return prompts
+
+
+def _field_error(field: str, message: str) -> RequestValidationError:
+    """A refusal of ``field`` found by a model validator, worded as pydantic's own errors."""
+    return RequestValidationError([{"type": "value_error", "loc": ("body", field),
+                                    "msg": message}])
 
 
 def _is_id(value: object) -> bool:
@@ -264,6 +333,30 @@ class ChatRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    @model_validator(mode="after")
+    def _logprobs_form(self) -> ChatRequest:
+        """OpenAI's chat form: ``logprobs: true`` with ``top_logprobs`` in ``[0, 20]``; no
+        ``echo`` (completions')."""
+        if self.logprobs is not None and type(self.logprobs) is not bool:
+            raise _field_error("logprobs", f"expected a bool (the alternatives are "
+                               f"top_logprobs), got {self.logprobs!r}")
+        k = self.top_logprobs
+        if k is not None and (type(k) is not int or not 0 <= k <= MAX_TOP_LOGPROBS):
+            raise _field_error("top_logprobs", f"expected an int in [0, {MAX_TOP_LOGPROBS}], "
+                               f"got {k!r}")
+        if k is not None and not self.logprobs:
+            raise _field_error("top_logprobs", "expected logprobs: true with it, got "
+                               f"logprobs: {json.dumps(self.logprobs)}")
+        if self.echo:
+            raise _field_error("echo", "completions' field; not supported by chat, expected "
+                               "it left out (or false)")
+        return self
+
+    @property
+    def top_k_logprobs(self) -> int | None:
+        """The alternatives per token asked for (``None``: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def new_tokens(self) -> tuple[int | None, str]:
@@ -356,39 +449,47 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion(id: str, model: str, texts: list[str], finishes: list[str], use: dict, *,
-               created: int) -> dict:
+               created: int, logprobs: list[dict] | None = None) -> dict:
     """A ``text_completion`` object, one choice per text; ``created``: the completion's Unix
-    time (``now()``, read once per completion)."""
+    time (``now()``, read once per completion); ``logprobs``: each choice's (the legacy form
+    of ``attnlab.generation.logprobs.completions_logprobs``), ``None`` when not asked."""
+    lps = logprobs or [None] * len(texts)
     return {"id": id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
-                        for i, (t, f) in enumerate(zip(texts, finishes, strict=True))],
+            "choices": [{"index": i, "text": t, "logprobs": lp, "finish_reason": f}
+                        for i, (t, f, lp) in enumerate(zip(texts, finishes, lps,
+                                                           strict=True))],
             "usage": use}
 
 
 def chat_completion(id: str, model: str, texts: list[str], finishes: list[str],
-                    use: dict, *, created: int) -> dict:
-    """A ``chat.completion`` object, one assistant message per text."""
+                    use: dict, *, created: int, logprobs: list[dict] | None = None) -> dict:
+    """A ``chat.completion`` object, one assistant message per text; ``logprobs``: each
+    choice's (``{"content": [...]}``), ``None`` when not asked."""
+    lps = logprobs or [None] * len(texts)
     return {"id": id, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": i, "message": {"role": "assistant", "content": t},
-                         "logprobs": None, "finish_reason": f}
-                        for i, (t, f) in enumerate(zip(texts, finishes, strict=True))],
+                         "logprobs": lp, "finish_reason": f}
+                        for i, (t, f, lp) in enumerate(zip(texts, finishes, lps,
+                                                           strict=True))],
             "usage": use}
 
 
 def completion_chunk(id: str, model: str, index: int | None, text: str,
                      finish: str | None, use: dict | None, *, with_usage: bool,
-                     created: int) -> dict:
+                     created: int, logprobs: dict | None = None) -> dict:
     """One streamed ``text_completion`` chunk; ``index=None`` makes the usage-only chunk.
-    Every chunk of a completion carries its one ``id`` and ``created``, as OpenAI's do."""
-    choices = [] if index is None else [{"index": index, "text": text, "logprobs": None,
+    Every chunk of a completion carries its one ``id`` and ``created``, as OpenAI's do;
+    ``logprobs``: the chunk's tokens'."""
+    choices = [] if index is None else [{"index": index, "text": text, "logprobs": logprobs,
                                          "finish_reason": finish}]
     return _chunk(id, "text_completion", model, choices, use, with_usage, created)
 
 
 def chat_chunk(id: str, model: str, index: int | None, delta: dict, finish: str | None,
-               use: dict | None, *, with_usage: bool, created: int) -> dict:
+               use: dict | None, *, with_usage: bool, created: int,
+               logprobs: dict | None = None) -> dict:
     """One ``chat.completion.chunk``; ``index=None`` makes the usage-only chunk."""
-    choices = [] if index is None else [{"index": index, "delta": delta, "logprobs": None,
+    choices = [] if index is None else [{"index": index, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": finish}]
     return _chunk(id, "chat.completion.chunk", model, choices, use, with_usage, created)
 

@@ -32,6 +32,7 @@ from attnlab.generation import check_logits, sample_logits, unusable_rows
 from attnlab.models import DecoderLM
 from attnlab.serving.paged_cache import PagePool
 from attnlab.serving.params import QueueFull, SamplingParams, TokenEvent
+from attnlab.serving.request_logits import GrammarCache, RequestLogits, process_rows
 from attnlab.serving.runner import ModelRunner, PagedRow
 from attnlab.serving.scheduler import Request, Scheduler
 
@@ -58,12 +59,14 @@ class Engine:
     for the default, the model); a request may then have ``max_request_tokens`` tokens, prompt
     and new ones together; ``max_queue`` requests may wait; ``prefix_caching`` shares the full
     pages of equal prompt prefixes. Requests are scheduled fairly between groups
-    (``SamplingParams.group``; see ``attnlab.serving.scheduler``).
+    (``SamplingParams.group``; see ``attnlab.serving.scheduler``). ``tokenizer`` (an attnlab
+    ``Tokenizer``) compiles the grammars of requests with a ``json_schema``; the other
+    controls and the logprobs of ``SamplingParams``: ``attnlab.serving.request_logits``.
     """
 
     def __init__(self, model: DecoderLM, *, max_batch: int = 8, max_tokens_per_step: int = 512,
                  kv_pages: int | None = None, page_size: int = 16, max_queue: int = 64,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, tokenizer: object | None = None) -> None:
         if not isinstance(model, DecoderLM):
             raise TypeError(f"model: expected an attnlab DecoderLM, got {type(model).__name__}")
         if model.training:
@@ -123,6 +126,8 @@ class Engine:
         # the request objects, not their ids: an id reused after a finish is another request
         self._aborts: list[Request] = []
         self._tokens_generated = 0
+        self.grammars = GrammarCache(tokenizer, c.vocab_size)
+        self._controls: dict[Request, RequestLogits] = {}
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
@@ -153,6 +158,7 @@ class Engine:
         if size + n > limit:
             raise ValueError(f"max_tokens: the prompt has {size} tokens and {what}, so at most "
                              f"{limit - size} new tokens fit; got {n}")
+        controls = self._request_logits(params, size)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
@@ -166,7 +172,26 @@ class Engine:
             request = Request(request_id, prompt, size, params, generator)
             self.scheduler.add(request)
             self._live[request_id] = request
+            if controls is not None:
+                self._controls[request] = controls
         return request_id
+
+    def _request_logits(self, params: SamplingParams, prompt_length: int
+                        ) -> RequestLogits | None:
+        """The request's processors and logprobs (``None`` when it asks for neither), its
+        token ids checked against the vocabulary and its schema compiled (``ValueError``s
+        naming ``logit_bias`` or ``json_schema``)."""
+        vocab = self.model.config.vocab_size
+        for token in params.logit_bias or ():
+            if token >= vocab:
+                raise ValueError(f"logit_bias: expected token ids in [0, {vocab}) (the "
+                                 f"model's vocabulary) as keys, got {token}")
+        grammar = (None if params.json_schema is None
+                   else self.grammars.get(params.json_schema, params.stop_token_ids))
+        controls = RequestLogits(params, prompt_length, vocab, grammar)
+        if not controls.active and params.logprobs is None:
+            return None
+        return controls
 
     @property
     def max_request_tokens(self) -> int:
@@ -235,9 +260,15 @@ class Engine:
         it ended (a failure ends these requests, with the error, not the engine) and, for
         each request whose prompt is now done, the request and its last hidden state
         ``H``."""
+        every = [i for i, (request, _) in enumerate(plan) if self._wants_prompt(request)]
         try:
             with torch.inference_mode():
-                last = self.runner.hidden(rows)
+                states = self.runner.hidden_states(rows, every)
+                for i in every:
+                    request = plan[i][0]
+                    self._controls[request].record_prompt(states[i], rows[i].start,
+                                                          request.tokens, self.runner.logits)
+                last = [h[-1] for h in states]
         except Exception as error:
             with self._lock:
                 return [self._end(request, f"{type(error).__name__}: {error}")
@@ -256,14 +287,16 @@ class Engine:
         all. A failure ends these requests, not the engine."""
         try:
             with torch.inference_mode():
-                logits = self.runner.logits(torch.stack([h for _, h in ready]))
+                raw = self.runner.logits(torch.stack([h for _, h in ready]))
+                logits = process_rows([self._controls.get(r) for r, _ in ready],
+                                      [r.tokens for r, _ in ready], raw)
             unusable, best = unusable_rows(logits).tolist(), self.model.greedy(logits).tolist()
         except Exception as error:
             with self._lock:
                 return [self._end(request, f"{type(error).__name__}: {error}")
                         for request, _ in ready]
         with self._lock:
-            return [self._next_token(request, row, unusable[i], best[i])
+            return [self._next_token(request, row, unusable[i], best[i], raw[i])
                     for i, ((request, _), row) in enumerate(zip(ready, logits))]
 
     def _take_aborts(self) -> list[TokenEvent]:
@@ -272,11 +305,18 @@ class Engine:
         self._aborts.clear()
         return events
 
+    def _wants_prompt(self, request: Request) -> bool:
+        controls = self._controls.get(request)
+        return controls is not None and controls.wants_prompt \
+            and request.computed < request.prompt_length
+
     def _next_token(self, request: Request, logits: Tensor, unusable: bool,
-                    best: int) -> TokenEvent:
-        """Choose ``request``'s next token from its logits ``V`` (``unusable``: no token can be
-        chosen from them; ``best``: their argmax); end it if it is done."""
+                    best: int, raw: Tensor) -> TokenEvent:
+        """Choose ``request``'s next token from its processed logits ``V`` (``unusable``: no
+        token can be chosen from them; ``best``: their argmax; ``raw``: the model's, for the
+        logprobs); end it if it is done."""
         p = request.params
+        controls = self._controls.get(request)
         try:
             if unusable:
                 check_logits(logits, f"logits (request {request.request_id!r})")  # raises
@@ -285,7 +325,11 @@ class Engine:
             else:
                 token = int(sample_logits(logits, p.temperature, p.top_k or None,
                                           p.top_p if p.top_p < 1 else None, request.generator,
-                                          check=False))
+                                          check=False, min_p=p.min_p or None))
+            logprobs = prompt = None
+            if controls is not None:
+                logprobs, prompt = controls.token_logprobs(raw, token), controls.take_prompt()
+                controls.advance(token)
         except Exception as error:  # NaN logits, or a sampler failure: this request only
             return self._end(request, f"{type(error).__name__}: {error}")
         request.tokens.append(token)
@@ -295,12 +339,15 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(request)
             del self._live[request.request_id]
-        return TokenEvent(request.request_id, token, reason)
+            self._controls.pop(request, None)
+        return TokenEvent(request.request_id, token, reason, logprobs=logprobs,
+                          prompt_logprobs=prompt)
 
     def _end(self, request: Request, error: str | None) -> TokenEvent:
         """Abort ``request`` (released, forgotten); its event carries ``error`` if any."""
         self.scheduler.finish(request)
         del self._live[request.request_id]
+        self._controls.pop(request, None)
         return TokenEvent(request.request_id, None, "abort", error)
 
 

@@ -4,11 +4,15 @@ bad request with the field's name before anything is queued."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from attnlab._checks import is_int, is_number
+from attnlab.generation.logprobs import check_top_logprobs
+from attnlab.generation.processors import FREQUENCY_RANGE, LOGIT_BIAS_RANGE
 
-__all__ = ["QueueFull", "SamplingParams", "TokenEvent"]
+__all__ = ["QueueFull", "SamplingParams", "TokenEvent", "TokenLogprobs"]
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,16 @@ class SamplingParams:
     (it is reported, with ``finish_reason="stop"``); requests of one ``group`` (the ``n``
     choices of one HTTP request) share one fair share of the engine (``None``: the request
     is a group alone; see ``attnlab.serving.scheduler``).
+
+    OpenAI's controls, per request inside the batch (``attnlab.serving.request_logits``, in
+    ``generate``'s order): ``repetition_penalty`` (CTRL, ``> 0``, 1 = off; prompt and new
+    tokens), ``presence_penalty`` / ``frequency_penalty`` (``[-2, 2]``, on the new tokens),
+    ``logit_bias`` (token id -> ``[-100, 100]``), the mask of ``json_schema`` (a JSON Schema
+    object, enforced by ``attnlab.generation.grammar``; the request ends with a stop token
+    once the value is complete), then ``min_p`` (``[0, 1]``, 0 = off) with the sampling
+    filters. ``logprobs=k`` (``0..20``) reports with each token its log-probability and the
+    ``k`` most likely ones, before any processor (``TokenLogprobs``); ``prompt_logprobs``
+    (with ``logprobs``) adds the prompt's, on the first token's event.
     """
 
     max_tokens: int
@@ -32,6 +46,14 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     group: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
+    json_schema: Mapping | None = None
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -55,6 +77,44 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(stop))
         if self.group is not None and (not isinstance(self.group, str) or not self.group):
             raise ValueError(f"group: expected None or a non-empty str, got {self.group!r}")
+        self._check_controls()
+
+    def _check_controls(self) -> None:
+        """The OpenAI controls' ranges (the vocabulary is the engine's to check)."""
+        lo, hi = FREQUENCY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_number(value, finite=True) or not lo <= value <= hi:
+                raise ValueError(f"{name}: expected a number in [{lo:g}, {hi:g}], got "
+                                 f"{value!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                raise ValueError(f"logit_bias: expected None or a mapping of token id -> "
+                                 f"bias, got {self.logit_bias!r}")
+            lo, hi = LOGIT_BIAS_RANGE
+            for token, value in self.logit_bias.items():
+                if not is_int(token) or token < 0 or not is_number(value, finite=True) \
+                        or not lo <= value <= hi:
+                    raise ValueError(f"logit_bias: expected token ids (ints >= 0) -> biases "
+                                     f"in [{lo:g}, {hi:g}], got {token!r}: {value!r}")
+            object.__setattr__(self, "logit_bias", dict(self.logit_bias))
+        r = self.repetition_penalty
+        if not is_number(r, finite=True) or not r > 0:
+            raise ValueError(f"repetition_penalty: expected a finite number > 0 (1 = off), "
+                             f"got {r!r}")
+        if not is_number(self.min_p, finite=True) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p: expected a number in [0, 1] (0 = off), got "
+                             f"{self.min_p!r}")
+        if self.logprobs is not None:
+            check_top_logprobs(self.logprobs)
+        if not isinstance(self.prompt_logprobs, bool):
+            raise ValueError(f"prompt_logprobs: expected a bool, got {self.prompt_logprobs!r}")
+        if self.prompt_logprobs and self.logprobs is None:
+            raise ValueError("prompt_logprobs: the prompt's log-probabilities come with "
+                             "logprobs=k (the alternatives per token); got logprobs=None")
+        if self.json_schema is not None and not isinstance(self.json_schema, Mapping):
+            raise ValueError(f"json_schema: expected None or a JSON Schema object (a mapping), "
+                             f"got {type(self.json_schema).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -63,17 +123,37 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """One token's log-probability (``logprob``; NaN: none, as for a prompt's first token)
+    and its ``k`` most likely alternatives (``top_ids``, ``top_logprobs``, most likely
+    first): ``log_softmax`` of the model's logits before any processor."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+    @classmethod
+    def none(cls) -> TokenLogprobs:
+        """The entry of a token without a value (the prompt's first)."""
+        return cls(math.nan)
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One thing that happened to a request in a step: a new ``token_id``, with
     ``finish_reason`` ``None`` while it runs and ``"stop"`` (a stop token, reported) or
     ``"length"`` (``max_tokens`` reached) on its last token; or ``token_id=None`` with
     ``"abort"`` when it ended without a token (``Engine.abort``, or an ``error``, whose
-    message is then given)."""
+    message is then given). With ``SamplingParams.logprobs``: the token's ``logprobs``, and
+    on the first token's event with ``prompt_logprobs``, the prompt's (one per prompt
+    token)."""
 
     request_id: str
     token_id: int | None
     finish_reason: str | None
     error: str | None = None
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 class QueueFull(RuntimeError):  # noqa: N818 (the name the HTTP layer codes against)

@@ -26,7 +26,7 @@ slots, ``G`` key/value heads of size ``D``), in the model's dtype and device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -139,13 +139,21 @@ class ModelRunner:
         """The final hidden state of each row's last token, ``R x E`` in the order of
         ``rows`` (what ``model.lm_head`` turns into its next token's logits), computed in
         the batch-invariant forwards of the module docstring."""
+        return torch.stack([h[-1] for h in self.hidden_states(rows)])
+
+    def hidden_states(self, rows: Sequence[PagedRow], every: Collection[int] = ()
+                      ) -> list[Tensor]:
+        """``hidden``'s forwards, keeping more: for each row, in the order of ``rows``, the
+        final hidden states of all its new tokens ``n x E`` when its index is in ``every``
+        (a prompt's log-probabilities), else of its last one ``1 x E``."""
         out: list[Tensor | None] = [None] * len(rows)
         for group in forward_groups([len(row.new) for row in rows]):
             step = self.prepare([rows[b] for b in group])
             hidden = self.model.final_hidden(step.input_ids, paged=self.pages(step.metadata))
             for b, j in zip(group, step.last):
-                out[b] = hidden[0, j]
-        return torch.stack(out)
+                n = len(rows[b].new) if b in every else 1
+                out[b] = hidden[0, j + 1 - n:j + 1]
+        return out
 
     def logits(self, hidden: Tensor) -> Tensor:
         """``model.lm_head`` of hidden ``R x E`` -> ``R x V``, at most ``DECODING_ROWS`` rows

@@ -162,8 +162,9 @@ class Scheduler:
             return False
         ps = self.pool.page_size
         # the last token is always run, for its logits: at most (T - 1) // page pages shared
+        # (none for a request that wants its prompt's logprobs: every position is computed)
         hashes = (page_hashes(request.tokens, ps, (len(request.tokens) - 1) // ps)
-                  if self.prefix_caching else [])
+                  if self.prefix_caching and not request.params.prompt_logprobs else [])
         decoding = sum(r.pending == 1 and len(r.table) * ps < r.computed + 1
                        for r in self.running)
         granted = self.pool.allocate(-(-(len(request.tokens) + 1) // ps), prefix=hashes,

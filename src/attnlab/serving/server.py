@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from attnlab._checks import check_positive, is_int, is_number
 from attnlab.generation.config import read_generation_config
 from attnlab.generation.inputs import token_id_set
+from attnlab.generation.processors import check_logit_bias
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.io import from_pretrained
 from attnlab.serving import Engine, QueueFull, SamplingParams
@@ -62,6 +63,7 @@ from attnlab.serving.api import (
 )
 from attnlab.serving.api import chat_chunk as _chat_chunk
 from attnlab.serving.api import completion_chunk as _completion_chunk
+from attnlab.serving.choice_logprobs import ChoiceLogprobs
 from attnlab.serving.choice_text import ChoiceText
 from attnlab.serving.engine_thread import EngineError, EngineThread, release_openmp_threads
 from attnlab.serving.metrics import CONTENT_TYPE, Metrics
@@ -120,7 +122,8 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
     try:
         engine = Engine(state.model, max_batch=max_batch,
                         max_tokens_per_step=max_tokens_per_step, kv_pages=kv_pages,
-                        page_size=page_size, max_queue=max_queue, prefix_caching=prefix_caching)
+                        page_size=page_size, max_queue=max_queue, prefix_caching=prefix_caching,
+                        tokenizer=state.tokenizer)
     except ValueError as error:  # the model's config cannot be served: name the file
         if isinstance(model, tuple) or not str(error).startswith("model: "):
             raise
@@ -306,15 +309,44 @@ class ServerState:
                                code="context_length_exceeded")
         else:  # a default: what fits
             asked = min(room, self.max_tokens_limit or room, asked or room)
+        bias = None
+        if body.logit_bias:
+            try:
+                bias = check_logit_bias(body.logit_bias, self.model.config.vocab_size)
+            except ValueError as error:
+                raise ApiError(400, str(error), param="logit_bias") from None
         # n choices with one seed must differ, as OpenAI's do; each is still reproducible.
         seed = None if body.seed is None else (body.seed + choice) % (MAX_SEED + 1)
         # A temperature this small divides the logits into inf (NaN probabilities): it means
         # greedy, as in vLLM. A top_p under float32's range compares as 0 and would drop every
         # token; any p <= 1/V keeps the most likely token only, which MIN_TOP_P does.
         temperature = 0.0 if body.temperature < SAMPLING_EPS else body.temperature
-        return SamplingParams(max_tokens=asked, temperature=temperature,
+        k = body.top_k_logprobs
+        echo = isinstance(body, CompletionRequest) and bool(body.echo)
+        # max_tokens 0 (with echo): one token is made for the prompt's logprobs, not shown
+        return SamplingParams(max_tokens=max(asked, 1), temperature=temperature,
                               top_p=max(body.top_p, MIN_TOP_P), top_k=body.top_k, seed=seed,
-                              stop_token_ids=self.stop_token_ids, group=group)
+                              stop_token_ids=self.stop_token_ids, group=group,
+                              presence_penalty=body.presence_penalty or 0.0,
+                              frequency_penalty=body.frequency_penalty or 0.0,
+                              logit_bias=bias, min_p=body.min_p or 0.0,
+                              repetition_penalty=body.repetition_penalty or 1.0,
+                              logprobs=k, prompt_logprobs=echo and k is not None,
+                              json_schema=body.json_schema)
+
+    async def check_schema(self, body: CompletionRequest | ChatRequest) -> None:
+        """Compile the request's ``response_format`` schema (in a thread: tens of
+        milliseconds, once per schema), refusing one the grammar engine cannot enforce with
+        a 400 naming it, before anything is queued."""
+        if body.json_schema is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.engine.grammars.get, body.json_schema,
+                                    self.stop_token_ids)
+        except ValueError as error:
+            message = str(error).removeprefix("json_schema: ")
+            raise ApiError(400, f"response_format: {message}", param="response_format") \
+                from None
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
@@ -344,6 +376,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         body = await parsed(request, CompletionRequest)
         state.check_model(body.model)
         state.check_choices(len(body.prompt), body.n)
+        await state.check_schema(body)
         prompts = [await state.encode(p, "prompt") for p in body.prompt]
         job = _Job(state, body, prompts, body.max_tokens, "max_tokens", chat=False)
         return await job.respond(request)
@@ -353,6 +386,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         body = await parsed(request, ChatRequest)
         state.check_model(body.model)
         state.check_choices(1, body.n)
+        await state.check_schema(body)
         messages = [{"role": m.role, "content": m.text} for m in body.messages]
         ids = await state.chat_ids(messages)
         asked, field = body.new_tokens
@@ -402,6 +436,11 @@ class _Job:
                      for ids in prompts for j in range(body.n)]
         self.events: asyncio.Queue = asyncio.Queue()
         self.choices: dict[str, tuple[int, ChoiceText]] = {}  # engine id -> (index, text)
+        self.logprobs: dict[int, ChoiceLogprobs] = {}  # index -> its logprobs, when asked
+        # max_tokens 0 with echo: the one token made for the prompt's logprobs is not shown
+        self.hidden_token = asked == 0
+        self.echo = not chat and bool(body.echo)
+        self.echoed: set[int] = set()  # choices whose prompt text was sent (streaming)
         self.finishes: dict[int, str] = {}
         self.aborted = False
 
@@ -436,6 +475,9 @@ class _Job:
                                code="context_length_exceeded") from None
             stops = self.body.stop_texts
             self.choices[request_id] = (index, ChoiceText(self.state.tokenizer, stops))
+            if params.logprobs is not None or self.echo:
+                self.logprobs[index] = ChoiceLogprobs(self.state.tokenizer, ids, chat=self.chat,
+                                                      echo=self.echo)
         self.state.metrics.tokens(self.prompt_tokens, 0)
 
     def abort(self) -> None:
@@ -468,8 +510,16 @@ class _Job:
             if finish == "abort":  # not ours: ours stop the events before the engine reports
                 raise EngineError(f"the engine ended the request: "
                                   f"{event.error or 'aborted'}")
+            record = self.logprobs.get(index)
+            if record is not None and event.prompt_logprobs is not None:
+                record.add_prompt(event.prompt_logprobs)
             if event.token_id is not None:
                 self.state.metrics.tokens(0, 1)
+            if self.hidden_token:
+                finish = "length"  # max_tokens 0: no token is shown
+            elif event.token_id is not None:
+                if record is not None and event.logprobs is not None:
+                    record.add(event.token_id, event.logprobs)
                 if text.push(event.token_id) and finish is None:
                     self.state.engine.abort(event.request_id)
                     finish = "stop"
@@ -514,9 +564,24 @@ class _Job:
                 from None
         texts, finishes = [t.text for t in self._texts()], [
             self.finishes[i] for i in range(len(self.work))]
+        logprobs = None
+        if self.body.top_k_logprobs is not None:
+            logprobs = [self.logprobs[i].whole() for i in range(len(self.work))]
+        if self.echo:
+            texts = [self.logprobs[i].echo_text + t for i, t in enumerate(texts)]
         make = chat_completion if self.chat else completion
         return JSONResponse(make(self.id, self.state.name, texts, finishes, self._usage(),
-                                 created=self.created))
+                                 created=self.created, logprobs=logprobs))
+
+    def _chunk_extras(self, index: int, piece: str) -> tuple[str, dict | None]:
+        """A stream chunk's text (the prompt's first, with ``echo``) and the logprobs of the
+        tokens since the choice's last chunk (``None`` when not asked for)."""
+        if self.echo and index not in self.echoed:
+            self.echoed.add(index)
+            piece = self.logprobs[index].echo_text + piece
+        if self.body.top_k_logprobs is None:
+            return piece, None
+        return piece, self.logprobs[index].take()
 
     async def _stream(self) -> AsyncIterator[str]:
         """Server-sent events: for chat, a first delta with the role per choice; text
@@ -534,13 +599,14 @@ class _Job:
             async for index, piece, finish in self._updates():
                 if not piece and finish is None:
                     continue
+                piece, logprobs = self._chunk_extras(index, piece)
                 if self.chat:
                     delta = {"content": piece} if piece else {}
                     yield _sse(chat_chunk(self.id, name, index, delta, finish, None,
-                                          with_usage=with_usage))
+                                          with_usage=with_usage, logprobs=logprobs))
                 else:
                     yield _sse(completion_chunk(self.id, name, index, piece, finish, None,
-                                                with_usage=with_usage))
+                                                with_usage=with_usage, logprobs=logprobs))
             if with_usage:
                 make = chat_chunk if self.chat else completion_chunk
                 empty = {} if self.chat else ""
