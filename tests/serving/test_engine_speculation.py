@@ -100,7 +100,7 @@ def test_a_repeating_text_accepts_drafts_and_verifies_several_tokens_a_step():
                                             max_len=128)).eval()
     plain, _ = _serve(model, [5, 6, 7], None, [], new=40)
     # the model's own greedy text as the prompt: prompt lookup proposes what it will say
-    tokens, engine = _serve(model, [5, 6, 7, *plain], NGRAM, [], new=20)
+    _, engine = _serve(model, [5, 6, 7, *plain], NGRAM, [], new=20)
     stats = engine.stats()
     assert stats["spec_accepted"] > 0 and stats["spec_tokens_per_verification"] > 1
     assert stats["spec_acceptance_rate"] == stats["spec_accepted"] / stats["spec_proposed"]

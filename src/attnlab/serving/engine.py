@@ -221,7 +221,8 @@ class Engine:
                     "spec_verifications": spec.verifications, "spec_proposed": spec.proposed,
                     "spec_accepted": spec.accepted, "spec_switched_off": spec.switched_off,
                     "spec_acceptance_rate": spec.accepted / max(spec.proposed, 1),
-                    "spec_tokens_per_verification": spec.tokens / max(spec.verifications, 1)}
+                    "spec_tokens_per_verification": (spec.tokens / spec.verifications
+                                                     if spec.verifications else 1.0)}
 
     def step(self) -> list[TokenEvent]:
         """One scheduler step: report aborts, admit, run a prefill chunk or a decode token of

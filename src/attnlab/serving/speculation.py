@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -49,7 +50,8 @@ from attnlab.serving.params import SamplingParams, Speculation
 from attnlab.serving.runner import PagedRow
 from attnlab.serving.scheduler import Request
 
-__all__ = ["Drafts", "Speculator", "refuse_with_speculation", "speculation_from"]
+__all__ = ["Drafts", "Speculator", "refuse_with_speculation", "requested",
+           "speculation_from"]
 
 # Requests decoding in a step above which no request speculates in it (module docstring).
 DEFAULT_MAX_REQUESTS = 2
@@ -95,6 +97,28 @@ def refuse_with_speculation(body: object) -> str | None:
         if getattr(body, name, None) not in harmless:
             return name
     return None
+
+
+def requested(body: object, default: Speculation | None,
+              reference: tuple[int, ...] = ()) -> Speculation | None:
+    """The speculation a request ``body`` gets: what its ``speculative`` and
+    ``num_speculative_tokens`` ask for, prompt lookup over ``reference`` (the tokens of its
+    ``prediction``) when it gives one, else the server's ``default`` where the request uses
+    nothing that speculation cannot serve. A ``ValueError`` whose message begins with the
+    field's name refuses a bad value or a field that cannot be combined with it."""
+    asked = getattr(body, "speculative", None)
+    num_tokens = getattr(body, "num_speculative_tokens", None)
+    if asked is None and not reference:
+        if num_tokens is not None:
+            raise ValueError(f"num_speculative_tokens: only with speculative (ngram, ngram:K "
+                             f"or self:N) or prediction, got {num_tokens} without them")
+        return default if refuse_with_speculation(body) is None else None
+    field = refuse_with_speculation(body)
+    if field is not None:
+        why = "speculative" if asked is not None else "prediction"
+        raise ValueError(f"{field}: not served with speculative decoding ({why}) yet; "
+                         f"expected it left out, or no {why}")
+    return speculation_from("ngram" if asked is None else asked, num_tokens, reference)
 
 
 @dataclass(frozen=True)
@@ -202,7 +226,7 @@ class Speculator:
             m = accept_greedy(torch.tensor(best), tokens)
             if any(unusable[:m + 1]):
                 check_logits(logits[:m + 1], name)
-            chosen = drafts.tokens[:m] + [best[m]]
+            chosen = [*drafts.tokens[:m], best[m]]
         else:
             if any(unusable):
                 check_logits(logits, name)
