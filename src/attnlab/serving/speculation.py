@@ -29,7 +29,10 @@ When it runs: a request asks for it (``SamplingParams.speculation``); the engine
 in a step only when at most ``max_requests`` requests decode in it (with many sharing a step
 the model's weights are read once for all of them anyway, and verifying drafts costs more
 than it saves: llama.cpp measured 0.77x with 8 slots), within the step's token budget and one
-decoding kernel's rows. Either way the tokens are the same; ``stats`` counts what it did.
+decoding kernel's rows. Either way greedy tokens are the same and sampled ones follow the
+same distribution; but a seeded sampled request draws differently in a step that verifies
+drafts, so its text, unlike plain sampling's, may change with the load. ``stats`` counts
+what it did.
 """
 
 from __future__ import annotations
