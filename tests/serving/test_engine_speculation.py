@@ -156,6 +156,42 @@ def test_the_pages_taken_for_drafts_go_back_to_the_pool(speculation):
     assert engine.pool.available == start and engine.pool.used == 0
 
 
+def test_drafts_the_pool_has_no_pages_for_are_cut_to_the_slots_held():
+    """With no page to spare, a request verifies only the drafts its own pages hold room
+    for (the slots of its last page), never pausing another request for a guess."""
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderLMConfig.llama(V, d_model=32, num_layers=2, num_heads=4,
+                                            max_len=128)).eval()
+    engine = Engine(model, max_batch=2, page_size=4, prefix_caching=False)
+    allocate, reserve, refused = engine.pool.allocate, engine.speculator.reserve, []
+
+    def reserve_from_a_full_pool(drafts):
+        def none(count, **kwargs):
+            refused.append(count)
+            return None
+        engine.pool.allocate = none
+        try:
+            return reserve(drafts)
+        finally:
+            engine.pool.allocate = allocate
+
+    engine.speculator.reserve = reserve_from_a_full_pool
+    proposed = []
+    propose = engine.speculator.rows
+    engine.speculator.rows = lambda drafts: proposed.append(
+        {r.computed: len(d.tokens) for r, d in drafts.items()}) or propose(drafts)
+    engine.add_request([1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(
+        20, temperature=0, speculation=Speculation("ngram", 8)))
+    made = 0
+    while engine.has_work():
+        made += sum(e.token_id is not None for e in engine.step())
+    assert made == 20 and refused and engine.stats()["preemptions"] == 0
+    # the drafts run at computed c fill the slots of the pages held: at most 4 - (c + 1) % 4
+    cut = [(c, n) for step in proposed for c, n in step.items()]
+    assert cut and all(c + 1 + n <= -(-(c + 1) // 4) * 4 for c, n in cut), cut
+    assert engine.pool.used == 0
+
+
 # --- sampling: the distribution of the tokens is the target's -----------------------------
 
 # 3^3 = 27 sequences of new tokens: the prefill makes the first, one verification the other

@@ -78,6 +78,15 @@ def test_speculative_requests_and_predictions_give_the_plain_greedy_text(
     assert metric(after, "attnlab_spec_decode_tokens_per_verification") > 1
 
 
+def test_a_stream_of_several_tokens_a_step_joins_to_the_plain_text(api, qwen2_folder):
+    ask = {"model": qwen2_folder.name, "prompt": PROMPT, "max_tokens": 20, "temperature": 0}
+    plain = api.completions.create(**ask).choices[0].text
+    chunks = list(api.completions.create(**ask, stream=True,
+                                         extra_body={"speculative": "self:1"}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_the_server_default_serves_requests_that_do_not_choose(qwen2_folder):
     app = create_app(qwen2_folder, max_batch=4, page_size=4, kv_pages=256,
                      speculative="ngram:3")
