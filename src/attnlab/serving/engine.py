@@ -154,7 +154,7 @@ class Engine:
             if t >= c.vocab_size:
                 raise ValueError(f"stop_token_ids[{i}]: expected a token id in "
                                  f"[0, {c.vocab_size}), got {t}")
-        self.speculator.check(params)
+        self.speculator.check(params.speculation)
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise TypeError(f"request_id: expected a non-empty str or None, got {request_id!r}")
         size, n = len(prompt), params.max_tokens

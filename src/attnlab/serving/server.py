@@ -134,7 +134,7 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
     state.max_tokens_limit, state.max_n = max_tokens_limit, max_n
     if speculative is not None:
         state.speculation = speculation_from(speculative)
-        engine.speculator.check(SamplingParams(1, speculation=state.speculation))
+        engine.speculator.check(state.speculation)
     state.engine = EngineThread(engine)
     # Loading ran OpenMP work on this thread; its idle worker threads would share the cores
     # with the engine thread's (see release_openmp_threads).
@@ -337,15 +337,14 @@ class ServerState:
         temperature = 0.0 if body.temperature < SAMPLING_EPS else body.temperature
         try:
             speculation = requested(body, self.speculation, reference)
-            params = SamplingParams(max_tokens=asked, temperature=temperature,
-                                    top_p=max(body.top_p, MIN_TOP_P), top_k=body.top_k,
-                                    seed=seed, stop_token_ids=self.stop_token_ids, group=group,
-                                    speculation=speculation)
-            self.engine.engine.speculator.check(params)
+            self.engine.engine.speculator.check(speculation)
         except ValueError as error:  # speculation's: the message begins with the field
             name = str(error).partition(":")[0]
             raise ApiError(400, str(error), param=name) from None
-        return params
+        return SamplingParams(max_tokens=asked, temperature=temperature,
+                              top_p=max(body.top_p, MIN_TOP_P), top_k=body.top_k, seed=seed,
+                              stop_token_ids=self.stop_token_ids, group=group,
+                              speculation=speculation)
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:

@@ -49,7 +49,7 @@ from attnlab.generation.speculative import accept_greedy, accept_sampled
 from attnlab.kernels.rule import DECODING_ROWS
 from attnlab.models import DecoderLM
 from attnlab.serving.paged_cache import PagePool
-from attnlab.serving.params import SamplingParams, Speculation
+from attnlab.serving.params import Speculation
 from attnlab.serving.runner import PagedRow
 from attnlab.serving.scheduler import Request
 
@@ -159,10 +159,9 @@ class Speculator:
         self._proposers: weakref.WeakKeyDictionary[Request, Proposer] = \
             weakref.WeakKeyDictionary()
 
-    def check(self, params: SamplingParams) -> None:
-        """Refuse a ``params.speculation`` this model cannot run (a draft of too many
-        layers)."""
-        s = params.speculation
+    def check(self, speculation: Speculation | None) -> None:
+        """Refuse a ``speculation`` this model cannot run (a draft of too many layers)."""
+        s = speculation
         if s is not None and s.layers is not None and s.layers >= self.model.config.num_layers:
             raise ValueError(f"speculative: self:{s.layers} asks for a draft of {s.layers} "
                              f"layers; expected fewer than the model's "
