@@ -24,6 +24,9 @@ speculation on or off); sampling keeps ``d_i`` with probability ``min(1, p(d_i) 
 and draws from ``norm(max(0, p - q))`` at the first rejection, with the request's generator
 (the same distribution as plain sampling; another stream of draws). The accepted drafts'
 keys stay; the pages taken for the rejected ones are given back to the pool (``settle``).
+A self draft (``self:N``) keeps its own dense KV cache of its ``N`` layers per request
+(``attnlab.generation.proposers.DraftModel``), outside the pool: ``N / layers`` of a full
+context's keys more per speculating request.
 
 When it runs: a request asks for it (``SamplingParams.speculation``); the engine speculates
 in a step only when at most ``max_requests`` requests decode in it (with many sharing a step
