@@ -38,7 +38,10 @@ def test_an_idle_engine_has_no_work_and_steps_to_nothing():
     assert not engine.has_work() and engine.step() == []
     assert engine.stats() == {"running": 0, "waiting": 0, "pages_used": 0,
                               "pages_total": engine.pool.num_pages, "pages_cached": 0,
-                              "prefix_hits": 0, "tokens_generated": 0, "preemptions": 0}
+                              "prefix_hits": 0, "tokens_generated": 0, "preemptions": 0,
+                              "spec_verifications": 0, "spec_proposed": 0, "spec_accepted": 0,
+                              "spec_switched_off": 0, "spec_acceptance_rate": 0.0,
+                              "spec_tokens_per_verification": 1.0}
 
 
 def test_aborts_while_waiting_prefilling_and_decoding_return_every_page():

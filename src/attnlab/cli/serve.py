@@ -6,6 +6,7 @@
                   [--dtype DTYPE] [--quantize int8|int4] [--extra-memory]
                   [--max-connections 256] [--shutdown-grace SECONDS]
                   [--api-key KEY] [--allowed-origin ORIGIN]
+                  [--speculative ngram|ngram:K|self:N]
 
 The app is ``attnlab.serving.server.create_app``, run by uvicorn; the URL is printed once the
 socket listens (``--port 0`` takes a free port and prints it).
@@ -35,6 +36,7 @@ from attnlab.cli.options import add_dtype_option, add_model_option
 from attnlab.quantization import METHODS
 from attnlab.serving.api import MAX_N
 from attnlab.serving.server import create_app
+from attnlab.serving.speculation import speculation_from
 from attnlab.threads import add_threads_option
 
 __all__ = ["DEFAULT_SHUTDOWN_GRACE_S", "ReadyServer", "add_commands", "run_serve"]
@@ -93,6 +95,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shutdown-grace", type=non_negative_float, default=DEFAULT_SHUTDOWN_GRACE_S,
                    metavar="SECONDS", help="on Ctrl-C or SIGTERM, how long the running requests "
                    "may go on before they are ended (new ones are refused at once)")
+    p.add_argument("--speculative", type=_speculative, default=None,
+                   metavar="ngram[:K]|self:N",
+                   help="speculative decoding for requests that do not choose (a request's "
+                   "speculative field does): same text, fewer passes over the weights while "
+                   "few requests decode together (default: off)")
     add_threads_option(p)
     p.set_defaults(handler=run_serve)
 
@@ -107,7 +114,8 @@ def run_serve(args: argparse.Namespace) -> int:
                      page_size=args.page_size, max_queue=args.max_queue,
                      max_tokens_limit=args.max_tokens_limit, max_n=args.max_n,
                      api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
-                     allowed_origins=args.allowed_origin or ())
+                     allowed_origins=args.allowed_origin or (),
+                     speculative=args.speculative)
     server = ReadyServer(uvicorn.Config(app, host=args.host, port=args.port,
                                         log_level="warning",
                                         limit_concurrency=args.max_connections),
@@ -117,6 +125,15 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     print("attnlab serve: stopped", file=sys.stderr)
     return server.exit_status
+
+
+def _speculative(text: str) -> str:
+    """``--speculative``: checked as a request's ``speculative`` is."""
+    try:
+        speculation_from(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("speculative: ")) from None
+    return text
 
 
 _port = number(int, lambda v: 0 <= v <= 65535, "a port in [0, 65535] (0: a free one)")

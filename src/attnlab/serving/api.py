@@ -147,6 +147,11 @@ class _Sampling(BaseModel):
     # attnlab's (and vLLM's) extensions.
     min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
+    # attnlab's: speculative decoding (ngram, ngram:K, self:N; attnlab.serving.speculation),
+    # checked by the server; `prediction` (OpenAI's Predicted Outputs) asks for it too.
+    speculative: str | None = None
+    num_speculative_tokens: Annotated[int, Field(ge=1)] | None = None
+    prediction: Prediction | None = None
     # OpenAI's, accepted and ignored: none changes the text of this server's answers
     # (storage, billing, routing and caching hints; tool options without tools).
     metadata: Any = None
@@ -154,7 +159,6 @@ class _Sampling(BaseModel):
     service_tier: Any = None
     parallel_tool_calls: Any = None
     tool_choice: Any = None
-    prediction: Any = None
     prompt_cache_key: Any = None
     safety_identifier: Any = None
     reasoning_effort: Any = None
@@ -301,6 +305,21 @@ class TextPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["text"]
     text: UnicodeText
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: ``{"type": "content", "content": text or text parts}``,
+    the output expected (mostly); the server looks its n-grams up to propose drafts."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["content"]
+    content: UnicodeText | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content
 
 
 class ChatMessage(BaseModel):

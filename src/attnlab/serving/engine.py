@@ -8,6 +8,10 @@
              that does not end its prompt needs no logits)  ->  sample each of them
              ->  [TokenEvent(id, token, finish_reason)], pages released on finish
 
+A request asking for speculative decoding (``SamplingParams.speculation``) runs its drafts as
+more decode rows of the same forward and may get several tokens a step
+(``attnlab.serving.speculation``: the drafts, their pages, their verification).
+
 Everything a request holds is in a ``PagePool`` (``paged_cache``: which pages) and the
 ``Scheduler``; the ``ModelRunner`` holds the pages' tensors. ``abort`` and an error in the
 model release a request the same way as a finish.
@@ -35,6 +39,7 @@ from attnlab.serving.params import QueueFull, SamplingParams, TokenEvent
 from attnlab.serving.request_logits import GrammarCache, RequestLogits, process_rows
 from attnlab.serving.runner import ModelRunner, PagedRow
 from attnlab.serving.scheduler import Request, Scheduler
+from attnlab.serving.speculation import DEFAULT_MAX_REQUESTS, Drafts, Speculator
 
 __all__ = ["DEFAULT_POOL_BYTES", "MIN_REQUEST_TOKENS", "Engine", "QueueFull", "SamplingParams",
            "TokenEvent"]
@@ -62,11 +67,14 @@ class Engine:
     (``SamplingParams.group``; see ``attnlab.serving.scheduler``). ``tokenizer`` (an attnlab
     ``Tokenizer``) compiles the grammars of requests with a ``json_schema``; the other
     controls and the logprobs of ``SamplingParams``: ``attnlab.serving.request_logits``.
+    Requests asking for speculative decoding speculate in a step where at most
+    ``speculate_max_requests`` requests decode (``attnlab.serving.speculation``).
     """
 
     def __init__(self, model: DecoderLM, *, max_batch: int = 8, max_tokens_per_step: int = 512,
                  kv_pages: int | None = None, page_size: int = 16, max_queue: int = 64,
-                 prefix_caching: bool = True, tokenizer: object | None = None) -> None:
+                 prefix_caching: bool = True, tokenizer: object | None = None,
+                 speculate_max_requests: int = DEFAULT_MAX_REQUESTS) -> None:
         if not isinstance(model, DecoderLM):
             raise TypeError(f"model: expected an attnlab DecoderLM, got {type(model).__name__}")
         if model.training:
@@ -95,6 +103,9 @@ class Engine:
                              f"{max_tokens_per_step}")
         if not isinstance(prefix_caching, bool):
             raise TypeError(f"prefix_caching: expected a bool, got {prefix_caching!r}")
+        if not is_int(speculate_max_requests) or speculate_max_requests < 0:
+            raise ValueError(f"speculate_max_requests: expected an int >= 0 (0: never "
+                             f"speculate), got {speculate_max_requests!r}")
         # the pool must hold one request of a useful length: the context, or at least this
         need = min(c.max_len, MIN_REQUEST_TOKENS)
         if kv_pages is None:
@@ -120,6 +131,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_batch=max_batch,
                                    max_tokens_per_step=max_tokens_per_step,
                                    prefix_caching=prefix_caching)
+        self.speculator = Speculator(model, self.pool, max_tokens_per_step,
+                                     speculate_max_requests)
         self._lock = threading.Lock()
         self._stepping = threading.Lock()
         self._live: dict[str, Request] = {}
@@ -146,6 +159,7 @@ class Engine:
             if t >= c.vocab_size:
                 raise ValueError(f"stop_token_ids[{i}]: expected a token id in "
                                  f"[0, {c.vocab_size}), got {t}")
+        self.speculator.check(params.speculation)
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise TypeError(f"request_id: expected a non-empty str or None, got {request_id!r}")
         size, n = len(prompt), params.max_tokens
@@ -216,16 +230,24 @@ class Engine:
         with self._lock:
             return bool(self._live or self._aborts)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         """``running``, ``waiting``, ``pages_used``, ``pages_total``, ``pages_cached`` (in the
         prefix cache, used or idle), ``prefix_hits`` (pages reused), ``tokens_generated``,
-        ``preemptions`` (requests paused for lack of pages)."""
+        ``preemptions`` (requests paused for lack of pages); speculative decoding's
+        ``spec_verifications``, ``spec_proposed``, ``spec_accepted`` (drafts),
+        ``spec_switched_off`` (steps), ``spec_acceptance_rate`` (accepted / proposed) and
+        ``spec_tokens_per_verification`` (``attnlab.serving.speculation``)."""
         with self._lock:
-            s, pool = self.scheduler, self.pool
+            s, pool, spec = self.scheduler, self.pool, self.speculator.stats
             return {"running": len(s.running), "waiting": len(s.waiting),
                     "pages_used": pool.used, "pages_total": pool.num_pages,
                     "pages_cached": pool.cached, "prefix_hits": pool.prefix_hits,
-                    "tokens_generated": self._tokens_generated, "preemptions": s.preemptions}
+                    "tokens_generated": self._tokens_generated, "preemptions": s.preemptions,
+                    "spec_verifications": spec.verifications, "spec_proposed": spec.proposed,
+                    "spec_accepted": spec.accepted, "spec_switched_off": spec.switched_off,
+                    "spec_acceptance_rate": spec.accepted / max(spec.proposed, 1),
+                    "spec_tokens_per_verification": (spec.tokens / spec.verifications
+                                                     if spec.verifications else 1.0)}
 
     def step(self) -> list[TokenEvent]:
         """One scheduler step: report aborts, admit, run a prefill chunk or a decode token of
@@ -245,21 +267,25 @@ class Engine:
         with self._lock:
             events = self._take_aborts()
             plan = self.scheduler.schedule()
+        drafts = self.speculator.propose(plan)  # outside the lock: a draft model may run
+        with self._lock:
+            drafts = self.speculator.reserve(drafts)
             rows = [PagedRow(list(r.table), r.computed, r.tokens[r.computed:r.computed + n])
-                    for r, n in plan]
+                    for r, n in plan] + self.speculator.rows(drafts)
         if plan:
-            ended, ready = self._run(plan, rows)
+            ended, ready = self._run(plan, rows, drafts)
             events += ended
             if ready:
-                events += self._sample(ready)
+                events += self._sample(ready, drafts)
         return events
 
-    def _run(self, plan: list[tuple[Request, int]], rows: list[PagedRow]
+    def _run(self, plan: list[tuple[Request, int]], rows: list[PagedRow],
+             drafts: dict[Request, Drafts]
              ) -> tuple[list[TokenEvent], list[tuple[Request, Tensor]]]:
-        """The runner's forward over ``rows``; record it. Returns the events of the requests
-        it ended (a failure ends these requests, with the error, not the engine) and, for
-        each request whose prompt is now done, the request and its last hidden state
-        ``H``."""
+        """The runner's forward over ``rows`` (``plan``'s, then the ``drafts``' rows); record
+        it. Returns the events of the requests it ended (a failure ends these requests, with
+        the error, not the engine) and, for each request whose prompt is now done, the
+        request and its last hidden states ``n x E`` (one, or one more than its drafts)."""
         every = [i for i, (request, _) in enumerate(plan) if self._wants_prompt(request)]
         try:
             with torch.inference_mode():
@@ -268,36 +294,72 @@ class Engine:
                     request = plan[i][0]
                     self._controls[request].record_prompt(states[i], rows[i].start,
                                                           request.tokens, self.runner.logits)
-                last = [h[-1] for h in states]
+                last = torch.stack([h[-1] for h in states])
         except Exception as error:
             with self._lock:
                 return [self._end(request, f"{type(error).__name__}: {error}")
                         for request, _ in plan], []
-        done = []
+        done, extra = [], len(plan)  # the drafts' rows follow the plan's, in drafts' order
         with self._lock:
             for i, (request, n) in enumerate(plan):
                 self.scheduler.advance(request, n)
                 if request.pending == 0:
-                    done.append((request, last[i]))
+                    k = len(drafts[request].tokens) if request in drafts else 0
+                    done.append((request, last[[i, *range(extra, extra + k)]]))
+                    extra += k
         return [], done
 
-    def _sample(self, ready: list[tuple[Request, Tensor]]) -> list[TokenEvent]:
-        """The next token of each request of ``ready`` from its last hidden state: one
-        ``lm_head`` call (the largest weight, read once a step) and one read-back for them
-        all. A failure ends these requests, not the engine."""
+    def _sample(self, ready: list[tuple[Request, Tensor]], drafts: dict[Request, Drafts]
+                ) -> list[TokenEvent]:
+        """The next token of each request of ``ready`` from its last hidden state (or tokens,
+        from the states of its drafts' rows too): one ``lm_head`` call (the largest weight,
+        read once a step) and one read-back for them all. A failure ends these requests, not
+        the engine."""
         try:
             with torch.inference_mode():
-                raw = self.runner.logits(torch.stack([h for _, h in ready]))
-                logits = process_rows([self._controls.get(r) for r, _ in ready],
-                                      [r.tokens for r, _ in ready], raw)
+                raw = self.runner.logits(torch.cat([h for _, h in ready]))
+                # A request with drafts has no controls (the server refuses the two together).
+                controls, tokens = [], []
+                for request, hidden in ready:
+                    n = hidden.shape[0]
+                    controls += [self._controls.get(request) if n == 1 else None] * n
+                    tokens += [request.tokens] * n
+                logits = process_rows(controls, tokens, raw)
             unusable, best = unusable_rows(logits).tolist(), self.model.greedy(logits).tolist()
         except Exception as error:
             with self._lock:
                 return [self._end(request, f"{type(error).__name__}: {error}")
                         for request, _ in ready]
+        events, i = [], 0
         with self._lock:
-            return [self._next_token(request, row, unusable[i], best[i], raw[i])
-                    for i, ((request, _), row) in enumerate(zip(ready, logits))]
+            for request, hidden in ready:
+                n = hidden.shape[0]
+                if request in drafts:
+                    events += self._verified(request, logits[i:i + n], unusable[i:i + n],
+                                             best[i:i + n], drafts[request])
+                else:
+                    events.append(self._next_token(request, logits[i], unusable[i], best[i],
+                                                    raw[i]))
+                i += n
+        return events
+
+    def _verified(self, request: Request, logits: Tensor, unusable: list[bool],
+                  best: list[int], drafts: Drafts) -> list[TokenEvent]:
+        """``request``'s tokens of a verification (``Speculator.verify``), reported one by
+        one as plain decoding would, up to the first that ends it; the accepted drafts' keys
+        kept, the pages of the rejected ones released."""
+        try:
+            tokens = self.speculator.verify(request, logits, unusable, best, drafts)
+        except Exception as error:  # NaN logits, or a sampler failure: this request only
+            return [self._end(request, f"{type(error).__name__}: {error}")]
+        events = []
+        for token in tokens:
+            events.append(self._append(request, token))
+            if events[-1].finish_reason is not None:
+                return events
+        self.scheduler.advance(request, len(tokens) - 1)  # the accepted drafts are stored
+        self.speculator.settle(request)
+        return events
 
     def _take_aborts(self) -> list[TokenEvent]:
         events = [self._end(request, None) for request in dict.fromkeys(self._aborts)
@@ -332,6 +394,13 @@ class Engine:
                 controls.advance(token)
         except Exception as error:  # NaN logits, or a sampler failure: this request only
             return self._end(request, f"{type(error).__name__}: {error}")
+        return self._append(request, token, logprobs, prompt)
+
+    def _append(self, request: Request, token: int, logprobs: object = None,
+                prompt: object = None) -> TokenEvent:
+        """Add ``token`` to ``request``; end it if it is done (a stop token, ``max_tokens``);
+        its event carries the ``logprobs`` (and the ``prompt``'s) when the request asked."""
+        p = request.params
         request.tokens.append(token)
         self._tokens_generated += 1
         reason = ("stop" if token in p.stop_token_ids

@@ -3,7 +3,9 @@
 
 Counters only grow (requests by endpoint and status, prompt and generated tokens); gauges are
 the engine's state when the page is asked for (requests running = the batch size, requests
-waiting = the queue length, KV cache pages in use and in all).
+waiting = the queue length, KV cache pages in use and in all); speculative decoding's counts
+(verifications, drafts proposed and accepted, steps where it was switched off) and the two
+ratios they give (acceptance rate, tokens per verification).
 """
 
 from __future__ import annotations
@@ -27,6 +29,18 @@ _ENGINE = (
      "Prompt pages found in the prefix cache."),
     ("preemptions", "attnlab_preemptions_total", "counter",
      "Requests paused for lack of KV cache pages."),
+    ("spec_verifications", "attnlab_spec_decode_verifications_total", "counter",
+     "Speculative decoding: a request's drafts checked in a step."),
+    ("spec_proposed", "attnlab_spec_decode_draft_tokens_total", "counter",
+     "Speculative decoding: draft tokens proposed and checked."),
+    ("spec_accepted", "attnlab_spec_decode_accepted_tokens_total", "counter",
+     "Speculative decoding: draft tokens accepted."),
+    ("spec_switched_off", "attnlab_spec_decode_switched_off_total", "counter",
+     "Steps where requests asked for speculative decoding but too many decoded together."),
+    ("spec_acceptance_rate", "attnlab_spec_decode_acceptance_rate", "gauge",
+     "Speculative decoding: accepted drafts over proposed ones (0 before any)."),
+    ("spec_tokens_per_verification", "attnlab_spec_decode_tokens_per_verification", "gauge",
+     "Speculative decoding: tokens each verification yielded (1 before any)."),
 )
 
 
@@ -49,7 +63,7 @@ class Metrics:
             self.prompt_tokens += prompt
             self.generated_tokens += generated
 
-    def render(self, engine_stats: dict[str, int]) -> str:
+    def render(self, engine_stats: dict[str, int | float]) -> str:
         """The page: the counters, then each engine stat that ``engine_stats`` holds."""
         with self._lock:
             lines = ["# HELP attnlab_requests_total Requests answered, by endpoint and HTTP "
@@ -66,5 +80,5 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
-def _metric(name: str, kind: str, text: str, value: int) -> list[str]:
+def _metric(name: str, kind: str, text: str, value: int | float) -> list[str]:
     return [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {value}"]

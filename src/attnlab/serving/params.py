@@ -12,7 +12,12 @@ from attnlab._checks import is_int, is_number
 from attnlab.generation.logprobs import check_top_logprobs
 from attnlab.generation.processors import FREQUENCY_RANGE, LOGIT_BIAS_RANGE
 
-__all__ = ["QueueFull", "SamplingParams", "TokenEvent", "TokenLogprobs"]
+__all__ = ["MAX_SPECULATIVE_TOKENS", "QueueFull", "SamplingParams", "Speculation", "TokenEvent",
+           "TokenLogprobs"]
+
+# The most drafts one verification takes: with the token before them, one decoding kernel's
+# rows (attnlab.kernels.rule.DECODING_ROWS), so a request verifies in one forward.
+MAX_SPECULATIVE_TOKENS = 31
 
 
 @dataclass(frozen=True)
@@ -26,7 +31,8 @@ class SamplingParams:
     tokens whatever else runs in the batch; a token of ``stop_token_ids`` ends the request
     (it is reported, with ``finish_reason="stop"``); requests of one ``group`` (the ``n``
     choices of one HTTP request) share one fair share of the engine (``None``: the request
-    is a group alone; see ``attnlab.serving.scheduler``).
+    is a group alone; see ``attnlab.serving.scheduler``); ``speculation``: speculative
+    decoding (``Speculation``; None: one token a step), which never changes greedy tokens.
 
     OpenAI's controls, per request inside the batch (``attnlab.serving.request_logits``, in
     ``generate``'s order): ``repetition_penalty`` (CTRL, ``> 0``, 1 = off; prompt and new
@@ -54,6 +60,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: bool = False
     json_schema: Mapping | None = None
+    speculation: Speculation | None = None
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -77,6 +84,9 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(stop))
         if self.group is not None and (not isinstance(self.group, str) or not self.group):
             raise ValueError(f"group: expected None or a non-empty str, got {self.group!r}")
+        if self.speculation is not None and not isinstance(self.speculation, Speculation):
+            raise TypeError(f"speculation: expected a Speculation or None, got "
+                            f"{type(self.speculation).__name__}")
         self._check_controls()
 
     def _check_controls(self) -> None:
@@ -158,3 +168,37 @@ class TokenEvent:
 
 class QueueFull(RuntimeError):  # noqa: N818 (the name the HTTP layer codes against)
     """``Engine.add_request`` when ``max_queue`` requests are waiting already (HTTP 429)."""
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding for one request (``attnlab.serving.speculation``): ``method``
+    ``"ngram"`` (prompt lookup over the prompt, the output and ``reference``) or ``"self"``
+    (a draft of the model's own first ``layers`` layers); up to ``num_tokens`` drafts are
+    verified in each step. ``reference``: the token ids of an expected output (OpenAI's
+    ``prediction``), searched by the lookup as if they were part of the prompt."""
+
+    method: str = "ngram"
+    num_tokens: int = 10
+    layers: int | None = None
+    reference: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "self"):
+            raise ValueError(f"speculative: expected 'ngram' or 'self:N', got {self.method!r}")
+        if not is_int(self.num_tokens) or not 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens: expected an int in [1, "
+                             f"{MAX_SPECULATIVE_TOKENS}], got {self.num_tokens!r}")
+        if (self.method == "self") != (self.layers is not None) or (
+                self.layers is not None and (not is_int(self.layers) or self.layers < 1)):
+            raise ValueError(f"speculative: expected self:N with an int N >= 1 (the draft's "
+                             f"layers), or ngram without layers; got method={self.method!r}, "
+                             f"layers={self.layers!r}")
+        ref = self.reference
+        if not isinstance(ref, (tuple, list)) or not all(is_int(t) and t >= 0 for t in ref):
+            raise ValueError(f"prediction: expected a tuple of token ids (ints >= 0), got "
+                             f"{ref!r}")
+        if ref and self.method != "ngram":
+            raise ValueError(f"prediction: a predicted output is looked up by ngram "
+                             f"speculation; expected no prediction with {self.method}:N")
+        object.__setattr__(self, "reference", tuple(ref))

@@ -67,7 +67,9 @@ from attnlab.serving.choice_logprobs import ChoiceLogprobs
 from attnlab.serving.choice_text import ChoiceText
 from attnlab.serving.engine_thread import EngineError, EngineThread, release_openmp_threads
 from attnlab.serving.metrics import CONTENT_TYPE, Metrics
+from attnlab.serving.params import Speculation
 from attnlab.serving.shutdown import Drain, ShutdownError
+from attnlab.serving.speculation import requested, speculation_from
 from attnlab.tokenizer import Tokenizer
 
 __all__ = ["ServerState", "create_app"]
@@ -88,7 +90,8 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
                max_queue: int = 64, prefix_caching: bool = True,
                max_body_bytes: int = 8 * 2**20, body_timeout_s: float = 60.0,
                max_tokens_limit: int | None = None, max_n: int = MAX_N,
-               api_key: str | None = None, allowed_origins: Sequence[str] = ()) -> FastAPI:
+               api_key: str | None = None, allowed_origins: Sequence[str] = (),
+               speculative: str | None = None) -> FastAPI:
     """The FastAPI app serving ``model``: a checkpoint folder (read by ``from_pretrained``,
     weights in ``dtype`` (default the stored one) and quantized when ``quantize`` is
     ``"int8"``/``"int4"``, with oneDNN's packed copies beside them where they win when
@@ -104,7 +107,9 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
     that does not say caps its new tokens at ``max_tokens_limit``. ``api_key``: every route
     but ``/health`` wants ``Authorization: Bearer <api_key>`` (401 without);
     ``allowed_origins``: the browser origins CORS lets in (none: CORS off). Both:
-    ``attnlab.serving.access``."""
+    ``attnlab.serving.access``. ``speculative`` (``ngram``, ``ngram:K``, ``self:N``): the
+    speculative decoding of requests that do not ask for one and use nothing it cannot serve
+    (``attnlab.serving.speculation``)."""
     check_positive("max_body_bytes", max_body_bytes)
     if not is_number(body_timeout_s, finite=True) or body_timeout_s <= 0:
         raise ValueError(f"body_timeout_s: expected a finite number of seconds > 0, got "
@@ -130,6 +135,9 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
         raise ValueError(f"{Path(model) / 'config.json'}: "
                          f"{str(error).removeprefix('model: ')}") from None
     state.max_tokens_limit, state.max_n = max_tokens_limit, max_n
+    if speculative is not None:
+        state.speculation = speculation_from(speculative)
+        engine.speculator.check(state.speculation)
     state.engine = EngineThread(engine)
     # Loading ran OpenMP work on this thread; its idle worker threads would share the cores
     # with the engine thread's (see release_openmp_threads).
@@ -172,6 +180,7 @@ class ServerState:
     engine: EngineThread | None = None
     max_tokens_limit: int | None = None
     max_n: int = MAX_N
+    speculation: Speculation | None = None  # the default (create_app's speculative)
     drain: Drain = field(default_factory=Drain)  # stopping: see attnlab.serving.shutdown
     # As many as the chat template renderer's worker processes: more would wait on them.
     chat_threads: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
@@ -276,14 +285,28 @@ class ServerState:
                            f"choices each make {prompts * n} requests; expected at most "
                            f"{most} in one request (this server's --max-queue)", param=param)
 
+    async def prediction_ids(self, body: CompletionRequest | ChatRequest) -> tuple[int, ...]:
+        """The token ids of ``body.prediction`` (none without one), without special tokens:
+        the text expected in the output."""
+        if body.prediction is None:
+            return ()
+        try:
+            ids = await asyncio.to_thread(self.tokenizer.encode, body.prediction.text, False,
+                                          max_tokens=self.context)
+        except ValueError as error:
+            raise ApiError(400, f"prediction: {error}: longer than the model's context",
+                           param="prediction") from None
+        return tuple(ids)
+
     def params(self, body: CompletionRequest | ChatRequest, prompt_length: int,
                asked: int | None, field: str, choice: int,
-               group: str | None = None) -> SamplingParams:
+               group: str | None = None, reference: tuple[int, ...] = ()) -> SamplingParams:
         """The engine's parameters for one choice of the request ``group``, after checking
         ``n`` and the new tokens ``asked`` in ``field`` against the server's limits, and that
         the choice fits the context and the KV cache. New tokens the client did not ask for
         (``field`` not sent) are as many as fit, within ``max_tokens_limit`` (and the field's
-        default, when it has one)."""
+        default, when it has one). Speculative decoding: ``speculation.requested`` (with
+        ``reference``, the prediction's ids)."""
         prompt_field = "messages" if isinstance(body, ChatRequest) else "prompt"
         if body.n > self.max_n:
             raise ApiError(400, f"n: expected at most {self.max_n} (this server's --max-n), "
@@ -323,6 +346,12 @@ class ServerState:
         temperature = 0.0 if body.temperature < SAMPLING_EPS else body.temperature
         k = body.top_k_logprobs
         echo = isinstance(body, CompletionRequest) and bool(body.echo)
+        try:
+            speculation = requested(body, self.speculation, reference)
+            self.engine.engine.speculator.check(speculation)
+        except ValueError as error:  # speculation's: the message begins with the field
+            name = str(error).partition(":")[0]
+            raise ApiError(400, str(error), param=name) from None
         # max_tokens 0 (with echo): one token is made for the prompt's logprobs, not shown
         return SamplingParams(max_tokens=max(asked, 1), temperature=temperature,
                               top_p=max(body.top_p, MIN_TOP_P), top_k=body.top_k, seed=seed,
@@ -332,7 +361,7 @@ class ServerState:
                               logit_bias=bias, min_p=body.min_p or 0.0,
                               repetition_penalty=body.repetition_penalty or 1.0,
                               logprobs=k, prompt_logprobs=echo and k is not None,
-                              json_schema=body.json_schema)
+                              json_schema=body.json_schema, speculation=speculation)
 
     async def check_schema(self, body: CompletionRequest | ChatRequest) -> None:
         """Compile the request's ``response_format`` schema (in a thread: tens of
@@ -378,7 +407,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         state.check_choices(len(body.prompt), body.n)
         await state.check_schema(body)
         prompts = [await state.encode(p, "prompt") for p in body.prompt]
-        job = _Job(state, body, prompts, body.max_tokens, "max_tokens", chat=False)
+        job = _Job(state, body, prompts, body.max_tokens, "max_tokens", chat=False,
+                   reference=await state.prediction_ids(body))
         return await job.respond(request)
 
     @app.post("/v1/chat/completions")
@@ -390,7 +420,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         messages = [{"role": m.role, "content": m.text} for m in body.messages]
         ids = await state.chat_ids(messages)
         asked, field = body.new_tokens
-        job = _Job(state, body, [ids], asked, field, chat=True)
+        job = _Job(state, body, [ids], asked, field, chat=True,
+                   reference=await state.prediction_ids(body))
         return await job.respond(request)
 
     @app.post("/tokenize")
@@ -421,7 +452,8 @@ class _Job:
     """One HTTP request: ``n`` engine requests per prompt, whose events share one queue."""
 
     def __init__(self, state: ServerState, body: CompletionRequest | ChatRequest,
-                 prompts: list[list[int]], asked: int | None, field: str, *, chat: bool) -> None:
+                 prompts: list[list[int]], asked: int | None, field: str, *, chat: bool,
+                 reference: tuple[int, ...] = ()) -> None:
         self.state, self.body, self.chat, self.field = state, body, chat, field
         self.prompt_field = "messages" if chat else "prompt"
         if body.stream_options is not None and not body.stream:
@@ -432,7 +464,8 @@ class _Job:
         self.created = now()  # one for the whole completion, every chunk included
         # Every choice is checked before any is started: a refusal leaves nothing running.
         # The choices share one fair share of the engine (its scheduler's groups).
-        self.work = [(ids, state.params(body, len(ids), asked, field, j, group=self.id))
+        self.work = [(ids, state.params(body, len(ids), asked, field, j, group=self.id,
+                                        reference=reference))
                      for ids in prompts for j in range(body.n)]
         self.events: asyncio.Queue = asyncio.Queue()
         self.choices: dict[str, tuple[int, ChoiceText]] = {}  # engine id -> (index, text)

@@ -1,0 +1,312 @@
+"""Speculative decoding in the engine is lossless and tidy: a greedy request's tokens are the
+same with speculation on or off, alone or beside other requests (its drafts run as decode
+rows, through the decoding kernels); the pages taken for drafts go back to the pool; sampled
+tokens follow the target's distribution (and a wrong acceptor is caught by the same test);
+what cannot run is refused by name; the engine counts what speculation did."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from attnlab.kernels.install import optimize_for_inference
+from attnlab.kernels.rule import batch_invariant, features, rule
+from attnlab.models import DecoderLM, DecoderLMConfig
+from attnlab.serving import Engine, SamplingParams
+from attnlab.serving import speculation as speculation_module
+from attnlab.serving.params import Speculation
+from attnlab.serving.speculation import speculation_from
+
+V = 61
+NGRAM, SELF = Speculation("ngram", 4), Speculation("self", 3, layers=1)
+
+
+def _model() -> DecoderLM:
+    """A tiny Llama with the fast modules, its kernels chosen by the rule (as
+    ``test_engine_invariance``'s)."""
+    torch.manual_seed(0)
+    config = DecoderLMConfig.llama(V, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                                   max_len=128, initializer_range=0.3)
+    return optimize_for_inference(DecoderLM(config).eval())
+
+
+def _serve(model: DecoderLM, prompt: list[int], speculation: Speculation | None,
+           others: list[list[int]], *, new: int = 16, **options: object
+           ) -> tuple[list[int], Engine, dict[int, torch.Tensor]]:
+    """The greedy tokens of ``prompt``, prefilled alone, then decoded beside ``others`` (each
+    speculating as it does); the engine; and the logits row that chose each of its tokens,
+    by the token's position (from a plain step or from a verification)."""
+    engine = Engine(copy.deepcopy(model), max_batch=8, max_tokens_per_step=64, page_size=4,
+                    **options)
+    target = engine.add_request(prompt, SamplingParams(new, temperature=0,
+                                                       speculation=speculation))
+    rows: dict[int, torch.Tensor] = {}
+    plain, verify = engine._next_token, engine.speculator.verify
+
+    def next_token(request, row, *args):
+        if request.request_id == target:
+            rows[len(request.tokens)] = row.clone()
+        return plain(request, row, *args)
+
+    def verified(request, logits, *args):
+        tokens = verify(request, logits, *args)
+        if request.request_id == target:
+            rows.update({len(request.tokens) + i: logits[i].clone()
+                         for i in range(len(tokens))})
+        return tokens
+
+    engine._next_token, engine.speculator.verify = next_token, verified
+    events = engine.step()  # the target's prompt, alone in every run
+    for other in others:
+        engine.add_request(other, SamplingParams(new, temperature=0, speculation=speculation))
+    while engine.has_work():
+        events += engine.step()
+    return [e.token_id for e in events if e.request_id == target], engine, rows
+
+
+@pytest.fixture(scope="module")
+def invariant_model(tmp_path_factory) -> DecoderLM:
+    """The model with the rule's kernels (not the session's pin to the formula), skipping
+    where the rule names no batch-invariant kernel."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("ATTNLAB_CACHE_DIR", str(tmp_path_factory.mktemp("kernels")))
+    patch.delenv("ATTNLAB_KERNELS", raising=False)
+    plan = {b: rule("float32", torch.float32, features())[b][0] for b in ("1", "2-8", "9-32")}
+    if not batch_invariant(plan):
+        patch.undo()
+        pytest.skip(f"this machine's rule names no batch-invariant float32 kernel ({plan})")
+    yield _model()
+    patch.undo()
+
+
+# Prompts over a few ids repeat themselves, so that prompt lookup finds matches.
+prompts = st.lists(st.integers(0, 5), min_size=2, max_size=20).map(
+    lambda p: [7 * t % V for t in p])
+
+
+@pytest.mark.usefixtures("native_kernels")
+@settings(max_examples=4, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(prompt=prompts, seed=st.integers(0, 10**6))
+def test_greedy_tokens_are_the_same_with_speculation_on_or_off_alone_and_beside_others(
+        invariant_model, prompt, seed):
+    model = invariant_model
+    rng = torch.Generator().manual_seed(seed)
+    others = [torch.randint(0, 6, (n,), generator=rng).mul(7).remainder(V).tolist()
+              for n in (3, 30, 5)]
+    plain, _, plain_rows = _serve(model, prompt, None, [])
+    assert len(plain) == 16 and len(plain_rows) == 16
+    # alone and beside others, speculating beside them (at most 8 decoding) or switched off
+    # while four decode (at most 2)
+    runs = [(NGRAM, [], 8), (SELF, [], 8), (NGRAM, others, 8), (SELF, others, 8),
+            (SELF, others, 2)]
+    for speculation, crowd, most in runs:
+        tokens, engine, rows = _serve(model, prompt, speculation, crowd,
+                                      speculate_max_requests=most)
+        assert tokens == plain, (speculation, len(crowd), most)
+        # bit for bit: every token's logits, from a verification row or a plain decode row
+        assert rows.keys() == plain_rows.keys()
+        for t, row in rows.items():
+            assert torch.equal(row, plain_rows[t]), (t, (row - plain_rows[t]).abs().max())
+        stats = engine.stats()
+        assert stats["pages_used"] == 0
+        assert 0 <= stats["spec_accepted"] <= stats["spec_proposed"]
+        if speculation is SELF:  # a draft model always proposes
+            assert stats["spec_verifications"] > 0
+        if most == 2:  # four requests decode at first: switched off then
+            assert stats["spec_switched_off"] > 0
+
+
+def test_a_repeating_text_accepts_drafts_and_verifies_several_tokens_a_step():
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderLMConfig.llama(V, d_model=32, num_layers=2, num_heads=4,
+                                            max_len=128)).eval()
+    plain, _, _ = _serve(model, [5, 6, 7], None, [], new=40)
+    # the model's own greedy text as the prompt: prompt lookup proposes what it will say
+    _, engine, _ = _serve(model, [5, 6, 7, *plain], NGRAM, [], new=20)
+    stats = engine.stats()
+    assert stats["spec_accepted"] > 0 and stats["spec_tokens_per_verification"] > 1
+    assert stats["spec_acceptance_rate"] == stats["spec_accepted"] / stats["spec_proposed"]
+
+
+@pytest.mark.parametrize("speculation", [NGRAM, SELF], ids=["ngram", "self"])
+def test_the_pages_taken_for_drafts_go_back_to_the_pool(speculation):
+    """Every step, a speculating request holds no page past the one its next token needs;
+    once all requests end, every page is available again (prefix caching off, so that no
+    page stays cached)."""
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderLMConfig.llama(V, d_model=32, num_layers=2, num_heads=4,
+                                            max_len=128)).eval()
+    engine = Engine(model, max_batch=4, max_tokens_per_step=64, page_size=2,
+                    prefix_caching=False, speculate_max_requests=4)
+    start = engine.pool.available
+    for i in range(3):
+        engine.add_request([1, 2, 3, 1, 2, 3, i], SamplingParams(
+            30, temperature=0 if i else 0.8, seed=i, speculation=speculation))
+    while engine.has_work():
+        engine.step()
+        for r in engine.scheduler.running:
+            assert len(r.table) <= -(-(len(r.tokens) + 1) // 2), (len(r.table), len(r.tokens))
+    assert engine.stats()["spec_proposed"] > engine.stats()["spec_accepted"]  # some rejected
+    assert engine.pool.available == start and engine.pool.used == 0
+
+
+def test_drafts_the_pool_has_no_pages_for_are_cut_to_the_slots_held():
+    """With no page to spare, a request verifies only the drafts its own pages hold room
+    for (the slots of its last page), never pausing another request for a guess."""
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderLMConfig.llama(V, d_model=32, num_layers=2, num_heads=4,
+                                            max_len=128)).eval()
+    engine = Engine(model, max_batch=2, page_size=4, prefix_caching=False)
+    allocate, reserve, refused = engine.pool.allocate, engine.speculator.reserve, []
+
+    def reserve_from_a_full_pool(drafts):
+        def none(count, **kwargs):
+            refused.append(count)
+            return None
+        engine.pool.allocate = none
+        try:
+            return reserve(drafts)
+        finally:
+            engine.pool.allocate = allocate
+
+    engine.speculator.reserve = reserve_from_a_full_pool
+    proposed = []
+    propose = engine.speculator.rows
+    engine.speculator.rows = lambda drafts: proposed.append(
+        {r.computed: len(d.tokens) for r, d in drafts.items()}) or propose(drafts)
+    engine.add_request([1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(
+        20, temperature=0, speculation=Speculation("ngram", 8)))
+    made = 0
+    while engine.has_work():
+        made += sum(e.token_id is not None for e in engine.step())
+    assert made == 20 and refused and engine.stats()["preemptions"] == 0
+    # the drafts run at computed c fill the slots of the pages held: at most 4 - (c + 1) % 4
+    cut = [(c, n) for step in proposed for c, n in step.items()]
+    assert cut and all(c + 1 + n <= -(-(c + 1) // 4) * 4 for c, n in cut), cut
+    assert engine.pool.used == 0
+
+
+# --- sampling: the distribution of the tokens is the target's -----------------------------
+
+# 3^3 = 27 sequences of new tokens: the prefill makes the first, one verification the other
+# two (a draft, accepted or not, and the token after it).
+SMALL_V, NEW, SAMPLES = 3, 3, 600
+
+
+def _peaked() -> DecoderLM:
+    """A tiny model whose next-token distributions are neither uniform nor one token's
+    (weights N(0, 0.3^2)): a wrong acceptor then moves some probability far enough to see."""
+    torch.manual_seed(0)
+    # max_len 64: a step packs up to max_tokens_per_step tokens in one sequence, which the
+    # model checks against its max_len
+    model = DecoderLM(DecoderLMConfig.llama(SMALL_V, d_model=16, num_layers=2, num_heads=2,
+                                            max_len=64)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+def _exact(model: DecoderLM, prompt: list[int]) -> torch.Tensor:
+    """P(t_1..t_NEW) for all SMALL_V^NEW sequences, from full forwards (no cache)."""
+    seqs = torch.tensor(list(itertools.product(range(SMALL_V), repeat=NEW)))
+    ids = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], dim=1)
+    with torch.no_grad():
+        probs = model(ids).softmax(-1)[:, len(prompt) - 1:-1]  # rows x NEW x V
+    return probs.gather(-1, seqs[..., None]).squeeze(-1).prod(-1)
+
+
+def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's goodness-of-fit p-value, cells with an expected count below 5 pooled."""
+    expected = probs.double() * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small].double(), counts[small].double().sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(exp) - 1) / 2.0), stat / 2))
+
+
+def _sample(model: DecoderLM, prompt: list[int], speculation: Speculation
+            ) -> tuple[torch.Tensor, dict]:
+    """Counts of the SAMPLES sequences of NEW tokens (seeds 0..), every request speculating
+    (none switched off), and the engine's stats."""
+    engine = Engine(model, max_batch=16, max_tokens_per_step=64, page_size=4,
+                    max_queue=SAMPLES, speculate_max_requests=16)
+    names = {engine.add_request(prompt, SamplingParams(NEW, seed=seed,
+                                                       speculation=speculation)): []
+             for seed in range(SAMPLES)}
+    while engine.has_work():
+        for e in engine.step():
+            names[e.request_id].append(e.token_id)
+    weights = SMALL_V ** torch.arange(NEW - 1, -1, -1)
+    counts = torch.zeros(SMALL_V ** NEW)
+    for tokens in names.values():
+        counts[int((torch.tensor(tokens) * weights).sum())] += 1
+    return counts, engine.stats()
+
+
+def _resample_from_p(p, q, drafts, generator=None):
+    """A wrong acceptor: on a rejection it draws from p, not from norm(max(0, p - q))."""
+    n = drafts.shape[0]
+    for i in range(n):
+        d = int(drafts[i])
+        q_d = 1.0 if q is None else q[i, d]
+        if torch.rand((), generator=generator) * q_d >= p[i, d]:
+            return torch.cat([drafts[:i], torch.multinomial(p[i], 1, generator=generator)])
+    return torch.cat([drafts, torch.multinomial(p[n], 1, generator=generator)])
+
+
+@pytest.mark.parametrize("speculation", [Speculation("ngram", 1), Speculation("self", 1, 1)],
+                         ids=["ngram", "self"])
+def test_sampled_tokens_follow_the_target_distribution_and_a_wrong_acceptor_fails(
+        monkeypatch, speculation):
+    model, prompt = _peaked(), [1, 2, 0, 2, 1, 0, 1]
+    probs = _exact(model, prompt)
+    counts, stats = _sample(model, prompt, speculation)
+    assert stats["spec_verifications"] > SAMPLES / 2  # most requests verified a draft
+    assert _chi_square_p(counts, probs) > 1e-3
+    monkeypatch.setattr(speculation_module, "accept_sampled", _resample_from_p)
+    # (seeds fixed, so both p-values are fixed: 1e-4 leaves the 1-layer draft's wrong
+    # acceptor, whose q is close to p, a margin of 4x)
+    assert _chi_square_p(_sample(model, prompt, speculation)[0], probs) < 1e-4
+
+
+# --- refusals ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: Speculation("draft"), r"speculative: expected 'ngram' or 'self:N', got 'draft'"),
+    (lambda: Speculation("ngram", 0), r"num_speculative_tokens: expected an int in \[1, 31\]"),
+    (lambda: Speculation("self"), r"speculative: expected self:N with an int N >= 1"),
+    (lambda: Speculation("self", 3, 1, (1, 2)), r"prediction: a predicted output is looked "
+                                                r"up by ngram speculation"),
+    (lambda: speculation_from("self"), r"speculative: expected ngram, ngram:K or self:N"),
+    (lambda: speculation_from("draft:folder"), r"a draft model is not served yet"),
+    (lambda: speculation_from("ngram:0"), r"speculative: expected ngram, ngram:K or self:N"),
+])
+def test_bad_speculation_is_refused_by_name(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_a_draft_of_as_many_layers_as_the_model_is_refused():
+    model = DecoderLM(DecoderLMConfig.llama(V, d_model=32, num_layers=2, num_heads=4,
+                                            max_len=64)).eval()
+    with pytest.raises(ValueError, match=r"speculative: self:2 asks for a draft of 2 layers; "
+                                         r"expected fewer than the model's 2"):
+        Engine(model).add_request([1, 2], SamplingParams(4, speculation=Speculation(
+            "self", 3, 2)))
+
+
+def test_speculation_from_names_the_defaults():
+    assert speculation_from("ngram") == Speculation("ngram", 10)
+    assert speculation_from("ngram:3") == Speculation("ngram", 3)
+    assert speculation_from("ngram:3", 5, (4, 5)) == Speculation("ngram", 5, None, (4, 5))
+    assert speculation_from("self:1") == Speculation("self", 5, 1)
