@@ -281,3 +281,19 @@ def test_one_lm_head_call_a_step_for_the_requests_that_need_a_token(monkeypatch)
     assert all(shape == (3, 32) for shape in rows[3:NEW - 1])
     for prompt, events in zip(prompts, results.values()):
         assert _tokens(events) == _reference(prompt)
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt"])
+def test_a_step_may_pack_more_tokens_than_the_models_max_len(style):
+    """A step's rows are packed into one sequence, each at its own positions: 3 prompts of 12-14
+    tokens in one 64-token step (40 tokens) on a model of max_len 16 give generate's tokens."""
+    torch.manual_seed(0)
+    make = DecoderLMConfig.gpt if style == "gpt" else DecoderLMConfig.llama
+    model = DecoderLM(make(V, d_model=32, num_layers=2, num_heads=4, max_len=16,
+                           initializer_range=0.3)).eval()
+    engine = Engine(model, max_batch=3, max_tokens_per_step=64, page_size=4)
+    prompts = [list(range(1, 13)), [7] * 14, list(range(30, 43))]
+    results = _run(engine, [(0, p, SamplingParams(2, temperature=0)) for p in prompts])
+    for prompt, events in zip(prompts, results.values()):
+        expected = generate(model, torch.tensor([prompt]), 2)[0, len(prompt):].tolist()
+        assert _tokens(events) == expected

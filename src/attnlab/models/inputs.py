@@ -39,8 +39,9 @@ def decoder_inputs(input_ids: object, attention_mask: object, cache: object,
     ``input_ids`` ``B x L`` ids in ``[0, vocab_size)``; ``attention_mask`` ``B x (offset + L)``
     or ``None``; ``cache`` a ``KVCache`` of ``num_layers`` layers and batch ``B`` (its
     ``length`` is the ``offset``) or ``None``; ``position_ids`` ``B x L`` or ``L`` ints in
-    ``[0, max_len)`` or ``None``; ``logits_to_keep`` an int ``>= 0``. ``offset + L`` must not
-    exceed ``max_len``.
+    ``[0, max_len)`` or ``None``; ``logits_to_keep`` an int ``>= 0``. Without ``position_ids``,
+    ``offset + L`` must not exceed ``max_len``; with them each position is checked instead (a
+    packed sequence, a serving step's rows, may be longer than ``max_len``).
 
     A mask without a padded key is dropped (``key_mask`` ``None``: the plain causal case) and
     its positions are the offset's, computed from the mask only when it pads.
@@ -53,7 +54,7 @@ def decoder_inputs(input_ids: object, attention_mask: object, cache: object,
         raise ValueError(f"cache: expected {num_layers} layers for batch size {B}, got "
                          f"{cache!r}")
     offset = 0 if cache is None else cache.length
-    if offset + L > max_len:
+    if position_ids is None and offset + L > max_len:
         raise ValueError(f"input_ids: positions {offset} .. {offset + L - 1} exceed the "
                          f"model's max_len={max_len}")
     if not is_int(logits_to_keep) \
