@@ -331,11 +331,12 @@ void rows_times_x(const W* w, const float* x, float* y, int64_t M, int64_t O, in
 #ifdef ATTNLAB_AVX512
     // One row of x against float32 weights: one row of W at a time, 2 KiB ahead, as one
     // stream. Weights mapped from a safetensors file (from_pretrained keeps float32 ones in
-    // place) lie on large pages, where four rows at a time, 16 KiB ahead, took 1.15-1.2x as
-    // long on the AMD EPYC (Zen 4) for the 29 products of a 1024-wide 4-layer step: 9.0-9.4
-    // against 7.6-7.8 ms, and float32 decoding ran 13-22% slower (2.0-2.26x transformers
-    // against 1.66-1.77x in `attnlab bench families`). On copies in 4 KiB pages the two were
-    // level or four rows 1.06-1.3x faster, varying from one copy to the next.
+    // place) lie on the page cache's large pages, where four rows at a time, 16 KiB ahead,
+    // took 1.1-1.2x as long on the AMD EPYC (Zen 4) for the 29 products of a 1024-wide
+    // 4-layer step (benchmarks/scripts/gemv_one_row.py, CPU time, in turns: 9.9-10.5 against
+    // 8.5-9.9 ms), and a float32 decode step used 1.18x the CPU time (issue 38's regression).
+    // On copies in anonymous 4 KiB pages four rows were faster: 11.7-12.5 against 13.6-16.0
+    // ms (the two-chain one-row loop before them: 12.5-16.5 ms).
     if constexpr (MB == 1 && std::is_same_v<W, float>)
       row_groups<1, 1, kAheadBytes>(w, xm, ym, O, K, begin, end, row_scale);
     else
