@@ -254,7 +254,8 @@ struct Lanes {
 // weights are asked for 16 KiB ahead whatever the rows of x: built for x86-64-v3 on the Xeon,
 // that read a bfloat16 matrix 1.1-1.25x faster than 2 KiB with one row (micro-benchmark in
 // turns, cold copies); AVX-512 builds run this loop from three rows of x, where 16 KiB won too.
-template <int MB, int R, typename W, typename Scale>
+// `Ahead` says how far (rows_times_x's one float32 row of x asks 2 KiB ahead).
+template <int MB, int R, int64_t Ahead = kAheadManyRows, typename W, typename Scale>
 void row_groups(const W* w, const float* x, float* y, int64_t O, int64_t K, int64_t begin,
                 int64_t end, Scale row_scale) {
   using V = Lanes::V;
@@ -273,7 +274,7 @@ void row_groups(const W* w, const float* x, float* y, int64_t O, int64_t K, int6
     for (; k + kStep <= K; k += kStep) {
       V wr[R][P];
       for (int r = 0; r < R; ++r) {
-        if (k % kLine == 0) ahead<1, kAheadManyRows>(rows + r * K + k);
+        if (k % kLine == 0) ahead<1, Ahead>(rows + r * K + k);
         Lanes::load_parts(rows + r * K + k, wr[r]);
       }
       for (int m = 0; m < MB; ++m)
@@ -296,7 +297,7 @@ void row_groups(const W* w, const float* x, float* y, int64_t O, int64_t K, int6
     }
   }
   if constexpr (R > 1) {
-    if (o < end) row_groups<MB, 1>(w, x, y, O, K, o, end, row_scale);
+    if (o < end) row_groups<MB, 1, Ahead>(w, x, y, O, K, o, end, row_scale);
   }
 }
 
@@ -328,8 +329,18 @@ void rows_times_x(const W* w, const float* x, float* y, int64_t M, int64_t O, in
     const float* xm = x + m0 * K;
     float* ym = y + m0 * O;
 #ifdef ATTNLAB_AVX512
-    row_groups<MB, (MB <= 2 ? 4 : MB > 5 ? 3 : 4)>(w, xm, ym, O, K, begin, end,
-                                                                 row_scale);
+    // One row of x against float32 weights: one row of W at a time, 2 KiB ahead, as one
+    // stream. Weights mapped from a safetensors file (from_pretrained keeps float32 ones in
+    // place) lie on the page cache's large pages, where four rows at a time, 16 KiB ahead,
+    // took 1.1-1.2x as long on the AMD EPYC (Zen 4) for the 29 products of a 1024-wide
+    // 4-layer step (benchmarks/scripts/gemv_one_row.py, CPU time, in turns: 9.9-10.5 against
+    // 8.5-9.9 ms), and a float32 decode step used 1.18x the CPU time (issue 38's regression).
+    // On copies in anonymous 4 KiB pages four rows were faster: 11.7-12.5 against 13.6-16.0
+    // ms (the two-chain one-row loop before them: 12.5-16.5 ms).
+    if constexpr (MB == 1 && std::is_same_v<W, float>)
+      row_groups<1, 1, kAheadBytes>(w, xm, ym, O, K, begin, end, row_scale);
+    else
+      row_groups<MB, (MB <= 2 ? 4 : MB > 5 ? 3 : 4)>(w, xm, ym, O, K, begin, end, row_scale);
 #else
     // bfloat16 weights: two rows of W at a time with one row of x streamed 1.25x faster than
     // six; their two parts a load (Lanes::load_parts) take twice the registers.
