@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 __all__ = ["PARSERS", "ToolCall", "ToolParser", "ToolStream", "choose_parser",
-           "forced_schema", "parse_forced"]
+           "forced_schema", "parse_answer", "parse_forced"]
 
 
 @dataclass(frozen=True)
@@ -237,10 +237,22 @@ def parse_forced(parser: ToolParser, text: str) -> list[ToolCall] | None:
     return calls if calls and all(c is not None for c in calls) else None
 
 
+def parse_answer(parser: ToolParser, text: str, *, forced: bool = False
+                 ) -> tuple[str | None, list[ToolCall]]:
+    """``(content, calls)`` of a whole answer: ``parser.parse``, or when the call was
+    ``forced`` (``forced_schema``), ``parse_forced``'s calls and no content (the text as
+    content when it is not whole)."""
+    if not forced:
+        return parser.parse(text)
+    calls = parse_forced(parser, text)
+    return (None, calls) if calls else (text or None, [])
+
+
 class ToolStream:
     """One streamed choice of a request with tools. ``push(piece)`` -> the content that can be
-    sent now; ``finish()`` -> ``(the rest of the content, the calls)``, equal together to what
-    ``parser.parse`` (or ``parse_forced`` when ``forced``) gives for the whole text. Leading
+    sent now; ``finish()`` -> ``(the rest of the content, the calls)``, equal together to
+    ``parse_answer`` of the whole text; ``cut()`` -> the text held back (the answer was cut
+    short: it is content). Leading
     whitespace is held until other content follows (an answer that is whitespace before a
     call has no content)."""
 
@@ -259,13 +271,13 @@ class ToolStream:
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        if self.forced:
-            calls = parse_forced(self.parser, self.text)
-            content = None if calls else self.text or None
-        else:
-            content, calls = self.parser.parse(self.text)
+        content, calls = parse_answer(self.parser, self.text, forced=self.forced)
         assert (content or "").startswith(self.text[:self.sent]), "content sent was not content"
-        return (content or "")[self.sent:], calls or []
+        return (content or "")[self.sent:], calls
+
+    def cut(self) -> str:
+        held, self.sent = self.text[self.sent:], len(self.text)
+        return held
 
 
 def _json(text: str) -> object:
