@@ -22,7 +22,9 @@ class SamplingParams:
     tokens whatever else runs in the batch; a token of ``stop_token_ids`` ends the request
     (it is reported, with ``finish_reason="stop"``); requests of one ``group`` (the ``n``
     choices of one HTTP request) share one fair share of the engine (``None``: the request
-    is a group alone; see ``attnlab.serving.scheduler``).
+    is a group alone; see ``attnlab.serving.scheduler``); ``json_schema``: the JSON Schema
+    every token keeps the text a prefix of (``attnlab.generation.grammar``; ``None``: free
+    text).
     """
 
     max_tokens: int
@@ -32,6 +34,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     group: str | None = None
+    json_schema: dict | None = None
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -55,6 +58,9 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(stop))
         if self.group is not None and (not isinstance(self.group, str) or not self.group):
             raise ValueError(f"group: expected None or a non-empty str, got {self.group!r}")
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise ValueError(f"json_schema: expected None or a JSON Schema (a dict), got "
+                             f"{type(self.json_schema).__name__}")
 
     @property
     def greedy(self) -> bool:
