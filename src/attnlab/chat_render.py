@@ -34,10 +34,11 @@ import time
 from datetime import datetime
 
 import jinja2
+from jinja2 import meta
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["DEFAULT_RENDERER", "TemplateRenderer", "check_template"]
+__all__ = ["DEFAULT_RENDERER", "TemplateRenderer", "check_template", "template_variables"]
 
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_MEMORY_BYTES = 2**30
@@ -126,6 +127,13 @@ def check_template(source: str) -> None:
     a template. Only the worker compiles: Jinja's compiler evaluates constant expressions
     (``{{ 'a' * 10**10 }}`` allocates its 10 GB while compiling)."""
     _environment().parse(source)
+
+
+def template_variables(source: str) -> frozenset[str]:
+    """The variables that ``source`` reads from what it is given (``"messages"``,
+    ``"tools"``, ...), found by parsing it as ``check_template`` does (no render, nothing
+    compiled): whether a template renders ``tools`` at all."""
+    return frozenset(meta.find_undeclared_variables(_environment().parse(source)))
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
