@@ -7,14 +7,19 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 messages rendered by the tokenizer's chat template), ``POST /tokenize`` and
 ``POST /detokenize`` (vLLM's), ``GET /health``, ``GET /metrics``, ``GET /openapi.json``. Each
 choice of a request (``n`` per prompt) is one engine request; ``stream: true`` answers with
-server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``.
+server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``. A chat request's
+``tools`` are rendered by the chat template, and the answer's calls parsed into
+``message.tool_calls`` (``delta.tool_calls`` when streamed) by the parser of the model's family
+and template (``attnlab.serving.tool_calls``); ``tool_choice: "required"`` or a named function
+makes the engine hold the answer to the call's JSON Schema (``SamplingParams.json_schema``).
 
 Refusals use OpenAI's error JSON (``api.error_body``): 400 for a body that is not JSON, a
 field of the wrong type or out of range, a prompt that does not fit the context or the KV
 cache, ``n`` or ``max_tokens`` over the operator's limits, more choices (prompts times ``n``)
 than the engine's queue holds (naming the field, or why the body
 could not be parsed), a chat template that fails or passes its time or memory limit (naming
-its file: it renders in a worker process, ``attnlab.chat_render``); 404 for another model's
+its file: it renders in a worker process, ``attnlab.chat_render``), ``tools`` for a model
+whose chat template does not render them; 404 for another model's
 name; 408 for a body that stops arriving; 413 for a body over the limit; 429 when the
 engine's queue is full; 500 when the engine or a handler failed (the server goes on); 503
 once the server is stopping (``attnlab.serving.shutdown``: the running requests finish, or
@@ -25,6 +30,7 @@ aborted, which frees their KV cache pages.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +43,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from attnlab._checks import check_positive, is_int, is_number
+from attnlab.chat_render import template_variables
 from attnlab.generation.config import read_generation_config
 from attnlab.generation.inputs import token_id_set
 from attnlab.models.decoder import DecoderLM
@@ -66,6 +73,14 @@ from attnlab.serving.choice_text import ChoiceText
 from attnlab.serving.engine_thread import EngineError, EngineThread, release_openmp_threads
 from attnlab.serving.metrics import CONTENT_TYPE, Metrics
 from attnlab.serving.shutdown import Drain, ShutdownError
+from attnlab.serving.tool_calls import (
+    PARSERS,
+    ToolParser,
+    ToolStream,
+    choose_parser,
+    forced_schema,
+    parse_answer,
+)
 from attnlab.tokenizer import Tokenizer
 
 __all__ = ["ServerState", "create_app"]
@@ -243,14 +258,36 @@ class ServerState:
                            f"[0, {vocab})", param=field)
         return list(prompt)
 
-    async def chat_ids(self, messages: list[dict]) -> list[int]:
-        """The chat template's prompt ids for ``messages``, rendered (in the template's worker
+    def tool_parser(self, body: ChatRequest) -> ToolParser | None:
+        """The parser of the answer's tool calls (``None``: the request has no tools to call);
+        a 400 naming ``tools`` when the chat template does not render tools (the model would
+        never learn of them) or when neither it nor the family shows a known format."""
+        if body.tool_mode is None:
+            return None
+        template = self.tokenizer.chat_template
+        origin = self.tokenizer.template_file or "its tokenizer_config.json"
+        if template is None or "tools" not in _variables(template):
+            raise ApiError(400, f"tools: this model's chat template ({origin}) does not render "
+                           "tools, so the model cannot be told of them; expected a request "
+                           "without tools, or a model whose template renders them (as "
+                           "Qwen2.5's and Llama 3.1's do)", param="tools")
+        parser = choose_parser(self.model.config.family, template)
+        if parser is None:
+            raise ApiError(400, f"tools: no tool call format is known for the model family "
+                           f"{self.model.config.family!r} or its chat template ({origin}); "
+                           f"this server reads {sorted(PARSERS)}", param="tools")
+        return parser
+
+    async def chat_ids(self, messages: list[dict], tools: list[dict] | None = None
+                       ) -> list[int]:
+        """The chat template's prompt ids for ``messages`` (and ``tools``), rendered (in the
+        template's worker
         process, with its time and memory limits) and tokenized in a thread, off the event
         loop; a template that fails or exceeds a limit is a 400 naming its file. The renders
         have threads of their own: a slow template (up to its time limit each) queues the chat
         requests behind it, not the other requests' tokenizing and body checks, which share
         asyncio's default threads."""
-        render = partial(self.tokenizer.apply_chat_template, messages,
+        render = partial(self.tokenizer.apply_chat_template, messages, tools=tools,
                          add_generation_prompt=True, tokenize=True, max_tokens=self.context)
         try:
             ids = await asyncio.get_running_loop().run_in_executor(self.chat_threads, render)
@@ -275,10 +312,11 @@ class ServerState:
 
     def params(self, body: CompletionRequest | ChatRequest, prompt_length: int,
                asked: int | None, field: str, choice: int,
-               group: str | None = None) -> SamplingParams:
+               group: str | None = None, json_schema: dict | None = None) -> SamplingParams:
         """The engine's parameters for one choice of the request ``group``, after checking
         ``n`` and the new tokens ``asked`` in ``field`` against the server's limits, and that
-        the choice fits the context and the KV cache. New tokens the client did not ask for
+        the choice fits the context and the KV cache; ``json_schema``: what the answer must
+        be (a forced tool call). New tokens the client did not ask for
         (``field`` not sent) are as many as fit, within ``max_tokens_limit`` (and the field's
         default, when it has one)."""
         prompt_field = "messages" if isinstance(body, ChatRequest) else "prompt"
@@ -314,7 +352,8 @@ class ServerState:
         temperature = 0.0 if body.temperature < SAMPLING_EPS else body.temperature
         return SamplingParams(max_tokens=asked, temperature=temperature,
                               top_p=max(body.top_p, MIN_TOP_P), top_k=body.top_k, seed=seed,
-                              stop_token_ids=self.stop_token_ids, group=group)
+                              stop_token_ids=self.stop_token_ids, group=group,
+                              json_schema=json_schema)
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
@@ -353,10 +392,17 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         body = await parsed(request, ChatRequest)
         state.check_model(body.model)
         state.check_choices(1, body.n)
-        messages = [{"role": m.role, "content": m.text} for m in body.messages]
-        ids = await state.chat_ids(messages)
+        parser = state.tool_parser(body)
+        tools = None if parser is None else [t.model_dump(exclude_none=True)
+                                             for t in body.tools]
+        ids = await state.chat_ids([m.for_template() for m in body.messages], tools)
+        mode, schema = body.tool_mode, None
+        if parser is not None and mode != "auto":  # "required" or a function's name
+            schema = forced_schema(parser, tools, None if mode == "required" else mode,
+                                   parallel=body.parallel_tool_calls is not False)
         asked, field = body.new_tokens
-        job = _Job(state, body, [ids], asked, field, chat=True)
+        job = _Job(state, body, [ids], asked, field, chat=True, tools=parser,
+                   json_schema=schema)
         return await job.respond(request)
 
     @app.post("/tokenize")
@@ -364,8 +410,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         body = await parsed(request, TokenizeRequest)
         state.check_model(body.model)
         if body.messages is not None:
-            ids = await state.chat_ids([{"role": m.role, "content": m.text}
-                                        for m in body.messages])
+            ids = await state.chat_ids([m.for_template() for m in body.messages])
         else:
             try:
                 ids = await asyncio.to_thread(state.tokenizer.encode, body.prompt,
@@ -387,8 +432,11 @@ class _Job:
     """One HTTP request: ``n`` engine requests per prompt, whose events share one queue."""
 
     def __init__(self, state: ServerState, body: CompletionRequest | ChatRequest,
-                 prompts: list[list[int]], asked: int | None, field: str, *, chat: bool) -> None:
+                 prompts: list[list[int]], asked: int | None, field: str, *, chat: bool,
+                 tools: ToolParser | None = None, json_schema: dict | None = None) -> None:
         self.state, self.body, self.chat, self.field = state, body, chat, field
+        # The parser of a chat answer's tool calls; forced: the answer is the call's JSON.
+        self.tools, self.forced = tools, json_schema is not None
         self.prompt_field = "messages" if chat else "prompt"
         if body.stream_options is not None and not body.stream:
             raise ApiError(400, "stream_options: only with stream: true, got stream: "
@@ -398,7 +446,8 @@ class _Job:
         self.created = now()  # one for the whole completion, every chunk included
         # Every choice is checked before any is started: a refusal leaves nothing running.
         # The choices share one fair share of the engine (its scheduler's groups).
-        self.work = [(ids, state.params(body, len(ids), asked, field, j, group=self.id))
+        self.work = [(ids, state.params(body, len(ids), asked, field, j, group=self.id,
+                                        json_schema=json_schema))
                      for ids in prompts for j in range(body.n)]
         self.events: asyncio.Queue = asyncio.Queue()
         self.choices: dict[str, tuple[int, ChoiceText]] = {}  # engine id -> (index, text)
@@ -514,6 +563,14 @@ class _Job:
                 from None
         texts, finishes = [t.text for t in self._texts()], [
             self.finishes[i] for i in range(len(self.work))]
+        if self.tools is not None:
+            answers = [parse_answer(self.tools, t, forced=self.forced) for t in texts]
+            texts = [content for content, _ in answers]
+            finishes = ["tool_calls" if calls else f
+                        for (_, calls), f in zip(answers, finishes, strict=True)]
+            return JSONResponse(chat_completion(
+                self.id, self.state.name, texts, finishes, self._usage(), created=self.created,
+                tool_calls=[[c.openai() for c in calls] for _, calls in answers]))
         make = chat_completion if self.chat else completion
         return JSONResponse(make(self.id, self.state.name, texts, finishes, self._usage(),
                                  created=self.created))
@@ -521,10 +578,15 @@ class _Job:
     async def _stream(self) -> AsyncIterator[str]:
         """Server-sent events: for chat, a first delta with the role per choice; text
         deltas; each choice's last chunk with its finish reason; the usage chunk when asked;
-        ``[DONE]``. Leaving early (client gone) aborts the choices still running."""
+        ``[DONE]``. With tools, text that may be a call is held back; a choice's calls come
+        after its content, one ``delta.tool_calls`` chunk each, then its finish reason
+        (``"tool_calls"`` when it made any). Leaving early (client gone) aborts the choices
+        still running."""
         name, with_usage = self.state.name, self.body.include_usage
         chat_chunk = partial(_chat_chunk, created=self.created)
         completion_chunk = partial(_completion_chunk, created=self.created)
+        calls = {i: ToolStream(self.tools, forced=self.forced) for i in range(len(self.work))
+                 } if self.tools is not None else None
         try:
             if self.chat:
                 for index in range(len(self.work)):
@@ -532,6 +594,11 @@ class _Job:
                                           {"role": "assistant", "content": ""}, None, None,
                                           with_usage=with_usage))
             async for index, piece, finish in self._updates():
+                if calls is not None:
+                    for chunk in _tool_chunks(calls[index], piece, finish):
+                        yield _sse(chat_chunk(self.id, name, index, *chunk, None,
+                                              with_usage=with_usage))
+                    continue
                 if not piece and finish is None:
                     continue
                 if self.chat:
@@ -553,6 +620,8 @@ class _Job:
                 text = self._texts()[index]
                 text.finish()
                 piece = text.take(final=True)
+                if calls is not None:  # what was held back as a possible call is content
+                    piece = calls[index].push(piece) + calls[index].cut()
                 if self.chat:
                     yield _sse(chat_chunk(self.id, name, index,
                                           {"content": piece} if piece else {}, "abort", None,
@@ -567,6 +636,29 @@ class _Job:
         finally:
             self._end()
         yield "data: [DONE]\n\n"
+
+
+def _tool_chunks(stream: ToolStream, piece: str, finish: str | None
+                 ) -> list[tuple[dict, str | None]]:
+    """A streamed choice's ``(delta, finish_reason)`` chunks for its new text ``piece``: the
+    content that cannot be a call; at its ``finish``, the rest of the content, one chunk per
+    call (``delta.tool_calls``, its ``index`` the call's place in the message), and the
+    finish reason."""
+    content = stream.push(piece)
+    if finish is None:
+        return [({"content": content}, None)] if content else []
+    rest, calls = stream.finish()
+    content += rest
+    return [*([({"content": content}, None)] if content else []),
+            *(({"tool_calls": [{"index": k, **call.openai()}]}, None)
+              for k, call in enumerate(calls)),
+            ({}, "tool_calls" if calls else finish)]
+
+
+@functools.lru_cache(maxsize=8)
+def _variables(template: str) -> frozenset[str]:
+    """``template_variables``, parsed once per template (a few ms each time otherwise)."""
+    return template_variables(template)
 
 
 def _sse(body: dict) -> str:
