@@ -13,17 +13,16 @@ server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``. A cha
 and template (``attnlab.serving.tool_calls``); ``tool_choice: "required"`` or a named function
 makes the engine hold the answer to the call's JSON Schema (``SamplingParams.json_schema``).
 
-Refusals use OpenAI's error JSON (``api.error_body``): 400 for a body that is not JSON, a
-field of the wrong type or out of range, a prompt that does not fit the context or the KV
-cache, ``n`` or ``max_tokens`` over the operator's limits, more choices (prompts times ``n``)
-than the engine's queue holds (naming the field, or why the body
-could not be parsed), a chat template that fails or passes its time or memory limit (naming
-its file: it renders in a worker process, ``attnlab.chat_render``), ``tools`` for a model
-whose chat template does not render them; 404 for another model's
-name; 408 for a body that stops arriving; 413 for a body over the limit; 429 when the
-engine's queue is full; 500 when the engine or a handler failed (the server goes on); 503
-once the server is stopping (``attnlab.serving.shutdown``: the running requests finish, or
-end with a last chunk). A client that goes away mid-request has its engine requests
+Refusals use OpenAI's error JSON (``api.error_body``): 400 for a body that is not JSON, a field
+of the wrong type or out of range, a prompt that does not fit the context or the KV cache,
+``n`` or ``max_tokens`` over the operator's limits, more choices (prompts times ``n``) than the
+engine's queue holds (naming the field, or why the body could not be parsed), a chat template
+that fails or passes its time or memory limit (naming its file: it renders in a worker process,
+``attnlab.chat_render``), ``tools`` for a model whose chat template does not render them; 404
+for another model's name; 408 for a body that stops arriving; 413 for a body over the limit;
+429 when the engine's queue is full; 500 when the engine or a handler failed (the server goes
+on); 503 once the server is stopping (``attnlab.serving.shutdown``: the running requests
+finish, or end with a last chunk). A client that goes away mid-request has its engine requests
 aborted, which frees their KV cache pages.
 """
 
@@ -281,12 +280,11 @@ class ServerState:
     async def chat_ids(self, messages: list[dict], tools: list[dict] | None = None
                        ) -> list[int]:
         """The chat template's prompt ids for ``messages`` (and ``tools``), rendered (in the
-        template's worker
-        process, with its time and memory limits) and tokenized in a thread, off the event
-        loop; a template that fails or exceeds a limit is a 400 naming its file. The renders
-        have threads of their own: a slow template (up to its time limit each) queues the chat
-        requests behind it, not the other requests' tokenizing and body checks, which share
-        asyncio's default threads."""
+        template's worker process, with its time and memory limits) and tokenized in a
+        thread, off the event loop; a template that fails or exceeds a limit is a 400 naming
+        its file. The renders have threads of their own: a slow template (up to its time
+        limit each) queues the chat requests behind it, not the other requests' tokenizing
+        and body checks, which share asyncio's default threads."""
         render = partial(self.tokenizer.apply_chat_template, messages, tools=tools,
                          add_generation_prompt=True, tokenize=True, max_tokens=self.context)
         try:
@@ -316,9 +314,9 @@ class ServerState:
         """The engine's parameters for one choice of the request ``group``, after checking
         ``n`` and the new tokens ``asked`` in ``field`` against the server's limits, and that
         the choice fits the context and the KV cache; ``json_schema``: what the answer must
-        be (a forced tool call). New tokens the client did not ask for
-        (``field`` not sent) are as many as fit, within ``max_tokens_limit`` (and the field's
-        default, when it has one)."""
+        be (a forced tool call). New tokens the client did not ask for (``field`` not sent)
+        are as many as fit, within ``max_tokens_limit`` (and the field's default, when it has
+        one)."""
         prompt_field = "messages" if isinstance(body, ChatRequest) else "prompt"
         if body.n > self.max_n:
             raise ApiError(400, f"n: expected at most {self.max_n} (this server's --max-n), "
