@@ -13,16 +13,17 @@ server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``. A cha
 and template (``attnlab.serving.tool_calls``); ``tool_choice: "required"`` or a named function
 makes the engine hold the answer to the call's JSON Schema (``SamplingParams.json_schema``).
 
-Refusals use OpenAI's error JSON (``api.error_body``): 400 for a body that is not JSON, a field
-of the wrong type or out of range, a prompt that does not fit the context or the KV cache,
-``n`` or ``max_tokens`` over the operator's limits, more choices (prompts times ``n``) than the
-engine's queue holds (naming the field, or why the body could not be parsed), a chat template
-that fails or passes its time or memory limit (naming its file: it renders in a worker process,
-``attnlab.chat_render``), ``tools`` for a model whose chat template does not render them; 404
-for another model's name; 408 for a body that stops arriving; 413 for a body over the limit;
-429 when the engine's queue is full; 500 when the engine or a handler failed (the server goes
-on); 503 once the server is stopping (``attnlab.serving.shutdown``: the running requests
-finish, or end with a last chunk). A client that goes away mid-request has its engine requests
+Refusals use OpenAI's error JSON (``api.error_body``): 400 for a body that is not JSON, a
+field of the wrong type or out of range, a prompt that does not fit the context or the KV
+cache, ``n`` or ``max_tokens`` over the operator's limits, more choices (prompts times ``n``)
+than the engine's queue holds (naming the field, or why the body
+could not be parsed), a chat template that fails or passes its time or memory limit (naming
+its file: it renders in a worker process, ``attnlab.chat_render``), ``tools`` for a model
+whose chat template does not render them (naming the field); 404 for another model's
+name; 408 for a body that stops arriving; 413 for a body over the limit; 429 when the
+engine's queue is full; 500 when the engine or a handler failed (the server goes on); 503
+once the server is stopping (``attnlab.serving.shutdown``: the running requests finish, or
+end with a last chunk). A client that goes away mid-request has its engine requests
 aborted, which frees their KV cache pages.
 """
 
