@@ -90,6 +90,85 @@ assistant.<|im_end|>\\n' }}
     {{- '<|im_start|>assistant\\n' }}
 {%- endif %}
 """
+# Llama 3.1-Instruct's chat template (its JSON tool calling; the builtin tools left out): tools
+# in the first user turn, calls as {"name", "parameters"}, tool results in ipython turns.
+LLAMA31_TEMPLATE = """\
+{{- bos_token }}
+{%- if custom_tools is defined %}
+    {%- set tools = custom_tools %}
+{%- endif %}
+{%- if not tools_in_user_message is defined %}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- set date_string = "26 Jul 2024" %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{%- if tools is not none %}
+    {{- "Environment: ipython\\n" }}
+{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\\n" }}
+{{- "Today Date: " + date_string + "\\n\\n" }}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+{%- if tools_in_user_message and not tools is none %}
+    {%- if messages | length != 0 %}
+        {%- set first_user_message = messages[0]['content']|trim %}
+        {%- set messages = messages[1:] %}
+    {%- else %}
+        {{- raise_exception("Cannot put tools in the first user message when there's no first \
+user message!") }}
+    {%- endif %}
+    {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}
+    {{- "Given the following functions, please respond with a JSON for a function call " }}
+    {{- "with its proper arguments that best answers the given prompt.\\n\\n" }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument \
+name and its value}.' }}
+    {{- "Do not use variables.\\n\\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\\n\\n" }}
+    {%- endfor %}
+    {{- first_user_message + "<|eot_id|>"}}
+{%- endif %}
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ \
+message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+        {{- '{"name": "' + tool_call.name + '", ' }}
+        {{- '"parameters": ' }}
+        {{- tool_call.arguments | tojson }}
+        {{- "}" }}
+        {{- "<|eot_id|>" }}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}
+        {%- if message.content is mapping or message.content is iterable %}
+            {{- message.content | tojson }}
+        {%- else %}
+            {{- message.content }}
+        {%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
 CITY = {"type": "string", "enum": ["Paris", "Oslo"]}
 WEATHER = {"type": "object", "properties": {"city": CITY}, "required": ["city"],
            "additionalProperties": False}
@@ -98,24 +177,27 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "get_time", "parameters": {
              "type": "object", "properties": {}, "additionalProperties": False}}}]
 ASK = [{"role": "user", "content": "weather in Paris?"}]
-# The caller's one answer token: a whole call, as Qwen2.5 writes one.
+# The callers' one answer token: a whole call, as Qwen2.5 and Llama 3.1 write one.
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris"}}\n</tool_call>'
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city":"Paris"}}'
 
 
-def with_template(source, path):
-    """A copy of the tiny folder ``source`` with the Qwen2.5 template."""
+def with_template(source, path, template=QWEN25_TEMPLATE):
+    """A copy of the tiny folder ``source`` with ``template`` (and a bos token, which Llama
+    3.1's template writes)."""
     shutil.copytree(source, path)
     config = json.loads((path / "tokenizer_config.json").read_text())
     del config["chat_template"]
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    (path / "chat_template.jinja").write_text(QWEN25_TEMPLATE)
+    (path / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                            "bos_token": "<|im_start|>"}))
+    (path / "chat_template.jinja").write_text(template)
     return path
 
 
-def save_model(path, vocab: int, *, zero_head: bool = False) -> None:
-    """A random tiny Qwen2 with room for the tools' prompt (the tiny tokenizer spells the
+def save_model(path, vocab: int, *, zero_head: bool = False, family: str = "qwen2") -> None:
+    """A random tiny model with room for the tools' prompt (the tiny tokenizer spells the
     template's system turn in some 800 tokens)."""
-    config = FAMILIES["qwen2"].config_from_hf(
+    config = FAMILIES[family].config_from_hf(
         {"vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "max_position_embeddings": 2048, "tie_word_embeddings": False,
@@ -136,22 +218,37 @@ def qwen_folder(qwen2_folder, tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def caller_folder(qwen2_folder, tmp_path_factory):
-    """A folder whose greedy answer is CALL, CALL, ...: CALL takes id 0 (the id of
-    <|im_start|>, which moves to the new id), and a zero lm_head makes every logit 0."""
-    path = with_template(qwen2_folder, tmp_path_factory.mktemp("caller") / "model")
+def make_caller(path, call: str, family: str) -> None:
+    """Make the folder at ``path`` one whose greedy answer is ``call``, ``call``, ...:
+    ``call`` takes id 0 (the id of <|im_start|>, which moves to the new id), and a zero
+    lm_head makes every logit 0."""
     tok = Backend.from_file(str(path / "tokenizer.json"))
-    tok.add_tokens([AddedToken(CALL, normalized=False, special=False)])
+    tok.add_tokens([AddedToken(call, normalized=False, special=False)])
     data = json.loads(tok.to_str())
     new = tok.get_vocab_size() - 1
     for entry in data["added_tokens"]:
         entry["id"] = {0: new, new: 0}.get(entry["id"], entry["id"])
     # Ids of added tokens are kept on loading only when the model's vocabulary has them.
-    data["model"]["vocab"].update({"<|im_start|>": new, CALL: 0})
+    data["model"]["vocab"].update({"<|im_start|>": new, call: 0})
     (path / "tokenizer.json").write_text(json.dumps(data))
-    assert Backend.from_file(str(path / "tokenizer.json")).token_to_id(CALL) == 0
-    save_model(path, new + 1, zero_head=True)
+    assert Backend.from_file(str(path / "tokenizer.json")).token_to_id(call) == 0
+    save_model(path, new + 1, zero_head=True, family=family)
+
+
+@pytest.fixture(scope="module")
+def caller_folder(qwen2_folder, tmp_path_factory):
+    """A Qwen2 folder with the Qwen2.5 template that answers CALL, CALL, ..."""
+    path = with_template(qwen2_folder, tmp_path_factory.mktemp("caller") / "model")
+    make_caller(path, CALL, "qwen2")
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_folder(qwen2_folder, tmp_path_factory):
+    """A Llama folder with the Llama 3.1 template that answers LLAMA_CALL, ..."""
+    path = with_template(qwen2_folder, tmp_path_factory.mktemp("llama") / "model",
+                         LLAMA31_TEMPLATE)
+    make_caller(path, LLAMA_CALL, "llama")
     return path
 
 
@@ -186,9 +283,11 @@ def qwen(qwen_folder):
 
 
 def hf_prompt(folder, messages, tools=None) -> list[int]:
+    """transformers' rendering of ``messages`` with the folder's template, tokenized."""
     transformers = pytest.importorskip("transformers")
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
-    hf.chat_template = QWEN25_TEMPLATE
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"),
+                                              bos_token="<|im_start|>")
+    hf.chat_template = (folder / "chat_template.jinja").read_text()
     return hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
                                   tokenize=True, return_dict=False)
 
@@ -243,6 +342,46 @@ def test_tool_calling_loop(caller, caller_folder) -> None:
          "function": {"name": "get_weather", "arguments": {"city": "Paris"}}} for c in calls]},
         *({"role": "tool", "tool_call_id": c.id, "content": "sunny, 21 C"} for c in calls)]
     assert added[0][0] == hf_prompt(caller_folder, expected, TOOLS)
+
+
+def test_llama31_json_calls(llama_folder) -> None:
+    """Llama 3.1's template and format: the tools in the first user turn, the answer's bare
+    JSON call parsed (its "parameters" as the arguments), the ipython turn rendered back as
+    transformers renders it."""
+    app, added = served(llama_folder)
+    with live(app) as url:
+        api, name = client(url), llama_folder.name
+        out = api.chat.completions.create(model=name, messages=ASK, tools=TOOLS, max_tokens=1,
+                                          temperature=0)
+        assert added[0][0] == hf_prompt(llama_folder, ASK, TOOLS)
+        choice = out.choices[0]
+        assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+        [call] = choice.message.tool_calls
+        assert (call.function.name, call.function.arguments) == ("get_weather",
+                                                                 '{"city": "Paris"}')
+        back = [*ASK, choice.message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        api.chat.completions.create(model=name, messages=back, tools=TOOLS, max_tokens=1)
+    expected = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    assert added[1][0] == hf_prompt(llama_folder, expected, TOOLS)
+
+
+def test_several_choices_each_parsed(caller) -> None:
+    """n = 2: each choice's calls, streamed or not."""
+    api, _, name = caller
+    out = api.chat.completions.create(model=name, messages=ASK, tools=TOOLS, max_tokens=1,
+                                      temperature=0, n=2)
+    assert [len(c.message.tool_calls) for c in out.choices] == [1, 1]
+    stream = api.chat.completions.create(model=name, messages=ASK, tools=TOOLS, max_tokens=1,
+                                         temperature=0, n=2, stream=True)
+    calls: dict[int, list[str]] = {0: [], 1: []}
+    for chunk in stream:
+        for choice in chunk.choices:
+            calls[choice.index] += [c.function.name for c in choice.delta.tool_calls or ()]
+    assert calls == {0: ["get_weather"], 1: ["get_weather"]}
 
 
 def test_tool_choice_none_leaves_the_text_alone(caller) -> None:
