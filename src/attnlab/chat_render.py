@@ -34,7 +34,7 @@ import time
 from datetime import datetime
 
 import jinja2
-from jinja2 import meta
+from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -130,10 +130,12 @@ def check_template(source: str) -> None:
 
 
 def template_variables(source: str) -> frozenset[str]:
-    """The variables that ``source`` reads from what it is given (``"messages"``,
-    ``"tools"``, ...), found by parsing it as ``check_template`` does (no render, nothing
-    compiled): whether a template renders ``tools`` at all."""
-    return frozenset(meta.find_undeclared_variables(_environment().parse(source)))
+    """The names of the variables that ``source`` reads (``"messages"``, ``"tools"``, ...;
+    also one that it sets before reading): whether a template renders ``tools`` at all. From
+    the parse alone, as ``check_template``'s: ``jinja2.meta.find_undeclared_variables`` runs
+    the compiler, which evaluates constant expressions (10 GB for ``{{ 'a' * 10**10 }}``)."""
+    tree = _environment().parse(source)
+    return frozenset(name.name for name in tree.find_all(nodes.Name) if name.ctx == "load")
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
