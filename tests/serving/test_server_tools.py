@@ -440,6 +440,22 @@ def test_forced_tool_call_loop_on_random_weights(qwen) -> None:
     assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def test_forced_parameters_the_grammar_engine_cannot_enforce_are_refused(qwen) -> None:
+    """A forced call's schema holds the function's parameters: a keyword the grammar engine
+    cannot enforce is a 400 naming it (never a looser constraint); with "auto" nothing is
+    enforced, so the same tools are taken."""
+    openai = pytest.importorskip("openai")
+    api, _, name = qwen
+    unique = [{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"ids": {"type": "array", "uniqueItems": True}}}}}]
+    with pytest.raises(openai.BadRequestError) as error:
+        api.chat.completions.create(model=name, messages=ASK, tools=unique, max_tokens=1,
+                                    tool_choice="required")
+    assert error.value.body["param"] == "tools"
+    assert '["uniqueItems"]' in error.value.body["message"]
+    api.chat.completions.create(model=name, messages=ASK, tools=unique, max_tokens=1)
+
+
 def test_template_without_tools_is_refused(qwen2_folder) -> None:
     openai = pytest.importorskip("openai")
     app = create_app(qwen2_folder, max_batch=1, page_size=4, kv_pages=64)

@@ -45,6 +45,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from attnlab._checks import check_positive, is_int, is_number
 from attnlab.chat_render import template_variables
 from attnlab.generation.config import read_generation_config
+from attnlab.generation.grammar import check_schema
 from attnlab.generation.inputs import token_id_set
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.io import from_pretrained
@@ -399,6 +400,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if parser is not None and mode != "auto":  # "required" or a function's name
             schema = forced_schema(parser, tools, None if mode == "required" else mode,
                                    parallel=body.parallel_tool_calls is not False)
+            try:  # a keyword the grammar engine cannot enforce is refused, never dropped
+                check_schema(schema)
+            except ValueError as error:
+                raise ApiError(400, f"tools: a function's parameters: {error}",
+                               param="tools") from None
         asked, field = body.new_tokens
         job = _Job(state, body, [ids], asked, field, chat=True, tools=parser,
                    json_schema=schema)
