@@ -332,7 +332,9 @@ def test_tool_calling_loop(caller, caller_folder) -> None:
     assert finishes[-1] == "tool_calls" and set(finishes[:-1]) == {None}
 
     back = [*ASK, choice.message.model_dump(exclude_none=True),
-            *({"role": "tool", "tool_call_id": c.id, "content": "sunny, 21 C"} for c in calls)]
+            *({"role": "tool", "tool_call_id": c.id, "content": "sunny, 21 C"} for c in calls),
+            {"role": "assistant", "content": "It is sunny.", "tool_calls": []},
+            {"role": "user", "content": "and now?"}]
     added.clear()
     again = api.chat.completions.create(model=name, messages=back, tools=TOOLS, max_tokens=1,
                                         temperature=0)
@@ -340,7 +342,8 @@ def test_tool_calling_loop(caller, caller_folder) -> None:
     expected = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
         {"id": c.id, "type": "function",
          "function": {"name": "get_weather", "arguments": {"city": "Paris"}}} for c in calls]},
-        *({"role": "tool", "tool_call_id": c.id, "content": "sunny, 21 C"} for c in calls)]
+        *({"role": "tool", "tool_call_id": c.id, "content": "sunny, 21 C"} for c in calls),
+        {"role": "assistant", "content": "It is sunny."}, {"role": "user", "content": "and now?"}]
     assert added[0][0] == hf_prompt(caller_folder, expected, TOOLS)
 
 

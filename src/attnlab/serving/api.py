@@ -260,8 +260,9 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    # Before content, whose check reads it (pydantic checks the fields in this order).
-    tool_calls: Annotated[list[ToolCallItem], Field(min_length=1)] | None = None
+    # Before content, whose check reads it (pydantic checks the fields in this order). An
+    # empty list, which some clients send, is no calls.
+    tool_calls: list[ToolCallItem] | None = None
     content: UnicodeText | list[TextPart] | None = Field(default=None, validate_default=True)
     tool_call_id: str | None = Field(default=None, validate_default=True)
     name: str | None = None
@@ -270,7 +271,7 @@ class ChatMessage(BaseModel):
     @classmethod
     def _calls_by_assistant(cls, value: object, info: ValidationInfo) -> object:
         role = info.data.get("role")
-        if value is not None and role not in (None, "assistant"):
+        if value and role not in (None, "assistant"):
             raise ValueError(f"only in an assistant message, got one in a {role} message")
         return value
 
@@ -306,7 +307,7 @@ class ChatMessage(BaseModel):
         text (Qwen2.5's and Llama 3.1's templates write them with ``tojson``; text that is not
         a JSON object stays text), ``tool_call_id``, ``name`` when given."""
         message: dict = {"role": self.role, "content": self.text}
-        if self.tool_calls is not None:
+        if self.tool_calls:  # a template may test for the key (Llama 3.1's does)
             message["tool_calls"] = [
                 {"id": call.id, "type": "function",
                  "function": {"name": call.function.name,
