@@ -34,10 +34,11 @@ import time
 from datetime import datetime
 
 import jinja2
+from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["DEFAULT_RENDERER", "TemplateRenderer", "check_template"]
+__all__ = ["DEFAULT_RENDERER", "TemplateRenderer", "check_template", "template_variables"]
 
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_MEMORY_BYTES = 2**30
@@ -126,6 +127,15 @@ def check_template(source: str) -> None:
     a template. Only the worker compiles: Jinja's compiler evaluates constant expressions
     (``{{ 'a' * 10**10 }}`` allocates its 10 GB while compiling)."""
     _environment().parse(source)
+
+
+def template_variables(source: str) -> frozenset[str]:
+    """The names of the variables that ``source`` reads (``"messages"``, ``"tools"``, ...;
+    also one that it sets before reading): whether a template renders ``tools`` at all. From
+    the parse alone, as ``check_template``'s: ``jinja2.meta.find_undeclared_variables`` runs
+    the compiler, which evaluates constant expressions (10 GB for ``{{ 'a' * 10**10 }}``)."""
+    tree = _environment().parse(source)
+    return frozenset(name.name for name in tree.find_all(nodes.Name) if name.ctx == "load")
 
 
 def _environment() -> ImmutableSandboxedEnvironment:

@@ -189,3 +189,14 @@ def wait_until_gone(pid: int) -> None:
         raise AssertionError(f"worker {pid} still runs {HANG_S} s after its parent was killed")
     finally:
         timer.cancel()
+
+
+def test_template_variables_are_found_without_rendering() -> None:
+    """What a template reads, from its parse alone: whether it renders tools, also where it
+    first checks `tools is defined` (Llama 3.1's); a huge constant is never evaluated (the
+    compiler would, in this process)."""
+    assert chat_render.template_variables(
+        "{% for m in messages %}{{ m.content }}{% endfor %}") == {"messages", "m"}
+    assert "tools" in chat_render.template_variables(
+        "{% if not tools is defined %}{% set tools = none %}{% endif %}{{ tools }}")
+    assert chat_render.template_variables("{{ 'a' * 10**10 }}{{ tools }}") == {"tools"}

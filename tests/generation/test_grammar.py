@@ -13,7 +13,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from attnlab.generation import generate
-from attnlab.generation.grammar import JsonSchemaGrammar
+from attnlab.generation.grammar import JsonSchemaGrammar, check_schema
 from attnlab.models import DecoderLM, DecoderLMConfig
 from attnlab.tokenizer import Tokenizer
 
@@ -115,10 +115,13 @@ def test_a_keyword_the_engine_cannot_enforce_is_refused_by_name(tokenizer: Token
     schema = {"uniqueItems": {"type": "array", "uniqueItems": True},
               "not": {"not": {"type": "string"}},
               "if": {"if": {"type": "string"}, "then": {"maxLength": 2}}}[keyword]
-    with pytest.raises(ValueError, match=rf"schema: the grammar engine cannot enforce .*"
-                                         rf"\"{keyword}\""):
+    refusal = rf"schema: the grammar engine cannot enforce .*\"{keyword}\""
+    with pytest.raises(ValueError, match=refusal):
         JsonSchemaGrammar(schema, tokenizer, vocab_size=tokenizer.vocab_size,
                           eos_token_id=tokenizer.eos_token_id)
+    with pytest.raises(ValueError, match=refusal):  # the same without a vocabulary
+        check_schema(schema)
+    check_schema({"type": "object", "properties": {"a": {"type": "array", "maxItems": 2}}})
 
 
 def test_json_object_mode_and_bad_arguments(tokenizer: Tokenizer, model: DecoderLM) -> None:

@@ -27,7 +27,7 @@ import torch
 from tokenizers import Tokenizer as TokenizersBackend
 from torch import Tensor
 
-__all__ = ["GrammarState", "JsonSchemaGrammar"]
+__all__ = ["GrammarState", "JsonSchemaGrammar", "check_schema"]
 
 # OpenAI's json_object mode: any JSON object.
 ANY_OBJECT: dict = {"type": "object"}
@@ -116,6 +116,20 @@ class GrammarState:
         if not self.matcher.consume_token(token):
             raise ValueError(f"token: {token} is not allowed by the grammar here "
                              f"({self.matcher.get_error()})")
+
+
+def check_schema(schema: Mapping) -> None:
+    """Raise ``ValueError`` (``"schema: ..."``, naming the keywords) when the grammar engine
+    cannot enforce ``schema``, without a vocabulary: a server checks a request's schema so
+    before anything is queued (``JsonSchemaGrammar`` compiles it for the tokens later)."""
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            dict(schema), overrides={"whitespace_flexible": False})
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+    except (ValueError, TypeError) as failure:
+        error = str(failure) or type(failure).__name__
+    if error:
+        raise ValueError(f"schema: {_why(error)}")
 
 
 def _why(error: str) -> str:

@@ -5,15 +5,17 @@ where an integer is, is refused rather than converted, and each range is checked
 bad request gets a 400 naming its field instead of a surprise. Every field of OpenAI's chat and
 completions request schemas is implemented (sampling, ``logprobs`` in each endpoint's form,
 ``echo``, penalties, ``logit_bias``, ``response_format``), refused when given a value that
-would change the output (``tools``, ``best_of``, ``suffix``, ... : ``_UNSUPPORTED``), or
-accepted and ignored because it does not change the output (``user``, ``store``, ``metadata``,
-...: ``_Sampling``'s last fields); attnlab's extensions (vLLM's ``top_k``, ``min_p``,
-``repetition_penalty``) are fields too. Any other field is a 400 "Unrecognized request argument
-supplied: X", as OpenAI answers.
+would change the output (``best_of``, ``suffix``, ... : ``_UNSUPPORTED``), or accepted and
+ignored because it does not change the output (``user``, ``store``, ``metadata``, ...:
+``_Sampling``'s last fields). Chat takes ``tools`` and ``tool_choice`` (the calls are parsed by
+``attnlab.serving.tool_calls``), and messages that carry them back (an assistant's
+``tool_calls``, a ``tool`` message's ``tool_call_id``); attnlab's extensions (vLLM's ``top_k``,
+``min_p``, ``repetition_penalty``) are fields too. Any other field is a 400 "Unrecognized
+request argument supplied: X", as OpenAI answers.
 
 Responses are plain dicts built by the functions below (``completion``, ``chat_completion``,
 ``chunk``, ...), each in the shape of the OpenAI reference: ``choices`` with ``index`` and
-``finish_reason`` (``"stop"`` or ``"length"``), ``usage`` with ``prompt_tokens``,
+``finish_reason`` (``"stop"``, ``"length"`` or ``"tool_calls"``), ``usage`` with ``prompt_tokens``,
 ``completion_tokens`` and ``total_tokens``. ``add_error_handlers`` makes every refusal an
 OpenAI error JSON (``{"error": {"message", "type", "param", "code"}}``), FastAPI's 422 a 400.
 """
@@ -95,7 +97,7 @@ class StreamOptions(BaseModel):
 
 
 # OpenAI fields this server does not implement -> the values that change nothing.
-_UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
+_UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""),
                 "functions": (None, []), "function_call": (None, "none", "auto"),
                 "modalities": (None, ["text"]), "audio": (None,),
                 "web_search_options": (None,)}
@@ -138,7 +140,6 @@ class _Sampling(BaseModel):
     # Refused when they would change the output (see _UNSUPPORTED).
     best_of: int | None = None
     suffix: str | None = None
-    tools: list | None = None
     functions: list | None = None
     function_call: str | dict | None = None
     modalities: list | None = None
@@ -153,12 +154,11 @@ class _Sampling(BaseModel):
     num_speculative_tokens: Annotated[int, Field(ge=1)] | None = None
     prediction: Prediction | None = None
     # OpenAI's, accepted and ignored: none changes the text of this server's answers
-    # (storage, billing, routing and caching hints; tool options without tools).
+    # (storage, billing, routing and caching hints; parallel_tool_calls is read by chat).
     metadata: Any = None
     store: Any = None
     service_tier: Any = None
     parallel_tool_calls: Any = None
-    tool_choice: Any = None
     prompt_cache_key: Any = None
     safety_identifier: Any = None
     reasoning_effort: Any = None
@@ -322,28 +322,129 @@ class Prediction(BaseModel):
         return self.content
 
 
+# OpenAI's rule for a function's name.
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: FunctionName
+    arguments: str  # JSON text, as OpenAI's clients send it back
+
+
+class ToolCallItem(BaseModel):
+    """An assistant message's call, sent back: ``{"id", "type": "function", "function"}``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
-    """One message. Its ``content`` is required, as OpenAI requires it: only an assistant
-    message with ``tool_calls`` may leave it out, and this server takes no tool calls."""
+    """One message. Its ``content`` is required, as OpenAI requires it, but for an assistant
+    message with ``tool_calls``; a ``tool`` message names the call it answers
+    (``tool_call_id``)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: UnicodeText | list[TextPart]
+    # Before content, whose check reads it (pydantic checks the fields in this order). An
+    # empty list, which some clients send, is no calls.
+    tool_calls: list[ToolCallItem] | None = None
+    content: UnicodeText | list[TextPart] | None = Field(default=None, validate_default=True)
+    tool_call_id: str | None = Field(default=None, validate_default=True)
     name: str | None = None
 
-    @field_validator("content", mode="before")
+    @field_validator("tool_calls")
     @classmethod
-    def _content_given(cls, value: object) -> object:
-        if value is None:  # one message (a union's errors name its members instead)
-            raise ValueError("expected a text or a list of text parts, got null (a message "
-                             "without content is an assistant's tool call, not supported)")
+    def _calls_by_assistant(cls, value: object, info: ValidationInfo) -> object:
+        role = info.data.get("role")
+        if value and role not in (None, "assistant"):
+            raise ValueError(f"only in an assistant message, got one in a {role} message")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _id_in_tool_message(cls, value: str | None, info: ValidationInfo) -> str | None:
+        role = info.data.get("role")
+        if role == "tool" and value is None:
+            raise ValueError("expected in a tool message (the id of the call it answers), got "
+                             "none")
+        if role not in (None, "tool") and value is not None:
+            raise ValueError(f"only in a tool message, got one in a {role} message")
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _content_given(cls, value: object, info: ValidationInfo) -> object:
+        if value is None and not (info.data.get("role") == "assistant"
+                                  and info.data.get("tool_calls")):
+            raise ValueError("expected a text or a list of text parts, got none (only an "
+                             "assistant message with tool_calls may leave it out)")
         return value
 
     @property
-    def text(self) -> str:
+    def text(self) -> str | None:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (transformers' form): ``role`` and
+        ``content``, and ``tool_calls`` with each call's ``arguments`` parsed from its JSON
+        text (Qwen2.5's and Llama 3.1's templates write them with ``tojson``; text that is not
+        a JSON object stays text), ``tool_call_id``, ``name`` when given."""
+        message: dict = {"role": self.role, "content": self.text}
+        if self.tool_calls:  # a template may test for the key (Llama 3.1's does)
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name,
+                              "arguments": _object_or_text(call.function.arguments)}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+def _object_or_text(arguments: str) -> object:
+    try:
+        value = json.loads(arguments)
+    except (json.JSONDecodeError, RecursionError):
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: FunctionName
+    description: str | None = None
+    parameters: dict | None = None  # a JSON Schema of the arguments (none: no arguments)
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    """One of ``tools``: ``{"type": "function", "function": {"name", "description",
+    "parameters", "strict"}}``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChosenFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming the function to call: ``{"type": "function", "function":
+    {"name"}}``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class ChatRequest(_Sampling):
@@ -352,6 +453,40 @@ class ChatRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: list[ToolDef] | None = None
+    # None: "auto" with tools, "none" without (OpenAI's defaults).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _names_differ(cls, tools: list[ToolDef] | None) -> list[ToolDef] | None:
+        names = [tool.function.name for tool in tools or ()]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"each function needs its own name, got {twice} more than once")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_in_tools(cls, choice: object, info: ValidationInfo) -> object:
+        names = [tool.function.name for tool in info.data.get("tools") or ()]
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"names the function {choice.function.name!r}; expected one of "
+                             f"tools ({names or 'none given'})")
+        if choice == "required" and not names:
+            raise ValueError("'required' needs tools; none were given")
+        return choice
+
+    @property
+    def tool_mode(self) -> str | None:
+        """How the answer may call ``tools``: ``"auto"`` (the model chooses), ``"required"``,
+        a function's name (it must call that one), or ``None`` (no tools, or
+        ``tool_choice: "none"``)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or "auto"
 
     @model_validator(mode="after")
     def _logprobs_form(self) -> ChatRequest:
@@ -480,14 +615,23 @@ def completion(id: str, model: str, texts: list[str], finishes: list[str], use: 
             "usage": use}
 
 
-def chat_completion(id: str, model: str, texts: list[str], finishes: list[str],
-                    use: dict, *, created: int, logprobs: list[dict] | None = None) -> dict:
-    """A ``chat.completion`` object, one assistant message per text; ``logprobs``: each
-    choice's (``{"content": [...]}``), ``None`` when not asked."""
+def chat_completion(id: str, model: str, texts: list[str | None], finishes: list[str],
+                    use: dict, *, created: int, logprobs: list[dict] | None = None,
+                    tool_calls: list[list[dict]] | None = None) -> dict:
+    """A ``chat.completion`` object, one assistant message per text (``None``: a message of
+    tool calls only); ``logprobs``: each choice's (``{"content": [...]}``), ``None`` when not
+    asked; ``tool_calls``: each message's calls (``ToolCall.openai()`` items), given only to
+    a request with tools."""
     lps = logprobs or [None] * len(texts)
+
+    def message(i: int, text: str | None) -> dict:
+        if tool_calls is None:
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": text, "tool_calls": tool_calls[i] or None}
+
     return {"id": id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": t},
-                         "logprobs": lp, "finish_reason": f}
+            "choices": [{"index": i, "message": message(i, t), "logprobs": lp,
+                         "finish_reason": f}
                         for i, (t, f, lp) in enumerate(zip(texts, finishes, lps,
                                                            strict=True))],
             "usage": use}

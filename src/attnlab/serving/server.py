@@ -7,14 +7,19 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 messages rendered by the tokenizer's chat template), ``POST /tokenize`` and
 ``POST /detokenize`` (vLLM's), ``GET /health``, ``GET /metrics``, ``GET /openapi.json``. Each
 choice of a request (``n`` per prompt) is one engine request; ``stream: true`` answers with
-server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``.
+server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``. A chat request's
+``tools`` are rendered by the chat template, and the answer's calls parsed into
+``message.tool_calls`` (``delta.tool_calls`` when streamed) by the parser of the model's family
+and template (``attnlab.serving.tool_calls``); ``tool_choice: "required"`` or a named function
+makes the engine hold the answer to the call's JSON Schema (``SamplingParams.json_schema``).
 
 Refusals use OpenAI's error JSON (``api.error_body``): 400 for a body that is not JSON, a
 field of the wrong type or out of range, a prompt that does not fit the context or the KV
 cache, ``n`` or ``max_tokens`` over the operator's limits, more choices (prompts times ``n``)
 than the engine's queue holds (naming the field, or why the body
 could not be parsed), a chat template that fails or passes its time or memory limit (naming
-its file: it renders in a worker process, ``attnlab.chat_render``); 404 for another model's
+its file: it renders in a worker process, ``attnlab.chat_render``), ``tools`` for a model
+whose chat template does not render them (naming the field); 404 for another model's
 name; 408 for a body that stops arriving; 413 for a body over the limit; 429 when the
 engine's queue is full; 500 when the engine or a handler failed (the server goes on); 503
 once the server is stopping (``attnlab.serving.shutdown``: the running requests finish, or
@@ -25,6 +30,7 @@ aborted, which frees their KV cache pages.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +43,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from attnlab._checks import check_positive, is_int, is_number
+from attnlab.chat_render import template_variables
 from attnlab.generation.config import read_generation_config
+from attnlab.generation.grammar import check_schema
 from attnlab.generation.inputs import token_id_set
 from attnlab.generation.processors import check_logit_bias
 from attnlab.models.decoder import DecoderLM
@@ -70,6 +78,14 @@ from attnlab.serving.metrics import CONTENT_TYPE, Metrics
 from attnlab.serving.params import Speculation
 from attnlab.serving.shutdown import Drain, ShutdownError
 from attnlab.serving.speculation import requested, speculation_from
+from attnlab.serving.tool_calls import (
+    PARSERS,
+    ToolParser,
+    ToolStream,
+    choose_parser,
+    forced_schema,
+    parse_answer,
+)
 from attnlab.tokenizer import Tokenizer
 
 __all__ = ["ServerState", "create_app"]
@@ -255,14 +271,35 @@ class ServerState:
                            f"[0, {vocab})", param=field)
         return list(prompt)
 
-    async def chat_ids(self, messages: list[dict]) -> list[int]:
-        """The chat template's prompt ids for ``messages``, rendered (in the template's worker
-        process, with its time and memory limits) and tokenized in a thread, off the event
-        loop; a template that fails or exceeds a limit is a 400 naming its file. The renders
-        have threads of their own: a slow template (up to its time limit each) queues the chat
-        requests behind it, not the other requests' tokenizing and body checks, which share
-        asyncio's default threads."""
-        render = partial(self.tokenizer.apply_chat_template, messages,
+    def tool_parser(self, body: ChatRequest) -> ToolParser | None:
+        """The parser of the answer's tool calls (``None``: the request has no tools to call);
+        a 400 naming ``tools`` when the chat template does not render tools (the model would
+        never learn of them) or when neither it nor the family shows a known format."""
+        if body.tool_mode is None:
+            return None
+        template = self.tokenizer.chat_template
+        origin = self.tokenizer.template_file or "its tokenizer_config.json"
+        if template is None or "tools" not in _variables(template):
+            raise ApiError(400, f"tools: this model's chat template ({origin}) does not render "
+                           "tools, so the model cannot be told of them; expected a request "
+                           "without tools, or a model whose template renders them (as "
+                           "Qwen2.5's and Llama 3.1's do)", param="tools")
+        parser = choose_parser(self.model.config.family, template)
+        if parser is None:
+            raise ApiError(400, f"tools: no tool call format is known for the model family "
+                           f"{self.model.config.family!r} or its chat template ({origin}); "
+                           f"this server reads {sorted(PARSERS)}", param="tools")
+        return parser
+
+    async def chat_ids(self, messages: list[dict], tools: list[dict] | None = None
+                       ) -> list[int]:
+        """The chat template's prompt ids for ``messages`` (and ``tools``), rendered (in the
+        template's worker process, with its time and memory limits) and tokenized in a
+        thread, off the event loop; a template that fails or exceeds a limit is a 400 naming
+        its file. The renders have threads of their own: a slow template (up to its time
+        limit each) queues the chat requests behind it, not the other requests' tokenizing
+        and body checks, which share asyncio's default threads."""
+        render = partial(self.tokenizer.apply_chat_template, messages, tools=tools,
                          add_generation_prompt=True, tokenize=True, max_tokens=self.context)
         try:
             ids = await asyncio.get_running_loop().run_in_executor(self.chat_threads, render)
@@ -300,13 +337,15 @@ class ServerState:
 
     def params(self, body: CompletionRequest | ChatRequest, prompt_length: int,
                asked: int | None, field: str, choice: int,
-               group: str | None = None, reference: tuple[int, ...] = ()) -> SamplingParams:
+               group: str | None = None, reference: tuple[int, ...] = (),
+               json_schema: dict | None = None) -> SamplingParams:
         """The engine's parameters for one choice of the request ``group``, after checking
         ``n`` and the new tokens ``asked`` in ``field`` against the server's limits, and that
         the choice fits the context and the KV cache. New tokens the client did not ask for
         (``field`` not sent) are as many as fit, within ``max_tokens_limit`` (and the field's
         default, when it has one). Speculative decoding: ``speculation.requested`` (with
-        ``reference``, the prediction's ids)."""
+        ``reference``, the prediction's ids). ``json_schema``: what the answer must be (a
+        forced tool call), else the request's ``response_format``."""
         prompt_field = "messages" if isinstance(body, ChatRequest) else "prompt"
         if body.n > self.max_n:
             raise ApiError(400, f"n: expected at most {self.max_n} (this server's --max-n), "
@@ -361,7 +400,8 @@ class ServerState:
                               logit_bias=bias, min_p=body.min_p or 0.0,
                               repetition_penalty=body.repetition_penalty or 1.0,
                               logprobs=k, prompt_logprobs=echo and k is not None,
-                              json_schema=body.json_schema, speculation=speculation)
+                              json_schema=body.json_schema if json_schema is None else json_schema,
+                              speculation=speculation)
 
     async def check_schema(self, body: CompletionRequest | ChatRequest) -> None:
         """Compile the request's ``response_format`` schema (in a thread: tens of
@@ -417,11 +457,26 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         state.check_model(body.model)
         state.check_choices(1, body.n)
         await state.check_schema(body)
-        messages = [{"role": m.role, "content": m.text} for m in body.messages]
-        ids = await state.chat_ids(messages)
+        parser = state.tool_parser(body)
+        tools = None if parser is None else [t.model_dump(exclude_none=True)
+                                             for t in body.tools]
+        ids = await state.chat_ids([m.for_template() for m in body.messages], tools)
+        mode, schema = body.tool_mode, None
+        if parser is not None and mode != "auto":  # "required" or a function's name
+            if body.json_schema is not None:
+                raise ApiError(400, "response_format: a JSON answer and a forced tool call "
+                               "(tool_choice) cannot both shape the output; expected one of "
+                               "them", param="response_format")
+            schema = forced_schema(parser, tools, None if mode == "required" else mode,
+                                   parallel=body.parallel_tool_calls is not False)
+            try:  # a keyword the grammar engine cannot enforce is refused, never dropped
+                check_schema(schema)
+            except ValueError as error:
+                raise ApiError(400, f"tools: a function's parameters: {error}",
+                               param="tools") from None
         asked, field = body.new_tokens
-        job = _Job(state, body, [ids], asked, field, chat=True,
-                   reference=await state.prediction_ids(body))
+        job = _Job(state, body, [ids], asked, field, chat=True, tools=parser,
+                   json_schema=schema, reference=await state.prediction_ids(body))
         return await job.respond(request)
 
     @app.post("/tokenize")
@@ -429,8 +484,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         body = await parsed(request, TokenizeRequest)
         state.check_model(body.model)
         if body.messages is not None:
-            ids = await state.chat_ids([{"role": m.role, "content": m.text}
-                                        for m in body.messages])
+            ids = await state.chat_ids([m.for_template() for m in body.messages])
         else:
             try:
                 ids = await asyncio.to_thread(state.tokenizer.encode, body.prompt,
@@ -453,8 +507,11 @@ class _Job:
 
     def __init__(self, state: ServerState, body: CompletionRequest | ChatRequest,
                  prompts: list[list[int]], asked: int | None, field: str, *, chat: bool,
-                 reference: tuple[int, ...] = ()) -> None:
+                 reference: tuple[int, ...] = (), tools: ToolParser | None = None,
+                 json_schema: dict | None = None) -> None:
         self.state, self.body, self.chat, self.field = state, body, chat, field
+        # The parser of a chat answer's tool calls; forced: the answer is the call's JSON.
+        self.tools, self.forced = tools, json_schema is not None
         self.prompt_field = "messages" if chat else "prompt"
         if body.stream_options is not None and not body.stream:
             raise ApiError(400, "stream_options: only with stream: true, got stream: "
@@ -465,7 +522,7 @@ class _Job:
         # Every choice is checked before any is started: a refusal leaves nothing running.
         # The choices share one fair share of the engine (its scheduler's groups).
         self.work = [(ids, state.params(body, len(ids), asked, field, j, group=self.id,
-                                        reference=reference))
+                                        reference=reference, json_schema=json_schema))
                      for ids in prompts for j in range(body.n)]
         self.events: asyncio.Queue = asyncio.Queue()
         self.choices: dict[str, tuple[int, ChoiceText]] = {}  # engine id -> (index, text)
@@ -602,6 +659,15 @@ class _Job:
             logprobs = [self.logprobs[i].whole() for i in range(len(self.work))]
         if self.echo:
             texts = [self.logprobs[i].echo_text + t for i, t in enumerate(texts)]
+        if self.tools is not None:
+            answers = [parse_answer(self.tools, t, forced=self.forced) for t in texts]
+            texts = [content for content, _ in answers]
+            finishes = ["tool_calls" if calls else f
+                        for (_, calls), f in zip(answers, finishes, strict=True)]
+            return JSONResponse(chat_completion(
+                self.id, self.state.name, texts, finishes, self._usage(), created=self.created,
+                logprobs=logprobs,
+                tool_calls=[[c.openai() for c in calls] for _, calls in answers]))
         make = chat_completion if self.chat else completion
         return JSONResponse(make(self.id, self.state.name, texts, finishes, self._usage(),
                                  created=self.created, logprobs=logprobs))
@@ -619,10 +685,15 @@ class _Job:
     async def _stream(self) -> AsyncIterator[str]:
         """Server-sent events: for chat, a first delta with the role per choice; text
         deltas; each choice's last chunk with its finish reason; the usage chunk when asked;
-        ``[DONE]``. Leaving early (client gone) aborts the choices still running."""
+        ``[DONE]``. With tools, text that may be a call is held back; a choice's calls come
+        after its content, one ``delta.tool_calls`` chunk each, then its finish reason
+        (``"tool_calls"`` when it made any). Leaving early (client gone) aborts the choices
+        still running."""
         name, with_usage = self.state.name, self.body.include_usage
         chat_chunk = partial(_chat_chunk, created=self.created)
         completion_chunk = partial(_completion_chunk, created=self.created)
+        calls = {i: ToolStream(self.tools, forced=self.forced) for i in range(len(self.work))
+                 } if self.tools is not None else None
         try:
             if self.chat:
                 for index in range(len(self.work)):
@@ -630,6 +701,11 @@ class _Job:
                                           {"role": "assistant", "content": ""}, None, None,
                                           with_usage=with_usage))
             async for index, piece, finish in self._updates():
+                if calls is not None:
+                    for chunk in _tool_chunks(calls[index], piece, finish):
+                        yield _sse(chat_chunk(self.id, name, index, *chunk, None,
+                                              with_usage=with_usage))
+                    continue
                 if not piece and finish is None:
                     continue
                 piece, logprobs = self._chunk_extras(index, piece)
@@ -652,6 +728,8 @@ class _Job:
                 text = self._texts()[index]
                 text.finish()
                 piece = text.take(final=True)
+                if calls is not None:  # what was held back as a possible call is content
+                    piece = calls[index].push(piece) + calls[index].cut()
                 if self.chat:
                     yield _sse(chat_chunk(self.id, name, index,
                                           {"content": piece} if piece else {}, "abort", None,
@@ -666,6 +744,29 @@ class _Job:
         finally:
             self._end()
         yield "data: [DONE]\n\n"
+
+
+def _tool_chunks(stream: ToolStream, piece: str, finish: str | None
+                 ) -> list[tuple[dict, str | None]]:
+    """A streamed choice's ``(delta, finish_reason)`` chunks for its new text ``piece``: the
+    content that cannot be a call; at its ``finish``, the rest of the content, one chunk per
+    call (``delta.tool_calls``, its ``index`` the call's place in the message), and the
+    finish reason."""
+    content = stream.push(piece)
+    if finish is None:
+        return [({"content": content}, None)] if content else []
+    rest, calls = stream.finish()
+    content += rest
+    return [*([({"content": content}, None)] if content else []),
+            *(({"tool_calls": [{"index": k, **call.openai()}]}, None)
+              for k, call in enumerate(calls)),
+            ({}, "tool_calls" if calls else finish)]
+
+
+@functools.lru_cache(maxsize=8)
+def _variables(template: str) -> frozenset[str]:
+    """``template_variables``, parsed once per template (a few ms each time otherwise)."""
+    return template_variables(template)
 
 
 def _sse(body: dict) -> str:
