@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import jinja2
@@ -58,6 +58,7 @@ class Tokenizer:
         self.backend = backend
         self._longest: int | None = None  # _longest_token_chars, counted at first need
         self._added: frozenset[int] | None = None  # _added_ids, read at first need
+        self._special: frozenset[int] | None = None  # _special_ids, read at first need
         unknown = sorted(set(special_tokens or {}) - set(_SPECIAL), key=str)
         if unknown:
             raise ValueError(f"special_tokens: unknown roles {unknown}; expected some of "
@@ -209,11 +210,13 @@ class Tokenizer:
         # stop every other thread (a server's event loop) for seconds.
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def decode(self, ids: Sequence[int] | Tensor, skip_special_tokens: bool = False) -> str:
+    def decode(self, ids: Sequence[int] | Tensor, skip_special_tokens: bool = False, *,
+               keep: Collection[int] = ()) -> str:
         """Token ids (a list or a 1-D integer tensor, each id >= 0) -> text.
 
         Ids at or above ``vocab_size`` decode to nothing, as in Hugging Face (a model's
-        vocabulary is often padded beyond the tokenizer's).
+        vocabulary is often padded beyond the tokenizer's). ``keep``: special tokens whose
+        text stays when ``skip_special_tokens`` drops the others (a tool call's marker).
         """
         if isinstance(ids, Tensor):
             if ids.dim() > 1 or ids.is_floating_point() or ids.dtype == torch.bool:
@@ -227,6 +230,9 @@ class Tokenizer:
             if not is_int(token) or token < 0:
                 raise ValueError(f"ids: expected token ids (ints >= 0), got {token!r} at "
                                  f"position {i}")
+        if skip_special_tokens and keep:
+            special = self._special_ids()
+            ids, skip_special_tokens = [i for i in ids if i in keep or i not in special], False
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -274,7 +280,8 @@ class Tokenizer:
         """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the template.
 
         The template sees ``messages``, ``add_generation_prompt``, ``tools=None``,
-        ``documents=None``, the special tokens (``bos_token``, ``eos_token``, ...) and
+        ``documents=None``, the special tokens it has (``bos_token``, ``eos_token``, ...; one
+        it lacks is undefined, so ``{{ bos_token }}`` writes nothing) and
         ``kwargs`` (JSON values). ``tokenize=True`` returns ids (encoded without adding special
         tokens, since the template writes them; ``max_tokens`` as ``encode``'s). It renders in
         ``renderer``'s worker process:
@@ -290,7 +297,10 @@ class Tokenizer:
                              "tokenizer_config.json and no chat_template.jinja)")
         if isinstance(messages, (str, dict)) or not all(isinstance(m, dict) for m in messages):
             raise TypeError(f"messages: expected a list of dicts, got {messages!r}")
-        variables = {"tools": None, "documents": None, **self.special_tokens, **kwargs,
+        # A token the tokenizer lacks is undefined, as in transformers (it renders as "", not
+        # "None").
+        present = {k: v for k, v in self.special_tokens.items() if v is not None}
+        variables = {"tools": None, "documents": None, **present, **kwargs,
                      "messages": list(messages), "add_generation_prompt": add_generation_prompt}
         origin = "chat_template" if self.template_file is None else str(self.template_file)
         text = self.renderer.render(self.chat_template, variables, origin=origin)
@@ -309,6 +319,13 @@ class Tokenizer:
             self._longest = max(map(len, self.backend.get_vocab(with_added_tokens=True)),
                                 default=1)
         return self._longest
+
+    def _special_ids(self) -> frozenset[int]:
+        if self._special is None:
+            self._special = frozenset(i for i, token in
+                                      self.backend.get_added_tokens_decoder().items()
+                                      if token.special)
+        return self._special
 
     def _added_ids(self) -> frozenset[int]:
         if self._added is None:
@@ -329,12 +346,13 @@ class TextStreamer:
 
     Each step decodes only a short window (the last printed tokens and the new ones) and writes
     the text it adds, waiting while the text ends in an incomplete character (U+FFFD).
+    ``keep``: ids of special tokens written even when ``skip_special_tokens`` drops the others.
     ``text`` is everything written so far; ``count`` the tokens received.
     """
 
     def __init__(self, tokenizer: Tokenizer, write: Callable[[str], object] | None = None, *,
-                 skip_special_tokens: bool = True) -> None:
-        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+                 skip_special_tokens: bool = True, keep: Collection[int] = ()) -> None:
+        self.tokenizer, self.skip, self.keep = tokenizer, skip_special_tokens, frozenset(keep)
         self.write = write or _stdout_write
         self.ids: list[int] = []
         self.prefix, self.read = 0, 0  # ids[prefix:read] were printed and give the context
@@ -352,7 +370,7 @@ class TextStreamer:
         self._flush(final=True)
 
     def _flush(self, final: bool) -> None:
-        decode = self.tokenizer.decode
+        decode = functools.partial(self.tokenizer.decode, keep=self.keep)
         before = decode(self.ids[self.prefix:self.read], self.skip)
         after = decode(self.ids[self.prefix:], self.skip)
         if len(after) > len(before) and (final or not after.endswith("\ufffd")):

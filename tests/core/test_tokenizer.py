@@ -277,3 +277,35 @@ def test_a_text_too_long_for_max_tokens_is_refused_before_tokenizing(tmp_path) -
                        "than 2 tokens can hold"):
         tok.apply_chat_template(MESSAGES, tokenize=True, max_tokens=2)
     assert not calls
+
+
+def test_streamer_keeps_only_the_special_tokens_asked(tmp_path) -> None:
+    """``keep`` writes the text of the special tokens named (a tool call's marker) while the
+    others are still dropped; without it every special token is dropped, as before."""
+    make_tokenizer(tmp_path)
+    tok = Tokenizer.from_pretrained(tmp_path)
+    ids = tok.encode("<|im_start|>the fox<|im_end|>")
+    kept: list[str] = []
+    streamer = TextStreamer(tok, kept.append, keep={tok.token_to_id("<|im_start|>")})
+    for i in ids:
+        streamer.put(torch.tensor([i]))
+    streamer.end()
+    assert streamer.text == "<|im_start|>the fox"
+    assert tok.decode(ids, True, keep={tok.eos_token_id}) == "the fox<|im_end|>"
+    assert tok.decode(ids, True) == "the fox"
+
+
+def test_a_missing_bos_token_renders_as_nothing_as_in_transformers(tmp_path) -> None:
+    """A tokenizer without ``bos_token`` leaves it undefined in the template, so
+    ``{{ bos_token }}`` writes "" (not "None") and ``bos_token is defined`` is false."""
+    transformers = pytest.importorskip("transformers")
+    make_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    template = "[{{ bos_token }}]{% if bos_token is defined %}bos{% endif %}{{ eos_token }}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                "chat_template": template}))
+    ours = Tokenizer.from_pretrained(tmp_path)
+    assert ours.bos_token is None
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert ours.apply_chat_template(MESSAGES) == hf.apply_chat_template(
+        MESSAGES, tokenize=False) == "[]<|im_end|>"

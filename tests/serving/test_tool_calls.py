@@ -86,8 +86,21 @@ def test_mistral_calls() -> None:
                                               ToolCall("now", "{}")])
 
 
+def test_mistral_v11_calls() -> None:
+    """Mistral's v11 form: ``name[ARGS]{...}`` after each ``[TOOL_CALLS]``, a ``[CALL_ID]``
+    read past."""
+    text = ('Sure. [TOOL_CALLS]get_weather[ARGS]{"city":  "Rome"}'
+            '[TOOL_CALLS]now[CALL_ID]a1b2c3d4e[ARGS]{}')
+    assert mistral.parse(text) == ("Sure. ", [ToolCall("get_weather", '{"city": "Rome"}'),
+                                              ToolCall("now", "{}")])
+    assert mistral.parse("[TOOL_CALLS]now[ARGS]{}") == (None, [ToolCall("now", "{}")])
+
+
 @pytest.mark.parametrize("text", ['[TOOL_CALLS][{"name": "now", "arguments": {}}',
-                                  '[TOOL_CALLS][]', '[TOOL_CALLS]{"name": "now"} x', "plain"])
+                                  '[TOOL_CALLS][]', '[TOOL_CALLS]{"name": "now"} x', "plain",
+                                  '[TOOL_CALLS]now[ARGS]{"a": ', '[TOOL_CALLS]now{}',
+                                  '[TOOL_CALLS]now[ARGS][1]', "[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS]",
+                                  '[TOOL_CALLS]two words[ARGS]{}'])
 def test_mistral_malformed_is_left_as_content(text: str) -> None:
     assert mistral.parse(text) == (text, [])
 
@@ -162,6 +175,7 @@ def test_parse_forced() -> None:
     (llama, '{"name": "now", "parameters": {}}; {"name": "f", "parameters": {}}', False),
     (llama, "  not a call {", False),
     (mistral, 'ok [TOOL_CALLS][{"name": "now", "arguments": {}}]', False),
+    (mistral, 'ok [TOOL_CALLS]now[ARGS]{}[TOOL_CALLS]f[ARGS]{"a": 1}', False),
     (hermes, '[{"name": "now", "arguments": {}}]', True),
     (hermes, '{"name": "now", "argu', True),
 ])

@@ -523,13 +523,15 @@ class ChatRequest(_Sampling):
 
 class TokenizeRequest(BaseModel):
     """``POST /tokenize`` (as vLLM's): ``prompt`` tokenized (with the tokenizer's special
-    tokens unless ``add_special_tokens`` is false), or ``messages`` rendered by the chat
-    template with the assistant's turn begun."""
+    tokens unless ``add_special_tokens`` is false), or ``messages`` (and ``tools``) rendered
+    by the chat template with the assistant's turn begun: the ids the chat route gives the
+    model for them."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
     model: str
     prompt: UnicodeText | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: list[ToolDef] | None = None
     add_special_tokens: bool = True
 
     @model_validator(mode="after")
@@ -537,6 +539,9 @@ class TokenizeRequest(BaseModel):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("expected one of prompt (a text) or messages (a chat), got "
                              f"{'both' if self.prompt is not None else 'neither'}")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools: only with messages (the chat template renders them), "
+                             "got a prompt")
         return self
 
 

@@ -1,8 +1,8 @@
 """One choice's text as its tokens arrive: decoded incrementally, cut at the first stop string,
 and released only when no stop string can still begin in it.
 
-The tokens are decoded by ``attnlab.tokenizer.TextStreamer`` (special tokens skipped, a
-partial UTF-8 character held back). A stop string is looked for in the decoded text, not in
+The tokens are decoded by ``attnlab.tokenizer.TextStreamer`` (special tokens skipped but
+those in ``keep``, the markers a tool call parser reads; a partial UTF-8 character held back). A stop string is looked for in the decoded text, not in
 the tokens, since a stop string may start or end inside a token; the text is cut before it
 (OpenAI's ``stop``). While the text ends in the beginning of a stop string, that tail is held
 back: it is sent when the next tokens show it is not a stop, or dropped when it is.
@@ -20,14 +20,15 @@ __all__ = ["ChoiceText"]
 class ChoiceText:
     """``push`` each new token id; ``take`` the text that is safe to send."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...] = (), *,
+                 keep: frozenset[int] = frozenset()) -> None:
         self.stops = stops
         self.text = ""  # decoded so far, cut at a stop once one is seen
         self.tokens = 0
         self.stopped = False  # a stop string was found
         self._sent = 0  # characters of text already taken
         self._checked = 0  # characters of text searched for stops
-        self._streamer = TextStreamer(tokenizer, self._append)
+        self._streamer = TextStreamer(tokenizer, self._append, keep=keep)
 
     def push(self, token_id: int) -> bool:
         """Add a token; True when the text now holds a stop string (the request is done)."""

@@ -483,8 +483,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def tokenize(request: Request) -> dict:
         body = await parsed(request, TokenizeRequest)
         state.check_model(body.model)
-        if body.messages is not None:
-            ids = await state.chat_ids([m.for_template() for m in body.messages])
+        if body.messages is not None:  # tools rendered as the chat route renders them
+            tools = None if not body.tools else [t.model_dump(exclude_none=True)
+                                                 for t in body.tools]
+            ids = await state.chat_ids([m.for_template() for m in body.messages], tools)
         else:
             try:
                 ids = await asyncio.to_thread(state.tokenizer.encode, body.prompt,
@@ -512,6 +514,9 @@ class _Job:
         self.state, self.body, self.chat, self.field = state, body, chat, field
         # The parser of a chat answer's tool calls; forced: the answer is the call's JSON.
         self.tools, self.forced = tools, json_schema is not None
+        # The special tokens whose text the parser reads (dropped from answers without tools).
+        self.keep = frozenset() if tools is None else frozenset(
+            i for i in map(state.tokenizer.token_to_id, tools.specials) if i is not None)
         self.prompt_field = "messages" if chat else "prompt"
         if body.stream_options is not None and not body.stream:
             raise ApiError(400, "stream_options: only with stream: true, got stream: "
@@ -564,7 +569,8 @@ class _Job:
                 raise ApiError(400, f"{param}: {error}", param=param,
                                code="context_length_exceeded") from None
             stops = self.body.stop_texts
-            self.choices[request_id] = (index, ChoiceText(self.state.tokenizer, stops))
+            self.choices[request_id] = (index, ChoiceText(self.state.tokenizer, stops,
+                                                          keep=self.keep))
             if params.logprobs is not None or self.echo:
                 self.logprobs[index] = ChoiceLogprobs(self.state.tokenizer, ids, chat=self.chat,
                                                       echo=self.echo)

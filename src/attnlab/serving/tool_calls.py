@@ -12,7 +12,12 @@ one; each family answers in its own format, and a parser reads that format back:
     ``llama3_json``  ``{"name": ..., "parameters": {...}}`` as the whole    Llama 3.1
                      answer (several separated by ``;``)
     ``mistral``      ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``  Mistral
+                     or (v11) ``[TOOL_CALLS]name[ARGS]{...}`` per call
     ===============  =====================================================  ==================
+
+Real tokenizers make the markers (``[TOOL_CALLS]``, ``[ARGS]``, ``<|python_tag|>``) special
+tokens, which decoded text drops; a parser's ``specials`` are the tokens whose text the server
+keeps in the answers of a request with tools (and only those).
 
 ``parse(text) -> (content, calls)``: the text outside the calls (``None`` when there is none)
 and each call's name with its arguments re-serialized as JSON text (``json.dumps`` of the
@@ -64,11 +69,13 @@ def new_call_id() -> str:
 class ToolParser:
     """A family's tool call format. ``name``: the parser's name; ``arguments_key``: the key of
     the arguments in one call's object; ``marker``: the text that begins the calls (``None``:
-    the calls are the whole answer)."""
+    the calls are the whole answer); ``specials``: the tokens whose text it needs, kept in the
+    decoded answer when the tokenizer makes them special tokens."""
 
     name: str = ""
     arguments_key: str = "arguments"
     marker: str | None = None
+    specials: tuple[str, ...] = ()
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """``(content, calls)`` of a whole answer; ``(text, [])`` when it holds no call or a
@@ -108,6 +115,7 @@ class HermesParser(ToolParser):
     last block left open (the answer ended inside it) counts when its JSON is whole."""
 
     name, marker = "hermes", "<tool_call>"
+    specials = ("<tool_call>", "</tool_call>")
     _block = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -131,6 +139,7 @@ class Llama3JsonParser(ToolParser):
 
     name, arguments_key = "llama3_json", "parameters"
     _tag = "<|python_tag|>"
+    specials = (_tag,)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         body = text.strip().removeprefix(self._tag).lstrip()
@@ -164,22 +173,35 @@ class Llama3JsonParser(ToolParser):
 
 
 class MistralParser(ToolParser):
-    """``[TOOL_CALLS]`` and a JSON array of calls (Mistral's templates before v11); content is
-    the text before the marker. The tokenizer must keep ``[TOOL_CALLS]``'s text (a special
-    token is dropped from decoded text)."""
+    """Mistral's calls after ``[TOOL_CALLS]``, in either of its templates' forms: a JSON array
+    of calls (before v11), or, from v11, ``name[ARGS]{arguments}`` for each call, each after
+    its own ``[TOOL_CALLS]`` (a ``[CALL_ID]id`` after the name is read past: OpenAI's ids are
+    the server's). Content is the text before the first marker."""
 
     name, marker = "mistral", "[TOOL_CALLS]"
+    specials = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+    _v11 = re.compile(r"([^\[\]{}\s]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\](.*)", re.DOTALL)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         start = text.find(self.marker)
         if start < 0:
             return text or None, []
-        items = _json(text[start + len(self.marker):])
-        calls = [self.call(item) for item in items] if isinstance(items, list) and items \
-            else [None]
+        body = text[start + len(self.marker):]
+        if body.lstrip().startswith("["):
+            items = _json(body)
+            calls = [self.call(item) for item in items] if isinstance(items, list) and items \
+                else [None]
+        else:
+            calls = [self._v11_call(part) for part in body.split(self.marker)]
         if any(c is None for c in calls):
             return text or None, []
         return text[:start] or None, calls
+
+    def _v11_call(self, part: str) -> ToolCall | None:
+        """One ``name[ARGS]{...}`` call (``None`` when it is not one)."""
+        match = self._v11.fullmatch(part.strip())
+        return None if match is None else self.call({"name": match.group(1),
+                                                     "arguments": _json(match.group(2))})
 
 
 PARSERS: dict[str, ToolParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser(),
