@@ -4,8 +4,9 @@ and released only when no stop string can still begin in it.
 The tokens are decoded by ``attnlab.tokenizer.TextStreamer`` (special tokens skipped but
 those in ``keep``, the markers a tool call parser reads; a partial UTF-8 character held
 back). A stop string is looked for in the decoded text, not in the tokens, since a stop string
-may start or end inside a token; the text is cut before it (OpenAI's ``stop``). While the text ends in the beginning of a stop string, that tail is held
-back: it is sent when the next tokens show it is not a stop, or dropped when it is.
+may start or end inside a token; the text is cut before it (OpenAI's ``stop``). While the text
+ends in the beginning of a stop string, that tail is held back: it is sent when the next
+tokens show it is not a stop, or dropped when it is.
 """
 
 from __future__ import annotations
