@@ -1,6 +1,6 @@
 """The ``attnlab`` command line: ``attnlab demo``, ``attnlab build``, ``attnlab bench NAME``, and
 the commands of ``cli_train``, ``cli_infer``, ``cli_viz``, ``cli_generate``, ``cli_quantize``,
-``cli_serve``, ``cli_calibrate`` and ``cli_exercises``.
+``cli_serve``, ``cli_calibrate``, ``cli_eval`` and ``cli_exercises``.
 
 Each command uses the library's public API only and names the folder it wrote when it ends.
 ``attnlab bench NAME --quick`` writes to ``runs/bench-quick`` unless ``--out`` says otherwise,
@@ -19,6 +19,7 @@ from pathlib import Path
 from attnlab import __version__
 from attnlab.bench.harness import begin_run
 from attnlab.cli_calibrate import add_commands as add_calibrate_commands
+from attnlab.cli_eval import add_commands as add_eval_commands
 from attnlab.cli_exercises import add_commands as add_exercises_commands
 from attnlab.cli_generate import add_commands as add_generate_commands
 from attnlab.cli_infer import add_commands as add_infer_commands
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_commands(sub)
     add_quantize_commands(sub)
     add_calibrate_commands(sub)
+    add_eval_commands(sub)
     add_serve_commands(sub)
     add_exercises_commands(sub)
 
