@@ -160,7 +160,7 @@ def test_the_wait_is_announced_once_on_stderr(tmp_path, capsys) -> None:
     from_pretrained(folder)
     assert capsys.readouterr().err == ""  # a float load maps its tensors: nothing to wait for
     from_pretrained(folder, quantize="int4", group_size=32)
-    announced(f"loading 2 layers as int4 (group_size 32) from {folder}")
+    announced(f"loading 2 layers as int4 (group_size 32, search, tables int8) from {folder}")
     out = tmp_path / "q"
     assert main(["quantize", str(folder), str(out)]) == 0
     announced(f"loading 2 layers as int8 from {folder}")

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from attnlab._checks import check_positive, is_int, is_number
 from attnlab.arg_types import number, positive_float, positive_int
 from attnlab.bench.harness import int_list, machine_info
+from attnlab.bench.quantization_model import run_on_model
 from attnlab.bench.quantization_report import DECODING_ROWS, targets, write_report
 from attnlab.bench.timed_training import Training, train_for
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
@@ -218,8 +219,18 @@ class AccuracyResult:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``attnlab bench quantization``."""
     d = AccuracySettings()
-    parser.add_argument("--text", type=Path, default=DEFAULT_TEXT,
-                        help="UTF-8 English text to learn; its last 10%% is held out")
+    parser.add_argument("--text", type=Path, default=None,
+                        help=f"UTF-8 English text to learn, its last 10%% held out (default "
+                        f"{DEFAULT_TEXT}); with --model, the text to score (required)")
+    parser.add_argument("--model", default=None,
+                        help="a real model's float checkpoint folder: score quantized copies of "
+                        "it against it instead (attnlab.bench.quantization_model)")
+    parser.add_argument("--calibration", type=Path, default=None, metavar="FILE",
+                        help="with --model: a text to calibrate GPTQ on (adds its rows)")
+    parser.add_argument("--context", type=positive_int, default=512, metavar="N",
+                        help="with --model: tokens per scored chunk (the second half scored)")
+    parser.add_argument("--dtype", default=None,
+                        help="with --model: dtype of the reference (default: the stored one)")
     parser.add_argument("--train-seconds", type=positive_float, default=d.train_seconds,
                         help="training time of the character LM")
     parser.add_argument("--steps", type=positive_int, default=None,
@@ -252,6 +263,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> Path:
     """Run the benchmark, write ``quantization-accuracy.md`` into ``args.out``, print the
     table and PASS/FAIL per target; returns the markdown path."""
+    if args.model is not None:
+        return run_on_model(args)
     settings = settings_from_args(args)
     args.out.mkdir(parents=True, exist_ok=True)  # before minutes of training, not after
     result = measure_accuracy(settings, progress=True)
@@ -264,6 +277,7 @@ def run(args: argparse.Namespace) -> Path:
 
 def settings_from_args(args: argparse.Namespace) -> AccuracySettings:
     """The settings of the command line, refused by flag name where they do not fit."""
+    args.text = args.text or DEFAULT_TEXT
     if not args.text.is_file():
         if args.text == DEFAULT_TEXT:
             raise ValueError(f"--text: the default {str(DEFAULT_TEXT)!r} is not on this "

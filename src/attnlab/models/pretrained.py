@@ -135,10 +135,10 @@ class PreTrainedModel(nn.Module):
         ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"`` or a ``torch.dtype``) defaults
         to the stored ``torch_dtype``; ``device`` to the CPU. ``quantize`` (``"int8"`` or
         ``"int4"``, with ``group_size`` and ``skip`` as in ``quantize``; or a whole
-        ``QuantizationConfig``) quantizes each weight as it is read; a folder saved quantized loads as stored, without ``quantize`` or with
-        the same scheme (another one is refused: re-quantizing quantized weights would
-        compound their error). ``quantized_kernel`` forces one kernel on the quantized layers
-        (``quantize``'s ``kernel``).
+        ``QuantizationConfig``) quantizes each weight as it is read; a folder saved quantized
+        loads as stored, without ``quantize`` or with the same scheme (another one is refused:
+        re-quantizing quantized weights would compound their error). ``quantized_kernel``
+        forces one kernel on the quantized layers (``quantize``'s ``kernel``).
         """
         folder = check_folder(path)
         dtype = parse_dtype(dtype)

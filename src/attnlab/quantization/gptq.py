@@ -43,21 +43,50 @@ from attnlab.quantization.convert import (
 from attnlab.quantization.formats import QuantizedWeight, pack_int4
 from attnlab.quantization.search import search_int4
 
-__all__ = ["BLOCK", "gptq_quantize", "gptq_weight"]
+__all__ = ["BLOCK", "calibration_hessians", "gptq_layers", "gptq_quantize", "gptq_weight"]
 
 BLOCK = 128  # columns a block (a multiple of every group size up to 128)
 
 
-def gptq_quantize(model: nn.Module, ids: Tensor, *, group_size: int | None = None,
+def gptq_quantize(model: nn.Module, ids: Tensor | None, *, group_size: int | None = None,
                   context: int = 512, skip: Iterable[str] = (), table_bits: int | None = None,
-                  damp: float = 0.01, kernel: str | None = None,
-                  progress: bool = False) -> nn.Module:
+                  damp: float = 0.01, kernel: str | None = None, progress: bool = False,
+                  hessians: dict[str, Tensor] | None = None) -> nn.Module:
     """``model`` (float) quantized in place to int4 in groups of ``group_size`` (default
     ``DEFAULT_GROUP_SIZE``) by GPTQ on the calibration token ``ids`` (``T``), cut into
     chunks of ``context`` tokens (the last, shorter one too); ``skip``, ``table_bits`` and
     ``kernel`` as in ``quantize_model``, whose ``QuantizationConfig`` it records with
     ``fit="gptq"``. ``model(input_ids)`` is called on each chunk (``1 x N``). ``progress``
-    draws progress bars on stderr. Returned for chaining."""
+    draws progress bars on stderr. ``hessians``: ``calibration_hessians``' result for this
+    model (or a copy of it) and ``skip``, used instead of ``ids`` (None then). Returned for
+    chaining."""
+    group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+    config = QuantizationConfig("int4", group_size, tuple(skip), table_bits, "gptq")
+    layers = gptq_layers(model, config.skip)
+    if hessians is None:
+        hessians = calibration_hessians(model, ids, context=context, skip=config.skip,
+                                        progress=progress)
+    weights = {}
+    for name, m in tqdm(layers.items(), desc="gptq", unit="layer", disable=not progress):
+        weights[name] = gptq_weight(m.weight, hessians[name], group_size, damp=damp)
+    return quantize_model(model, "int4", group_size, skip=config.skip, kernel=kernel,
+                          table_bits=config.table_bits, fit="gptq", weights=weights)
+
+
+def gptq_layers(model: nn.Module, skip: Iterable[str] = ()) -> dict[str, nn.Linear]:
+    """``{name: layer}`` of the linear layers that GPTQ quantizes: those ``quantize_model``
+    chooses (not skipped), but for a head tied to an embedding."""
+    config = QuantizationConfig("int4", DEFAULT_GROUP_SIZE, tuple(skip))
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return {name: m for name, m in chosen_modules(model, config).items()
+            if isinstance(m, nn.Linear) and id(m.weight) not in tables}
+
+
+def calibration_hessians(model: nn.Module, ids: Tensor, *, context: int = 512,
+                         skip: Iterable[str] = (), progress: bool = False) -> dict[str, Tensor]:
+    """``{name: X^T X / n}`` (float64 ``I x I``) of each of ``gptq_layers(model, skip)``
+    over its inputs when ``model`` runs on the token ``ids`` (``T``) in chunks of
+    ``context`` tokens."""
     if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.is_floating_point() or \
             ids.numel() < 2:
         got = (f"{ids.dtype} of shape {tuple(ids.shape)}" if isinstance(ids, Tensor)
@@ -66,17 +95,7 @@ def gptq_quantize(model: nn.Module, ids: Tensor, *, group_size: int | None = Non
                          f"ids, got {got}")
     if not is_int(context) or context < 2:
         raise ValueError(f"context: expected a number of tokens >= 2, got {context!r}")
-    group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
-    config = QuantizationConfig("int4", group_size, tuple(skip), table_bits, "gptq")
-    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    layers = {name: m for name, m in chosen_modules(model, config).items()
-              if isinstance(m, nn.Linear) and id(m.weight) not in tables}
-    hessians = _hessians(model, layers, ids, context, progress)
-    weights = {}
-    for name, m in tqdm(layers.items(), desc="gptq", unit="layer", disable=not progress):
-        weights[name] = gptq_weight(m.weight, hessians[name], group_size, damp=damp)
-    return quantize_model(model, "int4", group_size, skip=config.skip, kernel=kernel,
-                          table_bits=config.table_bits, fit="gptq", weights=weights)
+    return _hessians(model, gptq_layers(model, skip), ids, context, progress)
 
 
 def gptq_weight(weight: Tensor, hessian: Tensor, group_size: int, *,
