@@ -47,6 +47,7 @@ _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.js
                "generation_config.json", "chat_template.jinja", "vocab.json", "merges.txt")
 # Written into OUT: what marks it as this command's output, and from which FOLDER.
 MARKER, MARKER_FORMAT = "quantized_from.json", "attnlab-quantize"
+CALIBRATION_CONTEXT = 512  # tokens a calibration chunk (fewer when the model's context is)
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -105,7 +106,8 @@ def _quantize(args: argparse.Namespace) -> int:
     if calibration is not None:
         model = from_pretrained(source, dtype=args.dtype, kernels=False)
         gptq_quantize(model, calibration, group_size=args.group_size, skip=args.skip,
-                      table_bits=args.table_bits, kernel="dequantize", progress=True)
+                      table_bits=args.table_bits, kernel="dequantize", progress=True,
+                      context=min(CALIBRATION_CONTEXT, model.config.max_len))
     else:
         group_size = (args.group_size or DEFAULT_GROUP_SIZE) if args.bits == 4 else None
         scheme = QuantizationConfig(f"int{args.bits}", group_size, args.skip, args.table_bits,

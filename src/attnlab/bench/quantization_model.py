@@ -39,7 +39,7 @@ from attnlab.tokenizer import Tokenizer
 
 __all__ = ["DECODE_TOKENS", "PROMPT_TOKENS", "ModelRow", "model_rows", "run_on_model"]
 
-DECODE_TOKENS, PROMPT_TOKENS = 64, 32
+DECODE_TOKENS, PROMPT_TOKENS = 32, 32
 
 
 @dataclass(frozen=True)

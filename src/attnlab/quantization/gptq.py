@@ -146,11 +146,18 @@ def _hessians(model: nn.Module, layers: dict[str, nn.Linear], ids: Tensor, conte
     sums = {name: torch.zeros(m.in_features, m.in_features, dtype=torch.float64)
             for name, m in layers.items()}
     counts = dict.fromkeys(layers, 0)
+    # q/k/v (and gate/up) read one input: its product is computed once a forward.
+    products: dict[tuple, Tensor] = {}
 
     def hook(name: str):
         def accumulate(module: nn.Module, args: tuple) -> None:
-            x = args[0].detach().reshape(-1, module.in_features).double()
-            sums[name] += x.T @ x
+            x = args[0].detach().reshape(-1, module.in_features)
+            key = (x.data_ptr(), x.shape, x.dtype)
+            if key not in products:
+                products.clear()
+                xf = x.float()
+                products[key] = (xf.T @ xf).double()  # float32 per chunk, summed in float64
+            sums[name] += products[key]
             counts[name] += x.shape[0]
         return accumulate
 
@@ -160,6 +167,7 @@ def _hessians(model: nn.Module, layers: dict[str, nn.Linear], ids: Tensor, conte
         with torch.no_grad():
             for chunk in tqdm(chunks, desc="calibration", unit="chunk", disable=not progress):
                 model(chunk.view(1, -1))
+                products.clear()
     finally:
         for handle in handles:
             handle.remove()
