@@ -12,6 +12,7 @@ the benchmark reports, on every held-out character after the first:
 
     perplexity = exp(mean over positions of -log softmax(logits)[next character])
     agreement  = share of positions whose argmax equals float32's argmax
+    KL         = mean over positions of KL(float32's next-character distribution || the copy's)
 
 with the ratio of each to float32's, and the weight bytes (``weight_bytes``) against float32.
 The date translator of ``attnlab demo`` is trained for ``--date-seconds`` and its greedy
@@ -170,6 +171,7 @@ class LMScore:
     weight_bytes: int
     perplexity: float
     agreement: float
+    kl: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -355,9 +357,10 @@ def measure_dates(settings: AccuracySettings, *, progress: bool = False) -> Date
     return DateResult(translator.eval(), len(dates.test), training, scores)
 
 
-def lm_scores(model: nn.Module, ids: Tensor, window: int, *,
-              rows: int | None = None) -> tuple[float, Tensor]:
-    """Perplexity of ``model`` on ``ids`` (``N``) and its argmax predictions (``N - 1``).
+def lm_scores(model: nn.Module, ids: Tensor, window: int, *, rows: int | None = None,
+              log_probs: bool = False) -> tuple[float, Tensor] | tuple[float, Tensor, Tensor]:
+    """Perplexity of ``model`` on ``ids`` (``N``) and its argmax predictions (``N - 1``), and
+    with ``log_probs`` its log-softmax at each of those positions (``N - 1 x V``, float32).
 
     ``ids`` is read in consecutive windows of ``window`` inputs, each predicting the next
     ``window`` ids, so that every id after the first is predicted once, from at most
@@ -373,7 +376,7 @@ def lm_scores(model: nn.Module, ids: Tensor, window: int, *,
     if rows is not None:
         check_positive("rows", rows)
     model.eval()
-    total, predictions = 0.0, []
+    total, predictions, logps = 0.0, [], []
     full = (len(ids) - 1) // window
     pieces = [(ids[: full * window].view(full, window),
                ids[1 : full * window + 1].view(full, window))]
@@ -388,7 +391,10 @@ def lm_scores(model: nn.Module, ids: Tensor, window: int, *,
                 total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum",
                                          ).double().item()
                 predictions.append(logits.argmax(-1).flatten())
-    return math.exp(total / (len(ids) - 1)), torch.cat(predictions)
+                if log_probs:
+                    logps.append(F.log_softmax(logits, dim=-1).flatten(0, 1))
+    scores = math.exp(total / (len(ids) - 1)), torch.cat(predictions)
+    return (*scores, torch.cat(logps)) if log_probs else scores
 
 
 def _cached_logits(model: nn.Module, x: Tensor, rows: int) -> Tensor:
@@ -434,13 +440,16 @@ def _check_settings(settings: object) -> None:
 
 def _score_lm(lm: DecoderLM, held_out: Tensor, window: int, group_sizes: tuple[int, ...],
               progress: bool) -> tuple[LMScore, ...]:
-    rows, reference = [], None
+    rows, reference, reference_logp = [], None, None
     for variant, model in _copies(lm, group_sizes, progress, "LM"):
-        perplexity, predicted = lm_scores(model, held_out, window,
-                                          rows=DECODING_ROWS if variant.decoding else None)
-        reference = predicted if reference is None else reference
+        perplexity, predicted, logp = lm_scores(
+            model, held_out, window, rows=DECODING_ROWS if variant.decoding else None,
+            log_probs=True)
+        if reference is None:
+            reference, reference_logp = predicted, logp
+        kl = (reference_logp.exp() * (reference_logp - logp)).sum(-1).mean().item()
         rows.append(LMScore(variant, weight_bytes(model), perplexity,
-                            (predicted == reference).double().mean().item()))
+                            (predicted == reference).double().mean().item(), kl))
     return tuple(rows)
 
 
