@@ -40,7 +40,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="the dtype the model will be loaded in (default: the stored one)")
     p.add_argument("--quantize", choices=("int8", "int4"), default=None,
                    help="measure for from_pretrained(..., quantize=...) with this scheme")
-    p.add_argument("--group-size", type=int, default=None, help=f"int4 group size (default {DEFAULT_GROUP_SIZE})")
+    p.add_argument("--group-size", type=int, default=None,
+                   help=f"int4 group size (default {DEFAULT_GROUP_SIZE})")
     p.add_argument("--extra-memory", action="store_true",
                    help="also time oneDNN's packed copies (for loads with extra_memory=True)")
     p.add_argument("--threads", type=positive_int, default=None,
