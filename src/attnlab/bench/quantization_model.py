@@ -98,7 +98,7 @@ def model_rows(folder: str | Path, ids: Tensor, *, context: int,
                    for g in group_sizes]
     rows = []
     for method, bits, group, make in copies:
-        print(f"{method} {bits} g{group} ...", flush=True)
+        print(f"{method}, {bits}, group {group} ...", flush=True)
         model = make(copy.deepcopy(reference)).eval()
         quality = measure_quality(model, ids, context=context,
                                   reference=None if method == "float" else cached)
