@@ -3,7 +3,8 @@ model against its float weights, as llama.cpp's ``perplexity`` tool measures a q
 
 The float model in FOLDER (float32 unless ``--dtype``) is the reference. Each row is a copy
 of it quantized in memory: int8; int4 by round-to-nearest with every weight, token table
-included, in 4 bits (attnlab's int4 before the search, groups of 64); and for each of
+included, in 4 bits (attnlab's int4 before the search; groups of the first of
+``--group-sizes``, 64 in the committed table, the old default); and for each of
 ``--group-sizes``, int4 with the token table (embedding and tied head) in int8 by
 round-to-nearest, by the search (``attnlab.quantization.search``, the default) and, with
 ``--calibration FILE``, by GPTQ (``attnlab.quantization.gptq``; the Hessians of one
@@ -80,8 +81,8 @@ def model_rows(folder: str | Path, ids: Tensor, *, context: int,
     copies: list[tuple[str, str, str, Callable[[nn.Module], nn.Module]]] = [
         ("float", str(reference.dtype).removeprefix("torch."), "-", lambda m: m),
         ("nearest", "int8", "row", lambda m: quantize_model(m, "int8")),
-        ("nearest", "int4, table int4", "64",
-         lambda m: quantize_model(m, "int4", 64, table_bits=4, fit="nearest")),
+        ("nearest", "int4, table int4", str(group_sizes[0]),
+         lambda m: quantize_model(m, "int4", group_sizes[0], table_bits=4, fit="nearest")),
     ]
     for g in group_sizes:
         copies += [
