@@ -93,3 +93,4 @@ def test_eval_perplexity_against_a_reference(folder, text, tmp_path, capsys):
     assert "--context: expected an even number of tokens >= 4, got 63" in \
         capsys.readouterr().err
 
+

@@ -40,7 +40,7 @@ from attnlab.tokenizer import Tokenizer
 
 __all__ = ["DECODE_TOKENS", "PROMPT_TOKENS", "ModelRow", "model_rows", "run_on_model"]
 
-DECODE_TOKENS, PROMPT_TOKENS = 32, 32
+DECODE_TOKENS, PROMPT_TOKENS = 16, 32
 
 
 @dataclass(frozen=True)
@@ -101,8 +101,10 @@ def model_rows(folder: str | Path, ids: Tensor, *, context: int,
     for method, bits, group, make in copies:
         print(f"{method}, {bits}, group {group} ...", flush=True)
         model = make(copy.deepcopy(reference)).eval()
-        quality = measure_quality(model, ids, context=context,
-                                  reference=None if method == "float" else cached)
+        # The reference's own row computes (and keeps) the logits every other row is
+        # compared with.
+        quality = (measure_quality(cached, ids, context=context) if method == "float" else
+                   measure_quality(model, ids, context=context, reference=cached))
         rows.append(ModelRow(method, bits, group, weight_bytes(model), quality,
                              _decode_speed(model, ids, quick)))
         del model

@@ -275,6 +275,7 @@ def chosen_modules(model: nn.Module, config: QuantizationConfig) -> dict[str, nn
     group size, every weight is finite, no embedding renormalises its rows."""
     chosen: dict[str, nn.Module] = {}
     readers: dict[int, list[str]] = {}  # the modules reading each weight (a tied table: two)
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for name, module in model.named_modules():
         if type(module) not in (nn.Linear, InferenceLinear, nn.Embedding) or not name:
             continue
@@ -283,7 +284,8 @@ def chosen_modules(model: nn.Module, config: QuantizationConfig) -> dict[str, nn
             continue
         embedding = isinstance(module, nn.Embedding)
         inputs = module.embedding_dim if embedding else module.in_features
-        if config.method == "int4" and inputs % config.group_size:
+        bits = config.table_bits if id(module.weight) in tables else config.bits
+        if bits == 4 and inputs % config.group_size:  # an int8 table scales whole rows
             raise ValueError(f"group_size: {config.group_size} does not divide {name}'s "
                              f"{'embedding_dim' if embedding else 'in_features'} {inputs}; "
                              f"pick another or skip the layer (skip=[{name!r}])")
