@@ -31,9 +31,9 @@ def text(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("options", "record"), [
-    ([], {"fit": "search", "table_bits": 8, "group_size": 32}),
+    (["--group-size", "32"], {"fit": "search", "table_bits": 8, "group_size": 32}),
     (["--method", "nearest", "--group-size", "32"], {"fit": "nearest", "table_bits": 8}),
-    (["--table-bits", "4"], {"fit": "search", "table_bits": 4}),
+    (["--table-bits", "4", "--group-size", "32"], {"fit": "search", "table_bits": 4}),
 ])
 def test_int4_options_are_recorded(folder, tmp_path, options, record):
     out = tmp_path / "q"
@@ -51,7 +51,7 @@ def test_int4_options_are_recorded(folder, tmp_path, options, record):
 def test_gptq_with_calibration_writes_a_folder_that_loads(folder, text, tmp_path, capsys):
     out = tmp_path / "q"
     assert main(["quantize", str(folder), str(out), "--bits", "4", "--method", "gptq",
-                 "--calibration", str(text)]) == 0
+                 "--calibration", str(text), "--group-size", "32"]) == 0
     assert "gptq" in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["quantization"]["fit"] == "gptq"
     assert from_pretrained(out).quantization.fit == "gptq"
@@ -80,7 +80,7 @@ def test_an_unknown_method_is_refused_by_argparse(folder, tmp_path, capsys):
 
 def test_eval_perplexity_against_a_reference(folder, text, tmp_path, capsys):
     out = tmp_path / "q"
-    assert main(["quantize", str(folder), str(out), "--bits", "4"]) == 0
+    assert main(["quantize", str(folder), str(out), "--bits", "4", "--group-size", "32"]) == 0
     capsys.readouterr()
     assert main(["eval", "perplexity", "--model", str(out), "--reference", str(folder),
                  "--text", str(text), "--context", "64", "--no-progress"]) == 0

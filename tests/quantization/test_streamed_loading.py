@@ -185,8 +185,8 @@ def test_a_scheme_that_does_not_fit_is_refused_before_a_tensor_is_read(tmp_path,
                                                                         monkeypatch) -> None:
     folder = _family_folder(tmp_path, tied=False)
     monkeypatch.setattr(StoredTensor, "read", lambda self: pytest.fail(f"read {self.name}"))
-    with pytest.raises(ValueError, match=r"group_size: 128 does not divide embed_tokens's "
-                                         r"embedding_dim 64"):
+    with pytest.raises(ValueError, match=r"group_size: 128 does not divide "
+                                         r"layers.0.self_attn.q_proj's in_features 64"):
         from_pretrained(folder, quantize="int4", group_size=128)
 
 

@@ -93,7 +93,7 @@ def model_rows(folder: str | Path, ids: Tensor, *, context: int,
         ]
     if calibration is not None:
         hessians = calibration_hessians(reference, calibration, context=context,
-                                        progress=True)
+                                        group_size=min(group_sizes), progress=True)
         copies += [("gptq", "int4, table int8", str(g),
                     lambda m, g=g: gptq_quantize(m, None, group_size=g, hessians=hessians))
                    for g in group_sizes]

@@ -97,7 +97,7 @@ class PreTrainedModel(nn.Module):
         """Quantize this model's weights in place and return it:
         ``attnlab.quantization.quantize_model(self, method, group_size, skip=, kernel=,
         table_bits=, fit=)`` (``"int8"`` per output row, ``"int4"`` in groups of
-        ``group_size``, default 32; ``skip``: module-name patterns kept in float; the token
+        ``group_size``, default 64; ``skip``: module-name patterns kept in float; the token
         tables in ``table_bits``, default 8; int4's ``fit`` default ``"search"``).
         ``save_pretrained`` then writes the quantized weights and records the scheme in
         ``config.json``."""

@@ -1,6 +1,6 @@
 """Quantizing a model: which modules, in what format, recorded how.
 
-``quantize_model(model, "int8" | "int4", group_size=32)`` replaces, in place, every
+``quantize_model(model, "int8" | "int4", group_size=64)`` replaces, in place, every
 ``nn.Linear`` (or ``InferenceLinear``) and every ``nn.Embedding`` whose qualified name matches
 none of the ``skip`` patterns (``fnmatch``, e.g. ``"lm_head"``, ``"*.mlp.*"``) with its
 quantized module. An ``nn.Linear`` whose weight is an ``nn.Embedding``'s (a tied LM head)
@@ -43,7 +43,7 @@ __all__ = ["DEFAULT_GROUP_SIZE", "FITS", "METHODS", "QuantizationConfig", "Quant
 
 METHODS = ("int8", "int4")
 FITS = ("nearest", "search", "gptq")
-DEFAULT_GROUP_SIZE = 32  # int4's groups (the tutorial's table: the least KL per byte)
+DEFAULT_GROUP_SIZE = 64  # int4 groups: 128 divides few widths (not 576), 32 costs 0.125 bits more
 
 
 @dataclass(frozen=True)

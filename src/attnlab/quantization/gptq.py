@@ -62,10 +62,10 @@ def gptq_quantize(model: nn.Module, ids: Tensor | None, *, group_size: int | Non
     chaining."""
     group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
     config = QuantizationConfig("int4", group_size, tuple(skip), table_bits, "gptq")
-    layers = gptq_layers(model, config.skip)
+    layers = gptq_layers(model, config.skip, group_size)
     if hessians is None:
         hessians = calibration_hessians(model, ids, context=context, skip=config.skip,
-                                        progress=progress)
+                                        group_size=group_size, progress=progress)
     weights = {}
     for name, m in tqdm(layers.items(), desc="gptq", unit="layer", disable=not progress):
         weights[name] = gptq_weight(m.weight, hessians[name], group_size, damp=damp)
@@ -73,18 +73,22 @@ def gptq_quantize(model: nn.Module, ids: Tensor | None, *, group_size: int | Non
                           table_bits=config.table_bits, fit="gptq", weights=weights)
 
 
-def gptq_layers(model: nn.Module, skip: Iterable[str] = ()) -> dict[str, nn.Linear]:
+def gptq_layers(model: nn.Module, skip: Iterable[str] = (),
+                group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, nn.Linear]:
     """``{name: layer}`` of the linear layers that GPTQ quantizes: those ``quantize_model``
-    chooses (not skipped), but for a head tied to an embedding."""
-    config = QuantizationConfig("int4", DEFAULT_GROUP_SIZE, tuple(skip))
+    chooses (not skipped; ``group_size`` dividing their inputs), but for a head tied to an
+    embedding."""
+    config = QuantizationConfig("int4", group_size, tuple(skip))
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     return {name: m for name, m in chosen_modules(model, config).items()
             if isinstance(m, nn.Linear) and id(m.weight) not in tables}
 
 
 def calibration_hessians(model: nn.Module, ids: Tensor, *, context: int = 512,
-                         skip: Iterable[str] = (), progress: bool = False) -> dict[str, Tensor]:
-    """``{name: X^T X / n}`` (float64 ``I x I``) of each of ``gptq_layers(model, skip)``
+                         skip: Iterable[str] = (), group_size: int = DEFAULT_GROUP_SIZE,
+                         progress: bool = False) -> dict[str, Tensor]:
+    """``{name: X^T X / n}`` (float64 ``I x I``) of each of ``gptq_layers(model, skip,
+    group_size)``
     over its inputs when ``model`` runs on the token ``ids`` (``T``) in chunks of
     ``context`` tokens."""
     if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.is_floating_point() or \
@@ -95,7 +99,7 @@ def calibration_hessians(model: nn.Module, ids: Tensor, *, context: int = 512,
                          f"ids, got {got}")
     if not is_int(context) or context < 2:
         raise ValueError(f"context: expected a number of tokens >= 2, got {context!r}")
-    return _hessians(model, gptq_layers(model, skip), ids, context, progress)
+    return _hessians(model, gptq_layers(model, skip, group_size), ids, context, progress)
 
 
 def gptq_weight(weight: Tensor, hessian: Tensor, group_size: int, *,
