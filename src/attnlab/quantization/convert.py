@@ -6,9 +6,8 @@ none of the ``skip`` patterns (``fnmatch``, e.g. ``"lm_head"``, ``"*.mlp.*"``) w
 quantized module. An ``nn.Linear`` whose weight is an ``nn.Embedding``'s (a tied LM head)
 becomes one quantized table that both read; skipping either of the two keeps the table float
 for both. The token tables (every embedding, and a head tied to one) take ``table_bits``:
-int4 keeps them in int8 by default, as llama.cpp's 4-bit files keep theirs at 8 bits (on
-SmolLM2-135M with its weights off their grid, a 4-bit table alone doubled the KL divergence
-of the int4 defaults; ``docs/tutorials/10-quantization.md``). int4's scales and zeros are
+int4 keeps them in int8 by default, as llama.cpp's 4-bit files keep theirs at 8 bits (what
+that saves on a trained model: the SmolLM2 table of ``docs/tutorials/10-quantization.md``). int4's scales and zeros are
 chosen by ``fit``: ``"search"`` by default (``attnlab.quantization.search``), ``"nearest"``
 for round-to-nearest; ``"gptq"`` is recorded by ``attnlab.quantization.gptq``, which
 computes the codes from calibration text. What is left (norms, biases, skipped modules)
