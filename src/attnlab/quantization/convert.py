@@ -7,12 +7,13 @@ quantized module. An ``nn.Linear`` whose weight is an ``nn.Embedding``'s (a tied
 becomes one quantized table that both read; skipping either of the two keeps the table float
 for both. The token tables (every embedding, and a head tied to one) take ``table_bits``:
 int4 keeps them in int8 by default, as llama.cpp's 4-bit files keep theirs at 8 bits (what
-that saves on a trained model: the SmolLM2 table of ``docs/tutorials/10-quantization.md``). int4's scales and zeros are
-chosen by ``fit``: ``"search"`` by default (``attnlab.quantization.search``), ``"nearest"``
-for round-to-nearest; ``"gptq"`` is recorded by ``attnlab.quantization.gptq``, which
-computes the codes from calibration text. What is left (norms, biases, skipped modules)
-keeps its dtype. The scheme is kept on the model as ``model.quantization``, a
-``QuantizationConfig`` that ``save_pretrained`` records in ``config.json``.
+that saves on a trained model: the SmolLM2 table of ``docs/tutorials/10-quantization.md``).
+int4's scales and zeros are chosen by ``fit``: ``"search"`` by default
+(``attnlab.quantization.search``), ``"nearest"`` for round-to-nearest; ``"gptq"`` is recorded
+by ``attnlab.quantization.gptq``, which computes the codes from calibration text. What is left
+(norms, biases, skipped modules) keeps its dtype. The scheme is kept on the model as
+``model.quantization``, a ``QuantizationConfig`` that ``save_pretrained`` records in
+``config.json``.
 
 A loader quantizes as it reads (``QuantizingLoad``): the model is built on the ``meta``
 device, and each chosen module is swapped for its quantized module as soon as its weight is
