@@ -158,6 +158,8 @@ def test_perplexity_is_exp_of_the_mean_cross_entropy_computed_here(tiny_lm,
                 (argmax == argmax32).double().mean().item())
         assert rows[label].weight_bytes == bench.weight_bytes(quantized)
         assert rows[label].weight_bytes < rows["float32"].weight_bytes
+        assert rows[label].kl > 0  # KL(float32 || row): zero only for float32 itself
+    assert rows["float32"].kl == 0.0
 
 
 def _key(variant: bench.Variant) -> str:

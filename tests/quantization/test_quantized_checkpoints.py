@@ -43,7 +43,9 @@ def test_cli_quantize_writes_a_folder_that_loads_and_generates(
     assert f"wrote {out}" in printed and f"as {method}" in printed
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "attnlab_decoder" and config["family"] == "qwen2"
-    assert config["quantization"] == {"method": method, "group_size": group_size, "skip": []}
+    assert config["quantization"] == {"method": method, "group_size": group_size, "skip": [],
+                                      "table_bits": 8, "fit": "search" if bits == 4 else
+                                      "nearest"}
     assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
 
     model = from_pretrained(out)
@@ -78,11 +80,12 @@ def test_a_quantized_folder_refuses_another_scheme(family_folder, tmp_path) -> N
     out = tmp_path / "q"
     from_pretrained(family_folder, quantize="int4", group_size=32).save_pretrained(out)
     assert from_pretrained(out, quantize="int4", group_size=32).quantization.group_size == 32
-    with pytest.raises(ValueError, match=r"quantize: .* holds int4 \(group_size 32\) weights, "
-                                         r"but int8 was asked"):
+    with pytest.raises(ValueError, match=r"quantize: .* holds int4 \(group_size 32, search, "
+                                         r"tables int8\) weights, but int8 was asked"):
         from_pretrained(out, quantize="int8")
-    with pytest.raises(ValueError, match=r"but int4 \(group_size 64\) was asked"):
-        from_pretrained(out, quantize="int4")
+    with pytest.raises(ValueError, match=r"but int4 \(group_size 64, search, tables int8\) was "
+                                         r"asked"):
+        from_pretrained(out, quantize="int4", group_size=64)
 
 
 def test_skip_is_recorded_and_kept_float(family_folder, tmp_path) -> None:

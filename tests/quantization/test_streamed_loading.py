@@ -160,7 +160,7 @@ def test_the_wait_is_announced_once_on_stderr(tmp_path, capsys) -> None:
     from_pretrained(folder)
     assert capsys.readouterr().err == ""  # a float load maps its tensors: nothing to wait for
     from_pretrained(folder, quantize="int4", group_size=32)
-    announced(f"loading 2 layers as int4 (group_size 32) from {folder}")
+    announced(f"loading 2 layers as int4 (group_size 32, search, tables int8) from {folder}")
     out = tmp_path / "q"
     assert main(["quantize", str(folder), str(out)]) == 0
     announced(f"loading 2 layers as int8 from {folder}")
@@ -185,8 +185,8 @@ def test_a_scheme_that_does_not_fit_is_refused_before_a_tensor_is_read(tmp_path,
                                                                         monkeypatch) -> None:
     folder = _family_folder(tmp_path, tied=False)
     monkeypatch.setattr(StoredTensor, "read", lambda self: pytest.fail(f"read {self.name}"))
-    with pytest.raises(ValueError, match=r"group_size: 128 does not divide embed_tokens's "
-                                         r"embedding_dim 64"):
+    with pytest.raises(ValueError, match=r"group_size: 128 does not divide "
+                                         r"layers.0.self_attn.q_proj's in_features 64"):
         from_pretrained(folder, quantize="int4", group_size=128)
 
 

@@ -12,6 +12,7 @@ the benchmark reports, on every held-out character after the first:
 
     perplexity = exp(mean over positions of -log softmax(logits)[next character])
     agreement  = share of positions whose argmax equals float32's argmax
+    KL         = mean over positions of KL(float32's next-character distribution || the copy's)
 
 with the ratio of each to float32's, and the weight bytes (``weight_bytes``) against float32.
 The date translator of ``attnlab demo`` is trained for ``--date-seconds`` and its greedy
@@ -38,9 +39,11 @@ from torch import Tensor, nn
 from attnlab._checks import check_positive, is_int, is_number
 from attnlab.arg_types import number, positive_float, positive_int
 from attnlab.bench.harness import int_list, machine_info
+from attnlab.bench.quantization_model import run_on_model
 from attnlab.bench.quantization_report import DECODING_ROWS, targets, write_report
 from attnlab.bench.timed_training import Training, train_for
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
+from attnlab.models.hf_loading import SUPPORTED_DTYPES
 from attnlab.models.pretrained import cast_weights
 from attnlab.models.transformer import Transformer, TransformerConfig
 from attnlab.quantization import quantize_model, weight_bytes
@@ -169,6 +172,7 @@ class LMScore:
     weight_bytes: int
     perplexity: float
     agreement: float
+    kl: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -218,8 +222,18 @@ class AccuracyResult:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``attnlab bench quantization``."""
     d = AccuracySettings()
-    parser.add_argument("--text", type=Path, default=DEFAULT_TEXT,
-                        help="UTF-8 English text to learn; its last 10%% is held out")
+    parser.add_argument("--text", type=Path, default=None,
+                        help=f"UTF-8 English text to learn, its last 10%% held out (default "
+                        f"{DEFAULT_TEXT}); with --model, the text to score (required)")
+    parser.add_argument("--model", default=None,
+                        help="a real model's float checkpoint folder: score quantized copies of "
+                        "it against it instead (attnlab.bench.quantization_model)")
+    parser.add_argument("--calibration", type=Path, default=None, metavar="FILE",
+                        help="with --model: a text to calibrate GPTQ on (adds its rows)")
+    parser.add_argument("--context", type=positive_int, default=512, metavar="N",
+                        help="with --model: tokens per scored chunk (the second half scored)")
+    parser.add_argument("--dtype", choices=sorted(SUPPORTED_DTYPES), default=None,
+                        help="with --model: dtype of the reference (default: the stored one)")
     parser.add_argument("--train-seconds", type=positive_float, default=d.train_seconds,
                         help="training time of the character LM")
     parser.add_argument("--steps", type=positive_int, default=None,
@@ -252,6 +266,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> Path:
     """Run the benchmark, write ``quantization-accuracy.md`` into ``args.out``, print the
     table and PASS/FAIL per target; returns the markdown path."""
+    if args.model is not None:
+        return run_on_model(args)
     settings = settings_from_args(args)
     args.out.mkdir(parents=True, exist_ok=True)  # before minutes of training, not after
     result = measure_accuracy(settings, progress=True)
@@ -264,6 +280,7 @@ def run(args: argparse.Namespace) -> Path:
 
 def settings_from_args(args: argparse.Namespace) -> AccuracySettings:
     """The settings of the command line, refused by flag name where they do not fit."""
+    args.text = args.text or DEFAULT_TEXT
     if not args.text.is_file():
         if args.text == DEFAULT_TEXT:
             raise ValueError(f"--text: the default {str(DEFAULT_TEXT)!r} is not on this "
@@ -341,9 +358,10 @@ def measure_dates(settings: AccuracySettings, *, progress: bool = False) -> Date
     return DateResult(translator.eval(), len(dates.test), training, scores)
 
 
-def lm_scores(model: nn.Module, ids: Tensor, window: int, *,
-              rows: int | None = None) -> tuple[float, Tensor]:
-    """Perplexity of ``model`` on ``ids`` (``N``) and its argmax predictions (``N - 1``).
+def lm_scores(model: nn.Module, ids: Tensor, window: int, *, rows: int | None = None,
+              log_probs: bool = False) -> tuple[float, Tensor] | tuple[float, Tensor, Tensor]:
+    """Perplexity of ``model`` on ``ids`` (``N``) and its argmax predictions (``N - 1``), and
+    with ``log_probs`` its log-softmax at each of those positions (``N - 1 x V``, float32).
 
     ``ids`` is read in consecutive windows of ``window`` inputs, each predicting the next
     ``window`` ids, so that every id after the first is predicted once, from at most
@@ -359,7 +377,7 @@ def lm_scores(model: nn.Module, ids: Tensor, window: int, *,
     if rows is not None:
         check_positive("rows", rows)
     model.eval()
-    total, predictions = 0.0, []
+    total, predictions, logps = 0.0, [], []
     full = (len(ids) - 1) // window
     pieces = [(ids[: full * window].view(full, window),
                ids[1 : full * window + 1].view(full, window))]
@@ -374,7 +392,10 @@ def lm_scores(model: nn.Module, ids: Tensor, window: int, *,
                 total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum",
                                          ).double().item()
                 predictions.append(logits.argmax(-1).flatten())
-    return math.exp(total / (len(ids) - 1)), torch.cat(predictions)
+                if log_probs:
+                    logps.append(F.log_softmax(logits, dim=-1).flatten(0, 1))
+    scores = math.exp(total / (len(ids) - 1)), torch.cat(predictions)
+    return (*scores, torch.cat(logps)) if log_probs else scores
 
 
 def _cached_logits(model: nn.Module, x: Tensor, rows: int) -> Tensor:
@@ -420,13 +441,16 @@ def _check_settings(settings: object) -> None:
 
 def _score_lm(lm: DecoderLM, held_out: Tensor, window: int, group_sizes: tuple[int, ...],
               progress: bool) -> tuple[LMScore, ...]:
-    rows, reference = [], None
+    rows, reference, reference_logp = [], None, None
     for variant, model in _copies(lm, group_sizes, progress, "LM"):
-        perplexity, predicted = lm_scores(model, held_out, window,
-                                          rows=DECODING_ROWS if variant.decoding else None)
-        reference = predicted if reference is None else reference
+        perplexity, predicted, logp = lm_scores(
+            model, held_out, window, rows=DECODING_ROWS if variant.decoding else None,
+            log_probs=True)
+        if reference is None:
+            reference, reference_logp = predicted, logp
+        kl = (reference_logp.exp() * (reference_logp - logp)).sum(-1).mean().item()
         rows.append(LMScore(variant, weight_bytes(model), perplexity,
-                            (predicted == reference).double().mean().item()))
+                            (predicted == reference).double().mean().item(), kl))
     return tuple(rows)
 
 

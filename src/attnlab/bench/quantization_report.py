@@ -83,22 +83,25 @@ def markdown(result: Any) -> str:
         f"characters; every one after the first is predicted once, from at most "
         f"{s.block_size} characters before it ({len(lm.held_out) - 1:,} positions, the same "
         f"for every row). Perplexity: exp(mean cross-entropy). Agreement: share of "
-        f"positions whose argmax equals float32's. int8: one scale per output channel; "
-        f"int4: a scale and zero point per group of g inputs; both on every linear layer and "
-        f"the (tied) embedding, computing in the activations' dtype. The rows with bfloat16 "
+        f"positions whose argmax equals float32's. KL: mean KL(float32 || row) of the "
+        f"next-character distributions. int8: one scale per output channel; "
+        f"int4: a scale and zero point per group of g inputs, chosen by the search, on every "
+        f"linear layer, the (tied) embedding in int8 (attnlab's defaults); computing in the "
+        f"activations' dtype. The rows with bfloat16 "
         f"activations are scored as a decoder runs, {DECODING_ROWS} positions a forward on a "
         f"KV cache (the date model: {DECODING_ROWS} dates at a time), so that the kernels of "
         f"decoding run (on a CPU with them, the integer products).",
         "",
         "| weights | activations | weight bytes | vs float32 | perplexity | vs float32 "
-        "| next-token agreement with float32 |",
-        "|---|---|---|---|---|---|---|",
+        "| next-token agreement with float32 | KL vs float32 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in lm.scores:
         lines.append(
             f"| {row.variant.label} | {row.variant.activations} | {_bytes(row.weight_bytes)} "
             f"| {row.weight_bytes / base.weight_bytes:.3f}x | {row.perplexity:.4f} "
-            f"| {row.perplexity / base.perplexity:.4f}x | {row.agreement:.2%} |")
+            f"| {row.perplexity / base.perplexity:.4f}x | {row.agreement:.2%} "
+            f"| {row.kl:.5f} |")
     lines += [
         "",
         f"The date translator of `attnlab demo` (2 + 2 layers, hidden 128) trained here for "

@@ -1,6 +1,6 @@
 """The ``attnlab`` command line: one module of this package per command (``demo``, ``build``,
 ``train``, ``translate`` and ``sample`` (``infer``), ``viz``, ``generate``, ``quantize`` and
-``export-gguf``, ``calibrate``, ``serve``, ``exercises``, ``bench``), each with
+``export-gguf``, ``calibrate``, ``eval``, ``serve``, ``exercises``, ``bench``), each with
 ``add_commands(sub)``.
 
 ``COMMANDS`` names every command's module and its one-line help, so that ``attnlab --help``
@@ -52,6 +52,8 @@ COMMANDS = {
                            "GGUF file (llama.cpp, Ollama, transformers' gguf_file=)"),
     "calibrate": Command("attnlab.cli.calibrate", "measure the kernels for a model's shapes on "
                          "this machine and write the plan that loads then use"),
+    "eval": Command("attnlab.cli.eval", "measure a model on text (perplexity, KL against a "
+                    "reference)"),
     "serve": Command("attnlab.cli.serve", "serve a checkpoint folder over an OpenAI-compatible "
                      "HTTP API"),
     "exercises": Command("attnlab.cli.exercises", "write the course's exercise stubs, and check "

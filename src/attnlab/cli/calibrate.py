@@ -28,6 +28,7 @@ from attnlab.kernels.cache import cache_file
 from attnlab.models.io import from_pretrained
 from attnlab.quantization import QuantizedLinear
 from attnlab.quantization import kernels as quantized_kernels
+from attnlab.quantization.convert import DEFAULT_GROUP_SIZE
 
 __all__ = ["add_commands", "calibrate"]
 
@@ -40,7 +41,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     add_dtype_option(p, "the dtype the model will be loaded in (default: the stored one)")
     p.add_argument("--quantize", choices=("int8", "int4"), default=None,
                    help="measure for from_pretrained(..., quantize=...) with this scheme")
-    p.add_argument("--group-size", type=int, default=None, help="int4 group size (default 64)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help=f"int4 group size (default {DEFAULT_GROUP_SIZE})")
     p.add_argument("--extra-memory", action="store_true",
                    help="also time oneDNN's packed copies (for loads with extra_memory=True)")
     p.add_argument("--threads", type=positive_int, default=None,

@@ -3,6 +3,13 @@
 --model FOLDER --out OUT.gguf --type TYPE``: the folder's model as a GGUF file
 (``attnlab.models.export_gguf``, the folder's tokenizer and chat template in its metadata).
 
+int4 keeps the token tables (the embedding, and the LM head tied to it) in int8 unless
+``--table-bits 4``, and chooses each group's scale and zero by ``--method``: ``search`` (the
+default: least squared error, ``attnlab.quantization.search``), ``nearest``
+(round-to-nearest), or ``gptq`` with ``--calibration FILE`` (``attnlab.quantization.gptq``:
+the float model runs on the file's text, and each layer's rounding errors are compensated
+for the inputs it saw; the float model is then held in memory).
+
 Reads any folder that ``attnlab.models.from_pretrained`` reads, quantizing each weight as it
 is read (``attnlab.quantization``: the float model is never held), and writes OUT in
 attnlab's own format: ``config.json`` with a ``"quantization"`` record (``method``,
@@ -27,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError
 
 from attnlab.cli import add_command
@@ -36,6 +44,8 @@ from attnlab.models.gguf import gguf_file
 from attnlab.models.gguf_export import TYPES, export_gguf
 from attnlab.models.hf_loading import CONFIG_NAME, WEIGHTS_NAME, check_folder, weight_files
 from attnlab.models.io import from_pretrained
+from attnlab.quantization.convert import DEFAULT_GROUP_SIZE, FITS, QuantizationConfig
+from attnlab.quantization.gptq import gptq_quantize
 from attnlab.tokenizer import Tokenizer
 
 __all__ = ["add_commands"]
@@ -45,6 +55,7 @@ _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.js
                "generation_config.json", "chat_template.jinja", "vocab.json", "merges.txt")
 # Written into OUT: what marks it as this command's output, and from which FOLDER.
 MARKER, MARKER_FORMAT = "quantized_from.json", "attnlab-quantize"
+CALIBRATION_CONTEXT = 512  # tokens a calibration chunk (fewer when the model's context is)
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -59,8 +70,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bits", type=int, choices=(8, 4), default=8,
                    help="8: int8 per output row; 4: int4 in groups of --group-size")
     p.add_argument("--group-size", type=int, default=None,
-                   help="inputs per int4 scale and zero point: 32, 64, 128 or 256 (default 64; "
-                   "int4 only)")
+                   help=f"inputs per int4 scale and zero point: 32, 64, 128 or 256 (default "
+                   f"{DEFAULT_GROUP_SIZE}; int4 only)")
+    p.add_argument("--method", choices=FITS, default=None,
+                   help="how int4 chooses its codes (default search; int4 only): search, "
+                   "nearest (round-to-nearest) or gptq (needs --calibration)")
+    p.add_argument("--calibration", type=Path, default=None, metavar="FILE",
+                   help="a UTF-8 text file that --method gptq runs the model on (English prose "
+                   "of a few thousand tokens)")
+    p.add_argument("--table-bits", type=int, choices=(8, 4), default=None,
+                   help="bits of the token tables, the embedding and a tied LM head (default 8)")
     p.add_argument("--skip", nargs="*", default=[], metavar="PATTERN",
                    help="module names kept in float (fnmatch patterns, e.g. lm_head '*.mlp.*')")
     add_dtype_option(p, "dtype of what stays float and of the scales (default: the stored one)")
@@ -88,15 +107,34 @@ def _quantize(args: argparse.Namespace) -> int:
     out = Path(args.out).resolve() if Path(args.out).is_symlink() else Path(args.out)
     if out.exists() and out.resolve() == source.resolve():
         raise ValueError(f"out: {out} is FOLDER itself; write the quantized copy elsewhere")
-    if args.bits == 8 and args.group_size is not None:
-        raise ValueError("--group-size: int8 scales whole rows; it applies to --bits 4 only")
+    if args.bits == 8:
+        for flag, value in (("--group-size", args.group_size), ("--method", args.method),
+                            ("--table-bits", args.table_bits)):
+            if value is not None and not (flag == "--table-bits" and value == 8):
+                raise ValueError(f"{flag}: int8 scales whole rows by their maximum; it "
+                                 "applies to --bits 4 only")
+    if args.method == "gptq" and args.calibration is None:
+        raise ValueError("--calibration: --method gptq needs a text file to calibrate on "
+                         "(--calibration FILE)")
+    if args.calibration is not None and args.method != "gptq":
+        raise ValueError(f"--calibration: only --method gptq reads calibration text, got "
+                         f"--method {args.method or 'search (the default)'}")
+    calibration = _calibration_ids(source, args.calibration) if args.calibration else None
     _check_out(out, source, args.force)
     start = time.perf_counter()
     # Writing the codes needs no kernel: the formula forced here, so no kernel is chosen
     # (timing every kernel took ~45 s for a tiny checkpoint); the folder's loader measures.
-    model = from_pretrained(source, dtype=args.dtype, kernels=False, quantize=f"int{args.bits}",
-                            group_size=args.group_size, skip=args.skip,
-                            quantized_kernel="dequantize")
+    if calibration is not None:
+        model = from_pretrained(source, dtype=args.dtype, kernels=False)
+        gptq_quantize(model, calibration, group_size=args.group_size, skip=args.skip,
+                      table_bits=args.table_bits, kernel="dequantize", progress=True,
+                      context=min(CALIBRATION_CONTEXT, model.config.max_len))
+    else:
+        group_size = (args.group_size or DEFAULT_GROUP_SIZE) if args.bits == 4 else None
+        scheme = QuantizationConfig(f"int{args.bits}", group_size, args.skip, args.table_bits,
+                                    args.method)
+        model = from_pretrained(source, dtype=args.dtype, kernels=False, quantize=scheme,
+                                quantized_kernel="dequantize")
     tmp = new_folder(out)
     try:
         model.save_pretrained(tmp)
@@ -137,6 +175,19 @@ def _export_gguf(args: argparse.Namespace) -> int:
     export_gguf(model, out, type=args.type, tokenizer=tokenizer)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, {args.type})")
     return 0
+
+
+def _calibration_ids(source: Path, path: Path) -> torch.Tensor:
+    """The token ids of the calibration file (FOLDER's tokenizer, no special tokens)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--calibration: {path} is not UTF-8 text ({error})") from None
+    ids = Tokenizer.from_pretrained(source).encode(text, add_special_tokens=False)
+    if len(ids) < 2:
+        raise ValueError(f"--calibration: {path} holds {len(ids)} tokens; expected text of "
+                         "a few thousand")
+    return torch.tensor(ids)
 
 
 def _check_out(out: Path, source: Path, force: bool) -> None:

@@ -46,6 +46,7 @@ from attnlab.models.hf_loading import (
 )
 from attnlab.models.streaming import fill, loading_message
 from attnlab.quantization.convert import (
+    DEFAULT_GROUP_SIZE,
     QuantizationConfig,
     QuantizingLoad,
     quantize_model,
@@ -91,13 +92,17 @@ class PreTrainedModel(nn.Module):
         return next(self.parameters()).device
 
     def quantize(self: M, method: str = "int8", group_size: int | None = None, *,
-                 skip: tuple[str, ...] | list[str] = (), kernel: str | None = None) -> M:
+                 skip: tuple[str, ...] | list[str] = (), kernel: str | None = None,
+                 table_bits: int | None = None, fit: str | None = None) -> M:
         """Quantize this model's weights in place and return it:
-        ``attnlab.quantization.quantize_model(self, method, group_size, skip=, kernel=)``
-        (``"int8"`` per output row, ``"int4"`` in groups of ``group_size``, default 64;
-        ``skip``: module-name patterns kept in float). ``save_pretrained`` then writes the
-        quantized weights and records the scheme in ``config.json``."""
-        return quantize_model(self, method, group_size, skip=skip, kernel=kernel)
+        ``attnlab.quantization.quantize_model(self, method, group_size, skip=, kernel=,
+        table_bits=, fit=)`` (``"int8"`` per output row, ``"int4"`` in groups of
+        ``group_size``, default 64; ``skip``: module-name patterns kept in float; the token
+        tables in ``table_bits``, default 8; int4's ``fit`` default ``"search"``).
+        ``save_pretrained`` then writes the quantized weights and records the scheme in
+        ``config.json``."""
+        return quantize_model(self, method, group_size, skip=skip, kernel=kernel,
+                              table_bits=table_bits, fit=fit)
 
     def save_pretrained(self, path: str | Path) -> Path:
         """Write ``config.json`` and ``model.safetensors`` to the folder ``path`` (made if
@@ -121,18 +126,19 @@ class PreTrainedModel(nn.Module):
     @classmethod
     def from_pretrained(cls: type[M], path: str | Path, dtype: torch.dtype | str | None = None,
                         device: torch.device | str | None = None, *,
-                        quantize: str | None = None, group_size: int | None = None,
+                        quantize: str | QuantizationConfig | None = None,
+                        group_size: int | None = None,
                         skip: tuple[str, ...] | list[str] = (),
                         quantized_kernel: str | None = None) -> M:
         """Load a folder written by ``save_pretrained`` (eval mode, trainable weights).
 
         ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"`` or a ``torch.dtype``) defaults
         to the stored ``torch_dtype``; ``device`` to the CPU. ``quantize`` (``"int8"`` or
-        ``"int4"``, with ``group_size`` and ``skip`` as in ``quantize``) quantizes each weight
-        as it is read; a folder saved quantized loads as stored, without ``quantize`` or with
-        the same scheme (another one is refused: re-quantizing quantized weights would
-        compound their error). ``quantized_kernel`` forces one kernel on the quantized layers
-        (``quantize``'s ``kernel``).
+        ``"int4"``, with ``group_size`` and ``skip`` as in ``quantize``; or a whole
+        ``QuantizationConfig``) quantizes each weight as it is read; a folder saved quantized
+        loads as stored, without ``quantize`` or with the same scheme (another one is refused:
+        re-quantizing quantized weights would compound their error). ``quantized_kernel``
+        forces one kernel on the quantized layers (``quantize``'s ``kernel``).
         """
         folder = check_folder(path)
         dtype = parse_dtype(dtype)
@@ -180,14 +186,17 @@ class PreTrainedModel(nn.Module):
         return model.eval()
 
 
-def requested_quantization(method: str | None, group_size: int | None,
+def requested_quantization(method: str | QuantizationConfig | None, group_size: int | None,
                            skip: tuple[str, ...] | list[str]) -> QuantizationConfig | None:
     """The scheme that ``from_pretrained(quantize=method, group_size=, skip=)`` asks for
-    (int4's groups default to 64), or None without ``method``."""
-    if method is None:
-        return None
-    return QuantizationConfig(method, 64 if method == "int4" and group_size is None
-                              else group_size, tuple(skip) if not isinstance(skip, str) else skip)
+    (int4's groups default to ``DEFAULT_GROUP_SIZE``, its tables to 8 bits, its fit to the
+    search; a ``QuantizationConfig`` as ``method`` is the whole scheme), or None without
+    ``method``."""
+    if method is None or isinstance(method, QuantizationConfig):
+        return method
+    return QuantizationConfig(method, DEFAULT_GROUP_SIZE if method == "int4" and group_size is
+                              None else group_size, tuple(skip) if not isinstance(skip, str)
+                              else skip)
 
 
 def _check_same_scheme(asked: QuantizationConfig, stored: QuantizationConfig,

@@ -5,9 +5,15 @@
 none of the ``skip`` patterns (``fnmatch``, e.g. ``"lm_head"``, ``"*.mlp.*"``) with its
 quantized module. An ``nn.Linear`` whose weight is an ``nn.Embedding``'s (a tied LM head)
 becomes one quantized table that both read; skipping either of the two keeps the table float
-for both. What is left (norms, biases, skipped modules)
-keeps its dtype. The scheme is kept on the model as ``model.quantization``, a
-``QuantizationConfig`` that ``save_pretrained`` records in ``config.json``.
+for both. The token tables (every embedding, and a head tied to one) take ``table_bits``:
+int4 keeps them in int8 by default, as llama.cpp's 4-bit files keep theirs at 8 bits (what
+that saves on a trained model: the SmolLM2 table of ``docs/tutorials/10-quantization.md``).
+int4's scales and zeros are chosen by ``fit``: ``"search"`` by default
+(``attnlab.quantization.search``), ``"nearest"`` for round-to-nearest; ``"gptq"`` is recorded
+by ``attnlab.quantization.gptq``, which computes the codes from calibration text. What is left
+(norms, biases, skipped modules) keeps its dtype. The scheme is kept on the model as
+``model.quantization``, a ``QuantizationConfig`` that ``save_pretrained`` records in
+``config.json``.
 
 A loader quantizes as it reads (``QuantizingLoad``): the model is built on the ``meta``
 device, and each chosen module is swapped for its quantized module as soon as its weight is
@@ -29,25 +35,32 @@ from torch import nn
 from attnlab._checks import is_int
 from attnlab.hook_point import share_hooks
 from attnlab.kernels import InferenceLinear
-from attnlab.quantization.formats import GROUP_SIZES
+from attnlab.quantization.formats import GROUP_SIZES, QuantizedWeight
 from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
 
-__all__ = ["METHODS", "QuantizationConfig", "QuantizingLoad", "quantize_model",
-           "quantized_skeleton", "weight_bytes"]
+__all__ = ["DEFAULT_GROUP_SIZE", "FITS", "METHODS", "QuantizationConfig", "QuantizingLoad",
+           "chosen_modules", "quantize_model", "quantized_skeleton", "weight_bytes"]
 
 METHODS = ("int8", "int4")
+FITS = ("nearest", "search", "gptq")
+DEFAULT_GROUP_SIZE = 64  # int4 groups: 128 divides few widths (not 576), 32 costs 0.125 bits more
 
 
 @dataclass(frozen=True)
 class QuantizationConfig:
     """How a model's weights are quantized: ``method`` ``"int8"`` (per output row) or
-    ``"int4"`` (groups of ``group_size`` inputs; None for int8), and the ``skip`` patterns
-    of module names left unquantized. JSON: ``to_dict``/``from_dict`` (``config.json``'s
-    ``"quantization"``)."""
+    ``"int4"`` (groups of ``group_size`` inputs; None for int8), the ``skip`` patterns
+    of module names left unquantized, ``table_bits`` of the token tables (8 or, for int4,
+    4; None: 8) and int4's ``fit`` (``FITS``; None: ``"search"`` for int4, ``"nearest"``
+    for int8, whose scale is a row's maximum). JSON: ``to_dict``/``from_dict``
+    (``config.json``'s ``"quantization"``; a record from before ``table_bits`` and ``fit``
+    reads as it was written: tables in ``method``'s bits, round-to-nearest)."""
 
     method: str
     group_size: int | None = None
     skip: tuple[str, ...] = ()
+    table_bits: int | None = None
+    fit: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -65,6 +78,16 @@ class QuantizationConfig:
             raise TypeError(f"skip: expected a list of module-name patterns (non-empty "
                             f"strings), got {self.skip!r}")
         object.__setattr__(self, "skip", tuple(self.skip))
+        if self.table_bits is None:
+            object.__setattr__(self, "table_bits", 8)
+        if self.table_bits not in (8, self.bits):
+            raise ValueError(f"table_bits: expected 8 or the method's {self.bits}, got "
+                             f"{self.table_bits!r}")
+        if self.fit is None:
+            object.__setattr__(self, "fit", "search" if self.method == "int4" else "nearest")
+        if self.fit not in (FITS if self.method == "int4" else ("nearest",)):
+            allowed = ", ".join(FITS) if self.method == "int4" else "nearest (int8)"
+            raise ValueError(f"fit: expected one of {allowed}, got {self.fit!r}")
 
     @property
     def bits(self) -> int:
@@ -73,12 +96,15 @@ class QuantizationConfig:
 
     @property
     def scheme(self) -> str:
-        """``"int8"`` or ``"int4 (group_size 64)"``, as messages name it."""
-        return self.method + ("" if self.group_size is None
-                              else f" (group_size {self.group_size})")
+        """``"int8"`` or ``"int4 (group_size 32, search, tables int8)"``, as messages name
+        it."""
+        if self.group_size is None:
+            return self.method
+        return (f"{self.method} (group_size {self.group_size}, {self.fit}, tables "
+                f"int{self.table_bits})")
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"method", "group_size", "skip"}``, JSON-ready."""
+        """``{"method", "group_size", "skip", "table_bits", "fit"}``, JSON-ready."""
         return {**dataclasses.asdict(self), "skip": list(self.skip)}
 
     @classmethod
@@ -91,15 +117,22 @@ class QuantizationConfig:
         if unknown or "method" not in data:
             raise ValueError(f"quantization: expected the keys {sorted(fields)} ('method' "
                              f"required), got {sorted(data)}")
-        return cls(**data)
+        method = data["method"]
+        older = {"table_bits": 8 if method == "int8" else 4, "fit": "nearest"}
+        return cls(**{**older, **data})
 
 
 def quantize_model(model: nn.Module, method: str = "int8", group_size: int | None = None, *,
-                   skip: Iterable[str] = (), kernel: str | None = None) -> nn.Module:
+                   skip: Iterable[str] = (), kernel: str | None = None,
+                   table_bits: int | None = None, fit: str | None = None,
+                   weights: Mapping[str, QuantizedWeight] | None = None) -> nn.Module:
     """``model`` with its linear layers and embeddings quantized in place (module docstring);
     returned for chaining. ``method`` ``"int8"`` or ``"int4"``; ``group_size`` (int4 only,
-    default 64) must divide every quantized layer's input size (an embedding's dim); a layer
-    that it does not divide is refused by name before anything changes. ``kernel`` forces one
+    default ``DEFAULT_GROUP_SIZE``) must divide every quantized layer's input size (an
+    embedding's dim); a layer that it does not divide is refused by name before anything
+    changes. ``table_bits`` and ``fit`` are ``QuantizationConfig``'s. ``weights`` gives
+    the quantized weight of some linear layers by name (computed elsewhere: GPTQ's), in
+    the config's bits and group size; the others are quantized here. ``kernel`` forces one
     of ``attnlab.quantization.kernels.QUANTIZED_KERNELS``. A swapped module keeps the replaced
     one's train/eval mode and forward and backward hooks (their handles still remove them).
     Its other modules stay the reference ones: ``attnlab.kernels.optimize_for_inference``
@@ -107,13 +140,14 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int | Non
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if method == "int4" and group_size is None:
-        group_size = 64
+        group_size = DEFAULT_GROUP_SIZE
     config = QuantizationConfig(method, group_size, tuple(skip) if not isinstance(skip, str)
-                                else skip)
+                                else skip, table_bits, fit)
     if getattr(model, "quantization", None) is not None:
         raise ValueError(f"model: already quantized ({model.quantization.method}); load the "
                          "float weights to quantize them another way")
-    _replace(model, _chosen_modules(model, config), config, kernel=kernel, empty=False)
+    _replace(model, chosen_modules(model, config), config, kernel=kernel, empty=False,
+             weights=weights or {})
     model.quantization = config
     return model
 
@@ -126,7 +160,7 @@ def quantized_skeleton(model: nn.Module, config: QuantizationConfig, *,
     ``kernel`` forces one kernel, as in ``quantize_model``."""
     if not isinstance(config, QuantizationConfig):
         raise TypeError(f"config: expected a QuantizationConfig, got {type(config).__name__}")
-    _replace(model, _chosen_modules(model, config), config, kernel=kernel, empty=True)
+    _replace(model, chosen_modules(model, config), config, kernel=kernel, empty=True)
     model.quantization = config
     return model
 
@@ -147,7 +181,7 @@ class QuantizingLoad:
             raise TypeError(f"config: expected a QuantizationConfig, got "
                             f"{type(config).__name__}")
         self.model, self.config, self.kernel = model, config, kernel
-        chosen = _chosen_modules(model, config)
+        chosen = chosen_modules(model, config)
         readers: dict[int, dict[str, nn.Module]] = {}  # a weight -> the chosen modules reading it
         for name, module in chosen.items():
             readers.setdefault(id(module.weight), {})[name] = module
@@ -176,22 +210,29 @@ class QuantizingLoad:
 
 
 def _replace(model: nn.Module, chosen: dict[str, nn.Module], config: QuantizationConfig, *,
-             kernel: str | None, empty: bool) -> None:
+             kernel: str | None, empty: bool,
+             weights: Mapping[str, QuantizedWeight] | None = None) -> None:
     """Swap the ``chosen`` modules (a tied head with its embedding) for quantized ones,
-    computed from their weights or ``empty``."""
+    computed from their weights (or taken from ``weights``) or ``empty``."""
     heads = {id(m.weight): name for name, m in chosen.items() if isinstance(m, nn.Linear)}
-    bits, group_size = config.bits, config.group_size or 64
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    group_size, fit = config.group_size or DEFAULT_GROUP_SIZE, config.fit
+    fit = "search" if fit == "gptq" else fit  # what GPTQ did not compute (the tables)
     made: dict[str, nn.Module] = {}
     for name, m in chosen.items():  # linear layers first: a tied table is the head's
         if not isinstance(m, nn.Linear):
             continue
-        made[name] = (QuantizedLinear(m.in_features, m.out_features, m.bias is not None,
-                                      bits=bits, group_size=group_size,
-                                      scale_dtype=m.weight.dtype, device=m.weight.device,
-                                      kernel=kernel)
-                      if empty else QuantizedLinear.from_linear(m, bits=bits,
-                                                                group_size=group_size,
-                                                                kernel=kernel))
+        bits = config.table_bits if id(m.weight) in tables else config.bits
+        if empty:
+            made[name] = QuantizedLinear(m.in_features, m.out_features, m.bias is not None,
+                                         bits=bits, group_size=group_size,
+                                         scale_dtype=m.weight.dtype, device=m.weight.device,
+                                         kernel=kernel)
+        elif name in (weights or {}):
+            made[name] = QuantizedLinear.from_weight(weights[name], m.bias, kernel=kernel)
+        else:
+            made[name] = QuantizedLinear.from_linear(m, bits=bits, group_size=group_size,
+                                                     kernel=kernel, fit=fit)
     for name, m in chosen.items():
         if not isinstance(m, nn.Embedding):
             continue
@@ -199,11 +240,12 @@ def _replace(model: nn.Module, chosen: dict[str, nn.Module], config: Quantizatio
         if head is not None:
             made[name] = QuantizedEmbedding.tied_to(made[head])
         elif empty:
-            made[name] = QuantizedEmbedding(m.num_embeddings, m.embedding_dim, bits=bits,
-                                            group_size=group_size, scale_dtype=m.weight.dtype,
-                                            device=m.weight.device)
+            made[name] = QuantizedEmbedding(m.num_embeddings, m.embedding_dim,
+                                            bits=config.table_bits, group_size=group_size,
+                                            scale_dtype=m.weight.dtype, device=m.weight.device)
         else:
-            made[name] = QuantizedEmbedding.from_embedding(m, bits=bits, group_size=group_size)
+            made[name] = QuantizedEmbedding.from_embedding(m, bits=config.table_bits,
+                                                           group_size=group_size, fit=fit)
     for name, new in made.items():
         parent, _, child = name.rpartition(".")
         _take_over(chosen[name], new)
@@ -228,11 +270,12 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(seen.values())
 
 
-def _chosen_modules(model: nn.Module, config: QuantizationConfig) -> dict[str, nn.Module]:
+def chosen_modules(model: nn.Module, config: QuantizationConfig) -> dict[str, nn.Module]:
     """``{qualified name: module}`` of the modules to quantize, checked: every size fits the
     group size, every weight is finite, no embedding renormalises its rows."""
     chosen: dict[str, nn.Module] = {}
     readers: dict[int, list[str]] = {}  # the modules reading each weight (a tied table: two)
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for name, module in model.named_modules():
         if type(module) not in (nn.Linear, InferenceLinear, nn.Embedding) or not name:
             continue
@@ -241,7 +284,8 @@ def _chosen_modules(model: nn.Module, config: QuantizationConfig) -> dict[str, n
             continue
         embedding = isinstance(module, nn.Embedding)
         inputs = module.embedding_dim if embedding else module.in_features
-        if config.method == "int4" and inputs % config.group_size:
+        bits = config.table_bits if id(module.weight) in tables else config.bits
+        if bits == 4 and inputs % config.group_size:  # an int8 table scales whole rows
             raise ValueError(f"group_size: {config.group_size} does not divide {name}'s "
                              f"{'embedding_dim' if embedding else 'in_features'} {inputs}; "
                              f"pick another or skip the layer (skip=[{name!r}])")

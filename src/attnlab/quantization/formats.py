@@ -19,6 +19,10 @@ The **blocked** layout is the byte order PyTorch's int4 CPU kernel reads (rows i
 64; for each block and input ``i``, 32 bytes holding row ``r`` of the block in the low nibble
 and row ``r + 32`` in the high one). It holds the same codes as the plain layout, only
 permuted, so a weight is kept in one layout, never both.
+
+How an int4 group's scale and zero are chosen is the ``fit``: ``"nearest"`` (round-to-nearest,
+the formula above) or ``"search"`` (``attnlab.quantization.search``: the scale and minimum of
+least squared error among candidates, never worse than round-to-nearest's).
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ import torch
 from torch import Tensor
 
 from attnlab._checks import is_int
+from attnlab.quantization.search import search_int4
 
 __all__ = [
     "BITS",
+    "FITS",
     "GROUP_SIZES",
     "LAYOUTS",
     "QuantizedWeight",
@@ -49,6 +55,7 @@ __all__ = [
 BITS = (8, 4)
 GROUP_SIZES = (32, 64, 128, 256)
 LAYOUTS = ("plain", "blocked")
+FITS = ("nearest", "search")
 BLOCK_ROWS = 64  # rows per block of the blocked int4 layout
 
 
@@ -80,20 +87,24 @@ def dequantize_int8(q: Tensor, scales: Tensor, dtype: torch.dtype | None = None)
     return (q.float() * s.float()).to(dtype).view(rows, cols)
 
 
-def quantize_int4(weight: Tensor, group_size: int,
-                  scale_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def quantize_int4(weight: Tensor, group_size: int, scale_dtype: torch.dtype | None = None,
+                  fit: str = "nearest") -> tuple[Tensor, Tensor, Tensor]:
     """``weight`` (``O x I``, ``I`` a multiple of ``group_size``) -> ``(packed, scales,
     zeros)``: ``packed`` ``O x I/2`` uint8 (plain layout), ``scales`` and ``zeros`` ``O x
-    I/g`` in ``scale_dtype`` (default the weight's); see the module docstring. The codes are
-    computed from the stored (rounded) scales and zeros, so the round trip error is that of
-    what is kept."""
+    I/g`` in ``scale_dtype`` (default the weight's), chosen by ``fit`` (module docstring).
+    The codes are computed from the stored (rounded) scales and zeros, so the round trip
+    error is that of what is kept."""
     rows, cols = weight.shape
     w = weight.detach().float().view(rows, cols // group_size, group_size)
-    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-    scales = (hi - lo) / 15
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    scales = scales.to(scale_dtype or weight.dtype)
-    zeros = (lo + 8 * scales.float()).to(scales.dtype)
+    if fit == "search":
+        scales, zeros = (t.view(rows, -1) for t in search_int4(w.reshape(-1, group_size),
+                                                               scale_dtype or weight.dtype))
+    else:
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+        scales = (hi - lo) / 15
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        scales = scales.to(scale_dtype or weight.dtype)
+        zeros = (lo + 8 * scales.float()).to(scales.dtype)
     codes = torch.round((w - zeros.float()[..., None]) / scales.float()[..., None]) + 8
     return pack_int4(codes.clamp_(0, 15).to(torch.uint8).view(rows, cols)), scales, zeros
 
@@ -218,10 +229,13 @@ class QuantizedWeight:
 
 
 def quantize(weight: Tensor, bits: int, group_size: int | None = None,
-             scale_dtype: torch.dtype | None = None) -> QuantizedWeight:
+             scale_dtype: torch.dtype | None = None, fit: str = "nearest") -> QuantizedWeight:
     """``weight`` (``O x I``) in the plain layout of ``bits`` (8: one scale per row, so
     ``group_size`` is None or ``I``; 4: groups of ``group_size`` along ``I``, one of
-    ``GROUP_SIZES`` dividing ``I``), scales in ``scale_dtype`` (default the weight's)."""
+    ``GROUP_SIZES`` dividing ``I``, scales and zeros chosen by ``fit``, one of ``FITS``),
+    scales in ``scale_dtype`` (default the weight's)."""
+    if fit not in FITS:
+        raise ValueError(f"fit: expected one of {', '.join(FITS)}, got {fit!r}")
     if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
         got = (f"{weight.dtype} of shape {tuple(weight.shape)}" if isinstance(weight, Tensor)
                else type(weight).__name__)
@@ -237,5 +251,5 @@ def quantize(weight: Tensor, bits: int, group_size: int | None = None,
     if not is_int(group_size) or group_size not in GROUP_SIZES or weight.shape[1] % group_size:
         raise ValueError(f"group_size: expected one of {GROUP_SIZES} dividing the weight's "
                          f"{weight.shape[1]} inputs, got {group_size!r}")
-    packed, scales, zeros = quantize_int4(weight, group_size, scale_dtype)
+    packed, scales, zeros = quantize_int4(weight, group_size, scale_dtype, fit)
     return QuantizedWeight(4, packed, scales, zeros)

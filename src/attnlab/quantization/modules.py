@@ -54,18 +54,27 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, module: nn.Linear, *, bits: int, group_size: int = 64,
+                    kernel: str | None = None, fit: str = "nearest") -> QuantizedLinear:
+        """``module`` quantized (scales in its weight's dtype, its bias kept; int4's chosen
+        by ``fit``, ``formats.quantize``'s), its kernels chosen now for that dtype when it
+        lives on the CPU; ``kernel`` forces one kernel."""
+        weight = _quantized_by_rows(module.weight, bits, group_size, fit)
+        return cls.from_weight(weight, module.bias, kernel=kernel)
+
+    @classmethod
+    def from_weight(cls, weight: QuantizedWeight, bias: Tensor | None = None, *,
                     kernel: str | None = None) -> QuantizedLinear:
-        """``module`` quantized (scales in its weight's dtype, its bias kept), its kernels
-        chosen now for that dtype when it lives on the CPU; ``kernel`` forces one kernel."""
-        w = module.weight
-        new = cls(module.in_features, module.out_features, module.bias is not None, bits=bits,
-                  group_size=group_size, scale_dtype=w.dtype, device="meta", kernel=kernel)
-        new.set_weight(_quantized_by_rows(w, bits, group_size))
-        if module.bias is not None:
-            new.bias = nn.Parameter(module.bias.detach().clone(),
-                                    requires_grad=module.bias.requires_grad)
-        if w.device.type == "cpu":
-            new.plan(w.dtype)
+        """A module keeping ``weight`` (computed elsewhere: GPTQ's codes) and a copy of
+        ``bias`` (``O`` or None, trainable when it was), its kernels chosen now for the
+        scales' dtype when it lives on the CPU; ``kernel`` forces one kernel."""
+        rows, cols = weight.shape
+        new = cls(cols, rows, bias is not None, bits=weight.bits, group_size=weight.group_size,
+                  scale_dtype=weight.scales.dtype, device="meta", kernel=kernel)
+        new.set_weight(weight)
+        if bias is not None:
+            new.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+        if weight.scales.device.type == "cpu":
+            new.plan(weight.scales.dtype)
         return new
 
     @property
@@ -178,13 +187,14 @@ class QuantizedEmbedding(nn.Module):
                                      device=device)
 
     @classmethod
-    def from_embedding(cls, module: nn.Embedding, *, bits: int,
-                       group_size: int = 64) -> QuantizedEmbedding:
-        """``module`` quantized, its rows in groups of ``group_size`` along ``D`` for int4."""
+    def from_embedding(cls, module: nn.Embedding, *, bits: int, group_size: int = 64,
+                       fit: str = "nearest") -> QuantizedEmbedding:
+        """``module`` quantized, its rows in groups of ``group_size`` along ``D`` for int4
+        (scales and zeros chosen by ``fit``)."""
         w = module.weight
         new = cls(module.num_embeddings, module.embedding_dim, bits=bits, group_size=group_size,
                   scale_dtype=w.dtype, device="meta")
-        new.table.set_weight(_quantized_by_rows(w, bits, group_size))
+        new.table.set_weight(_quantized_by_rows(w, bits, group_size, fit))
         return new
 
     @classmethod
@@ -225,14 +235,16 @@ class QuantizedEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}{tied}"
 
 
-def _quantized_by_rows(weight: Tensor, bits: int, group_size: int) -> QuantizedWeight:
-    """``quantize(weight, bits, group_size, weight.dtype)`` computed a block of rows at a time:
+def _quantized_by_rows(weight: Tensor, bits: int, group_size: int,
+                       fit: str = "nearest") -> QuantizedWeight:
+    """``quantize(weight, bits, group_size, weight.dtype, fit)`` a block of rows at a time:
     every scale is a row's or a row group's, so the codes are the same, while the float32
     temporaries are a block's (about 4 MiB each), not the whole weight's (an embedding of
     Qwen2.5-0.5B: 0.5 GiB each)."""
     rows, cols = weight.shape
     step = max(1, 2**20 // cols)
-    blocks = [quantize(weight[i:i + step], bits, group_size if bits == 4 else None, weight.dtype)
+    blocks = [quantize(weight[i:i + step], bits, group_size if bits == 4 else None, weight.dtype,
+                       fit if bits == 4 else "nearest")
               for i in range(0, max(rows, 1), step)]
     if len(blocks) == 1:
         return blocks[0]
