@@ -195,6 +195,8 @@ def _draft_model(speculative: object, tokenizer: Tokenizer, **load: object
     tokenizer (where the folder has one) must be ``tokenizer``, token for token."""
     if isinstance(speculative, DecoderLM):
         return speculative.eval()
+    if speculative is None:
+        return None
     if not isinstance(speculative, str):
         raise TypeError(f"speculative: expected a str (ngram, ngram:K, self:N, draft:FOLDER), "
                         f"a draft DecoderLM or None, got {type(speculative).__name__}")
