@@ -20,10 +20,18 @@ from attnlab.models import DecoderLM, DecoderLMConfig
 from attnlab.serving import Engine, SamplingParams
 from attnlab.serving import speculation as speculation_module
 from attnlab.serving.params import Speculation
-from attnlab.serving.speculation import speculation_from
+from attnlab.serving.speculation import speculation_from, split_draft
 
 V = 61
 NGRAM, SELF = Speculation("ngram", 4), Speculation("self", 3, layers=1)
+DRAFT = Speculation("draft", 3)
+
+
+def _draft(vocab: int = V, seed: int = 1, **sizes: int) -> DecoderLM:
+    """A smaller model of the same vocabulary (other weights): the engine's draft model."""
+    torch.manual_seed(seed)
+    config = {"d_model": 32, "num_layers": 1, "num_heads": 2, "max_len": 128} | sizes
+    return DecoderLM(DecoderLMConfig.llama(vocab, **config)).eval()
 
 
 def _model() -> DecoderLM:
@@ -103,11 +111,11 @@ def test_greedy_tokens_are_the_same_with_speculation_on_or_off_alone_and_beside_
     assert len(plain) == 16 and len(plain_rows) == 16
     # alone and beside others, speculating beside them (at most 8 decoding) or switched off
     # while four decode (at most 2)
-    runs = [(NGRAM, [], 8), (SELF, [], 8), (NGRAM, others, 8), (SELF, others, 8),
-            (SELF, others, 2)]
+    runs = [(NGRAM, [], 8), (SELF, [], 8), (DRAFT, [], 8), (NGRAM, others, 8),
+            (SELF, others, 8), (DRAFT, others, 8), (SELF, others, 2), (DRAFT, others, 2)]
     for speculation, crowd, most in runs:
         tokens, engine, rows = _serve(model, prompt, speculation, crowd,
-                                      speculate_max_requests=most)
+                                      speculate_max_requests=most, draft_model=_draft())
         assert tokens == plain, (speculation, len(crowd), most)
         # bit for bit: every token's logits, from a verification row or a plain decode row
         assert rows.keys() == plain_rows.keys()
@@ -116,7 +124,7 @@ def test_greedy_tokens_are_the_same_with_speculation_on_or_off_alone_and_beside_
         stats = engine.stats()
         assert stats["pages_used"] == 0
         assert 0 <= stats["spec_accepted"] <= stats["spec_proposed"]
-        if speculation is SELF:  # a draft model always proposes
+        if speculation is not NGRAM:  # a draft model always proposes
             assert stats["spec_verifications"] > 0
         if most == 2:  # four requests decode at first: switched off then
             assert stats["spec_switched_off"] > 0
@@ -134,7 +142,7 @@ def test_a_repeating_text_accepts_drafts_and_verifies_several_tokens_a_step():
     assert stats["spec_acceptance_rate"] == stats["spec_accepted"] / stats["spec_proposed"]
 
 
-@pytest.mark.parametrize("speculation", [NGRAM, SELF], ids=["ngram", "self"])
+@pytest.mark.parametrize("speculation", [NGRAM, SELF, DRAFT], ids=["ngram", "self", "draft"])
 def test_the_pages_taken_for_drafts_go_back_to_the_pool(speculation):
     """Every step, a speculating request holds no page past the one its next token needs;
     once all requests end, every page is available again (prefix caching off, so that no
@@ -143,7 +151,7 @@ def test_the_pages_taken_for_drafts_go_back_to_the_pool(speculation):
     model = DecoderLM(DecoderLMConfig.llama(V, d_model=32, num_layers=2, num_heads=4,
                                             max_len=128)).eval()
     engine = Engine(model, max_batch=4, max_tokens_per_step=64, page_size=2,
-                    prefix_caching=False, speculate_max_requests=4)
+                    prefix_caching=False, speculate_max_requests=4, draft_model=_draft())
     start = engine.pool.available
     for i in range(3):
         engine.add_request([1, 2, 3, 1, 2, 3, i], SamplingParams(
@@ -234,12 +242,23 @@ def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor((len(exp) - 1) / 2.0), stat / 2))
 
 
+def _peaked_draft() -> DecoderLM:
+    """A 1-layer draft of other peaked weights (seed 1): its ``q`` is far from the target's
+    ``p``, so that a wrong acceptor's bias shows."""
+    draft = _draft(SMALL_V, d_model=16, max_len=64)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.5)
+    return draft
+
+
 def _sample(model: DecoderLM, prompt: list[int], speculation: Speculation
             ) -> tuple[torch.Tensor, dict]:
     """Counts of the SAMPLES sequences of NEW tokens (seeds 0..), every request speculating
-    (none switched off), and the engine's stats."""
+    (none switched off), and the engine's stats (``draft``: ``_peaked_draft``)."""
     engine = Engine(model, max_batch=16, max_tokens_per_step=64, page_size=4,
-                    max_queue=SAMPLES, speculate_max_requests=16)
+                    max_queue=SAMPLES, speculate_max_requests=16, draft_model=_peaked_draft())
     names = {engine.add_request(prompt, SamplingParams(NEW, seed=seed,
                                                        speculation=speculation)): []
              for seed in range(SAMPLES)}
@@ -264,8 +283,9 @@ def _resample_from_p(p, q, drafts, generator=None):
     return torch.cat([drafts, torch.multinomial(p[n], 1, generator=generator)])
 
 
-@pytest.mark.parametrize("speculation", [Speculation("ngram", 1), Speculation("self", 1, 1)],
-                         ids=["ngram", "self"])
+@pytest.mark.parametrize("speculation", [Speculation("ngram", 1), Speculation("self", 1, 1),
+                                         Speculation("draft", 1)],
+                         ids=["ngram", "self", "draft"])
 def test_sampled_tokens_follow_the_target_distribution_and_a_wrong_acceptor_fails(
         monkeypatch, speculation):
     model, prompt = _peaked(), [1, 2, 0, 2, 1, 0, 1]
@@ -282,14 +302,17 @@ def test_sampled_tokens_follow_the_target_distribution_and_a_wrong_acceptor_fail
 # --- refusals ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("make", "message"), [
-    (lambda: Speculation("draft"), r"speculative: expected 'ngram' or 'self:N', got 'draft'"),
+    (lambda: Speculation("beam"), r"speculative: expected 'ngram', 'self:N' or 'draft', got "
+                                  r"'beam'"),
     (lambda: Speculation("ngram", 0), r"num_speculative_tokens: expected an int in \[1, 31\]"),
     (lambda: Speculation("self"), r"speculative: expected self:N with an int N >= 1"),
     (lambda: Speculation("self", 3, 1, (1, 2)), r"prediction: a predicted output is looked "
                                                 r"up by ngram speculation"),
-    (lambda: speculation_from("self"), r"speculative: expected ngram, ngram:K or self:N"),
-    (lambda: speculation_from("draft:folder"), r"a draft model is not served yet"),
-    (lambda: speculation_from("ngram:0"), r"speculative: expected ngram, ngram:K or self:N"),
+    (lambda: speculation_from("self"), r"speculative: expected ngram, ngram:K, self:N"),
+    (lambda: speculation_from("draft:folder"), r"draft:FOLDER loads a draft model when the "
+                                               r"server starts"),
+    (lambda: speculation_from("ngram:0"), r"speculative: expected ngram, ngram:K, self:N"),
+    (lambda: split_draft("draft:"), r"speculative: expected draft:FOLDER"),
 ])
 def test_bad_speculation_is_refused_by_name(make, message):
     with pytest.raises(ValueError, match=message):
@@ -310,3 +333,68 @@ def test_speculation_from_names_the_defaults():
     assert speculation_from("ngram:3") == Speculation("ngram", 3)
     assert speculation_from("ngram:3", 5, (4, 5)) == Speculation("ngram", 5, None, (4, 5))
     assert speculation_from("self:1") == Speculation("self", 5, 1)
+    assert speculation_from("draft") == Speculation("draft", 5)
+    assert split_draft("draft:some/folder") == "some/folder" and split_draft("ngram") is None
+
+
+def test_draft_without_a_draft_model_and_a_draft_that_does_not_fit_are_refused_by_name():
+    model = DecoderLM(DecoderLMConfig.llama(V, d_model=32, num_layers=2, num_heads=4,
+                                            max_len=64)).eval()
+    with pytest.raises(ValueError, match=r"speculative: draft asks for the server's draft "
+                                         r"model, and this server has none"):
+        Engine(model).add_request([1, 2], SamplingParams(4, speculation=DRAFT))
+    with pytest.raises(ValueError, match=r"draft_model: expected the model's vocabulary of "
+                                         r"61 tokens \(a draft shares the tokenizer\), got "
+                                         r"vocab_size=60"):
+        Engine(model, draft_model=_draft(V - 1))
+    with pytest.raises(ValueError, match=r"draft_model: expected a context of at least the "
+                                         r"model's max_len=64 tokens .* got max_len=32"):
+        Engine(model, draft_model=_draft(max_len=32))
+    with pytest.raises(TypeError, match=r"draft_model: expected an attnlab DecoderLM, got "
+                                        r"Linear"):
+        Engine(model, draft_model=torch.nn.Linear(2, 2))
+
+
+def test_draft_caches_are_bounded_by_speculate_max_requests_and_freed_with_the_requests():
+    """Five requests asking for a draft, at most two speculating a step: at most two draft
+    caches live at any time (the least recently used dropped, refilled when its request
+    speculates again); none once the requests end; every request's greedy tokens are the
+    plain ones."""
+    model = DecoderLM(DecoderLMConfig.llama(V, d_model=32, num_layers=2, num_heads=4,
+                                            max_len=128)).eval()
+    prompts = [[1, 2, 3] * (i + 1) for i in range(5)]
+    lengths = [6, 25, 9, 30, 14]
+
+    def run(speculation, **options):
+        engine = Engine(model, max_batch=8, max_tokens_per_step=64, page_size=4, **options)
+        ids = [engine.add_request(p, SamplingParams(n, temperature=0, speculation=speculation))
+               for p, n in zip(prompts, lengths, strict=True)]
+        out, most = {i: [] for i in ids}, 0
+        while engine.has_work():
+            for e in engine.step():
+                out[e.request_id].append(e.token_id)
+            most = max(most, len(engine.speculator._proposers))
+        return list(out.values()), engine, most
+
+    plain, _, _ = run(None)
+    tokens, engine, most = run(DRAFT, speculate_max_requests=2, draft_model=_draft())
+    assert tokens == plain
+    assert engine.stats()["spec_verifications"] > 0 and most == 2
+    assert len(engine.speculator._proposers) == 0
+
+
+def test_a_draft_cache_past_the_bound_drops_the_least_recently_used_which_refills():
+    """With ``speculate_max_requests=1``, a second request's draft cache drops the first's;
+    the first then refills one from its tokens and proposes what it proposed before."""
+    model = DecoderLM(DecoderLMConfig.llama(V, d_model=32, num_layers=2, num_heads=4,
+                                            max_len=64)).eval()
+    engine = Engine(model, page_size=4, speculate_max_requests=1, draft_model=_draft())
+    for prompt in ([1, 2, 3, 4], [5, 6, 7]):
+        engine.add_request(prompt, SamplingParams(8, temperature=0, speculation=DRAFT))
+    engine.step()  # both prompts
+    first, second = engine.scheduler.running
+    spec = engine.speculator
+    before = spec.propose([(first, 1)])[first].tokens
+    assert spec.propose([(second, 1)])[second].tokens and list(spec._proposers) == [second]
+    assert spec.propose([(first, 1)])[first].tokens == before
+    assert list(spec._proposers) == [first]

@@ -6,14 +6,20 @@ acceptance rate; what cannot be combined with it, or cannot run, is refused nami
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
+import shutil
 from types import SimpleNamespace
 
 import openai
 import pytest
+import torch
 from server_live import client, live, raw, wait_for
 
 from attnlab.cli import build_parser
+from attnlab.models import DecoderLM
+from attnlab.models.io import from_pretrained, save_pretrained
 from attnlab.serving.params import Speculation
 from attnlab.serving.server import create_app
 from attnlab.serving.speculation import refuse_with_speculation, requested
@@ -111,7 +117,10 @@ def test_the_server_default_serves_requests_that_do_not_choose(qwen2_folder):
                                             "(speculative) yet"),
     ({"prediction": {"type": "content", "content": "a"}, "n": 2}, "n",
      "n: not served with speculative decoding (prediction) yet"),
-    ({"speculative": "draft:folder"}, "speculative", "a draft model is not served yet"),
+    ({"speculative": "draft:folder"}, "speculative", "draft:FOLDER loads a draft model when "
+                                                     "the server starts"),
+    ({"speculative": "draft"}, "speculative", "draft asks for the server's draft model, and "
+                                              "this server has none"),
     ({"speculative": "self:2"}, "speculative", "expected fewer than the model's 2"),
     ({"speculative": "ngram", "num_speculative_tokens": 32}, "num_speculative_tokens",
      "expected an int in [1, 31]"),
@@ -145,8 +154,8 @@ def test_fields_speculation_cannot_serve_are_refused_with_it_and_drop_the_defaul
 
 
 @pytest.mark.parametrize(("value", "message"), [
-    ("draft:folder", "a draft model is not served yet"), ("self", "ngram, ngram:K or self:N"),
-    ("ngram:x", "ngram, ngram:K or self:N")])
+    ("draft:", "expected draft:FOLDER"), ("draft", "expected draft:FOLDER"),
+    ("self", "ngram, ngram:K, self:N"), ("ngram:x", "ngram, ngram:K, self:N")])
 def test_bad_speculative_option_is_named(qwen2_folder, capsys, value, message):
     with pytest.raises(SystemExit) as exited:
         build_parser().parse_args(["serve", "--model", str(qwen2_folder),
@@ -154,3 +163,72 @@ def test_bad_speculative_option_is_named(qwen2_folder, capsys, value, message):
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "--speculative" in err and message in err
+
+
+# --- a draft model --------------------------------------------------------------------------
+
+def _draft_folder(target, folder, tokenizer_swap: bool = False):
+    """A 1-layer model of the target's config (other weights) with the target's tokenizer
+    files, or with two of its tokens' ids swapped (``tokenizer_swap``: another tokenizer of
+    the same size)."""
+    config = dataclasses.replace(from_pretrained(target).config, num_layers=1)
+    torch.manual_seed(1)
+    save_pretrained(DecoderLM(config).eval(), folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target / name, folder / name)
+    if tokenizer_swap:
+        data = json.loads((folder / "tokenizer.json").read_text())
+        vocab = data["model"]["vocab"]
+        a, b = "a", "b"
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+        (folder / "tokenizer.json").write_text(json.dumps(data))
+    return folder
+
+
+def test_a_draft_folder_serves_draft_requests_and_the_default_with_the_plain_text(
+        api, qwen2_folder, tmp_path):
+    ask = {"model": qwen2_folder.name, "prompt": PROMPT, "max_tokens": 20, "temperature": 0}
+    plain = api.completions.create(**ask).choices[0].text  # the module's server: no draft
+    draft = _draft_folder(qwen2_folder, tmp_path)
+    app = create_app(qwen2_folder, max_batch=4, page_size=4, kv_pages=256,
+                     speculative=f"draft:{draft}")
+    assert app.state.serving.speculation == Speculation("draft", 5)
+    app.state.serving.engine.engine.speculator.max_requests = 4
+    with live(app) as url:
+        drafting = client(url)
+        assert drafting.completions.create(**ask).choices[0].text == plain  # the default
+        for extra in ({"speculative": "draft"},
+                      {"speculative": "draft", "num_speculative_tokens": 2}):
+            assert drafting.completions.create(**ask, extra_body=extra).choices[0].text \
+                == plain, extra
+        chunks = list(drafting.completions.create(**ask, stream=True,
+                                                  extra_body={"speculative": "draft"}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == plain
+        wait_for(lambda: idle(app), what="an idle engine")  # every page back
+        assert metric(raw(url, "GET", "/metrics")[2],
+                      "attnlab_spec_decode_verifications_total") > 0
+        assert len(app.state.serving.engine.engine.speculator._proposers) == 0
+
+
+def test_a_draft_model_object_is_served_and_a_draft_of_another_tokenizer_is_refused(
+        qwen2_folder, tmp_path):
+    model = from_pretrained(qwen2_folder)
+    draft = DecoderLM(dataclasses.replace(model.config, num_layers=1)).eval()
+    app = create_app(qwen2_folder, speculative=draft)
+    assert app.state.serving.engine.engine.speculator.draft is draft
+    assert app.state.serving.speculation == Speculation("draft", 5)
+    other = _draft_folder(qwen2_folder, tmp_path / "other", tokenizer_swap=True)
+    with pytest.raises(ValueError, match=r"speculative: draft:.*other: its tokenizer differs "
+                                         r"from the served model's"):
+        create_app(qwen2_folder, speculative=f"draft:{other}")
+    small = DecoderLM(dataclasses.replace(model.config, vocab_size=100)).eval()
+    with pytest.raises(ValueError, match=r"draft_model: expected the model's vocabulary"):
+        create_app(qwen2_folder, speculative=small)
+    with pytest.raises(ValueError, match=r"speculative: draft:.*missing: "):
+        create_app(qwen2_folder, speculative=f"draft:{tmp_path / 'missing'}")
+
+
+def test_serve_takes_a_draft_folder_on_the_command_line(qwen2_folder):
+    args = build_parser().parse_args(["serve", "--model", str(qwen2_folder),
+                                      "--speculative", "draft:some/folder"])
+    assert args.speculative == "draft:some/folder"  # read by create_app when it starts

@@ -6,7 +6,7 @@
                   [--dtype DTYPE] [--quantize int8|int4] [--extra-memory]
                   [--max-connections 256] [--shutdown-grace SECONDS]
                   [--api-key KEY] [--allowed-origin ORIGIN]
-                  [--speculative ngram|ngram:K|self:N]
+                  [--speculative ngram|ngram:K|self:N|draft:FOLDER]
 
 The app is ``attnlab.serving.server.create_app``, run by uvicorn; the URL is printed once the
 socket listens (``--port 0`` takes a free port and prints it).
@@ -36,7 +36,7 @@ from attnlab.cli.options import add_dtype_option, add_model_option
 from attnlab.quantization import METHODS
 from attnlab.serving.api import MAX_N
 from attnlab.serving.server import create_app
-from attnlab.serving.speculation import speculation_from
+from attnlab.serving.speculation import speculation_from, split_draft
 from attnlab.threads import add_threads_option
 
 __all__ = ["DEFAULT_SHUTDOWN_GRACE_S", "ReadyServer", "add_commands", "run_serve"]
@@ -96,10 +96,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    metavar="SECONDS", help="on Ctrl-C or SIGTERM, how long the running requests "
                    "may go on before they are ended (new ones are refused at once)")
     p.add_argument("--speculative", type=_speculative, default=None,
-                   metavar="ngram[:K]|self:N",
+                   metavar="ngram[:K]|self:N|draft:FOLDER",
                    help="speculative decoding for requests that do not choose (a request's "
                    "speculative field does): same text, fewer passes over the weights while "
-                   "few requests decode together (default: off)")
+                   "few requests decode together (default: off); draft:FOLDER loads a draft "
+                   "model sharing the tokenizer, which requests may then ask for (draft)")
     add_threads_option(p)
     p.set_defaults(handler=run_serve)
 
@@ -128,9 +129,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _speculative(text: str) -> str:
-    """``--speculative``: checked as a request's ``speculative`` is."""
+    """``--speculative``: checked as a request's ``speculative`` is (``draft:FOLDER``: the
+    folder is read when the server starts)."""
     try:
-        speculation_from(text)
+        if split_draft(text) is None:
+            speculation_from(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error).removeprefix("speculative: ")) from None
     return text

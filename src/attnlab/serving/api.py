@@ -148,7 +148,7 @@ class _Sampling(BaseModel):
     # attnlab's (and vLLM's) extensions.
     min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
-    # attnlab's: speculative decoding (ngram, ngram:K, self:N; attnlab.serving.speculation),
+    # attnlab's: speculative decoding (ngram, ngram:K, self:N, draft; attnlab.serving.speculation),
     # checked by the server; `prediction` (OpenAI's Predicted Outputs) asks for it too.
     speculative: str | None = None
     num_speculative_tokens: Annotated[int, Field(ge=1)] | None = None

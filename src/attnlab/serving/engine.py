@@ -68,13 +68,15 @@ class Engine:
     ``Tokenizer``) compiles the grammars of requests with a ``json_schema``; the other
     controls and the logprobs of ``SamplingParams``: ``attnlab.serving.request_logits``.
     Requests asking for speculative decoding speculate in a step where at most
-    ``speculate_max_requests`` requests decode (``attnlab.serving.speculation``).
+    ``speculate_max_requests`` requests decode (``attnlab.serving.speculation``);
+    ``draft_model``: the draft model of those asking for ``draft`` (sharing the tokenizer).
     """
 
     def __init__(self, model: DecoderLM, *, max_batch: int = 8, max_tokens_per_step: int = 512,
                  kv_pages: int | None = None, page_size: int = 16, max_queue: int = 64,
                  prefix_caching: bool = True, tokenizer: object | None = None,
-                 speculate_max_requests: int = DEFAULT_MAX_REQUESTS) -> None:
+                 speculate_max_requests: int = DEFAULT_MAX_REQUESTS,
+                 draft_model: DecoderLM | None = None) -> None:
         if not isinstance(model, DecoderLM):
             raise TypeError(f"model: expected an attnlab DecoderLM, got {type(model).__name__}")
         if model.training:
@@ -132,7 +134,7 @@ class Engine:
                                    max_tokens_per_step=max_tokens_per_step,
                                    prefix_caching=prefix_caching)
         self.speculator = Speculator(model, self.pool, max_tokens_per_step,
-                                     speculate_max_requests)
+                                     speculate_max_requests, draft_model)
         self._lock = threading.Lock()
         self._stepping = threading.Lock()
         self._live: dict[str, Request] = {}

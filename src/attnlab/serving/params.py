@@ -173,8 +173,9 @@ class QueueFull(RuntimeError):  # noqa: N818 (the name the HTTP layer codes agai
 @dataclass(frozen=True)
 class Speculation:
     """Speculative decoding for one request (``attnlab.serving.speculation``): ``method``
-    ``"ngram"`` (prompt lookup over the prompt, the output and ``reference``) or ``"self"``
-    (a draft of the model's own first ``layers`` layers); up to ``num_tokens`` drafts are
+    ``"ngram"`` (prompt lookup over the prompt, the output and ``reference``), ``"self"``
+    (a draft of the model's own first ``layers`` layers) or ``"draft"`` (the engine's draft
+    model); up to ``num_tokens`` drafts are
     verified in each step. ``reference``: the token ids of an expected output (OpenAI's
     ``prediction``), searched by the lookup as if they were part of the prompt."""
 
@@ -184,8 +185,9 @@ class Speculation:
     reference: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "self"):
-            raise ValueError(f"speculative: expected 'ngram' or 'self:N', got {self.method!r}")
+        if self.method not in ("ngram", "self", "draft"):
+            raise ValueError(f"speculative: expected 'ngram', 'self:N' or 'draft', got "
+                             f"{self.method!r}")
         if not is_int(self.num_tokens) or not 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens: expected an int in [1, "
                              f"{MAX_SPECULATIVE_TOKENS}], got {self.num_tokens!r}")

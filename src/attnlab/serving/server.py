@@ -77,7 +77,7 @@ from attnlab.serving.engine_thread import EngineError, EngineThread, release_ope
 from attnlab.serving.metrics import CONTENT_TYPE, Metrics
 from attnlab.serving.params import Speculation
 from attnlab.serving.shutdown import Drain, ShutdownError
-from attnlab.serving.speculation import requested, speculation_from
+from attnlab.serving.speculation import requested, speculation_from, split_draft
 from attnlab.serving.tool_calls import (
     PARSERS,
     ToolParser,
@@ -107,7 +107,7 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
                max_body_bytes: int = 8 * 2**20, body_timeout_s: float = 60.0,
                max_tokens_limit: int | None = None, max_n: int = MAX_N,
                api_key: str | None = None, allowed_origins: Sequence[str] = (),
-               speculative: str | None = None) -> FastAPI:
+               speculative: str | DecoderLM | None = None) -> FastAPI:
     """The FastAPI app serving ``model``: a checkpoint folder (read by ``from_pretrained``,
     weights in ``dtype`` (default the stored one) and quantized when ``quantize`` is
     ``"int8"``/``"int4"``, with oneDNN's packed copies beside them where they win when
@@ -123,9 +123,12 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
     that does not say caps its new tokens at ``max_tokens_limit``. ``api_key``: every route
     but ``/health`` wants ``Authorization: Bearer <api_key>`` (401 without);
     ``allowed_origins``: the browser origins CORS lets in (none: CORS off). Both:
-    ``attnlab.serving.access``. ``speculative`` (``ngram``, ``ngram:K``, ``self:N``): the
-    speculative decoding of requests that do not ask for one and use nothing it cannot serve
-    (``attnlab.serving.speculation``)."""
+    ``attnlab.serving.access``. ``speculative`` (``ngram``, ``ngram:K``, ``self:N``, or a draft
+    model: ``draft:FOLDER``, read as ``model`` is, or a ``DecoderLM``): the speculative
+    decoding of requests that do not ask for one and use nothing it cannot serve
+    (``attnlab.serving.speculation``). A draft model is loaded once, here; it must share the
+    tokenizer (a folder's tokenizer is compared token by token), and requests may then ask
+    for ``speculative: "draft"``."""
     check_positive("max_body_bytes", max_body_bytes)
     if not is_number(body_timeout_s, finite=True) or body_timeout_s <= 0:
         raise ValueError(f"body_timeout_s: expected a finite number of seconds > 0, got "
@@ -140,11 +143,13 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
         raise TypeError(f"served_name: expected a non-empty str or None, got {served_name!r}")
     state = ServerState.load(model, served_name=served_name, quantize=quantize, dtype=dtype,
                              extra_memory=extra_memory)
+    draft = _draft_model(speculative, state.tokenizer, dtype=dtype, quantize=quantize,
+                         extra_memory=extra_memory)
     try:
         engine = Engine(state.model, max_batch=max_batch,
                         max_tokens_per_step=max_tokens_per_step, kv_pages=kv_pages,
                         page_size=page_size, max_queue=max_queue, prefix_caching=prefix_caching,
-                        tokenizer=state.tokenizer)
+                        tokenizer=state.tokenizer, draft_model=draft)
     except ValueError as error:  # the model's config cannot be served: name the file
         if isinstance(model, tuple) or not str(error).startswith("model: "):
             raise
@@ -152,7 +157,7 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
                          f"{str(error).removeprefix('model: ')}") from None
     state.max_tokens_limit, state.max_n = max_tokens_limit, max_n
     if speculative is not None:
-        state.speculation = speculation_from(speculative)
+        state.speculation = speculation_from("draft" if draft is not None else speculative)
         engine.speculator.check(state.speculation)
     state.engine = EngineThread(engine)
     # Loading ran OpenMP work on this thread; its idle worker threads would share the cores
@@ -181,6 +186,42 @@ def create_app(model: str | Path | tuple[DecoderLM, Tokenizer], *,
         app.add_middleware(BearerKey, key=api_key)
     allow_origins(app, allowed_origins)  # outermost: it answers the browsers' preflights
     return app
+
+
+def _draft_model(speculative: object, tokenizer: Tokenizer, **load: object
+                 ) -> DecoderLM | None:
+    """The draft model that ``create_app``'s ``speculative`` names (None for another
+    choice): a ``DecoderLM``, or ``draft:FOLDER`` loaded as the served folder is, whose
+    tokenizer (where the folder has one) must be ``tokenizer``, token for token."""
+    if isinstance(speculative, DecoderLM):
+        return speculative.eval()
+    if speculative is None:
+        return None
+    if not isinstance(speculative, str):
+        raise TypeError(f"speculative: expected a str (ngram, ngram:K, self:N, draft:FOLDER), "
+                        f"a draft DecoderLM or None, got {type(speculative).__name__}")
+    folder = split_draft(speculative)
+    if folder is None:
+        return None
+    try:
+        draft = from_pretrained(folder, **load)
+    except (ValueError, OSError) as error:
+        raise ValueError(f"speculative: draft:{folder}: {error}") from None
+    if not isinstance(draft, DecoderLM):
+        raise ValueError(f"speculative: draft:{folder} holds a {type(draft).__name__}; "
+                         f"expected a decoder-only language model folder")
+    try:
+        own = Tokenizer.from_pretrained(folder)
+    except (ValueError, OSError):  # no tokenizer files: the vocabulary's size is checked
+        return draft.eval()
+    differs = own.vocab_size != tokenizer.vocab_size or next(
+        (i for i in range(tokenizer.vocab_size)
+         if own.backend.id_to_token(i) != tokenizer.backend.id_to_token(i)), None) is not None
+    if differs:
+        raise ValueError(f"speculative: draft:{folder}: its tokenizer differs from the served "
+                         f"model's ({own.vocab_size} and {tokenizer.vocab_size} tokens, or a "
+                         f"token's text); expected a draft that shares the tokenizer")
+    return draft.eval()
 
 
 @dataclass

@@ -2,9 +2,10 @@
 checks them all, so one read of the weights can yield up to ``k + 1`` tokens.
 
 A decoding request runs its last token ``x`` at position ``c`` (``c = computed``). With
-drafts ``d_1..d_k`` (``SamplingParams.speculation``: prompt lookup, or the model's own first
-layers; ``attnlab.generation.proposers``), it runs ``1 + k`` rows instead, each a *decode
-row* of its own (``PagedRow(table, c + i, [token])``, one new token at position ``c + i``):
+drafts ``d_1..d_k`` (``SamplingParams.speculation``: prompt lookup, the model's own first
+layers, or the server's draft model; ``attnlab.generation.proposers``), it runs ``1 + k``
+rows instead, each a *decode row* of its own (``PagedRow(table, c + i, [token])``, one new
+token at position ``c + i``):
 
     rows      x@c     d_1@c+1   ..   d_k@c+k                   keys written: c .. c+k
     logits    row 0   row 1     ..   row k                     row i: the token after d_i
@@ -24,9 +25,15 @@ speculation on or off); sampling keeps ``d_i`` with probability ``min(1, p(d_i) 
 and draws from ``norm(max(0, p - q))`` at the first rejection, with the request's generator
 (the same distribution as plain sampling; another stream of draws). The accepted drafts'
 keys stay; the pages taken for the rejected ones are given back to the pool (``settle``).
-A self draft (``self:N``) keeps its own dense KV cache of its ``N`` layers per request
-(``attnlab.generation.proposers.DraftModel``), outside the pool: ``N / layers`` of a full
-context's keys more per speculating request.
+A model draft (``self:N``, or ``draft``: a smaller model sharing the tokenizer, loaded once
+with the engine) keeps a dense KV cache per speculating request
+(``attnlab.generation.proposers.DraftModel``), outside the pool, of the request's prompt and
+new tokens. Its memory is bounded: at most ``max_requests`` such caches live at once (a step
+speculates with at most that many requests); making one more drops the least recently used,
+whose request, if it speculates again, refills a new one from its tokens (one draft forward
+over them; the tokens are the same either way). A cache is also dropped with its request.
+So the caches take at most ``max_requests x max_request_tokens`` positions of the draft's
+layers (``self:N``: ``N / layers`` of the model's keys for a full context, each).
 
 When it runs: a request asks for it (``SamplingParams.speculation``); the engine speculates
 in a step only when at most ``max_requests`` requests decode in it (with many sharing a step
@@ -57,33 +64,46 @@ from attnlab.serving.runner import PagedRow
 from attnlab.serving.scheduler import Request
 
 __all__ = ["Drafts", "Speculator", "refuse_with_speculation", "requested",
-           "speculation_from"]
+           "speculation_from", "split_draft"]
 
 # Requests decoding in a step above which no request speculates in it (module docstring).
 DEFAULT_MAX_REQUESTS = 2
 # Drafts a verification takes when the request does not say: prompt lookup's are free to
 # make (transformers' examples use 10), a model draft's cost a forward each (its default 5).
-DEFAULT_TOKENS = {"ngram": 10, "self": 5}
+DEFAULT_TOKENS = {"ngram": 10, "self": 5, "draft": 5}
 
 
 def speculation_from(text: str, num_tokens: int | None = None,
                      reference: tuple[int, ...] = ()) -> Speculation:
     """``Speculation`` for ``speculative`` as a request or ``attnlab serve --speculative``
-    names it: ``ngram``, ``ngram:K`` or ``self:N``, with ``num_tokens`` drafts (None: ``K``,
-    else ``DEFAULT_TOKENS``); ``reference``: a predicted output's ids (``prediction``)."""
+    names it: ``ngram``, ``ngram:K``, ``self:N`` or ``draft`` (the server's draft model,
+    ``draft:FOLDER`` on its command line: ``split_draft``), with ``num_tokens`` drafts (None:
+    ``K``, else ``DEFAULT_TOKENS``); ``reference``: a predicted output's ids (``prediction``)."""
     if not isinstance(text, str):
-        raise ValueError(f"speculative: expected ngram, ngram:K or self:N, got {text!r}")
+        raise ValueError(f"speculative: expected ngram, ngram:K, self:N or draft, got {text!r}")
     method, _, value = text.partition(":")
     count = int(value) if value.isdigit() else 0
-    if method not in ("ngram", "self") or (value and count < 1) or (method == "self"
-                                                                     and not count):
-        extra = " (a draft model is not served yet: use attnlab generate)" \
+    if method not in ("ngram", "self", "draft") or (value and count < 1) or (
+            method == "self" and not count) or (method == "draft" and value):
+        extra = " (draft:FOLDER loads a draft model when the server starts: attnlab serve " \
+            "--speculative draft:FOLDER; a request then asks for draft)" \
             if method == "draft" else ""
-        raise ValueError(f"speculative: expected ngram, ngram:K or self:N with ints K, N >= 1"
-                         f"{extra}, got {text!r}")
+        raise ValueError(f"speculative: expected ngram, ngram:K, self:N with ints K, N >= 1, "
+                         f"or draft{extra}, got {text!r}")
     if num_tokens is None:
         num_tokens = count if method == "ngram" and count else DEFAULT_TOKENS[method]
     return Speculation(method, num_tokens, count if method == "self" else None, reference)
+
+
+def split_draft(text: str) -> str | None:
+    """The folder of a server's ``--speculative draft:FOLDER`` (None for another choice)."""
+    method, _, folder = text.partition(":")
+    if method != "draft":
+        return None
+    if not folder:
+        raise ValueError(f"speculative: expected draft:FOLDER (the draft model's checkpoint "
+                         f"folder) for a server's default, got {text!r}")
+    return folder
 
 
 # Request fields that speculative decoding does not serve yet -> the values that leave them
@@ -117,8 +137,8 @@ def requested(body: object, default: Speculation | None,
     num_tokens = getattr(body, "num_speculative_tokens", None)
     if asked is None and not reference:
         if num_tokens is not None:
-            raise ValueError(f"num_speculative_tokens: only with speculative (ngram, ngram:K "
-                             f"or self:N) or prediction, got {num_tokens} without them")
+            raise ValueError(f"num_speculative_tokens: only with speculative (ngram, ngram:K, "
+                             f"self:N or draft) or prediction, got {num_tokens} without them")
         return default if refuse_with_speculation(body) is None else None
     field = refuse_with_speculation(body)
     if field is not None:
@@ -153,19 +173,32 @@ class SpeculationStats:
 class Speculator:
     """The engine's speculative decoding: proposals for a step's decoding requests, their
     pages, their rows, their verification (module docstring). Called by the engine's stepping
-    thread; ``reserve`` and ``settle`` under the engine's lock (they touch the pool)."""
+    thread; ``reserve`` and ``settle`` under the engine's lock (they touch the pool).
+    ``draft``: the draft model of requests asking for ``draft`` (None: such requests are
+    refused), with the model's vocabulary, context and device."""
 
     def __init__(self, model: DecoderLM, pool: PagePool, budget: int,
-                 max_requests: int = DEFAULT_MAX_REQUESTS) -> None:
+                 max_requests: int = DEFAULT_MAX_REQUESTS, draft: DecoderLM | None = None
+                 ) -> None:
+        if draft is not None:
+            _check_draft(model, draft)
         self.model, self.pool, self.budget, self.max_requests = model, pool, budget, max_requests
+        self.draft = draft
         self.stats = SpeculationStats()
         # each speculating request's proposer, forgotten with the request
         self._proposers: weakref.WeakKeyDictionary[Request, Proposer] = \
             weakref.WeakKeyDictionary()
+        # the requests holding a model draft's cache, least recently used first
+        self._caches: list[weakref.ref[Request]] = []
 
     def check(self, speculation: Speculation | None) -> None:
-        """Refuse a ``speculation`` this model cannot run (a draft of too many layers)."""
+        """Refuse a ``speculation`` this model cannot run (a draft of too many layers, or a
+        draft model that the engine has not)."""
         s = speculation
+        if s is not None and s.method == "draft" and self.draft is None:
+            raise ValueError("speculative: draft asks for the server's draft model, and this "
+                             "server has none; expected ngram, ngram:K or self:N (or a server "
+                             "started with --speculative draft:FOLDER)")
         if s is not None and s.layers is not None and s.layers >= self.model.config.num_layers:
             raise ValueError(f"speculative: self:{s.layers} asks for a draft of {s.layers} "
                              f"layers; expected fewer than the model's "
@@ -241,7 +274,9 @@ class Speculator:
             chosen = accept_sampled(probs, drafts.q, tokens.to(probs.device),
                                     request.generator).tolist()
         accepted = len(chosen) - 1
-        self._proposers[request].feedback(len(drafts.tokens), accepted)
+        proposer = self._proposers.get(request)
+        if proposer is not None:  # (its draft's cache may have gone to another request)
+            proposer.feedback(len(drafts.tokens), accepted)
         s = self.stats
         s.verifications, s.proposed = s.verifications + 1, s.proposed + len(drafts.tokens)
         s.accepted, s.tokens = s.accepted + accepted, s.tokens + len(chosen)
@@ -262,6 +297,8 @@ class Speculator:
         if proposer is None:
             proposer = self._make(request)
             self._proposers[request] = proposer
+        if s.method != "ngram":
+            self._used(request)
         if s.reference:  # the predicted output, searched as if the prompt held it
             ids = ids[:request.prompt_length] + list(s.reference) + ids[request.prompt_length:]
         tokens, q = proposer.propose(torch.tensor([ids], device=self.model.device), k,
@@ -273,8 +310,16 @@ class Speculator:
         if s.method == "ngram":
             return PromptLookup(s.num_tokens)
         capacity = request.prompt_length + request.params.max_tokens
-        return DraftModel(early_exit(self.model, s.layers), capacity,
-                          num_tokens=s.num_tokens, max_tokens=s.num_tokens)
+        draft = self.draft if s.method == "draft" else early_exit(self.model, s.layers)
+        return DraftModel(draft, capacity, num_tokens=s.num_tokens, max_tokens=s.num_tokens)
+
+    def _used(self, request: Request) -> None:
+        """Mark ``request``'s draft cache the most recently used; drop the least recently
+        used ones past ``max_requests`` (module docstring: the bound on their memory)."""
+        self._caches = [r for r in self._caches if r() is not None and r() is not request]
+        while len(self._caches) >= max(self.max_requests, 1):
+            self._proposers.pop(self._caches.pop(0)(), None)
+        self._caches.append(weakref.ref(request))
 
     def _draws(self, request: Request) -> Draw:
         """How a model draft picks its tokens: the request's own rule (argmax, or a draw from
@@ -289,3 +334,25 @@ class Speculator:
             return torch.multinomial(q, 1, generator=request.generator)[0], q
 
         return draw
+
+
+def _check_draft(model: DecoderLM, draft: DecoderLM) -> None:
+    """Refuse a draft model that cannot propose for ``model``'s requests, naming it."""
+    if not isinstance(draft, DecoderLM):
+        raise TypeError(f"draft_model: expected an attnlab DecoderLM, got "
+                        f"{type(draft).__name__}")
+    c, d = model.config, draft.config
+    if d.vocab_size != c.vocab_size:
+        raise ValueError(f"draft_model: expected the model's vocabulary of {c.vocab_size} "
+                         f"tokens (a draft shares the tokenizer), got vocab_size="
+                         f"{d.vocab_size}")
+    if d.max_len < c.max_len:
+        raise ValueError(f"draft_model: expected a context of at least the model's max_len="
+                         f"{c.max_len} tokens (it drafts for any request), got max_len="
+                         f"{d.max_len}")
+    if draft.device != model.device:
+        raise ValueError(f"draft_model: expected the model's device {model.device}, got "
+                         f"{draft.device}")
+    if draft.training:
+        raise ValueError("draft_model: expected a model in eval mode (model.eval()), got one "
+                         "in training mode")
