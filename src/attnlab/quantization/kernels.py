@@ -284,9 +284,9 @@ def _dequantized(data: Tensor, scales: Tensor, zeros: Tensor | None, group_size:
 def _native_widened_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
     """The formula's product by float32 BLAS: ``W'`` made in float32 by attnlab's C++
     dequantization a block of output rows at a time (:func:`widened_product`), each sum
-    rounded once to x's dtype. For bfloat16 x where BLAS has no bfloat16 arithmetic (a CPU
-    without AVX-512: its bfloat16 GEMM slower than float32's, as ``benchmarks/avx2/`` shows),
-    many rows repay it. ``W'`` is not rounded to bfloat16 first, so its sums differ from the
+    rounded once to x's dtype. For bfloat16 x where BLAS has no bfloat16 arithmetic (there
+    its bfloat16 GEMM is slower than float32's: ``python -m devbench gemv`` measures it on a
+    machine), many rows repay it. ``W'`` is not rounded to bfloat16 first, so its sums differ from the
     formula's by that rounding."""
     data, scales, zeros, group_size = state
 
