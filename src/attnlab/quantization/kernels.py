@@ -286,8 +286,8 @@ def _native_widened_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
     dequantization a block of output rows at a time (:func:`widened_product`), each sum
     rounded once to x's dtype. For bfloat16 x where BLAS has no bfloat16 arithmetic (there
     its bfloat16 GEMM is slower than float32's: ``python -m devbench gemv`` measures it on a
-    machine), many rows repay it. ``W'`` is not rounded to bfloat16 first, so its sums differ from the
-    formula's by that rounding."""
+    machine), many rows repay it. ``W'`` is not rounded to bfloat16 first, so its sums differ
+    from the formula's by that rounding."""
     data, scales, zeros, group_size = state
 
     def block(o0: int, o1: int) -> Tensor:
