@@ -4,8 +4,6 @@ by the same test), the end conditions act token by token, bad arguments are refu
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -21,6 +19,7 @@ from attnlab.generation import (
 )
 from attnlab.models import DecoderLM, DecoderLMConfig
 from attnlab.models.families import FAMILIES, family_for
+from distribution_checks import chi_square_p, exact_distribution
 
 V = 48
 SIZES = {"vocab_size": V, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
@@ -216,24 +215,8 @@ def peaked(seed: int, layers: int) -> DecoderLM:
     return model
 
 
-def exact_distribution(model: DecoderLM, prompt: list[int]) -> torch.Tensor:
-    """P(t_1..t_NEW) for all SMALL_V^NEW sequences, from full forwards (no cache)."""
-    seqs = torch.tensor(list(itertools.product(range(SMALL_V), repeat=NEW)))
-    ids = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], dim=1)
-    with torch.no_grad():
-        probs = model(ids).softmax(-1)[:, len(prompt) - 1:-1]  # rows x NEW x V
-    return probs.gather(-1, seqs[..., None]).squeeze(-1).prod(-1)
 
 
-def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's goodness-of-fit p-value, cells with an expected count below 5 pooled."""
-    expected = probs.double() * counts.sum()
-    small = expected < 5
-    obs = torch.cat([counts[~small].double(), counts[small].double().sum()[None]])
-    exp = torch.cat([expected[~small], expected[small].sum()[None]])
-    obs, exp = obs[exp > 0], exp[exp > 0]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    return float(torch.special.gammaincc(torch.tensor((len(exp) - 1) / 2.0), stat / 2))
 
 
 def sampled_counts(target, draft, prompt, samples: int) -> torch.Tensor:
@@ -260,7 +243,7 @@ def test_sampled_tokens_follow_the_target_distribution_and_a_wrong_acceptor_fail
         monkeypatch) -> None:
     target, draft = peaked(0, 2), peaked(5, 1)
     prompt, samples = [0, 2, 1], 1000
-    probs = exact_distribution(target, prompt)
+    probs = exact_distribution(target, prompt, SMALL_V, NEW)
     assert abs(float(probs.sum()) - 1) < 1e-5
     assert chi_square_p(sampled_counts(target, draft, prompt, samples), probs) > 1e-3
     monkeypatch.setattr(speculative, "accept_sampled", resample_from_p)

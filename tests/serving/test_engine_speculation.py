@@ -7,7 +7,6 @@ what cannot run is refused by name; the engine counts what speculation did."""
 from __future__ import annotations
 
 import copy
-import itertools
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from attnlab.serving import Engine, SamplingParams
 from attnlab.serving import speculation as speculation_module
 from attnlab.serving.params import Speculation
 from attnlab.serving.speculation import speculation_from, split_draft
+from distribution_checks import chi_square_p, exact_distribution
 
 V = 61
 NGRAM, SELF = Speculation("ngram", 4), Speculation("self", 3, layers=1)
@@ -222,24 +222,8 @@ def _peaked() -> DecoderLM:
     return model
 
 
-def _exact(model: DecoderLM, prompt: list[int]) -> torch.Tensor:
-    """P(t_1..t_NEW) for all SMALL_V^NEW sequences, from full forwards (no cache)."""
-    seqs = torch.tensor(list(itertools.product(range(SMALL_V), repeat=NEW)))
-    ids = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], dim=1)
-    with torch.no_grad():
-        probs = model(ids).softmax(-1)[:, len(prompt) - 1:-1]  # rows x NEW x V
-    return probs.gather(-1, seqs[..., None]).squeeze(-1).prod(-1)
 
 
-def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's goodness-of-fit p-value, cells with an expected count below 5 pooled."""
-    expected = probs.double() * counts.sum()
-    small = expected < 5
-    obs = torch.cat([counts[~small].double(), counts[small].double().sum()[None]])
-    exp = torch.cat([expected[~small], expected[small].sum()[None]])
-    obs, exp = obs[exp > 0], exp[exp > 0]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    return float(torch.special.gammaincc(torch.tensor((len(exp) - 1) / 2.0), stat / 2))
 
 
 def _peaked_draft() -> DecoderLM:
@@ -289,14 +273,14 @@ def _resample_from_p(p, q, drafts, generator=None):
 def test_sampled_tokens_follow_the_target_distribution_and_a_wrong_acceptor_fails(
         monkeypatch, speculation):
     model, prompt = _peaked(), [1, 2, 0, 2, 1, 0, 1]
-    probs = _exact(model, prompt)
+    probs = exact_distribution(model, prompt, SMALL_V, NEW)
     counts, stats = _sample(model, prompt, speculation)
     assert stats["spec_verifications"] > SAMPLES / 2  # most requests verified a draft
-    assert _chi_square_p(counts, probs) > 1e-3
+    assert chi_square_p(counts, probs) > 1e-3
     monkeypatch.setattr(speculation_module, "accept_sampled", _resample_from_p)
     # (seeds fixed, so both p-values are fixed: 1e-4 leaves the 1-layer draft's wrong
     # acceptor, whose q is close to p, a margin of 4x)
-    assert _chi_square_p(_sample(model, prompt, speculation)[0], probs) < 1e-4
+    assert chi_square_p(_sample(model, prompt, speculation)[0], probs) < 1e-4
 
 
 # --- refusals ------------------------------------------------------------------------------
