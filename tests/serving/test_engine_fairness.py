@@ -1,8 +1,8 @@
 """Fair scheduling between groups of requests (``SamplingParams.group``, the ``n`` choices of
 one HTTP request), counted in scheduler steps: a newcomer is prefilled in the first step
 after it arrives while a request of 16 choices runs, groups share the batch within one slot
-of each other, the prefill budget is split max-min fair, and greedy tokens stay those of
-``generate`` run alone."""
+of each other, the prefill budget goes shortest first above a floor that bounds every
+prompt's wait, and greedy tokens stay those of ``generate`` run alone."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from test_engine import V, _model
 from attnlab.generation import generate
 from attnlab.serving import Engine, SamplingParams
 from attnlab.serving.engine import MIN_REQUEST_TOKENS
-from attnlab.serving.scheduler import fair_shares
+from attnlab.serving.scheduler import prefill_shares
 
 # The scheduler's bound (its module docstring): a request of a group that runs nothing is
 # admitted and computes prompt tokens in the first step after it arrives.
@@ -104,24 +104,65 @@ def test_two_groups_share_the_batch_within_one_slot():
     assert engine.stats()["preemptions"] == 2
 
 
-def test_prefilling_requests_split_the_budget_max_min_fair():
+def test_prefilling_requests_go_shortest_first_above_a_floor():
+    # floor 10 // 3 = 3: the 2-token prompt whole, 3 for each long one, the 2 left to the
+    # first long one (arrival order breaks the tie)
     engine = Engine(_model(), max_batch=3, max_tokens_per_step=10, page_size=4)
     for length, seed in ((26, 5), (2, 6), (26, 7)):
         engine.add_request(_prompt(length, seed), _greedy(4))
     engine.step()
-    assert [r.computed for r in engine.scheduler.running] == [4, 2, 4]
+    assert [r.computed for r in engine.scheduler.running] == [5, 2, 3]
 
 
-@pytest.mark.parametrize(("budget", "wants", "shares"), [
-    (10, [26, 2, 26], [4, 2, 4]),
-    (2, [5, 5, 5], [1, 1, 0]),
-    (11, [26, 2, 26], [5, 2, 4]),   # the left-over token goes first in priority order
-    (100, [3, 7], [3, 7]),           # enough for all
-    (5, [], []),
-    (0, [4, 1], [0, 0]),
+def test_a_short_prompt_is_not_held_up_behind_a_long_one():
+    engine = Engine(_model(), max_batch=4, max_tokens_per_step=16, page_size=4)
+    engine.add_request(_prompt(40, 1), _greedy(4), request_id="long")
+    engine.step()
+    engine.add_request(_prompt(9, 2), _greedy(4), request_id="short")
+    events = engine.step()  # "long"'s floor of 16 // 4 = 4, the other 12 cover "short"'s 9
+    assert [e.request_id for e in events] == ["short"]
+
+
+def test_the_floor_bounds_a_long_prompts_wait_while_short_ones_keep_arriving():
+    # budget 12, 3 slots: floor 4; a 40-token prompt is stored within ceil(40 / 4) = 10 steps
+    # although two new 6-token requests arrive at every step and go first
+    engine = Engine(_model(), max_batch=3, max_tokens_per_step=12, page_size=4)
+    engine.add_request(_prompt(40, 1), _greedy(2), request_id="long")
+    for step in range(10):
+        for i in range(2):
+            engine.add_request(_prompt(6, 100 + 2 * step + i), _greedy(1))
+        if any(e.request_id == "long" for e in engine.step()):
+            break
+    else:
+        pytest.fail("the long prompt waited more than ceil(40 / floor) steps")
+
+
+@pytest.mark.parametrize(("budget", "wants", "floor", "shares"), [
+    (10, [2, 26, 26], 3, [2, 5, 3]),
+    (11, [26, 2, 26], 3, [6, 2, 3]),  # the rest goes in priority order
+    (100, [3, 7], 5, [3, 7]),                          # enough for all
+    (5, [], 1, []),
+    (2, [4, 1], 1, [1, 1]),
 ])
-def test_fair_shares_is_max_min_fair(budget, wants, shares):
-    assert fair_shares(budget, wants) == shares
+def test_prefill_shares_examples(budget, wants, floor, shares):
+    assert prefill_shares(budget, wants, floor) == shares
+
+
+@given(wants=st.lists(st.integers(1, 40), max_size=6), floor=st.integers(1, 8),
+       extra=st.integers(0, 60))
+def test_prefill_shares_gives_every_floor_then_the_rest_in_order(wants, floor, extra):
+    budget = len(wants) * floor + extra
+    shares = prefill_shares(budget, wants, floor)
+    assert sum(shares) == min(budget, sum(wants))
+    assert all(min(w, floor) <= s <= w for w, s in zip(wants, shares))
+    for i, (w, s) in enumerate(zip(wants, shares)):  # above its floor only if all before are full
+        if s > min(w, floor):
+            assert all(sh == wa for wa, sh in zip(wants[:i], shares[:i]))
+
+
+def test_prefill_shares_refuses_floors_beyond_the_budget():
+    with pytest.raises(ValueError, match="floor"):
+        prefill_shares(3, [5, 5], 2)
 
 
 @settings(max_examples=30, deadline=None)

@@ -18,17 +18,23 @@ of one HTTP request; a request without one is a group alone); ``r_g`` is the num
    that does not fit, so a large request is not overtaken forever;
 2. decode: every running request with one pending token gets it; its next slot may need a
    new page;
-3. prefill: the rest of the budget is split among the running requests still prefilling,
-   max-min fair (``fair_shares``): none gets more than an equal share unless the others need
-   less, and a left-over token goes first in fair order. A long prompt takes several steps
-   and never stalls the decoding requests nor a newcomer's prefill.
+3. prefill: the rest of the budget goes to the running requests still prefilling, in
+   *prefill order* (fewest running of their group first, then fewest pending tokens, then
+   first come): each first gets a floor of ``max_tokens_per_step // max_batch`` tokens (or
+   what it needs, if less), then the tokens left go in that order, each taking what it
+   needs (``prefill_shares``). Shortest-first brings the most first tokens soonest (a short
+   chat turn is not held up behind a long document, and a crowd of equal prompts finishes
+   one by one instead of all at the end), and the floor bounds how long any prompt waits:
+   one of ``P`` tokens is stored within ``ceil(P / floor)`` steps, whatever arrives after
+   it. A long prompt takes several steps and never stalls the decoding requests.
 
-Since ``max_tokens_per_step >= max_batch``, every running request gets at least one token of
-every step. So a request of a group that runs nothing is admitted and computes its first
-prompt tokens in the first step after it arrives, whatever else runs (``n = 16`` choices of
-800 tokens), unless a request of another group that runs nothing arrived before it and waits
-too, or the pool cannot hold it even after the pauses the rule allows (it then waits for
-pages to be released, as every request does).
+Since ``max_tokens_per_step >= max_batch``, the floor is at least one token and the floors of
+the prefilling requests always fit beside the decode tokens, so every running request gets at
+least one token of every step. So a request of a group that runs nothing is admitted and
+computes its first prompt tokens in the first step after it arrives, whatever else runs
+(``n = 16`` choices of 800 tokens), unless a request of another group that runs nothing
+arrived before it and waits too, or the pool cannot hold it even after the pauses the rule
+allows (it then waits for pages to be released, as every request does).
 
 When a decoding request needs a page and none is available, the newest request of the group
 with the most running is paused: its pages are released (its full pages stay in the prefix
@@ -49,7 +55,7 @@ import torch
 from attnlab.serving.paged_cache import PagePool, page_hashes
 from attnlab.serving.params import SamplingParams
 
-__all__ = ["Request", "Scheduler", "fair_shares"]
+__all__ = ["Request", "Scheduler", "prefill_shares"]
 
 
 @dataclass(eq=False)
@@ -91,6 +97,7 @@ class Scheduler:
                  prefix_caching: bool) -> None:
         self.pool = pool
         self.max_batch, self.budget = max_batch, max_tokens_per_step
+        self.floor = max_tokens_per_step // max_batch
         self.prefix_caching = prefix_caching
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -104,15 +111,18 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Request, int]]:
         """The step's plan: ``(request, n)`` runs ``tokens[computed : computed + n]``;
-        decode rows first, then prefill chunks in fair order."""
+        decode rows first, then prefill chunks in prefill order."""
         self._admit_fairly()
         for request in list(self.running):
             if request.pending == 1 and request in self.running:
                 self._make_room(request)
         # a pause for a later request's page may have sent back one that had its page already
         plan = [(r, 1) for r in self.running if r.pending == 1]
-        prefilling = sorted((r for r in self.running if r.pending > 1), key=self._fair_key())
-        shares = fair_shares(self.budget - len(plan), [r.pending for r in prefilling])
+        counts = Counter(r.group for r in self.running)
+        prefilling = sorted((r for r in self.running if r.pending > 1),
+                            key=lambda r: (counts[r.group], r.pending, r.arrival))
+        shares = prefill_shares(self.budget - len(plan), [r.pending for r in prefilling],
+                                self.floor)
         return plan + [(r, n) for r, n in zip(prefilling, shares) if n]
 
     def advance(self, request: Request, n: int) -> None:
@@ -210,23 +220,19 @@ class Scheduler:
         request.table, request.computed, request.hashes = [], 0, []
 
 
-def fair_shares(budget: int, wants: Sequence[int]) -> list[int]:
-    """A max-min fair split of ``budget`` tokens among ``wants`` (in priority order): the
-    largest level ``L`` with ``sum(min(w, L)) <= budget``, each getting ``min(w, L)``; the
-    tokens left (fewer than the wants above ``L``) go one each to the first wants above ``L``.
-    ``fair_shares(10, [26, 2, 26]) == [4, 2, 4]``, ``fair_shares(2, [5, 5, 5]) == [1, 1, 0]``.
+def prefill_shares(budget: int, wants: Sequence[int], floor: int) -> list[int]:
+    """Split ``budget`` tokens among ``wants`` (in priority order): each first gets
+    ``min(w, floor)``, then the tokens left go in order, each taking up to what it still
+    wants. ``prefill_shares(10, [2, 26, 26], 3) == [2, 5, 3]``; the scheduler's floor always
+    fits (``len(wants) * floor <= budget``), else it raises ``ValueError``.
     """
-    low, high = 0, max(wants, default=0)
-    while low < high:  # the largest level that the budget covers
-        level = (low + high + 1) // 2
-        if sum(min(w, level) for w in wants) <= budget:
-            low = level
-        else:
-            high = level - 1
-    shares = [min(w, low) for w in wants]
+    shares = [min(w, floor) for w in wants]
     left = budget - sum(shares)
+    if left < 0:
+        raise ValueError(f"floor: {len(wants)} floors of {floor} tokens exceed the budget "
+                         f"of {budget}")
     for i, w in enumerate(wants):
-        if left and w > shares[i]:
-            shares[i] += 1
-            left -= 1
+        more = min(w - shares[i], left)
+        shares[i] += more
+        left -= more
     return shares
