@@ -7,18 +7,43 @@ import http.client
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from urllib.parse import urlsplit
 
 import openai
+import pytest
 import uvicorn
 from fastapi import FastAPI
 
 from attnlab.cli.serve import ReadyServer
+from attnlab.serving.server import create_app
+from attnlab.tokenizer import Tokenizer
 
 # Hang guards, far above the expected times on a busy 2-core machine.
 START_TIMEOUT_S = STOP_TIMEOUT_S = HANG_S = 600.0
+
+
+def server_fixtures(**config: object) -> tuple[Callable, Callable, Callable]:
+    """Module-scoped fixtures ``(server, api, tok)`` for a test module to bind to those names:
+    ``server`` is ``(app, url)`` of ``create_app(qwen2_folder, **config)`` served live while
+    the module's tests run, ``api`` an ``openai`` client of it, ``tok`` the folder's
+    tokenizer."""
+    @pytest.fixture(scope="module")
+    def server(qwen2_folder):
+        app = create_app(qwen2_folder, **config)
+        with live(app) as url:
+            yield app, url
+
+    @pytest.fixture(scope="module")
+    def api(server):
+        return client(server[1])
+
+    @pytest.fixture(scope="module")
+    def tok(qwen2_folder):
+        return Tokenizer.from_pretrained(qwen2_folder)
+
+    return server, api, tok
 
 
 @contextmanager

@@ -12,32 +12,17 @@ import threading
 import openai
 import pytest
 import torch
-from server_live import client, live, raw, wait_for
+from server_live import client, live, raw, server_fixtures, wait_for
 
 from attnlab.generation import generate
 from attnlab.models.io import from_pretrained
 from attnlab.serving.server import create_app
-from attnlab.tokenizer import Tokenizer
 from tiny_folders import make_folder
 
 PROMPT = "once upon a time"
 
 
-@pytest.fixture(scope="module")
-def server(qwen2_folder):
-    app = create_app(qwen2_folder, max_batch=4, page_size=4, kv_pages=256)
-    with live(app) as url:
-        yield app, url
-
-
-@pytest.fixture(scope="module")
-def api(server):
-    return client(server[1])
-
-
-@pytest.fixture(scope="module")
-def tok(qwen2_folder):
-    return Tokenizer.from_pretrained(qwen2_folder)
+server, api, tok = server_fixtures(max_batch=4, page_size=4, kv_pages=256)
 
 
 def hf_greedy(qwen2_folder, ids: list[int], new: int, eos: int) -> list[int]:

@@ -14,7 +14,7 @@ import time
 
 import openai
 import pytest
-from server_live import client, live, raw, wait_for
+from server_live import client, live, raw, server_fixtures, wait_for
 
 from attnlab.models.io import from_pretrained
 from attnlab.serving import engine as engine_module
@@ -28,11 +28,7 @@ HANG_S = 600  # a hang guard: far above any wait here on a busy 2-core machine
 PAUSE_AT = 20  # tokens after which a watched engine waits for an abort
 
 
-@pytest.fixture(scope="module")
-def server(qwen2_folder):
-    app = create_app(qwen2_folder, max_batch=2, page_size=4, kv_pages=256)
-    with live(app) as url:
-        yield app, url
+server, api, tok = server_fixtures(max_batch=2, page_size=4, kv_pages=256)
 
 
 def post(server, path: str, body) -> tuple[int, dict]:

@@ -10,31 +10,15 @@ import threading
 
 import pytest
 import torch
-from server_live import client, live, raw
+from server_live import raw, server_fixtures
 
-from attnlab.serving.server import create_app
-from attnlab.tokenizer import Tokenizer
 from conftest import assert_close
 
 PROMPTS = ["once upon a time", "the fox said hello", "hello", "the world was a fox",
            "there was", "said the fox to", "a time", "once the world"]
 
 
-@pytest.fixture(scope="module")
-def server(qwen2_folder):
-    app = create_app(qwen2_folder, max_batch=8, page_size=4, kv_pages=512)
-    with live(app) as url:
-        yield app, url
-
-
-@pytest.fixture(scope="module")
-def api(server):
-    return client(server[1])
-
-
-@pytest.fixture(scope="module")
-def tok(qwen2_folder):
-    return Tokenizer.from_pretrained(qwen2_folder)
+server, api, tok = server_fixtures(max_batch=8, page_size=4, kv_pages=512)
 
 
 @functools.cache

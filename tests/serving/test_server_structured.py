@@ -11,9 +11,7 @@ import threading
 
 import jsonschema
 import pytest
-from server_live import client, live, raw
-
-from attnlab.serving.server import create_app
+from server_live import raw, server_fixtures
 
 SCHEMAS = [
     {"type": "object", "properties": {
@@ -38,16 +36,7 @@ SCHEMAS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(qwen2_folder):
-    app = create_app(qwen2_folder, max_batch=8, page_size=4, kv_pages=512)
-    with live(app) as url:
-        yield app, url
-
-
-@pytest.fixture(scope="module")
-def api(server):
-    return client(server[1])
+server, api, tok = server_fixtures(max_batch=8, page_size=4, kv_pages=512)
 
 
 def _format(schema: dict) -> dict:
