@@ -274,10 +274,9 @@ def test_one_lm_head_call_a_step_for_the_requests_that_need_a_token(monkeypatch)
     monkeypatch.setattr(model.lm_head, "forward",
                         lambda x: rows.append(tuple(x.shape)) or real(x))
     results = _run(engine, [(0, list(p), GREEDY) for p in prompts])
-    # the 20 tokens shortest first above a floor of 20 // 3 = 6. Step 1: the 3-token prompt
-    # whole, 11 of the 17-token one, 6 of the long one (no logits); 2: one decode, the 17-token
-    # prompt's last 6, 13 of the long one (no logits); 3: two decodes + its last 7 tokens;
-    # then three decodes a step
+    # the 20 tokens shortest first above a floor of 1. Step 1: the 3-token prompt whole, 16 of
+    # the 17-token one, 1 of the long one (no logits); 2: one decode, the 17-token prompt's
+    # last token, 18 of the long one; 3: two decodes + its last 7 tokens; then three decodes
     assert rows[:3] == [(1, 32), (2, 32), (3, 32)]
     assert all(shape == (3, 32) for shape in rows[3:NEW - 1])
     for prompt, events in zip(prompts, results.values()):

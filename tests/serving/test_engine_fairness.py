@@ -105,13 +105,13 @@ def test_two_groups_share_the_batch_within_one_slot():
 
 
 def test_prefilling_requests_go_shortest_first_above_a_floor():
-    # floor 10 // 3 = 3: the 2-token prompt whole, 3 for each long one, the 2 left to the
-    # first long one (arrival order breaks the tie)
-    engine = Engine(_model(), max_batch=3, max_tokens_per_step=10, page_size=4)
-    for length, seed in ((26, 5), (2, 6), (26, 7)):
+    # floor max(1, 24 // 12) = 2: the 3-token prompt whole, 2 for each long one, the 17 left
+    # to the first long one (arrival order breaks the tie)
+    engine = Engine(_model(), max_batch=3, max_tokens_per_step=24, page_size=4)
+    for length, seed in ((26, 5), (3, 6), (26, 7)):
         engine.add_request(_prompt(length, seed), _greedy(4))
     engine.step()
-    assert [r.computed for r in engine.scheduler.running] == [5, 2, 3]
+    assert [r.computed for r in engine.scheduler.running] == [19, 3, 2]
 
 
 def test_a_short_prompt_is_not_held_up_behind_a_long_one():
@@ -119,18 +119,18 @@ def test_a_short_prompt_is_not_held_up_behind_a_long_one():
     engine.add_request(_prompt(40, 1), _greedy(4), request_id="long")
     engine.step()
     engine.add_request(_prompt(9, 2), _greedy(4), request_id="short")
-    events = engine.step()  # "long"'s floor of 16 // 4 = 4, the other 12 cover "short"'s 9
+    events = engine.step()  # "long"'s floor of 1, the other 15 cover "short"'s 9 first
     assert [e.request_id for e in events] == ["short"]
 
 
 def test_the_floor_bounds_a_long_prompts_wait_while_short_ones_keep_arriving():
-    # budget 12, 3 slots: floor 4; a 40-token prompt is stored within ceil(40 / 4) = 10 steps
-    # although two new 6-token requests arrive at every step and go first
-    engine = Engine(_model(), max_batch=3, max_tokens_per_step=12, page_size=4)
+    # budget 48, 3 slots: floor 4; a 40-token prompt is stored within ceil(40 / 4) = 10 steps
+    # although two new 30-token requests arrive at every step and go first while shorter
+    engine = Engine(_model(), max_batch=3, max_tokens_per_step=48, page_size=4)
     engine.add_request(_prompt(40, 1), _greedy(2), request_id="long")
     for step in range(10):
         for i in range(2):
-            engine.add_request(_prompt(6, 100 + 2 * step + i), _greedy(1))
+            engine.add_request(_prompt(30, 100 + 2 * step + i), _greedy(1))
         if any(e.request_id == "long" for e in engine.step()):
             break
     else:

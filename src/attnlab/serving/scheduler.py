@@ -20,21 +20,22 @@ of one HTTP request; a request without one is a group alone); ``r_g`` is the num
    new page;
 3. prefill: the rest of the budget goes to the running requests still prefilling, in
    *prefill order* (fewest running of their group first, then fewest pending tokens, then
-   first come): each first gets a floor of ``max_tokens_per_step // max_batch`` tokens (or
-   what it needs, if less), then the tokens left go in that order, each taking what it
-   needs (``prefill_shares``). Shortest-first brings the most first tokens soonest (a short
-   chat turn is not held up behind a long document, and a crowd of equal prompts finishes
-   one by one instead of all at the end), and the floor bounds how long any prompt waits:
-   one of ``P`` tokens is stored within ``ceil(P / floor)`` steps, whatever arrives after
+   first come): each first gets a floor of ``max(1, max_tokens_per_step // (4 * max_batch))``
+   tokens (or what it needs, if less; the floors take at most a quarter of the budget), then
+   the tokens left go in that order, each taking what it needs (``prefill_shares``).
+   Shortest-first brings the most first tokens soonest (a short chat turn is not held up
+   behind a long document, and prompts that arrive together finish one by one instead of all
+   at the end of an equal split), and the floor bounds how long any prompt waits: one of
+   ``P`` tokens is stored within ``ceil(P / floor)`` steps of running, whatever arrives after
    it. A long prompt takes several steps and never stalls the decoding requests.
 
-Since ``max_tokens_per_step >= max_batch``, the floor is at least one token and the floors of
-the prefilling requests always fit beside the decode tokens, so every running request gets at
-least one token of every step. So a request of a group that runs nothing is admitted and
-computes its first prompt tokens in the first step after it arrives, whatever else runs
-(``n = 16`` choices of 800 tokens), unless a request of another group that runs nothing
-arrived before it and waits too, or the pool cannot hold it even after the pauses the rule
-allows (it then waits for pages to be released, as every request does).
+Since ``max_tokens_per_step >= max_batch``, the floors of the prefilling requests always fit
+beside the decode tokens, so every running request gets at least one token of every step. So
+a request of a group that runs nothing is admitted and computes its first prompt tokens in
+the first step after it arrives, whatever else runs (``n = 16`` choices of 800 tokens),
+unless a request of another group that runs nothing arrived before it and waits too, or the
+pool cannot hold it even after the pauses the rule allows (it then waits for pages to be
+released, as every request does).
 
 When a decoding request needs a page and none is available, the newest request of the group
 with the most running is paused: its pages are released (its full pages stay in the prefix
@@ -97,7 +98,7 @@ class Scheduler:
                  prefix_caching: bool) -> None:
         self.pool = pool
         self.max_batch, self.budget = max_batch, max_tokens_per_step
-        self.floor = max_tokens_per_step // max_batch
+        self.floor = max(1, max_tokens_per_step // (4 * max_batch))
         self.prefix_caching = prefix_caching
         self.waiting: list[Request] = []
         self.running: list[Request] = []
