@@ -54,6 +54,7 @@ def test_q5_1_and_q5_k_stay_quantized_and_match_transformers(tmp_path, vocabular
         assert isinstance(module, QuantizedLinear)
         assert (module.bits, module.group_size) == (8, 32)
         assert module.qweight.dtype == torch.int8 and module.zeros is not None
+        assert "int8, group_size=32, offsets" in repr(module)  # print(model) shows the format
     assert isinstance(ours.embed_tokens, QuantizedEmbedding)
     assert (ours.embed_tokens.source is ours.lm_head) == tied
     for t in open_gguf(file).tensors:
