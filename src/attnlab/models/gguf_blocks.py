@@ -116,11 +116,12 @@ def _five_bits(high: np.ndarray, nibbles: np.ndarray) -> np.ndarray:
     """The 5-bit codes ``q`` (int8 0..31, ``R x N x 32``) of Q5_0/Q5_1 blocks from their
     ``qh`` (``R x N x 4``: bit ``j`` of the little-endian u32 the fifth bit of input ``j``)
     and their 16 bytes of nibbles (byte ``j``: input ``j`` low, ``j + 16`` high)."""
-    # bit j of the u32 is bit j % 8 of byte j // 8 (a byte per input, not a u32: the
-    # transient stays the size of the int8 codes)
+    # bit j of the u32 is bit j % 8 of byte j // 8 (a byte per input, not a u32); in place
+    # after that, so that the transients are two arrays the size of the int8 codes
     fifth = np.unpackbits(high, axis=-1, bitorder="little")
-    low = np.concatenate((nibbles & 15, nibbles >> 4), axis=-1)
-    return (low | (fifth << 4)).astype(np.int8)
+    codes = np.concatenate((nibbles & 15, nibbles >> 4), axis=-1)
+    codes |= np.left_shift(fifth, 4, out=fifth)
+    return codes.view(np.int8)
 
 
 def _q6_k(blocks: np.ndarray) -> tuple[Tensor, Tensor]:
@@ -153,10 +154,15 @@ def _q5_k(blocks: np.ndarray) -> tuple[Tensor, Tensor, Tensor]:
     bit ``j`` of byte ``k`` the fifth bit of input ``k`` of sub-block ``j``, 128 bytes of
     nibbles as Q4_K's)."""
     rows, n = blocks.shape[:2]
-    low = blocks[..., 48:].reshape(rows, n, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+    # in place after the two shifts: the transients are two arrays the size of the codes
+    codes = blocks[..., 48:].reshape(rows, n, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+    codes &= 15
     high = blocks[..., 16:48].reshape(rows, n, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
-    codes = ((low & 15).reshape(rows, n, 8, 32) | ((high & 1) << 4)).astype(np.int8)
-    return torch.from_numpy(codes.reshape(rows, n, 256)), *_k_scales(blocks)
+    high &= 1
+    high <<= 4
+    codes = codes.reshape(rows, n, 8, 32)
+    codes |= high
+    return torch.from_numpy(codes.reshape(rows, n, 256).view(np.int8)), *_k_scales(blocks)
 
 
 def _k_scales(blocks: np.ndarray) -> tuple[Tensor, Tensor]:
