@@ -69,7 +69,8 @@ def sentencepiece_vocabulary() -> tuple[list[str], list[float], list[int]]:
 
 
 # K-quant blocks (256 inputs): their bytes, and where their half-precision scales sit.
-_K_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+_K_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2),
+             Q.Q6_K: (208,)}
 
 
 def write_gguf(path: Path, model: nn.Module, arch: str, qtype: Q, *,

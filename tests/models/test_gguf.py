@@ -160,7 +160,7 @@ def test_grouped_int8_runs_the_formula_and_looks_up_rows(tmp_path, vocabulary):
     assert torch.equal(ours.embed_tokens(ids), weight.dequantize()[ids])
 
 
-@pytest.mark.parametrize("qtype", [Q.Q5_K, Q.Q5_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q3_K, Q.Q2_K], ids=lambda q: q.name)
 def test_types_without_a_format_are_dequantized_with_a_notice(tmp_path, vocabulary, qtype,
                                                               capsys):
     file, theirs = make(tmp_path, vocabulary, "llama", qtype, width=256)

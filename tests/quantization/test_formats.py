@@ -179,3 +179,24 @@ def test_quantize_refuses_bad_arguments(args: tuple, message: str) -> None:
 def test_int8_group_size_may_name_the_row() -> None:
     w = torch.randn(4, 64)
     assert torch.equal(quantize(w, 8, 64).dequantize(), quantize(w, 8).dequantize())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_grouped_int8_with_offsets_is_q_s_plus_z_rounded_once(dtype: torch.dtype) -> None:
+    # 600 rows: more than one block of rows; codes 0..31 as GGUF's Q5_1/Q5_K keep them
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 32, (600, 128), dtype=torch.int8, generator=g)
+    s = (torch.rand(600, 4, generator=g) * 1e-2).to(dtype)
+    z = (-torch.rand(600, 4, generator=g) * 0.1).to(dtype)
+    weight = QuantizedWeight(8, q, s, z)
+    expected = (q.float().view(600, 4, 32) * s.float()[..., None]
+                + z.float()[..., None]).view(600, 128).to(dtype)
+    assert torch.equal(weight.dequantize(), expected)
+    assert torch.equal(weight.dequantize(torch.float32), (q.float().view(600, 4, 32)
+                       * s.float()[..., None] + z.float()[..., None]).view(600, 128))
+    ids = torch.tensor([[0, 599, 256], [255, 3, 3]])
+    assert torch.equal(weight.rows(ids), expected[ids])
+    # an offset is not a per-row int8 weight, whatever the scales' shape: no int8 kernel
+    # that ignores offsets may take it
+    assert not weight.per_row and weight.group_size == 32
+    assert not QuantizedWeight(8, q, s[:, 0], z[:, 0]).per_row

@@ -12,6 +12,7 @@ import torch
 from attnlab.kernels import calibration, native
 from attnlab.quantization import QUANTIZED_KERNELS, QuantizedLinear, quantize
 from attnlab.quantization import kernels as qkernels
+from attnlab.quantization.formats import QuantizedWeight
 from conftest import native_lacks
 
 
@@ -158,6 +159,24 @@ def test_measured_plan_is_cached_per_scheme(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(calibration, "_TIMINGS", {})
     monkeypatch.setattr(qkernels, "_time_kernels", lambda *a, **k: pytest.fail("measured again"))
     assert qkernels.plan(weight, torch.bfloat16) == picks
+
+
+def test_a_weight_only_the_formula_runs_is_planned_without_measuring(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Grouped int8 (a GGUF's Q8_0, Q5_* and Q6_K blocks; with offsets or not): ``attnlab
+    calibrate`` plans the formula for it and times nothing (there is no random weight of that
+    format for it to time, and nothing to choose)."""
+    monkeypatch.delenv("ATTNLAB_KERNELS", raising=False)
+    monkeypatch.setenv("ATTNLAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "_TIMINGS", {})
+    monkeypatch.setattr(qkernels, "_time_kernels", lambda *a, **k: pytest.fail("measured"))
+    codes = torch.randint(0, 32, (64, 128), dtype=torch.int8)
+    for zeros in (None, torch.rand(64, 4)):
+        weight = QuantizedWeight(8, codes, torch.rand(64, 4), zeros)
+        for dtype in (torch.float32, torch.bfloat16):
+            picks = qkernels.plan(weight, dtype, measure_now=True)
+            assert picks == dict.fromkeys(("1", "2-8", "9-32", "33+"), "dequantize")
+    assert not (tmp_path / "kernels.json").exists()
 
 
 def test_forced_kernel_is_checked_and_falls_back_to_the_formula(

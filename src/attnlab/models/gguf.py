@@ -8,14 +8,15 @@ dequantization are the ``gguf`` package's, llama.cpp's own), which maps the file
 tensor being placed is read, and its pages are released once it is repacked.
 
 The blocks that attnlab's formats can hold keep their own numbers
-(``attnlab.models.gguf_blocks``: Q8_0, Q5_0 and Q6_K as grouped int8, Q4_0, Q4_1 and Q4_K as
-int4 groups of 32), each dequantizing to ``gguf.quants.dequantize``'s weight bit for bit in
-a float32 model. A model loaded in another dtype computes in it, with its scales and zeros
-rounded to it (bfloat16: a relative error of at most 2^-9 on each, float16: exact ``d``). A
-Q4_1 or Q4_K tensor whose zero is not exact in float32 is dequantized instead (a notice says
-so). F32, F16 and BF16 tensors are converted to the model's dtype; every other type (Q5_1,
-Q5_K, Q2_K, Q3_K, ...) is dequantized by ``gguf`` to the model's dtype, with a one-line
-notice per type.
+(``attnlab.models.gguf_blocks``: Q8_0, Q5_0 and Q6_K as grouped int8, Q5_1 and Q5_K as grouped
+int8 with offsets, Q4_0, Q4_1 and Q4_K as int4 groups of 32), each dequantizing to
+``gguf.quants.dequantize``'s weight bit for bit in a float32 model (Q4_K within the bound that
+module states where its zero is not exact in float32). A model loaded in another dtype
+computes in it, with its scales and zeros rounded to it (bfloat16: a relative error of at most
+2^-9 on each, float16: exact ``d``). A Q4_1 tensor whose zero is not exact in float32 is
+dequantized instead (a notice says so). F32, F16 and BF16 tensors are converted to the
+model's dtype; every other type (Q2_K, Q3_K, ...) is dequantized by ``gguf`` to the model's
+dtype, with a one-line notice per type.
 
 Architectures (``general.architecture``): llama (Mistral and SmolLM write it too), qwen2,
 qwen3, gemma (its norms, which scale by ``1 + w``, stored as ``1 + w``), phi3 and gpt2,

@@ -4,7 +4,9 @@
 ``q_oi = clamp(round(W_oi / s_o), -127, 127)`` stored as ``int8``, ``W'_oi = q_oi s_o``.
 The error of each weight is at most ``s_o / 2``. A **grouped** int8 weight (as GGUF's Q8_0
 stores one) has a scale per group of ``g`` consecutive inputs instead, ``scales`` ``O x I/g``:
-``W'_oi = q_oi s_o,[i/g]``; ``quantize`` makes only the per-row kind.
+``W'_oi = q_oi s_o,[i/g]``, and may have an offset per group too, ``zeros`` ``O x I/g``:
+``W'_oi = q_oi s_o,[i/g] + z_o,[i/g]`` (as GGUF's Q5_1 and Q5_K store one: codes 0..31 and
+the value that code 0 stands for); ``quantize`` makes only the per-row kind.
 
 **int4** (asymmetric, groups of ``g`` consecutive inputs): for the group ``W_o,[kg:(k+1)g]``
 with minimum ``lo`` and maximum ``hi``, ``s = (hi - lo) / 15`` and the zero point ``z = lo +
@@ -71,17 +73,27 @@ def quantize_int8(weight: Tensor, scale_dtype: torch.dtype | None = None) -> tup
     return q, scales
 
 
-def dequantize_int8(q: Tensor, scales: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """``q`` (``O x I`` int8), ``scales`` (``O``, or ``O x I/g`` grouped) -> ``q * scales``
-    per row or group (``O x I``) in ``dtype`` (default the scales'), as computed in float32
-    and rounded once: done in ``dtype`` directly when the scales are in it (an int8 code and a
-    16-bit scale multiply exactly in float32, which torch's 16-bit multiply computes in), else
-    in float32."""
+def dequantize_int8(q: Tensor, scales: Tensor, dtype: torch.dtype | None = None,
+                    zeros: Tensor | None = None) -> Tensor:
+    """``q`` (``O x I`` int8), ``scales`` (``O``, or ``O x I/g`` grouped), ``zeros`` (None,
+    or ``O x I/g`` beside grouped scales) -> ``q * scales (+ zeros)`` per row or group (``O x
+    I``) in ``dtype`` (default the scales'), as computed in float32 (the product, then the sum)
+    and rounded once to ``dtype``. Without zeros this is done in ``dtype`` directly when the
+    scales are in it (an int8 code and a 16-bit scale multiply exactly in float32, which
+    torch's 16-bit multiply computes in); with zeros a block of rows at a time, as int4's."""
     dtype = dtype or scales.dtype
     rows, cols = q.shape
     groups = 1 if scales.dim() == 1 else scales.shape[-1]
     q = q.view(rows, groups, cols // groups)
     s = scales.view(rows, groups)[..., None]
+    if zeros is not None:
+        out = torch.empty(rows, cols, dtype=dtype, device=q.device)
+        s, z = s.float(), zeros.float().view(rows, groups)[..., None]
+        for start in range(0, rows, _DEQUANTIZE_ROWS):
+            end = min(rows, start + _DEQUANTIZE_ROWS)
+            block = (q[start:end].float() * s[start:end]).add_(z[start:end])
+            out[start:end] = block.view(end - start, cols)
+        return out
     if scales.dtype == dtype:
         return (q.to(dtype) * s).view(rows, cols)
     return (q.float() * s.float()).to(dtype).view(rows, cols)
@@ -164,7 +176,8 @@ def unblocked_int4(blocked: Tensor) -> Tensor:
 class QuantizedWeight:
     """A quantized ``O x I`` weight as stored: ``data`` (int8 ``O x I``, or uint8 ``O x I/2``
     int4 codes in ``layout``), ``scales`` (``O`` for int8 per row, ``O x I/g`` for int4 and
-    grouped int8) and ``zeros`` (int4 only, else None)."""
+    grouped int8) and ``zeros`` (``O x I/g``: int4's, or a grouped int8's offsets; else
+    None)."""
 
     bits: int
     data: Tensor
@@ -185,8 +198,9 @@ class QuantizedWeight:
 
     @property
     def per_row(self) -> bool:
-        """Whether this is int8 with one scale per row (the kind int8 kernels take)."""
-        return self.bits == 8 and self.scales.dim() == 1
+        """Whether this is int8 with one scale per row and no offset (the kind int8 kernels
+        take)."""
+        return self.bits == 8 and self.scales.dim() == 1 and self.zeros is None
 
     def codes(self) -> Tensor:
         """The int4 codes ``O x I`` (uint8 0..15) whatever the layout; int8's ``q``."""
@@ -197,7 +211,7 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         """``W'`` (``O x I``) in ``dtype`` (default the scales')."""
         if self.bits == 8:
-            return dequantize_int8(self.data, self.scales, dtype)
+            return dequantize_int8(self.data, self.scales, dtype, self.zeros)
         return dequantize_int4(self.codes(), self.scales, self.zeros, dtype)
 
     def rows(self, index: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -206,7 +220,8 @@ class QuantizedWeight:
         flat = index.reshape(-1)
         scales = self.scales[flat]
         if self.bits == 8:
-            w = dequantize_int8(self.data[flat], scales, dtype)
+            w = dequantize_int8(self.data[flat], scales, dtype,
+                                None if self.zeros is None else self.zeros[flat])
         else:
             w = dequantize_int4(self._int4_rows(flat), scales, self.zeros[flat], dtype)
         return w.view(*index.shape, w.shape[-1])

@@ -67,12 +67,15 @@ def plan(weight: QuantizedWeight, dtype: torch.dtype, *, kernel: str | None = No
     when the cache holds timings for every bucket (``attnlab calibrate`` wrote them; with
     ``measure_now`` what is missing is measured now), the fastest measured (the formula
     unless another is faster by ``_MARGIN``, or an exact kernel faster at all); else the
-    rule (:func:`rule_plan`). Without ``measure_now`` nothing is timed."""
+    rule (:func:`rule_plan`). Without ``measure_now`` nothing is timed; nor is a weight that
+    only the formula runs (grouped int8): there is nothing to choose."""
     forced = forced_quantized_kernel(kernel)
     names = [n for n, k in QUANTIZED_KERNELS.items() if k.takes(weight, dtype)]
     if forced is not None:
         return {b: forced if QUANTIZED_KERNELS[forced].available(weight, dtype, BUCKETS[b][1])
                 else "dequantize" for b in BUCKETS}
+    if names == ["dequantize"]:
+        return dict.fromkeys(BUCKETS, "dequantize")
     lookup = measure if measure_now else cached
     timings = {b: lookup(weight, dtype, b, [n for n in names if QUANTIZED_KERNELS[n].available(
         weight, dtype, BUCKETS[b][1])], bias=bias) for b in BUCKETS}

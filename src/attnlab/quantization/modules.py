@@ -150,7 +150,8 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         scheme = (f"int{self.bits}" + ("" if self.group_size == self.in_features
-                                        and self.bits == 8 else f", group_size={self.group_size}"))
+                                        and self.bits == 8 else f", group_size={self.group_size}")
+                  + (", offsets" if self.bits == 8 and self.zeros is not None else ""))
         plans = "; ".join(f"{str(d).removeprefix('torch.')}: "
                           + " ".join(f"{b}={k.name}" for b, k in p.items())
                           for d, p in self._plans.items())
