@@ -187,6 +187,26 @@ def test_an_invariant_kernel_gives_a_row_the_same_sums_beside_any_rows(name, dty
             assert torch.equal(beside[0], alone[0]), f"{name} with {rows} rows"
 
 
+@pytest.mark.parametrize(("name", "dtype"), [case for case in _invariant_cases()
+                                              if not case[0].startswith("int4")])
+def test_a_wide_weight_read_in_chunks_gives_every_row_the_sums_of_one_row(name, dtype):
+    """More than 8 rows of x go through a weight's rows in chunks (each read from memory
+    once): with 8,200 inputs a chunk is 12 rows of the 40, so every row of a 9- to 32-row
+    product must still equal that row alone, bit for bit."""
+    torch.manual_seed(0)
+    w, b = torch.randn(40, 8200), torch.randn(40)
+    x = torch.randn(DECODING_ROWS, 8200).to(dtype)
+    if name in KERNELS:
+        kernel = KERNELS[name]
+        stored, run = kernel.prepare(w.to(dtype), dtype), kernel.run
+    else:
+        kernel = QUANTIZED_KERNELS[name]
+        stored, run = kernel.prepare(_quantized(name, w), dtype), kernel.run
+    alone = torch.cat([run(x[m:m + 1].contiguous(), stored, b.to(dtype)) for m in range(32)])
+    for rows in (9, 16, 32):
+        assert torch.equal(run(x[:rows].contiguous(), stored, b.to(dtype)), alone[:rows]), rows
+
+
 def _model(seed: int = 0) -> DecoderLM:
     """A tiny random Llama-like decoder (RMSNorm, SwiGLU, RoPE, grouped-query attention)."""
     torch.manual_seed(seed)

@@ -320,10 +320,16 @@ void paired_x(std::vector<float>& x, int64_t M, int64_t K) {
   }
 }
 
-// y = row_scale * x W^T for the rows [begin, end) of W; x stored by paired_x<W>.
+// Rows of W that the blocks of x go through before the next rows, when x has more than one
+// block: about this many bytes, so that the blocks after the first read them from cache.
+constexpr int64_t kChunkBytes = 256 * 1024;
+// A multiple of every R that rows_times_x uses, so that chunks keep the groups of one pass.
+constexpr int64_t kChunkRows = 12;
+
+// rows_times_x for one chunk of W's rows [begin, end): x's rows in blocks of at most 8.
 template <typename W, typename Scale>
-void rows_times_x(const W* w, const float* x, float* y, int64_t M, int64_t O, int64_t K,
-                  int64_t begin, int64_t end, Scale row_scale) {
+void rows_in_blocks(const W* w, const float* x, float* y, int64_t M, int64_t O, int64_t K,
+                    int64_t begin, int64_t end, Scale row_scale) {
   in_row_blocks<8>(M, [&](auto mb, int64_t m0) {
     constexpr int MB = decltype(mb)::value;
     const float* xm = x + m0 * K;
@@ -348,6 +354,25 @@ void rows_times_x(const W* w, const float* x, float* y, int64_t M, int64_t O, in
     row_groups<MB, R>(w, xm, ym, O, K, begin, end, row_scale);
 #endif
   });
+}
+
+// y = row_scale * x W^T for the rows [begin, end) of W; x stored by paired_x<W>.
+//
+// x's rows run in blocks of at most 8 (their sums stay in registers). With more than one
+// block, every block would read all of [begin, end) from memory in turn, so the rows of W go
+// in chunks of about kChunkBytes (a multiple of kChunkRows), each chunk under every block of
+// x before the next: W is read from memory once. A chunk starts where a group of R rows of
+// one pass would start, so each output is the same sum, in the same order, as in one pass
+// (batch invariance and bit equality hold).
+template <typename W, typename Scale>
+void rows_times_x(const W* w, const float* x, float* y, int64_t M, int64_t O, int64_t K,
+                  int64_t begin, int64_t end, Scale row_scale) {
+  const int64_t chunk =
+      M <= 8 ? end - begin
+             : std::max<int64_t>(kChunkRows,
+                                 kChunkBytes / (K * int64_t(sizeof(W))) / kChunkRows * kChunkRows);
+  for (int64_t first = begin; first < end; first += chunk)
+    rows_in_blocks(w, x, y, M, O, K, first, std::min(end, first + chunk), row_scale);
 }
 #else
 template <typename W>
