@@ -154,6 +154,16 @@ def _shape(name: str) -> tuple[int, int]:
     return (128, 192) if name.startswith("int4") else (40, 136)
 
 
+def _prepared(name: str, w: torch.Tensor, dtype: torch.dtype):
+    """``(stored, run)``: ``w`` as kernel ``name`` stores it for ``dtype`` activations, and
+    the kernel's ``run``."""
+    if name in KERNELS:
+        kernel = KERNELS[name]
+        return kernel.prepare(w.to(dtype), dtype), kernel.run
+    kernel = QUANTIZED_KERNELS[name]
+    return kernel.prepare(_quantized(name, w), dtype), kernel.run
+
+
 def _quantized(name: str, w: torch.Tensor):
     """``w`` quantized as quantized kernel ``name`` reads it (int8 per row, int4 in groups of
     64), in the layout it needs."""
@@ -174,12 +184,7 @@ def test_an_invariant_kernel_gives_a_row_the_same_sums_beside_any_rows(name, dty
     outputs, inputs = _shape(name)
     w, b = torch.randn(outputs, inputs), torch.randn(outputs)
     x = torch.randn(DECODING_ROWS, inputs).to(dtype)
-    if name in KERNELS:
-        kernel = KERNELS[name]
-        stored, run = kernel.prepare(w.to(dtype), dtype), kernel.run
-    else:
-        kernel = QUANTIZED_KERNELS[name]
-        stored, run = kernel.prepare(_quantized(name, w), dtype), kernel.run
+    stored, run = _prepared(name, w, dtype)
     with thread_count(threads):
         alone = run(x[:1].contiguous(), stored, b.to(dtype))
         for rows in range(2, DECODING_ROWS + 1):
@@ -196,12 +201,7 @@ def test_a_wide_weight_read_in_chunks_gives_every_row_the_sums_of_one_row(name, 
     torch.manual_seed(0)
     w, b = torch.randn(40, 8200), torch.randn(40)
     x = torch.randn(DECODING_ROWS, 8200).to(dtype)
-    if name in KERNELS:
-        kernel = KERNELS[name]
-        stored, run = kernel.prepare(w.to(dtype), dtype), kernel.run
-    else:
-        kernel = QUANTIZED_KERNELS[name]
-        stored, run = kernel.prepare(_quantized(name, w), dtype), kernel.run
+    stored, run = _prepared(name, w, dtype)
     alone = torch.cat([run(x[m:m + 1].contiguous(), stored, b.to(dtype)) for m in range(32)])
     for rows in (9, 16, 32):
         assert torch.equal(run(x[:rows].contiguous(), stored, b.to(dtype)), alone[:rows]), rows
