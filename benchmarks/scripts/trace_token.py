@@ -41,10 +41,12 @@ PROMPT, WARM = 12, 3
 class Trace:
     """One traced step: ``files`` in first-entry order, the ``reentered`` crossings (caller,
     callee: a file entered again from below while it is still running higher up the stack)
-    and the ``native`` entry points called (first-call order)."""
+    the ``native`` entry points called (first-call order) and every distinct ``crossings``
+(``caller file:function -> callee file:function``, first-call order)."""
 
     files: list[str] = field(default_factory=list)
     reentered: list[tuple[str, str]] = field(default_factory=list)
+    crossings: list[str] = field(default_factory=list)
     native: list[str] = field(default_factory=list)
 
 
@@ -54,6 +56,8 @@ def main() -> None:
                         "random one of --family)")
     parser.add_argument("--family", choices=("qwen2", "llama"), default="qwen2")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--crossings", action="store_true",
+                        help="also print every distinct call from one file into another")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as scratch:
@@ -66,6 +70,8 @@ def main() -> None:
         print("  " + " -> ".join(trace.files))
         print(f"  re-entered: {sorted(set(trace.reentered)) or 'none'}")
         print(f"  native entry points: {', '.join(trace.native) or 'none'}")
+        if args.crossings:
+            print("\n".join(f"    {crossing}" for crossing in trace.crossings))
 
 
 def tiny_folder(folder: Path, family: str) -> Path:
@@ -132,7 +138,13 @@ def traced(step, window=None) -> Trace:
             if name not in trace.files:
                 trace.files.append(name)
             caller = _caller(frame.f_back)
-            if caller is not None and _name(caller) != name and _active(name, caller.f_back):
+            if caller is None or _name(caller) == name:
+                return
+            crossing = (f"{_name(caller)}:{caller.f_code.co_name} -> "
+                        f"{name}:{frame.f_code.co_name}")
+            if crossing not in trace.crossings:
+                trace.crossings.append(crossing)
+            if _active(name, caller.f_back):
                 trace.reentered.append((_name(caller), name))
         elif event == "c_call" and on[0] and _native(arg, extension):
             if arg.__name__ not in trace.native:
