@@ -146,9 +146,9 @@ def traced(step, window=None) -> Trace:
                 trace.crossings.append(crossing)
             if _active(name, caller.f_back):
                 trace.reentered.append((_name(caller), name))
-        elif event == "c_call" and on[0] and _native(arg, extension):
-            if arg.__name__ not in trace.native:
-                trace.native.append(arg.__name__)
+        elif (event == "c_call" and on[0] and _native(arg, extension)
+              and arg.__name__ not in trace.native):
+            trace.native.append(arg.__name__)
 
     sys.setprofile(profile)
     try:

@@ -168,12 +168,6 @@ def _widened(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return widened_product(x, weight.shape[0], lambda o0, o1: weight[o0:o1].float(), bias)
 
 
-def _native_gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``x W^T + b`` by attnlab's own C++ GEMV (:mod:`attnlab.kernels.native`): each weight
-    row read once for all rows of ``x``, converted to float32 in registers."""
-    return native.gemv(x, weight, bias)
-
-
 def _native_pairs(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``x W^T + b`` by attnlab's C++ GEMV taking bfloat16 products in pairs (``vdpbf16ps``)
     instead of widening the weight."""
@@ -258,7 +252,9 @@ KERNELS: dict[str, Kernel] = {
         Kernel("rows_gemv", "columns", _columns, _rows_gemv, _fast_dtype),
         Kernel("blocks_gemv", "rows", _rows, _blocks_gemv, _over_threads, max_rows=1),
         Kernel("widened", "rows", _rows, _widened, _bfloat16),
-        Kernel("native_gemv", "rows", _rows, _native_gemv, _native, DECODING_ROWS),
+        # attnlab's own C++ GEMV, called as it is (each weight row read once for all rows
+        # of x, converted to float32 in registers)
+        Kernel("native_gemv", "rows", _rows, native.gemv, _native, DECODING_ROWS),
         Kernel("native_pairs", "rows", _rows, _native_pairs, _native_pairs_takes,
                DECODING_ROWS),
         Kernel("native_tiles", "rows", _rows, _native_tiles, _native_tiles_takes,

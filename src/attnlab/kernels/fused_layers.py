@@ -60,7 +60,6 @@ from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
 from attnlab.attention.kv_cache import KVCache
-from attnlab.attention.paged import LayerPages
 from attnlab.hook_point import global_hooks
 from attnlab.kernels import native
 from attnlab.kernels.fast_modules import (
@@ -69,7 +68,7 @@ from attnlab.kernels.fast_modules import (
     FastRMSNorm,
     FastSelfAttention,
 )
-from attnlab.kernels.rule import bucket_of
+from attnlab.kernels.rule import ROW_BUCKETS
 
 __all__ = ["FusedLayers", "drop_plans", "fused_layers", "invalidate_plans"]
 
@@ -161,7 +160,7 @@ def _plan_of(blocks: nn.ModuleList, block_type: type, rows: int,
     state = blocks.__dict__.get(_PLANS)
     if state is None or state[0] != stamp:
         state = (stamp, {})
-    key = (bucket_of(rows), dtype, torch.get_num_threads())
+    key = (ROW_BUCKETS[min(rows, len(ROW_BUCKETS)) - 1], dtype, torch.get_num_threads())
     entry = state[1].get(key)
     if entry is None:
         entry = _build(blocks, block_type, rows, dtype)
@@ -298,20 +297,16 @@ def _block(parts: dict[str, nn.Module], shape: _Shape, rows: int,
 
 class FusedLayers(nn.ModuleList):
     """Mixed into a decoder's layer list (a ``ModuleList`` whose ``forward`` runs its blocks,
-    with a ``block_type``): a one-token step with a plain ``KVCache`` runs every block in one
-    C++ call (:func:`attnlab.kernels.fused_layers.fused_layers`, bit-equal to the blocks'
-    fast modules), the blocks' own forwards otherwise. Its step plans (module docstring) are
-    kept on it, never copied or pickled with it."""
+    with a ``block_type``, after asking its ``one_call_step``): a one-token step with a plain
+    ``KVCache`` runs every block in one C++ call (:func:`attnlab.kernels.fused_layers.
+    fused_layers`, bit-equal to the blocks' fast modules), the blocks' own forwards otherwise.
+    Its step plans (module docstring) are kept on it, never copied or pickled with it."""
 
-    def forward(self, x: Tensor, *, rotary: tuple[Tensor, Tensor] | None = None,
-                mask: Tensor | None = None, is_causal: bool = True, cache: KVCache | None = None,
-                rows: Tensor | None = None, paged: list[LayerPages] | None = None) -> Tensor:
-        fused = None if self.training or paged is not None else fused_layers(
-            self, self.block_type, x, rotary, mask, cache)
-        if fused is not None:
-            return fused
-        return super().forward(x, rotary=rotary, mask=mask, is_causal=is_causal, cache=cache,
-                               rows=rows, paged=paged)
+    def one_call_step(self, x: Tensor, rotary: tuple[Tensor, Tensor] | None,
+                      mask: Tensor | None, cache: KVCache | None) -> Tensor | None:
+        """:func:`fused_layers` of the list (None in training: the blocks run)."""
+        return None if self.training else fused_layers(self, self.block_type, x, rotary, mask,
+                                                       cache)
 
     def __getstate__(self) -> dict:
         # A plan holds C++ objects and the tensors of these modules, not of a copy's.
