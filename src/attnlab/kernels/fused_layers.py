@@ -26,9 +26,10 @@ What each step checks (cheap: no tuple is rebuilt, no module's parts are re-read
 - a stamp of three counters: :func:`invalidate_plans`'s (``optimize_for_inference``,
   ``restore_reference``, ``install_modules`` and ``swap_linears`` bump it),
   ``torch.utils.hooks.RemovableHandle.next_id`` (every hook registered anywhere, forward hooks
-  included) and one that PyTorch's global registration hooks bump whenever a submodule, a
-  Parameter or a buffer is assigned to any module (``module.x = ...``, ``register_*``);
-  a changed stamp drops every plan of the list;
+  included, and hooks for every module, while which no plan is built) and one that PyTorch's
+  global registration hooks bump whenever a submodule, a Parameter or a buffer is assigned to
+  any module (``module.x = ...``, ``register_*``); a changed stamp drops every plan of the
+  list;
 - the ``training`` flag of each block, its attention, its MLP and its dropout, and each
   attention's ``backend`` (``"auto"``), read per step: a plan is kept across ``train()`` /
   ``eval()`` and taken again after it;
@@ -83,7 +84,7 @@ def fused_layers(blocks: nn.ModuleList, block_type: type, x: Tensor,
     ``mask`` ``B x 1 x 1 x S`` (or ``1 x S``) bool or None."""
     B, L, E = x.shape
     if (L != 1 or type(cache) is not KVCache or len(cache) != len(blocks) or not blocks
-            or torch.is_grad_enabled() or not native.takes(x) or global_hooks()
+            or torch.is_grad_enabled() or not native.takes(x)
             or (mask is not None and mask.dtype != torch.bool)
             or (rotary is not None and not native.takes(*rotary))):
         return None
@@ -206,6 +207,8 @@ class _Shape(NamedTuple):
 def _build(blocks: nn.ModuleList, block_type: type, rows: int, dtype: torch.dtype) -> _Entry | None:
     """The list's plan for ``rows`` rows of ``dtype``: an ``_Entry``, ``_REFUSED`` when the
     plan does not compute what the modules compute, None when a hook must see its call."""
+    if global_hooks():  # registering one changed the stamp: asked here, not every step
+        return None
     _watch()
     activations = native.step_enum("Activation").__members__
     shape = _shape(blocks[0], activations)

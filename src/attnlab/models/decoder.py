@@ -186,7 +186,9 @@ class DecoderLM(PreTrainedModel):
             _, L, offset, key_mask, positions = decoder_inputs(
                 input_ids, attention_mask, cache, position_ids, logits_to_keep,
                 vocab_size=c.vocab_size, max_len=c.max_len, num_layers=c.num_layers)
-            mask = decoder_mask(key_mask, L, offset, c.sliding_window, device=input_ids.device)
+            # the plain causal case (no padding, no window) has no mask: known without a call
+            mask = None if key_mask is None and c.sliding_window is None else decoder_mask(
+                key_mask, L, offset, c.sliding_window, device=input_ids.device)
         x = self.embed_tokens(input_ids)
         if c.embedding_scale is not None:  # in x's dtype, as Gemma rounds it
             x = x * torch.tensor(c.embedding_scale, dtype=x.dtype)
