@@ -163,10 +163,11 @@ def write_pages(pages: LayerPages, k: Tensor, v: Tensor) -> None:
         store[page, :, slot] = new[0].transpose(0, 1).to(store.dtype)
 
 
-# A fast kernel for one part of a step (the decode rows, or one chunk), given what it reads:
-# (queries 1.. x H x n x D, key pages, value pages, the part's block tables, its left padding
-# ``first``, its key count, its mask or None; is_causal=, scale=) -> the part's output, or None
-# where it does not take the call. Given as arguments, so that it reads no metadata itself.
+# A fast kernel for one part of a step, given what it reads: (the part's queries, B x H x 1 x D
+# for the decode rows or 1 x H x n x D for a chunk; the key and value pages; the part's block
+# tables, left padding ``first`` and key count; its mask or None; is_causal=, scale=) -> the
+# part's output, or None where it does not take the call. Given as arguments, so that the
+# kernel reads no metadata (the path goes down into it and back, never up again).
 PartKernel = Callable[..., "Tensor | None"]
 
 

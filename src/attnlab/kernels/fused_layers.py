@@ -26,10 +26,10 @@ What each step checks (cheap: no tuple is rebuilt, no module's parts are re-read
 - a stamp of three counters: :func:`invalidate_plans`'s (``optimize_for_inference``,
   ``restore_reference``, ``install_modules`` and ``swap_linears`` bump it),
   ``torch.utils.hooks.RemovableHandle.next_id`` (every hook registered anywhere, forward hooks
-  included, and hooks for every module, while which no plan is built) and one that PyTorch's
-  global registration hooks bump whenever a submodule, a Parameter or a buffer is assigned to
-  any module (``module.x = ...``, ``register_*``); a changed stamp drops every plan of the
-  list;
+  included; while a hook for every module is registered, no plan is built) and one that
+  PyTorch's global registration hooks bump whenever a submodule, a Parameter or a buffer is
+  assigned to any module (``module.x = ...``, ``register_*``); a changed stamp drops every
+  plan of the list;
 - the ``training`` flag of each block, its attention, its MLP and its dropout, and each
   attention's ``backend`` (``"auto"``), read per step: a plan is kept across ``train()`` /
   ``eval()`` and taken again after it;
