@@ -39,10 +39,11 @@ PROMPT, WARM = 12, 3
 
 @dataclass
 class Trace:
-    """One traced step: ``files`` in first-entry order, the ``reentered`` crossings (caller,
-    callee: a file entered again from below while it is still running higher up the stack)
-    the ``native`` entry points called (first-call order) and every distinct ``crossings``
-(``caller file:function -> callee file:function``, first-call order)."""
+    """One traced step: the ``files`` entered, in first-entry order; the ``reentered``
+    crossings (caller, callee: a file entered again from below while it is still running
+    higher up the stack); every distinct crossing (``caller file:function -> callee
+    file:function``, first-call order); the ``native`` entry points called (first-call
+    order)."""
 
     files: list[str] = field(default_factory=list)
     reentered: list[tuple[str, str]] = field(default_factory=list)
