@@ -163,9 +163,12 @@ def write_pages(pages: LayerPages, k: Tensor, v: Tensor) -> None:
         store[page, :, slot] = new[0].transpose(0, 1).to(store.dtype)
 
 
-# A fast kernel for one part of a step: (queries, pages, request index r, or None for the
-# decode rows) -> the part's output, or None where it does not take the call.
-PartKernel = Callable[[Tensor, LayerPages, "int | None"], "Tensor | None"]
+# A fast kernel for one part of a step, given what it reads: (the part's queries, B x H x 1 x D
+# for the decode rows or 1 x H x n x D for a chunk; the key and value pages; the part's block
+# tables, left padding ``first`` and key count; its mask or None; is_causal=, scale=) -> the
+# part's output, or None where it does not take the call. Given as arguments, so that the
+# kernel reads no metadata (the path goes down into it and back, never up again).
+PartKernel = Callable[..., "Tensor | None"]
 
 
 def paged_attention(q: Tensor, pages: LayerPages, *, scale: float | None = None,
@@ -175,14 +178,16 @@ def paged_attention(q: Tensor, pages: LayerPages, *, scale: float | None = None,
     its keys in ``pages`` (written already: ``write_pages``), under the causal mask (module
     docstring); ``scale``, ``backend`` and ``hook`` as ``scaled_dot_product_attention``'s
     (a hook sees the decode rows' scores ``B x H x 1 x S`` and each chunk's ``1 x H x n x
-    S``). ``kernel``: a fast module's kernel, asked first for each part: the decode rows'
-    queries ``B x H x 1 x D`` (``r = None``), then each chunk's ``1 x H x n x D``."""
+    S``). ``kernel``: a fast module's kernel (``PartKernel``), asked first for each part: the
+    decode rows' queries ``B x H x 1 x D``, then each chunk's ``1 x H x n x D``."""
     m = pages.metadata
     d = m.num_decode
     parts = []
     if d:
         one = q[0, :, :d, None].transpose(0, 1)  # B x H x 1 x D: a request's row each
-        out = None if kernel is None else kernel(one, pages, None)
+        out = None if kernel is None else kernel(
+            one, pages.k, pages.v, m.block_tables[:d], m.decode_first, m.decode_keys,
+            m.window_mask, is_causal=False, scale=scale)
         if out is None:
             page, slot = m.decode_gather
             k, v = (store[page, :, slot].transpose(1, 2) for store in (pages.k, pages.v))
@@ -194,7 +199,9 @@ def paged_attention(q: Tensor, pages: LayerPages, *, scale: float | None = None,
     for r, mask in zip(range(d, len(m.starts)), m.chunk_masks):
         n, total = m.query_lens[r], m.context_lens[r]
         chunk = q[:, :, row:row + n]
-        out = None if kernel is None else kernel(chunk, pages, r)
+        out = None if kernel is None else kernel(
+            chunk, pages.k, pages.v, m.block_tables[r:r + 1], m.chunk_first, total, mask,
+            is_causal=mask is None and n > 1, scale=scale)
         if out is None:
             t = torch.arange(total, device=q.device)
             page = m.block_tables[r, t // m.page_size]

@@ -58,6 +58,8 @@ class Controls:
         self.bias: Tensor | None = None
         self.states: list | None = None
         self.record: LogprobRecord | None = None
+        # whether process or advance does anything: set by make, read by the loop per step
+        self.active = False
 
     @classmethod
     def make(cls, batch_size: int, vocab_size: int, *, min_p: object, presence_penalty: object,
@@ -92,6 +94,7 @@ class Controls:
         elif prompt_logprobs:
             raise ValueError("prompt_logprobs: the prompt's log-probabilities come with "
                              "logprobs=k (the alternatives per token); got logprobs=None")
+        self.active = any(x is not None for x in (self.presence, self.bias, self.states))
         return self
 
     def process(self, logits: Tensor, new_ids: Tensor, finished: Tensor) -> Tensor:

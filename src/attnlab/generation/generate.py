@@ -195,7 +195,8 @@ def generate(
         raw = logits
         if repetition_penalty != 1.0:
             logits = apply_repetition_penalty(logits, ids, repetition_penalty, mask)
-        logits = controls.process(logits, ids[:, P:], finished)
+        if controls.active:
+            logits = controls.process(logits, ids[:, P:], finished)
         # Once a step, for greedy and sampling alike; after the penalty, which may overflow.
         name = f"logits (the model's output for new token {step + 1})"
         if do_sample:
@@ -211,7 +212,8 @@ def generate(
             token = token.masked_fill(finished, pad_token_id)
         if record is not None:
             record.step(raw, token, finished)
-        controls.advance(token, finished)
+        if controls.active:
+            controls.advance(token, finished)
         ids = torch.cat([ids, token[:, None]], dim=1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         if eos_ids is not None:

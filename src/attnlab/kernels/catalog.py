@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -168,24 +169,6 @@ def _widened(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return widened_product(x, weight.shape[0], lambda o0, o1: weight[o0:o1].float(), bias)
 
 
-def _native_gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``x W^T + b`` by attnlab's own C++ GEMV (:mod:`attnlab.kernels.native`): each weight
-    row read once for all rows of ``x``, converted to float32 in registers."""
-    return native.gemv(x, weight, bias)
-
-
-def _native_pairs(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``x W^T + b`` by attnlab's C++ GEMV taking bfloat16 products in pairs (``vdpbf16ps``)
-    instead of widening the weight."""
-    return native.gemv(x, weight, bias, pairs=True)
-
-
-def _native_tiles(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``x W^T + b`` by attnlab's C++ kernel on AMX matrix tiles: the row-major weight read
-    once for up to 32 rows of ``x``, 16 x 16 x 32 multiply-adds a tile product."""
-    return native.gemv_tiles(x, weight, bias)
-
-
 def _onednn_takes(dtype: torch.dtype, ops: tuple[str, ...]) -> bool:
     """Whether this torch build has oneDNN's private ``ops`` and runs ``dtype`` through them
     on this CPU (bfloat16 needs CPU support, which torch reports)."""
@@ -258,10 +241,15 @@ KERNELS: dict[str, Kernel] = {
         Kernel("rows_gemv", "columns", _columns, _rows_gemv, _fast_dtype),
         Kernel("blocks_gemv", "rows", _rows, _blocks_gemv, _over_threads, max_rows=1),
         Kernel("widened", "rows", _rows, _widened, _bfloat16),
-        Kernel("native_gemv", "rows", _rows, _native_gemv, _native, DECODING_ROWS),
-        Kernel("native_pairs", "rows", _rows, _native_pairs, _native_pairs_takes,
-               DECODING_ROWS),
-        Kernel("native_tiles", "rows", _rows, _native_tiles, _native_tiles_takes,
+        # attnlab's own C++ products, called as they are: native.gemv reads each weight row
+        # once for all rows of x, converted to float32 in registers (or, pairs=True, takes
+        # its bfloat16 products two at a time instead of widening the weight);
+        # native.gemv_tiles reads the row-major weight once for up to 32 rows of x, in
+        # 16 x 16 x 32 multiply-adds a matrix-tile product.
+        Kernel("native_gemv", "rows", _rows, native.gemv, _native, DECODING_ROWS),
+        Kernel("native_pairs", "rows", _rows, partial(native.gemv, pairs=True),
+               _native_pairs_takes, DECODING_ROWS),
+        Kernel("native_tiles", "rows", _rows, native.gemv_tiles, _native_tiles_takes,
                DECODING_ROWS),
     )
 }

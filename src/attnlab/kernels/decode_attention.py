@@ -14,7 +14,7 @@ from torch import Tensor
 
 from attnlab.kernels import native
 
-__all__ = ["native_attention", "native_decoding", "paged_native_attention"]
+__all__ = ["native_attention", "native_decoding", "paged_native_attention", "paged_native_part"]
 
 
 def native_decoding(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
@@ -63,6 +63,19 @@ def paged_native_attention(query: Tensor, key_pages: Tensor, value_pages: Tensor
     query, mask = _native_query_mask(query, mask, keys)
     return native.paged_attention(query, key_pages, value_pages, tables, first, keys, mask,
                                   _scale(query, scale), is_causal)
+
+
+def paged_native_part(query: Tensor, key_pages: Tensor, value_pages: Tensor, tables: Tensor,
+                      first: Tensor, keys: int, mask: Tensor | None, *, is_causal: bool,
+                      scale: float | None = None) -> Tensor | None:
+    """``paged_native_attention`` where the kernel takes the call (``native_decoding``, pages
+    in the query's dtype), else None: a kernel for one part of a serving step, as
+    ``attnlab.attention.paged.paged_attention`` asks it (``PartKernel``)."""
+    if query.dtype != key_pages.dtype or not native_decoding(query, key_pages[:1],
+                                                               value_pages[:1], mask, keys=keys):
+        return None
+    return paged_native_attention(query, key_pages, value_pages, tables, first, keys, mask,
+                                  is_causal=is_causal, scale=scale)
 
 
 def _native_query_mask(query: Tensor, mask: Tensor | None,

@@ -19,7 +19,7 @@ from attnlab.kernels import native
 from attnlab.kernels.decode_attention import (
     native_attention,
     native_decoding,
-    paged_native_attention,
+    paged_native_part,
 )
 from attnlab.layers import FeedForward, GatedMLP, RMSNorm
 from attnlab.layers.feedforward import activated
@@ -107,25 +107,7 @@ class FastSelfAttention(SelfAttention):
                       hook: Callable[[str, Tensor], Tensor] | None) -> Tensor:
         if hook is not None or self.training or self.backend != "auto":
             return super()._attend_paged(q, paged, hook=hook)
-        return paged_attention(q, paged, scale=self.scale, kernel=self._paged_part)
-
-    def _paged_part(self, q: Tensor, paged: LayerPages, r: int | None) -> Tensor | None:
-        """``native.paged_attention`` for one part of a packed step (``paged_attention``'s
-        ``kernel``): the decode rows (``r`` None) or request ``r``'s chunk, where the kernel
-        takes its few queries; None otherwise."""
-        m = paged.metadata
-        if r is None:
-            tables, first, keys = m.block_tables[:m.num_decode], m.decode_first, m.decode_keys
-            mask, causal = m.window_mask, False
-        else:
-            tables, first, keys = m.block_tables[r:r + 1], m.chunk_first, m.context_lens[r]
-            mask = m.chunk_masks[r - m.num_decode]
-            causal = mask is None and q.shape[-2] > 1
-        if q.dtype != paged.k.dtype or not native_decoding(q, paged.k[:1], paged.v[:1], mask,
-                                                           keys=keys):
-            return None
-        return paged_native_attention(q, paged.k, paged.v, tables, first, keys, mask,
-                                      is_causal=causal, scale=self.scale)
+        return paged_attention(q, paged, scale=self.scale, kernel=paged_native_part)
 
 
 def _activates(name: str) -> bool:

@@ -26,9 +26,10 @@ What each step checks (cheap: no tuple is rebuilt, no module's parts are re-read
 - a stamp of three counters: :func:`invalidate_plans`'s (``optimize_for_inference``,
   ``restore_reference``, ``install_modules`` and ``swap_linears`` bump it),
   ``torch.utils.hooks.RemovableHandle.next_id`` (every hook registered anywhere, forward hooks
-  included) and one that PyTorch's global registration hooks bump whenever a submodule, a
-  Parameter or a buffer is assigned to any module (``module.x = ...``, ``register_*``);
-  a changed stamp drops every plan of the list;
+  included; while a hook for every module is registered, no plan is built) and one that
+  PyTorch's global registration hooks bump whenever a submodule, a Parameter or a buffer is
+  assigned to any module (``module.x = ...``, ``register_*``); a changed stamp drops every
+  plan of the list;
 - the ``training`` flag of each block, its attention, its MLP and its dropout, and each
   attention's ``backend`` (``"auto"``), read per step: a plan is kept across ``train()`` /
   ``eval()`` and taken again after it;
@@ -60,7 +61,6 @@ from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
 from attnlab.attention.kv_cache import KVCache
-from attnlab.attention.paged import LayerPages
 from attnlab.hook_point import global_hooks
 from attnlab.kernels import native
 from attnlab.kernels.fast_modules import (
@@ -69,7 +69,7 @@ from attnlab.kernels.fast_modules import (
     FastRMSNorm,
     FastSelfAttention,
 )
-from attnlab.kernels.rule import bucket_of
+from attnlab.kernels.rule import ROW_BUCKETS
 
 __all__ = ["FusedLayers", "drop_plans", "fused_layers", "invalidate_plans"]
 
@@ -84,7 +84,7 @@ def fused_layers(blocks: nn.ModuleList, block_type: type, x: Tensor,
     ``mask`` ``B x 1 x 1 x S`` (or ``1 x S``) bool or None."""
     B, L, E = x.shape
     if (L != 1 or type(cache) is not KVCache or len(cache) != len(blocks) or not blocks
-            or torch.is_grad_enabled() or not native.takes(x) or global_hooks()
+            or torch.is_grad_enabled() or not native.takes(x)
             or (mask is not None and mask.dtype != torch.bool)
             or (rotary is not None and not native.takes(*rotary))):
         return None
@@ -161,7 +161,7 @@ def _plan_of(blocks: nn.ModuleList, block_type: type, rows: int,
     state = blocks.__dict__.get(_PLANS)
     if state is None or state[0] != stamp:
         state = (stamp, {})
-    key = (bucket_of(rows), dtype, torch.get_num_threads())
+    key = (ROW_BUCKETS[min(rows, len(ROW_BUCKETS)) - 1], dtype, torch.get_num_threads())
     entry = state[1].get(key)
     if entry is None:
         entry = _build(blocks, block_type, rows, dtype)
@@ -207,6 +207,8 @@ class _Shape(NamedTuple):
 def _build(blocks: nn.ModuleList, block_type: type, rows: int, dtype: torch.dtype) -> _Entry | None:
     """The list's plan for ``rows`` rows of ``dtype``: an ``_Entry``, ``_REFUSED`` when the
     plan does not compute what the modules compute, None when a hook must see its call."""
+    if global_hooks():  # registering one changed the stamp: asked here, not every step
+        return None
     _watch()
     activations = native.step_enum("Activation").__members__
     shape = _shape(blocks[0], activations)
@@ -298,20 +300,16 @@ def _block(parts: dict[str, nn.Module], shape: _Shape, rows: int,
 
 class FusedLayers(nn.ModuleList):
     """Mixed into a decoder's layer list (a ``ModuleList`` whose ``forward`` runs its blocks,
-    with a ``block_type``): a one-token step with a plain ``KVCache`` runs every block in one
-    C++ call (:func:`attnlab.kernels.fused_layers.fused_layers`, bit-equal to the blocks'
-    fast modules), the blocks' own forwards otherwise. Its step plans (module docstring) are
-    kept on it, never copied or pickled with it."""
+    with a ``block_type``, after asking its ``one_call_step``): a one-token step with a plain
+    ``KVCache`` runs every block in one C++ call (:func:`attnlab.kernels.fused_layers.
+    fused_layers`, bit-equal to the blocks' fast modules), the blocks' own forwards otherwise.
+    Its step plans (module docstring) are kept on it, never copied or pickled with it."""
 
-    def forward(self, x: Tensor, *, rotary: tuple[Tensor, Tensor] | None = None,
-                mask: Tensor | None = None, is_causal: bool = True, cache: KVCache | None = None,
-                rows: Tensor | None = None, paged: list[LayerPages] | None = None) -> Tensor:
-        fused = None if self.training or paged is not None else fused_layers(
-            self, self.block_type, x, rotary, mask, cache)
-        if fused is not None:
-            return fused
-        return super().forward(x, rotary=rotary, mask=mask, is_causal=is_causal, cache=cache,
-                               rows=rows, paged=paged)
+    def one_call_step(self, x: Tensor, rotary: tuple[Tensor, Tensor] | None,
+                      mask: Tensor | None, cache: KVCache | None) -> Tensor | None:
+        """:func:`fused_layers` of the list (None in training: the blocks run)."""
+        return None if self.training else fused_layers(self, self.block_type, x, rotary, mask,
+                                                       cache)
 
     def __getstate__(self) -> dict:
         # A plan holds C++ objects and the tensors of these modules, not of a copy's.

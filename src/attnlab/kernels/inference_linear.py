@@ -21,9 +21,10 @@ from torch.nn.utils import parametrize
 from attnlab.formulas import linear
 from attnlab.hook_point import share_hooks
 from attnlab.kernels import native
-from attnlab.kernels.calibration import bucket_of, forced_kernel, plan
+from attnlab.kernels.calibration import forced_kernel, plan
 from attnlab.kernels.catalog import KERNELS, Kernel, to_layout
 from attnlab.kernels.fused_layers import invalidate_plans
+from attnlab.kernels.rule import ROW_BUCKETS
 
 __all__ = ["InferenceLinear", "swap_linears"]
 
@@ -187,7 +188,7 @@ class InferenceLinear(nn.Linear):
         """The planned kernel for ``rows`` rows of ``dtype`` (chosen on first need). Each
         bucket's kernel runs every row count of the bucket: the plan checked that."""
         kernels = self._kernels.get((dtype, torch.get_num_threads())) or self._choose()
-        return kernels[bucket_of(rows)]
+        return kernels[ROW_BUCKETS[min(rows, len(ROW_BUCKETS)) - 1]]
 
     def _stored(self, kernel: Kernel, weight: Tensor) -> Tensor:
         """``weight`` as ``kernel`` reads it: its packed copy, or itself, re-stored in the

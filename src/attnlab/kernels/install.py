@@ -103,10 +103,12 @@ def install_modules(model: nn.Module) -> list[str]:
 
 def _is_layer_list(module: nn.Module) -> bool:
     """A decoder's layer list: a ``ModuleList`` subclass with its own ``forward`` over blocks
-    of a declared ``block_type`` (``attnlab.models.DecoderLayers``)."""
+    of a declared ``block_type`` that asks ``one_call_step`` first
+    (``attnlab.models.DecoderLayers``)."""
     kind = type(module)
     return (isinstance(module, nn.ModuleList) and kind not in REFERENCE
             and getattr(kind, "block_type", None) is not None
+            and callable(getattr(kind, "one_call_step", None))
             and kind.forward is not nn.ModuleList.forward)
 
 

@@ -33,8 +33,9 @@ import torch
 
 from attnlab.kernels import native
 
-__all__ = ["BATCH_INVARIANT", "BUCKETS", "DECODING", "DECODING_ROWS", "QUANTIZED_NAMES", "Features",
-           "batch_invariant", "bucket_of", "features", "largest", "rule"]
+__all__ = ["BATCH_INVARIANT", "BUCKETS", "DECODING", "DECODING_ROWS", "QUANTIZED_NAMES",
+           "ROW_BUCKETS", "Features", "batch_invariant", "bucket_of", "features", "largest",
+           "rule"]
 
 # name -> (smallest row count, representative row count)
 BUCKETS: dict[str, tuple[int, int]] = {"1": (1, 1), "2-8": (2, 8), "9-32": (9, 16),
@@ -163,6 +164,12 @@ def bucket_of(rows: int) -> str:
         if rows >= lowest:
             return name
     raise ValueError(f"rows: expected a positive int, got {rows!r}")
+
+
+# The bucket of each row count, entry ``rows - 1``, the last for every count from the open-ended
+# bucket's lowest up: ``ROW_BUCKETS[min(rows, len(ROW_BUCKETS)) - 1]`` is ``bucket_of(rows)``
+# for the code that runs on every token, which reads a tuple instead of calling.
+ROW_BUCKETS = tuple(bucket_of(rows) for rows in range(1, BUCKETS["33+"][0] + 1))
 
 
 def largest(bucket: str) -> int:

@@ -177,14 +177,18 @@ class DecoderLM(PreTrainedModel):
                 raise ValueError(f"paged: expected {c.num_layers} layers' pages and no cache, "
                                  f"attention_mask or position_ids beside them, got "
                                  f"{len(paged)} layers")
-            position_ids = paged[0].metadata.positions[None]
-        _, L, offset, key_mask, positions = decoder_inputs(
-            input_ids, attention_mask, cache, position_ids, logits_to_keep,
-            vocab_size=c.vocab_size, max_len=c.max_len,
-            num_layers=c.num_layers)
-        # a paged step's metadata masks each request; a mask for the packed rows is not used
-        mask = None if paged is not None else decoder_mask(key_mask, L, offset,
-                                                           c.sliding_window, device=self.device)
+            # The engine checked each request's tokens and length when it was added, and the
+            # runner made the ids and positions from them: nothing to check again per token.
+            # Its metadata masks each request; a mask for the packed rows is not used.
+            L, offset, positions = input_ids.shape[1], 0, paged[0].metadata.positions[None]
+            key_mask = mask = None
+        else:
+            _, L, offset, key_mask, positions = decoder_inputs(
+                input_ids, attention_mask, cache, position_ids, logits_to_keep,
+                vocab_size=c.vocab_size, max_len=c.max_len, num_layers=c.num_layers)
+            # the plain causal case (no padding, no window) has no mask: known without a call
+            mask = None if key_mask is None and c.sliding_window is None else decoder_mask(
+                key_mask, L, offset, c.sliding_window, device=input_ids.device)
         x = self.embed_tokens(input_ids)
         if c.embedding_scale is not None:  # in x's dtype, as Gemma rounds it
             x = x * torch.tensor(c.embedding_scale, dtype=x.dtype)
@@ -387,11 +391,23 @@ class DecoderLayers(nn.ModuleList):
                 paged: list[LayerPages] | None = None) -> Tensor:
         """``DecoderBlock.forward``'s arguments, ``cache`` the whole ``KVCache``, ``paged``
         every layer's pages."""
+        if paged is None:
+            out = self.one_call_step(x, rotary, mask, cache)
+            if out is not None:
+                return out
         for i, layer in enumerate(self):
             x = layer(x, rotary=rotary, mask=mask, is_causal=is_causal,
                       cache=None if cache is None else cache[i], rows=rows,
                       paged=None if paged is None else paged[i])
         return x
+
+    def one_call_step(self, x: Tensor, rotary: tuple[Tensor, Tensor] | None,
+                      mask: Tensor | None, cache: KVCache | None) -> Tensor | None:
+        """The whole of ``forward`` in one call, or None: the blocks run one by one (here,
+        always). A fast stand-in for the list (``attnlab.kernels.FusedLayers``) runs a
+        one-token step through every block in one C++ call; asked here, not by wrapping
+        ``forward``, so that the step goes down into the kernels and never back up."""
+        return None
 
 
 def _dropped(drop: nn.Dropout, x: Tensor) -> Tensor:

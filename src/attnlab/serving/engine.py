@@ -269,11 +269,16 @@ class Engine:
         with self._lock:
             events = self._take_aborts()
             plan = self.scheduler.schedule()
-        drafts = self.speculator.propose(plan)  # outside the lock: a draft model may run
+        # The speculator only in a step where a request asks for drafts (most steps: none);
+        # outside the lock: a draft model may run.
+        asking = any(r.params.speculation is not None for r, _ in plan)
+        drafts = self.speculator.propose(plan) if asking else {}
         with self._lock:
-            drafts = self.speculator.reserve(drafts)
             rows = [PagedRow(list(r.table), r.computed, r.tokens[r.computed:r.computed + n])
-                    for r, n in plan] + self.speculator.rows(drafts)
+                    for r, n in plan]
+            if drafts:
+                drafts = self.speculator.reserve(drafts)
+                rows += self.speculator.rows(drafts)
         if plan:
             ended, ready = self._run(plan, rows, drafts)
             events += ended
@@ -319,14 +324,16 @@ class Engine:
         the engine."""
         try:
             with torch.inference_mode():
-                raw = self.runner.logits(torch.cat([h for _, h in ready]))
-                # A request with drafts has no controls (the server refuses the two together).
-                controls, tokens = [], []
-                for request, hidden in ready:
-                    n = hidden.shape[0]
-                    controls += [self._controls.get(request) if n == 1 else None] * n
-                    tokens += [request.tokens] * n
-                logits = process_rows(controls, tokens, raw)
+                raw = logits = self.runner.logits(torch.cat([h for _, h in ready]))
+                if self._controls:  # some request asks for processors or logprobs
+                    # A request with drafts has no controls (the server refuses the two
+                    # together).
+                    controls, tokens = [], []
+                    for request, hidden in ready:
+                        n = hidden.shape[0]
+                        controls += [self._controls.get(request) if n == 1 else None] * n
+                        tokens += [request.tokens] * n
+                    logits = process_rows(controls, tokens, raw)
             unusable, best = unusable_rows(logits).tolist(), self.model.greedy(logits).tolist()
         except Exception as error:
             with self._lock:

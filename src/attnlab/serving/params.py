@@ -4,6 +4,7 @@ bad request with the field's name before anything is queued."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -126,7 +127,7 @@ class SamplingParams:
             raise ValueError(f"json_schema: expected None or a JSON Schema object (a mapping), "
                              f"got {type(self.json_schema).__name__}")
 
-    @property
+    @functools.cached_property  # asked once a token: computed once a request
     def greedy(self) -> bool:
         """Whether tokens are chosen by argmax (``temperature == 0``)."""
         return self.temperature == 0
