@@ -8,7 +8,9 @@ becomes one quantized table that both read; skipping either of the two keeps the
 for both. The token tables (every embedding, and a head tied to one) take ``table_bits``:
 int4 keeps them in int8 by default, as llama.cpp's 4-bit files keep theirs at 8 bits (what
 that saves on a trained model: the SmolLM2 table of ``docs/tutorials/10-quantization.md``).
-int4's scales and zeros are chosen by ``fit``: ``"search"`` by default
+int4's scales and zeros are stored in ``scale_dtype`` (float16 by default: 4.5 bits a weight in
+groups of 64, llama.cpp's Q4_0 size; the tables keep their weight's dtype) and chosen by
+``fit``: ``"search"`` by default
 (``attnlab.quantization.search``), ``"nearest"`` for round-to-nearest; ``"gptq"`` is recorded
 by ``attnlab.quantization.gptq``, which computes the codes from calibration text. What is left
 (norms, biases, skipped modules) keeps its dtype. The scheme is kept on the model as
@@ -38,12 +40,15 @@ from attnlab.kernels import InferenceLinear
 from attnlab.quantization.formats import GROUP_SIZES, QuantizedWeight
 from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
 
-__all__ = ["DEFAULT_GROUP_SIZE", "FITS", "METHODS", "QuantizationConfig", "QuantizingLoad",
-           "chosen_modules", "quantize_model", "quantized_skeleton", "weight_bytes"]
+__all__ = ["DEFAULT_GROUP_SIZE", "DEFAULT_SCALE_DTYPE", "FITS", "METHODS", "SCALE_DTYPES",
+           "QuantizationConfig", "QuantizingLoad", "chosen_modules", "quantize_model",
+           "quantized_skeleton", "weight_bytes"]
 
 METHODS = ("int8", "int4")
 FITS = ("nearest", "search", "gptq")
-DEFAULT_GROUP_SIZE = 64  # int4 groups: 128 divides few widths (not 576), 32 costs 0.125 bits more
+DEFAULT_GROUP_SIZE = 64  # int4 groups: 128 divides few widths (not 576), 32 costs 0.25 bits more
+DEFAULT_SCALE_DTYPE = "float16"  # int4 scales and zeros: half of float32's bytes, same KL
+SCALE_DTYPES = ("float16", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -51,16 +56,20 @@ class QuantizationConfig:
     """How a model's weights are quantized: ``method`` ``"int8"`` (per output row) or
     ``"int4"`` (groups of ``group_size`` inputs; None for int8), the ``skip`` patterns
     of module names left unquantized, ``table_bits`` of the token tables (8 or, for int4,
-    4; None: 8) and int4's ``fit`` (``FITS``; None: ``"search"`` for int4, ``"nearest"``
-    for int8, whose scale is a row's maximum). JSON: ``to_dict``/``from_dict``
-    (``config.json``'s ``"quantization"``; a record from before ``table_bits`` and ``fit``
-    reads as it was written: tables in ``method``'s bits, round-to-nearest)."""
+    4; None: 8), int4's ``fit`` (``FITS``; None: ``"search"`` for int4, ``"nearest"``
+    for int8, whose scale is a row's maximum) and the dtype of the int4 linear layers'
+    scales and zeros, ``scale_dtype`` (``SCALE_DTYPES``; None: ``DEFAULT_SCALE_DTYPE`` for
+    int4; int8's scales and the tables' keep their weight's dtype). JSON:
+    ``to_dict``/``from_dict`` (``config.json``'s ``"quantization"``; a record from before
+    ``table_bits``, ``fit`` and ``scale_dtype`` reads as it was written: tables in
+    ``method``'s bits, round-to-nearest, scales in the weights' dtype, ``"weight"``)."""
 
     method: str
     group_size: int | None = None
     skip: tuple[str, ...] = ()
     table_bits: int | None = None
     fit: str | None = None
+    scale_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -88,6 +97,20 @@ class QuantizationConfig:
         if self.fit not in (FITS if self.method == "int4" else ("nearest",)):
             allowed = ", ".join(FITS) if self.method == "int4" else "nearest (int8)"
             raise ValueError(f"fit: expected one of {allowed}, got {self.fit!r}")
+        if self.scale_dtype is None and self.method == "int4":
+            object.__setattr__(self, "scale_dtype", DEFAULT_SCALE_DTYPE)
+        allowed = (*SCALE_DTYPES, "weight") if self.method == "int4" else (None,)
+        if self.scale_dtype not in allowed:
+            raise ValueError(f"scale_dtype: expected one of {', '.join(map(str, allowed))} "
+                             f"for {self.method}, got {self.scale_dtype!r}")
+
+    def scales_for(self, weight: torch.Tensor, *, table: bool) -> torch.dtype:
+        """The dtype of the scales (and zeros) of ``weight`` quantized by this scheme, a
+        token ``table`` or not: ``scale_dtype`` for an int4 linear layer, else the weight's
+        dtype."""
+        if table or self.bits == 8 or self.scale_dtype == "weight":
+            return weight.dtype
+        return getattr(torch, self.scale_dtype)
 
     @property
     def bits(self) -> int:
@@ -104,8 +127,12 @@ class QuantizationConfig:
                 f"int{self.table_bits})")
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"method", "group_size", "skip", "table_bits", "fit"}``, JSON-ready."""
-        return {**dataclasses.asdict(self), "skip": list(self.skip)}
+        """``{"method", "group_size", "skip", "table_bits", "fit"}`` and int4's
+        ``"scale_dtype"``, JSON-ready."""
+        data = {**dataclasses.asdict(self), "skip": list(self.skip)}
+        if self.scale_dtype is None:  # int8
+            del data["scale_dtype"]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> QuantizationConfig:
@@ -118,19 +145,22 @@ class QuantizationConfig:
             raise ValueError(f"quantization: expected the keys {sorted(fields)} ('method' "
                              f"required), got {sorted(data)}")
         method = data["method"]
-        older = {"table_bits": 8 if method == "int8" else 4, "fit": "nearest"}
+        older = {"table_bits": 8 if method == "int8" else 4, "fit": "nearest",
+                 "scale_dtype": "weight" if method == "int4" else None}
         return cls(**{**older, **data})
 
 
 def quantize_model(model: nn.Module, method: str = "int8", group_size: int | None = None, *,
                    skip: Iterable[str] = (), kernel: str | None = None,
                    table_bits: int | None = None, fit: str | None = None,
+                   scale_dtype: str | None = None,
                    weights: Mapping[str, QuantizedWeight] | None = None) -> nn.Module:
     """``model`` with its linear layers and embeddings quantized in place (module docstring);
     returned for chaining. ``method`` ``"int8"`` or ``"int4"``; ``group_size`` (int4 only,
     default ``DEFAULT_GROUP_SIZE``) must divide every quantized layer's input size (an
     embedding's dim); a layer that it does not divide is refused by name before anything
-    changes. ``table_bits`` and ``fit`` are ``QuantizationConfig``'s. ``weights`` gives
+    changes. ``table_bits``, ``fit`` and ``scale_dtype`` are ``QuantizationConfig``'s.
+    ``weights`` gives
     the quantized weight of some linear layers by name (computed elsewhere: GPTQ's), in
     the config's bits and group size; the others are quantized here. ``kernel`` forces one
     of ``attnlab.quantization.kernels.QUANTIZED_KERNELS``. A swapped module keeps the replaced
@@ -142,7 +172,7 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int | Non
     if method == "int4" and group_size is None:
         group_size = DEFAULT_GROUP_SIZE
     config = QuantizationConfig(method, group_size, tuple(skip) if not isinstance(skip, str)
-                                else skip, table_bits, fit)
+                                else skip, table_bits, fit, scale_dtype)
     if getattr(model, "quantization", None) is not None:
         raise ValueError(f"model: already quantized ({model.quantization.method}); load the "
                          "float weights to quantize them another way")
@@ -222,17 +252,20 @@ def _replace(model: nn.Module, chosen: dict[str, nn.Module], config: Quantizatio
     for name, m in chosen.items():  # linear layers first: a tied table is the head's
         if not isinstance(m, nn.Linear):
             continue
-        bits = config.table_bits if id(m.weight) in tables else config.bits
+        table = id(m.weight) in tables
+        bits = config.table_bits if table else config.bits
         if empty:
             made[name] = QuantizedLinear(m.in_features, m.out_features, m.bias is not None,
                                          bits=bits, group_size=group_size,
-                                         scale_dtype=m.weight.dtype, device=m.weight.device,
+                                         scale_dtype=config.scales_for(m.weight, table=table),
+                                         bias_dtype=m.weight.dtype, device=m.weight.device,
                                          kernel=kernel)
         elif name in (weights or {}):
             made[name] = QuantizedLinear.from_weight(weights[name], m.bias, kernel=kernel)
         else:
-            made[name] = QuantizedLinear.from_linear(m, bits=bits, group_size=group_size,
-                                                     kernel=kernel, fit=fit)
+            made[name] = QuantizedLinear.from_linear(
+                m, bits=bits, group_size=group_size, kernel=kernel, fit=fit,
+                scale_dtype=config.scales_for(m.weight, table=table))
     for name, m in chosen.items():
         if not isinstance(m, nn.Embedding):
             continue
