@@ -183,14 +183,17 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int | Non
 
 
 def quantized_skeleton(model: nn.Module, config: QuantizationConfig, *,
-                       kernel: str | None = None) -> nn.Module:
+                       kernel: str | None = None, dtype: torch.dtype | None = None
+                       ) -> nn.Module:
     """``model`` with the modules that ``config`` quantizes replaced by quantized ones whose
     codes and scales are left unset (uninitialised memory on the modules' device), to be
     filled by ``load_state_dict`` from a quantized checkpoint: nothing is computed.
+    ``dtype``: the activations' dtype the model is filled in (default its weights').
     ``kernel`` forces one kernel, as in ``quantize_model``."""
     if not isinstance(config, QuantizationConfig):
         raise TypeError(f"config: expected a QuantizationConfig, got {type(config).__name__}")
-    _replace(model, chosen_modules(model, config), config, kernel=kernel, empty=True)
+    _replace(model, chosen_modules(model, config), config, kernel=kernel, empty=True,
+             dtype=dtype)
     model.quantization = config
     return model
 
@@ -241,9 +244,11 @@ class QuantizingLoad:
 
 def _replace(model: nn.Module, chosen: dict[str, nn.Module], config: QuantizationConfig, *,
              kernel: str | None, empty: bool,
-             weights: Mapping[str, QuantizedWeight] | None = None) -> None:
+             weights: Mapping[str, QuantizedWeight] | None = None,
+             dtype: torch.dtype | None = None) -> None:
     """Swap the ``chosen`` modules (a tied head with its embedding) for quantized ones,
-    computed from their weights (or taken from ``weights``) or ``empty``."""
+    computed from their weights (or taken from ``weights``) or ``empty`` (to be filled in
+    ``dtype``, default the weights')."""
     heads = {id(m.weight): name for name, m in chosen.items() if isinstance(m, nn.Linear)}
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     group_size, fit = config.group_size or DEFAULT_GROUP_SIZE, config.fit
@@ -255,10 +260,11 @@ def _replace(model: nn.Module, chosen: dict[str, nn.Module], config: Quantizatio
         table = id(m.weight) in tables
         bits = config.table_bits if table else config.bits
         if empty:
+            like = m.weight if dtype is None else m.weight.new_empty(0, dtype=dtype)
             made[name] = QuantizedLinear(m.in_features, m.out_features, m.bias is not None,
                                          bits=bits, group_size=group_size,
-                                         scale_dtype=config.scales_for(m.weight, table=table),
-                                         bias_dtype=m.weight.dtype, device=m.weight.device,
+                                         scale_dtype=config.scales_for(like, table=table),
+                                         bias_dtype=like.dtype, device=m.weight.device,
                                          kernel=kernel)
         elif name in (weights or {}):
             made[name] = QuantizedLinear.from_weight(weights[name], m.bias, kernel=kernel)
