@@ -31,7 +31,8 @@ quantized together from the Hessian of that input as the already-quantized layer
 them produce it; the block's outputs, quantized, are the next block's inputs. Linear layers
 outside the stack (an untied LM head) take their Hessian from one last pass of the whole
 model. The token tables (an embedding and a head tied to it) are not linear layers that
-calibration sees the inputs of, and take the search (int8 by default).
+calibration sees the inputs of, and take the search (int8 by default); the embedding is read
+as so quantized while the layers are calibrated.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from attnlab.quantization.convert import (
     quantize_model,
 )
 from attnlab.quantization.formats import QuantizedWeight, pack_int4
+from attnlab.quantization.modules import QuantizedEmbedding
 from attnlab.quantization.search import search_int4
 
 __all__ = ["BLOCK", "gptq_layers", "gptq_quantize", "gptq_weight"]
@@ -90,8 +92,21 @@ def gptq_quantize(model: nn.Module, ids: Tensor, *, group_size: int | None = Non
         layers[name].weight = nn.Parameter(q.dequantize(weight.dtype), requires_grad=False)
         return q
 
-    with torch.no_grad():
-        weights = _in_order(model, layers, ids.split(context), quantized, progress)
+    # The token tables as they will be (int8 by default) while the layers are calibrated:
+    # the first block's inputs are then the quantized model's.
+    tables = {name: m for name, m in chosen_modules(model, config).items()
+              if isinstance(m, nn.Embedding)}
+    floats = {name: m.weight for name, m in tables.items()}
+    try:
+        for m in tables.values():
+            table = QuantizedEmbedding.from_embedding(m, bits=config.table_bits,
+                                                      group_size=group_size, fit="search")
+            m.weight = nn.Parameter(table.source.dequantize(m.weight.dtype), requires_grad=False)
+        with torch.no_grad():
+            weights = _in_order(model, layers, ids.split(context), quantized, progress)
+    finally:
+        for name, m in tables.items():
+            m.weight = floats[name]
     return quantize_model(model, "int4", group_size, skip=config.skip, kernel=kernel,
                           table_bits=config.table_bits, fit="gptq",
                           scale_dtype=config.scale_dtype, weights=weights)
