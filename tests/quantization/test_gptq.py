@@ -122,7 +122,7 @@ def test_each_layer_is_quantized_from_the_inputs_of_the_quantized_layers_before_
     assert len(seen) == len(pointers) == 2 * 7
     for name, pointer in pointers.items():
         total, n = sums[name]
-        torch.testing.assert_close(seen[pointer], total / n, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(seen[pointer], total / n, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_gptq_lowers_the_models_output_error_against_round_to_nearest():

@@ -80,6 +80,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "of a few thousand tokens)")
     p.add_argument("--table-bits", type=int, choices=(8, 4), default=None,
                    help="bits of the token tables, the embedding and a tied LM head (default 8)")
+    p.add_argument("--int8-layers", nargs="*", default=None, metavar="PATTERN",
+                   help="int4 only: linear layers kept in int8 (fnmatch patterns, e.g. "
+                   "'*.v_proj'; default the library's choice, DEFAULT_INT8_LAYERS)")
     p.add_argument("--skip", nargs="*", default=[], metavar="PATTERN",
                    help="module names kept in float (fnmatch patterns, e.g. lm_head '*.mlp.*')")
     add_dtype_option(p, "dtype of what stays float and of the scales (default: the stored one)")
@@ -109,7 +112,8 @@ def _quantize(args: argparse.Namespace) -> int:
         raise ValueError(f"out: {out} is FOLDER itself; write the quantized copy elsewhere")
     if args.bits == 8:
         for flag, value in (("--group-size", args.group_size), ("--method", args.method),
-                            ("--table-bits", args.table_bits)):
+                            ("--table-bits", args.table_bits),
+                            ("--int8-layers", args.int8_layers)):
             if value is not None and not (flag == "--table-bits" and value == 8):
                 raise ValueError(f"{flag}: int8 scales whole rows by their maximum; it "
                                  "applies to --bits 4 only")
@@ -127,12 +131,13 @@ def _quantize(args: argparse.Namespace) -> int:
     if calibration is not None:
         model = from_pretrained(source, dtype=args.dtype, kernels=False)
         gptq_quantize(model, calibration, group_size=args.group_size, skip=args.skip,
-                      table_bits=args.table_bits, kernel="dequantize", progress=True,
+                      table_bits=args.table_bits, int8_layers=args.int8_layers,
+                      kernel="dequantize", progress=True,
                       context=min(CALIBRATION_CONTEXT, model.config.max_len))
     else:
         group_size = (args.group_size or DEFAULT_GROUP_SIZE) if args.bits == 4 else None
         scheme = QuantizationConfig(f"int{args.bits}", group_size, args.skip, args.table_bits,
-                                    args.method)
+                                    args.method, int8_layers=args.int8_layers)
         model = from_pretrained(source, dtype=args.dtype, kernels=False, quantize=scheme,
                                 quantized_kernel="dequantize")
     tmp = new_folder(out)

@@ -40,15 +40,16 @@ from attnlab.kernels import InferenceLinear
 from attnlab.quantization.formats import GROUP_SIZES, QuantizedWeight
 from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
 
-__all__ = ["DEFAULT_GROUP_SIZE", "DEFAULT_SCALE_DTYPE", "FITS", "METHODS", "SCALE_DTYPES",
-           "QuantizationConfig", "QuantizingLoad", "chosen_modules", "quantize_model",
-           "quantized_skeleton", "weight_bytes"]
+__all__ = ["DEFAULT_GROUP_SIZE", "DEFAULT_INT8_LAYERS", "DEFAULT_SCALE_DTYPE", "FITS",
+           "METHODS", "SCALE_DTYPES", "QuantizationConfig", "QuantizingLoad", "chosen_modules",
+           "quantize_model", "quantized_skeleton", "weight_bytes"]
 
 METHODS = ("int8", "int4")
 FITS = ("nearest", "search", "gptq")
 DEFAULT_GROUP_SIZE = 64  # int4 groups: 128 divides few widths (not 576), 32 costs 0.25 bits more
 DEFAULT_SCALE_DTYPE = "float16"  # int4 scales and zeros: half of float32's bytes, same KL
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
+DEFAULT_INT8_LAYERS: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,14 @@ class QuantizationConfig:
     4; None: 8), int4's ``fit`` (``FITS``; None: ``"search"`` for int4, ``"nearest"``
     for int8, whose scale is a row's maximum) and the dtype of the int4 linear layers'
     scales and zeros, ``scale_dtype`` (``SCALE_DTYPES``; None: ``DEFAULT_SCALE_DTYPE`` for
-    int4; int8's scales and the tables' keep their weight's dtype). JSON:
+    int4; int8's scales and the tables' keep their weight's dtype), and ``int8_layers``,
+    patterns (``fnmatch``) of the linear layers an int4 scheme keeps in int8 per row, as
+    llama.cpp's ``_M`` files give the sensitive tensors more bits (None:
+    ``DEFAULT_INT8_LAYERS`` for int4). JSON:
     ``to_dict``/``from_dict`` (``config.json``'s ``"quantization"``; a record from before
-    ``table_bits``, ``fit`` and ``scale_dtype`` reads as it was written: tables in
-    ``method``'s bits, round-to-nearest, scales in the weights' dtype, ``"weight"``)."""
+    ``table_bits``, ``fit``, ``scale_dtype`` and ``int8_layers`` reads as it was written:
+    tables in ``method``'s bits, round-to-nearest, scales in the weights' dtype
+    (``"weight"``), every layer in ``method``'s bits)."""
 
     method: str
     group_size: int | None = None
@@ -70,6 +75,7 @@ class QuantizationConfig:
     table_bits: int | None = None
     fit: str | None = None
     scale_dtype: str | None = None
+    int8_layers: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -87,6 +93,17 @@ class QuantizationConfig:
             raise TypeError(f"skip: expected a list of module-name patterns (non-empty "
                             f"strings), got {self.skip!r}")
         object.__setattr__(self, "skip", tuple(self.skip))
+        if self.int8_layers is None:
+            object.__setattr__(self, "int8_layers",
+                               DEFAULT_INT8_LAYERS if self.method == "int4" else ())
+        if isinstance(self.int8_layers, str) or not isinstance(self.int8_layers, (
+                tuple, list)) or not all(isinstance(p, str) and p for p in self.int8_layers):
+            raise TypeError(f"int8_layers: expected a list of module-name patterns (non-empty "
+                            f"strings), got {self.int8_layers!r}")
+        object.__setattr__(self, "int8_layers", tuple(self.int8_layers))
+        if self.int8_layers and self.method != "int4":
+            raise ValueError(f"int8_layers: int8 quantizes every layer in 8 bits already; "
+                             f"int8_layers applies to int4, got {self.int8_layers!r}")
         if self.table_bits is None:
             object.__setattr__(self, "table_bits", 8)
         if self.table_bits not in (8, self.bits):
@@ -104,11 +121,18 @@ class QuantizationConfig:
             raise ValueError(f"scale_dtype: expected one of {', '.join(map(str, allowed))} "
                              f"for {self.method}, got {self.scale_dtype!r}")
 
-    def scales_for(self, weight: torch.Tensor, *, table: bool) -> torch.dtype:
-        """The dtype of the scales (and zeros) of ``weight`` quantized by this scheme, a
-        token ``table`` or not: ``scale_dtype`` for an int4 linear layer, else the weight's
-        dtype."""
-        if table or self.bits == 8 or self.scale_dtype == "weight":
+    def bits_of(self, name: str, *, table: bool) -> int:
+        """The bits of the module ``name``, a token ``table`` or not: ``table_bits`` for a
+        table, 8 for a linear layer matching one of ``int8_layers``, else ``bits``."""
+        if table:
+            return self.table_bits
+        return 8 if any(fnmatch.fnmatchcase(name, p) for p in self.int8_layers) else self.bits
+
+    def scales_for(self, weight: torch.Tensor, *, table: bool, bits: int = 4) -> torch.dtype:
+        """The dtype of the scales (and zeros) of ``weight`` quantized by this scheme in
+        ``bits``, a token ``table`` or not: ``scale_dtype`` for an int4 linear layer, else
+        the weight's dtype."""
+        if table or bits == 8 or self.scale_dtype == "weight":
             return weight.dtype
         return getattr(torch, self.scale_dtype)
 
@@ -129,9 +153,12 @@ class QuantizationConfig:
     def to_dict(self) -> dict[str, Any]:
         """``{"method", "group_size", "skip", "table_bits", "fit"}`` and int4's
         ``"scale_dtype"``, JSON-ready."""
-        data = {**dataclasses.asdict(self), "skip": list(self.skip)}
+        data = {**dataclasses.asdict(self), "skip": list(self.skip),
+                "int8_layers": list(self.int8_layers)}
         if self.scale_dtype is None:  # int8
             del data["scale_dtype"]
+        if not self.int8_layers:
+            del data["int8_layers"]
         return data
 
     @classmethod
@@ -146,20 +173,21 @@ class QuantizationConfig:
                              f"required), got {sorted(data)}")
         method = data["method"]
         older = {"table_bits": 8 if method == "int8" else 4, "fit": "nearest",
-                 "scale_dtype": "weight" if method == "int4" else None}
+                 "scale_dtype": "weight" if method == "int4" else None, "int8_layers": ()}
         return cls(**{**older, **data})
 
 
 def quantize_model(model: nn.Module, method: str = "int8", group_size: int | None = None, *,
                    skip: Iterable[str] = (), kernel: str | None = None,
                    table_bits: int | None = None, fit: str | None = None,
-                   scale_dtype: str | None = None,
+                   scale_dtype: str | None = None, int8_layers: Iterable[str] | None = None,
                    weights: Mapping[str, QuantizedWeight] | None = None) -> nn.Module:
     """``model`` with its linear layers and embeddings quantized in place (module docstring);
     returned for chaining. ``method`` ``"int8"`` or ``"int4"``; ``group_size`` (int4 only,
     default ``DEFAULT_GROUP_SIZE``) must divide every quantized layer's input size (an
     embedding's dim); a layer that it does not divide is refused by name before anything
-    changes. ``table_bits``, ``fit`` and ``scale_dtype`` are ``QuantizationConfig``'s.
+    changes. ``table_bits``, ``fit``, ``scale_dtype`` and ``int8_layers`` are
+    ``QuantizationConfig``'s.
     ``weights`` gives
     the quantized weight of some linear layers by name (computed elsewhere: GPTQ's), in
     the config's bits and group size; the others are quantized here. ``kernel`` forces one
@@ -172,7 +200,9 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int | Non
     if method == "int4" and group_size is None:
         group_size = DEFAULT_GROUP_SIZE
     config = QuantizationConfig(method, group_size, tuple(skip) if not isinstance(skip, str)
-                                else skip, table_bits, fit, scale_dtype)
+                                else skip, table_bits, fit, scale_dtype,
+                                tuple(int8_layers) if not isinstance(int8_layers, (str, type(None)))
+                                else int8_layers)
     if getattr(model, "quantization", None) is not None:
         raise ValueError(f"model: already quantized ({model.quantization.method}); load the "
                          "float weights to quantize them another way")
@@ -258,12 +288,13 @@ def _replace(model: nn.Module, chosen: dict[str, nn.Module], config: Quantizatio
         if not isinstance(m, nn.Linear):
             continue
         table = id(m.weight) in tables
-        bits = config.table_bits if table else config.bits
+        bits = config.bits_of(name, table=table)
         if empty:
             like = m.weight if dtype is None else m.weight.new_empty(0, dtype=dtype)
             made[name] = QuantizedLinear(m.in_features, m.out_features, m.bias is not None,
                                          bits=bits, group_size=group_size,
-                                         scale_dtype=config.scales_for(like, table=table),
+                                         scale_dtype=config.scales_for(like, table=table,
+                                                                       bits=bits),
                                          bias_dtype=like.dtype, device=m.weight.device,
                                          kernel=kernel)
         elif name in (weights or {}):
@@ -271,7 +302,7 @@ def _replace(model: nn.Module, chosen: dict[str, nn.Module], config: Quantizatio
         else:
             made[name] = QuantizedLinear.from_linear(
                 m, bits=bits, group_size=group_size, kernel=kernel, fit=fit,
-                scale_dtype=config.scales_for(m.weight, table=table))
+                scale_dtype=config.scales_for(m.weight, table=table, bits=bits))
     for name, m in chosen.items():
         if not isinstance(m, nn.Embedding):
             continue
@@ -323,7 +354,7 @@ def chosen_modules(model: nn.Module, config: QuantizationConfig) -> dict[str, nn
             continue
         embedding = isinstance(module, nn.Embedding)
         inputs = module.embedding_dim if embedding else module.in_features
-        bits = config.table_bits if id(module.weight) in tables else config.bits
+        bits = config.bits_of(name, table=id(module.weight) in tables)
         if bits == 4 and inputs % config.group_size:  # an int8 table scales whole rows
             raise ValueError(f"group_size: {config.group_size} does not divide {name}'s "
                              f"{'embedding_dim' if embedding else 'in_features'} {inputs}; "

@@ -31,8 +31,9 @@ quantized together from the Hessian of that input as the already-quantized layer
 them produce it; the block's outputs, quantized, are the next block's inputs. Linear layers
 outside the stack (an untied LM head) take their Hessian from one last pass of the whole
 model. The token tables (an embedding and a head tied to it) are not linear layers that
-calibration sees the inputs of, and take the search (int8 by default); the embedding is read
-as so quantized while the layers are calibrated.
+calibration sees the inputs of, and take the search (int8 by default); the embedding, and the
+layers kept in int8 (``int8_layers``), are read as so quantized while the others are
+calibrated.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from attnlab.quantization.convert import (
     quantize_model,
 )
 from attnlab.quantization.formats import QuantizedWeight, pack_int4
-from attnlab.quantization.modules import QuantizedEmbedding
+from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
 from attnlab.quantization.search import search_int4
 
 __all__ = ["BLOCK", "gptq_layers", "gptq_quantize", "gptq_weight"]
@@ -62,12 +63,14 @@ BLOCK = 128  # columns a block (a multiple of every group size up to 128)
 
 def gptq_quantize(model: nn.Module, ids: Tensor, *, group_size: int | None = None,
                   context: int = 512, skip: Iterable[str] = (), table_bits: int | None = None,
-                  scale_dtype: str | None = None, damp: float = 0.01, act_order: bool = True,
+                  scale_dtype: str | None = None, int8_layers: Iterable[str] | None = None,
+                  damp: float = 0.01, act_order: bool = True,
                   kernel: str | None = None, progress: bool = False) -> nn.Module:
     """``model`` (float) quantized in place to int4 in groups of ``group_size`` (default
     ``DEFAULT_GROUP_SIZE``) by GPTQ, layer by layer in order (module docstring), on the
     calibration token ``ids`` (``T``), cut into chunks of ``context`` tokens (the last,
-    shorter one too); ``skip``, ``table_bits``, ``scale_dtype`` and ``kernel`` as in
+    shorter one too); ``skip``, ``table_bits``, ``scale_dtype``, ``int8_layers`` (int8 by
+    round-to-nearest, read so while the others are calibrated) and ``kernel`` as in
     ``quantize_model``, whose ``QuantizationConfig`` it records with ``fit="gptq"``.
     ``model(input_ids)`` is called on each chunk (``1 x N``). ``progress`` draws progress
     bars on stderr. Returned for chaining."""
@@ -81,8 +84,8 @@ def gptq_quantize(model: nn.Module, ids: Tensor, *, group_size: int | None = Non
         raise ValueError(f"context: expected a number of tokens >= 2, got {context!r}")
     group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
     config = QuantizationConfig("int4", group_size, tuple(skip), table_bits, "gptq",
-                                scale_dtype)
-    layers = gptq_layers(model, config.skip, group_size)
+                                scale_dtype, None if int8_layers is None else tuple(int8_layers))
+    layers = gptq_layers(model, config.skip, group_size, config.int8_layers)
 
     def quantized(name: str, hessian: Tensor) -> QuantizedWeight:
         weight = layers[name].weight
@@ -92,35 +95,50 @@ def gptq_quantize(model: nn.Module, ids: Tensor, *, group_size: int | None = Non
         layers[name].weight = nn.Parameter(q.dequantize(weight.dtype), requires_grad=False)
         return q
 
-    # The token tables as they will be (int8 by default) while the layers are calibrated:
-    # the first block's inputs are then the quantized model's.
-    tables = {name: m for name, m in chosen_modules(model, config).items()
-              if isinstance(m, nn.Embedding)}
-    floats = {name: m.weight for name, m in tables.items()}
+    # The token tables (int8 by default) and the int8 layers as they will be while the
+    # others are calibrated: their inputs are then the quantized model's.
+    others = {name: m for name, m in chosen_modules(model, config).items()
+              if isinstance(m, nn.Embedding) or config.bits_of(name, table=False) == 8}
+    floats = {name: m.weight for name, m in others.items()}
     try:
-        for m in tables.values():
-            table = QuantizedEmbedding.from_embedding(m, bits=config.table_bits,
-                                                      group_size=group_size, fit="search")
-            m.weight = nn.Parameter(table.source.dequantize(m.weight.dtype), requires_grad=False)
+        for name, m in others.items():
+            m.weight = nn.Parameter(_as_quantized(m, name, config), requires_grad=False)
         with torch.no_grad():
             weights = _in_order(model, layers, ids.split(context), quantized, progress)
     finally:
-        for name, m in tables.items():
+        for name, m in others.items():
             m.weight = floats[name]
     return quantize_model(model, "int4", group_size, skip=config.skip, kernel=kernel,
                           table_bits=config.table_bits, fit="gptq",
-                          scale_dtype=config.scale_dtype, weights=weights)
+                          scale_dtype=config.scale_dtype, int8_layers=config.int8_layers,
+                          weights=weights)
 
 
 def gptq_layers(model: nn.Module, skip: Iterable[str] = (),
-                group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, nn.Linear]:
+                group_size: int = DEFAULT_GROUP_SIZE, int8_layers: Iterable[str] | None = None
+                ) -> dict[str, nn.Linear]:
     """``{name: layer}`` of the linear layers that GPTQ quantizes: those ``quantize_model``
-    chooses (not skipped; ``group_size`` dividing their inputs), but for a head tied to an
+    chooses in int4 (not skipped, not ``int8_layers``; ``group_size`` dividing their
+    inputs; ``int8_layers`` None: ``DEFAULT_INT8_LAYERS``), but for a head tied to an
     embedding."""
-    config = QuantizationConfig("int4", group_size, tuple(skip))
+    config = QuantizationConfig("int4", group_size, tuple(skip), int8_layers=None
+                                if int8_layers is None else tuple(int8_layers))
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     return {name: m for name, m in chosen_modules(model, config).items()
-            if isinstance(m, nn.Linear) and id(m.weight) not in tables}
+            if isinstance(m, nn.Linear) and id(m.weight) not in tables
+            and config.bits_of(name, table=False) == 4}
+
+
+def _as_quantized(module: nn.Module, name: str, config: QuantizationConfig) -> Tensor:
+    """The weight of ``module`` (a token table or an int8 layer) as ``config`` quantizes it
+    without calibration, dequantized to its dtype."""
+    if isinstance(module, nn.Embedding):
+        quantized = QuantizedEmbedding.from_embedding(
+            module, bits=config.table_bits, group_size=config.group_size, fit="search").source
+    else:
+        quantized = QuantizedLinear.from_linear(module, bits=config.bits_of(name, table=False),
+                                                kernel="dequantize")
+    return quantized.dequantize(module.weight.dtype)
 
 
 def gptq_weight(weight: Tensor, hessian: Tensor, group_size: int, *, damp: float = 0.01,
