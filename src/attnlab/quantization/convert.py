@@ -46,7 +46,7 @@ __all__ = ["DEFAULT_GROUP_SIZE", "DEFAULT_INT8_LAYERS", "DEFAULT_SCALE_DTYPE", "
 
 METHODS = ("int8", "int4")
 FITS = ("nearest", "search", "gptq")
-DEFAULT_GROUP_SIZE = 64  # int4 groups: 128 divides few widths (not 576), 32 costs 0.25 bits more
+DEFAULT_GROUP_SIZE = 64  # int4 groups: 128 divides few widths (not 576), 32 costs 0.5 bits more
 DEFAULT_SCALE_DTYPE = "float16"  # int4 scales and zeros: half of float32's bytes, same KL
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
 DEFAULT_INT8_LAYERS: tuple[str, ...] = ()
