@@ -11,7 +11,7 @@ import torch
 from attnlab.models.decoder import DecoderLM, DecoderLMConfig
 from attnlab.models.io import from_pretrained
 from attnlab.quantization import QUANTIZED_KERNELS, QuantizedLinear, quantize_model
-from attnlab.quantization.convert import QuantizationConfig, weight_bytes
+from attnlab.quantization.convert import DEFAULT_INT8_LAYERS, QuantizationConfig, weight_bytes
 from attnlab.quantization.formats import quantize
 from conftest import native_lacks
 
@@ -30,7 +30,7 @@ def int4_layers(model: torch.nn.Module) -> list[QuantizedLinear]:
 def test_int4_scales_and_zeros_are_float16_and_the_tables_keep_their_dtype():
     model = quantize_model(tiny(), "int4", 32)
     assert model.quantization.scale_dtype == "float16"
-    assert len(int4_layers(model)) == 2 * 7
+    assert len(int4_layers(model)) == 2 * 7 - 4  # DEFAULT_INT8_LAYERS: v_proj, down_proj
     assert all(m.scales.dtype == m.zeros.dtype == torch.float16 and m.dtype == torch.float32
                for m in int4_layers(model))
     assert model.lm_head.bits == 8 and model.lm_head.scales.dtype == torch.float32
@@ -135,3 +135,21 @@ def test_an_unknown_scale_dtype_is_refused_by_name():
         QuantizationConfig("int4", 64, scale_dtype="float8")
     with pytest.raises(ValueError, match="scale_dtype: expected one of None for int8"):
         QuantizationConfig("int8", scale_dtype="float16")
+
+
+def test_the_default_int8_layers_are_int8_with_their_weights_dtype_and_can_be_none(tmp_path):
+    model = quantize_model(tiny(), "int4", 32)
+    assert model.quantization.int8_layers == DEFAULT_INT8_LAYERS
+    for name in ("layers.0.self_attn.v_proj", "layers.1.mlp.down_proj"):
+        layer = model.get_submodule(name)
+        assert layer.bits == 8 and layer.scales.dtype == torch.float32
+    model.save_pretrained(tmp_path / "mixed")
+    loaded = from_pretrained(tmp_path / "mixed", kernels=False)
+    assert loaded.get_submodule("layers.0.self_attn.v_proj").bits == 8
+    ids = torch.randint(0, 64, (1, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
+    every = quantize_model(tiny(), "int4", 32, int8_layers=[])
+    assert len(int4_layers(every)) == 2 * 7 and "int8_layers" not in every.quantization.to_dict()
+    with pytest.raises(ValueError, match="int8_layers: int8 quantizes every layer"):
+        QuantizationConfig("int8", int8_layers=["*.v_proj"])

@@ -49,7 +49,11 @@ FITS = ("nearest", "search", "gptq")
 DEFAULT_GROUP_SIZE = 64  # int4 groups: 128 divides few widths (not 576), 32 costs 0.5 bits more
 DEFAULT_SCALE_DTYPE = "float16"  # int4 scales and zeros: half of float32's bytes, same KL
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
-DEFAULT_INT8_LAYERS: tuple[str, ...] = ()
+# The linear layers an int4 scheme keeps in int8 by default, as llama.cpp's Q4_K_M gives
+# attn_v and the first layers' ffn_down more bits: on the off-grid SmolLM2 (86.8 MiB against
+# Q4_0's 87) KL 0.192 against 0.280 with every layer in int4 (the quantization tutorial).
+DEFAULT_INT8_LAYERS = ("*.v_proj", "layers.0.mlp.down_proj", "layers.1.mlp.down_proj",
+                       "layers.2.mlp.down_proj")
 
 
 @dataclass(frozen=True)
