@@ -10,9 +10,11 @@ int4 keeps them in int8 by default, as llama.cpp's 4-bit files keep theirs at 8 
 that saves on a trained model: the SmolLM2 table of ``docs/tutorials/10-quantization.md``).
 int4's scales and zeros are stored in ``scale_dtype`` (float16 by default: 4.5 bits a weight in
 groups of 64, llama.cpp's Q4_0 size; the tables keep their weight's dtype) and chosen by
-``fit``: ``"search"`` by default
-(``attnlab.quantization.search``), ``"nearest"`` for round-to-nearest; ``"gptq"`` is recorded
-by ``attnlab.quantization.gptq``, which computes the codes from calibration text. What is left
+``fit``: ``"search"`` by default (``attnlab.quantization.search``), ``"nearest"`` for
+round-to-nearest; ``"gptq"`` is recorded by ``attnlab.quantization.gptq``, which computes the
+codes from calibration text. The linear layers matching ``int8_layers`` (by default
+``DEFAULT_INT8_LAYERS``: every ``v_proj`` and the first three ``down_proj``) stay int8 in an
+int4 scheme, as llama.cpp's ``_M`` files give those more bits. What is left
 (norms, biases, skipped modules) keeps its dtype. The scheme is kept on the model as
 ``model.quantization``, a ``QuantizationConfig`` that ``save_pretrained`` records in
 ``config.json``.
