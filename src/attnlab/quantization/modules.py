@@ -119,8 +119,8 @@ class QuantizedLinear(nn.Module):
         return kernels
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
-        """``W'`` (``O x I``) in ``dtype`` (default the scales')."""
-        return self.weight_format.dequantize(dtype)
+        """``W'`` (``O x I``) in ``dtype`` (default ``self.dtype``, the activations')."""
+        return self.weight_format.dequantize(dtype or self.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         """x ``N.. x I`` -> ``N.. x O`` in x's dtype (see the class docstring)."""
