@@ -4,11 +4,13 @@
 (``attnlab.models.export_gguf``, the folder's tokenizer and chat template in its metadata).
 
 int4 keeps the token tables (the embedding, and the LM head tied to it) in int8 unless
-``--table-bits 4``, and chooses each group's scale and zero by ``--method``: ``search`` (the
-default: least squared error, ``attnlab.quantization.search``), ``nearest``
-(round-to-nearest), or ``gptq`` with ``--calibration FILE`` (``attnlab.quantization.gptq``:
-the float model runs on the file's text, and each layer's rounding errors are compensated
-for the inputs it saw; the float model is then held in memory).
+``--table-bits 4``, and the layers of ``--int8-layers`` (default every ``v_proj`` and the
+first three ``down_proj``) in int8; it stores each group's scale and zero as float16 and
+chooses them by ``--method``: ``search`` (the default: least squared error,
+``attnlab.quantization.search``), ``nearest`` (round-to-nearest), or ``gptq`` with
+``--calibration FILE`` (``attnlab.quantization.gptq``: the model runs on the file's text,
+and layer by layer, each layer's rounding errors are compensated for the inputs that the
+layers quantized before it give it; the float model is then held in memory).
 
 Reads any folder that ``attnlab.models.from_pretrained`` reads, quantizing each weight as it
 is read (``attnlab.quantization``: the float model is never held), and writes OUT in
@@ -81,8 +83,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--table-bits", type=int, choices=(8, 4), default=None,
                    help="bits of the token tables, the embedding and a tied LM head (default 8)")
     p.add_argument("--int8-layers", nargs="*", default=None, metavar="PATTERN",
-                   help="int4 only: linear layers kept in int8 (fnmatch patterns, e.g. "
-                   "'*.v_proj'; default the library's choice, DEFAULT_INT8_LAYERS)")
+                   help="int4 only: linear layers kept in int8 (fnmatch patterns; default "
+                   "every v_proj and the down_proj of layers 0-2; none given: every layer "
+                   "int4)")
     p.add_argument("--skip", nargs="*", default=[], metavar="PATTERN",
                    help="module names kept in float (fnmatch patterns, e.g. lm_head '*.mlp.*')")
     add_dtype_option(p, "dtype of what stays float and of the scales (default: the stored one)")
