@@ -54,9 +54,11 @@ def settings(calibration: torch.Tensor | None) -> dict[str, Callable[[nn.Module]
         "search g64 f16": search(group_size=64, int8_layers=()),
         "search g32 f16": search(group_size=32, int8_layers=()),
         "search g64 f16 +int8 v,down0-2": search(group_size=64, int8_layers=V_DOWN3),
+        "search g32 f16 +int8 v,down0-2": search(group_size=32, int8_layers=V_DOWN3),
         "gptq g64 f16": gptq(group_size=64, int8_layers=()),
         "gptq g32 f16": gptq(group_size=32, int8_layers=()),
         "gptq g64 f16 +int8 v,down0-2": gptq(group_size=64, int8_layers=V_DOWN3),
+        "gptq g32 f16 +int8 v,down0-2": gptq(group_size=32, int8_layers=V_DOWN3),
     }
 
 
