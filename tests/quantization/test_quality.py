@@ -48,8 +48,9 @@ def test_measure_quality_equals_the_direct_computation():
                                                    rel=1e-5)
     assert r.perplexity_change == pytest.approx(r.perplexity - r.reference_perplexity)
     assert r.kl_mean == pytest.approx(sum(kl) / len(kl), rel=1e-4, abs=1e-7)
+    # one position's KL in float32 from log-probabilities of size ~5: ~1e-6 of rounding
     assert r.kl_p99 == pytest.approx(float(torch.quantile(torch.tensor(kl), 0.99)),
-                                     rel=1e-4, abs=1e-7)
+                                     rel=1e-4, abs=1e-6)
     assert r.top1 == pytest.approx(sum(same) / len(same))
     assert r.kl_mean > 0 and r.kl_p99 >= r.kl_mean
 

@@ -4,6 +4,7 @@ naming the option; ``attnlab eval perplexity`` reports against a reference."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 
 import pytest
@@ -34,6 +35,7 @@ def text(tmp_path_factory):
     (["--group-size", "32"], {"fit": "search", "table_bits": 8, "group_size": 32}),
     (["--method", "nearest", "--group-size", "32"], {"fit": "nearest", "table_bits": 8}),
     (["--table-bits", "4", "--group-size", "32"], {"fit": "search", "table_bits": 4}),
+    (["--int8-layers", "*.k_proj", "--group-size", "32"], {"int8_layers": ["*.k_proj"]}),
 ])
 def test_int4_options_are_recorded(folder, tmp_path, options, record):
     out = tmp_path / "q"
@@ -42,9 +44,12 @@ def test_int4_options_are_recorded(folder, tmp_path, options, record):
     assert written.items() >= record.items()
     model = from_pretrained(out, kernels=False)
     table = model.embed_tokens.source
-    bits = {m.bits for m in model.modules() if isinstance(m, QuantizedLinear)
-            and m not in (model.lm_head, table)}
-    assert bits == {4} and table.bits == written["table_bits"]
+    wide = tuple(written.get("int8_layers", ()))
+    bits = {name: m.bits for name, m in model.named_modules()
+            if isinstance(m, QuantizedLinear) and m not in (model.lm_head, table)}
+    assert bits == {name: 8 if any(fnmatch.fnmatchcase(name, p) for p in wide) else 4
+                    for name in bits} and 4 in bits.values()
+    assert table.bits == written["table_bits"]
     assert model.quantization.to_dict() == written
 
 

@@ -45,7 +45,10 @@ def test_cli_quantize_writes_a_folder_that_loads_and_generates(
     assert config["model_type"] == "attnlab_decoder" and config["family"] == "qwen2"
     assert config["quantization"] == {"method": method, "group_size": group_size, "skip": [],
                                       "table_bits": 8, "fit": "search" if bits == 4 else
-                                      "nearest"}
+                                      "nearest", **({"scale_dtype": "float16", "int8_layers": [
+                                          "*.v_proj", "layers.0.mlp.down_proj",
+                                          "layers.1.mlp.down_proj", "layers.2.mlp.down_proj"]}
+                                          if bits == 4 else {})}
     assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
 
     model = from_pretrained(out)

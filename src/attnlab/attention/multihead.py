@@ -308,10 +308,11 @@ class SimpleMultiHeadAttention:
 
 
 def _dtype_reference(module: nn.Module) -> Tensor:
-    """The tensor whose dtype and device ``module`` computes in: its ``weight``, or for a
-    quantized linear layer (integer codes, no float weight) its ``scales``."""
+    """A tensor of the dtype and device ``module`` computes in: its ``weight``, or for a
+    quantized linear layer (integer codes, no float weight; its scales may be float16) an
+    empty one of its ``dtype`` beside its ``scales``."""
     weight = module._parameters.get("weight")
-    return weight if weight is not None else module.scales
+    return weight if weight is not None else module.scales.new_empty(0, dtype=module.dtype)
 
 
 def check_input_dtypes(weight: Tensor, **inputs: Tensor) -> None:

@@ -3,18 +3,18 @@ model against its float weights, as llama.cpp's ``perplexity`` tool measures a q
 
 The float model in FOLDER (float32 unless ``--dtype``) is the reference. Each row is a copy
 of it quantized in memory: int8; int4 by round-to-nearest with every weight, token table
-included, in 4 bits (attnlab's int4 before the search; groups of the first of
-``--group-sizes``, 64 in the committed table, the old default); and for each of
-``--group-sizes``, int4 with the token table (embedding and tied head) in int8 by
-round-to-nearest, by the search (``attnlab.quantization.search``, the default) and, with
-``--calibration FILE``, by GPTQ (``attnlab.quantization.gptq``; the Hessians of one
-calibration pass serve every group size). Each copy is scored on the token ids of ``--text``
-by ``attnlab.quantization.quality.measure_quality`` (chunks of ``--context`` tokens, the
-second half scored): perplexity, its change against the reference, KL(reference || copy) per
-token (mean and 99th percentile) and top-1 agreement. Bytes are the copy's weights
-(``weight_bytes``: codes, scales, zeros, norms; a tied table once). Decode tokens/s: the
-copy with the inference kernels installed, greedy, ``DECODE_TOKENS`` new tokens after the
-text's first ``PROMPT_TOKENS`` tokens, batch 1, the median of 3 runs. Writes
+included, in 4 bits and scales in the weights' dtype (attnlab's int4 before the search;
+groups of the first of ``--group-sizes``, 64 in the committed table, the old default); and
+for each of ``--group-sizes``, int4 (float16 scales and zeros) with the token table
+(embedding and tied head) in int8 by round-to-nearest, by the search
+(``attnlab.quantization.search``, the default) and, with ``--calibration FILE``, by GPTQ
+(``attnlab.quantization.gptq``, layer by layer on the calibration text). Each copy is scored
+on the token ids of ``--text`` by ``attnlab.quantization.quality.measure_quality`` (chunks of
+``--context`` tokens, the second half scored): perplexity, its change against the reference,
+KL(reference || copy) per token (mean and 99th percentile) and top-1 agreement. Bytes are
+the copy's weights (``weight_bytes``: codes, scales, zeros, norms; a tied table once).
+Decode tokens/s: the copy with the inference kernels installed, greedy, ``DECODE_TOKENS`` new
+tokens after the text's first ``PROMPT_TOKENS`` tokens, batch 1, the median of 3 runs. Writes
 ``quantization-model.md`` (new run on top, earlier ones kept as history).
 """
 
@@ -35,7 +35,7 @@ from attnlab.durable import write_text_atomic
 from attnlab.kernels import optimize_for_inference
 from attnlab.models.io import from_pretrained
 from attnlab.quantization import quantize_model, weight_bytes
-from attnlab.quantization.gptq import calibration_hessians, gptq_quantize
+from attnlab.quantization.gptq import gptq_quantize
 from attnlab.quantization.quality import QualityResult, measure_quality
 from attnlab.tokenizer import Tokenizer
 
@@ -84,7 +84,8 @@ def model_rows(folder: str | Path, ids: Tensor, *, context: int,
         ("float", str(reference.dtype).removeprefix("torch."), "-", lambda m: m),
         ("nearest", "int8", "row", lambda m: quantize_model(m, "int8")),
         ("nearest", "int4, table int4", str(group_sizes[0]),
-         lambda m: quantize_model(m, "int4", group_sizes[0], table_bits=4, fit="nearest")),
+         lambda m: quantize_model(m, "int4", group_sizes[0], table_bits=4, fit="nearest",
+                                  scale_dtype="weight")),
     ]
     for g in group_sizes:
         copies += [
@@ -94,10 +95,9 @@ def model_rows(folder: str | Path, ids: Tensor, *, context: int,
              lambda m, g=g: quantize_model(m, "int4", g, fit="search")),
         ]
     if calibration is not None:
-        hessians = calibration_hessians(reference, calibration, context=context,
-                                        group_size=min(group_sizes), progress=True)
         copies += [("gptq", "int4, table int8", str(g),
-                    lambda m, g=g: gptq_quantize(m, None, group_size=g, hessians=hessians))
+                    lambda m, g=g: gptq_quantize(m, calibration, group_size=g, context=context,
+                                                 progress=True))
                    for g in group_sizes]
     rows = []
     for method, bits, group, make in copies:

@@ -4,11 +4,13 @@
 (``attnlab.models.export_gguf``, the folder's tokenizer and chat template in its metadata).
 
 int4 keeps the token tables (the embedding, and the LM head tied to it) in int8 unless
-``--table-bits 4``, and chooses each group's scale and zero by ``--method``: ``search`` (the
-default: least squared error, ``attnlab.quantization.search``), ``nearest``
-(round-to-nearest), or ``gptq`` with ``--calibration FILE`` (``attnlab.quantization.gptq``:
-the float model runs on the file's text, and each layer's rounding errors are compensated
-for the inputs it saw; the float model is then held in memory).
+``--table-bits 4``, and the layers of ``--int8-layers`` (default every ``v_proj`` and the
+first three ``down_proj``) in int8; it stores each group's scale and zero as float16 and
+chooses them by ``--method``: ``search`` (the default: least squared error,
+``attnlab.quantization.search``), ``nearest`` (round-to-nearest), or ``gptq`` with
+``--calibration FILE`` (``attnlab.quantization.gptq``: the model runs on the file's text,
+and layer by layer, each layer's rounding errors are compensated for the inputs that the
+layers quantized before it give it; the float model is then held in memory).
 
 Reads any folder that ``attnlab.models.from_pretrained`` reads, quantizing each weight as it
 is read (``attnlab.quantization``: the float model is never held), and writes OUT in
@@ -80,6 +82,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "of a few thousand tokens)")
     p.add_argument("--table-bits", type=int, choices=(8, 4), default=None,
                    help="bits of the token tables, the embedding and a tied LM head (default 8)")
+    p.add_argument("--int8-layers", nargs="*", default=None, metavar="PATTERN",
+                   help="int4 only: linear layers kept in int8 (fnmatch patterns; default "
+                   "every v_proj and the down_proj of layers 0-2; none given: every layer "
+                   "int4)")
     p.add_argument("--skip", nargs="*", default=[], metavar="PATTERN",
                    help="module names kept in float (fnmatch patterns, e.g. lm_head '*.mlp.*')")
     add_dtype_option(p, "dtype of what stays float and of the scales (default: the stored one)")
@@ -109,7 +115,8 @@ def _quantize(args: argparse.Namespace) -> int:
         raise ValueError(f"out: {out} is FOLDER itself; write the quantized copy elsewhere")
     if args.bits == 8:
         for flag, value in (("--group-size", args.group_size), ("--method", args.method),
-                            ("--table-bits", args.table_bits)):
+                            ("--table-bits", args.table_bits),
+                            ("--int8-layers", args.int8_layers)):
             if value is not None and not (flag == "--table-bits" and value == 8):
                 raise ValueError(f"{flag}: int8 scales whole rows by their maximum; it "
                                  "applies to --bits 4 only")
@@ -127,12 +134,13 @@ def _quantize(args: argparse.Namespace) -> int:
     if calibration is not None:
         model = from_pretrained(source, dtype=args.dtype, kernels=False)
         gptq_quantize(model, calibration, group_size=args.group_size, skip=args.skip,
-                      table_bits=args.table_bits, kernel="dequantize", progress=True,
+                      table_bits=args.table_bits, int8_layers=args.int8_layers,
+                      kernel="dequantize", progress=True,
                       context=min(CALIBRATION_CONTEXT, model.config.max_len))
     else:
         group_size = (args.group_size or DEFAULT_GROUP_SIZE) if args.bits == 4 else None
         scheme = QuantizationConfig(f"int{args.bits}", group_size, args.skip, args.table_bits,
-                                    args.method)
+                                    args.method, int8_layers=args.int8_layers)
         model = from_pretrained(source, dtype=args.dtype, kernels=False, quantize=scheme,
                                 quantized_kernel="dequantize")
     tmp = new_folder(out)

@@ -166,7 +166,8 @@ class PreTrainedModel(nn.Module):
         with torch.device("meta"):  # shapes without memory, checked against the file first
             model = cls(config)  # type: ignore[call-arg]
             if quantization is not None:
-                _quantized_skeleton(model, quantization, file, quantized_kernel)
+                _quantized_skeleton(model, quantization, file, quantized_kernel,
+                                    dtype or stored)
         check_rotary(model, file)
         wrong = (shape_mismatch({name: r.shape for name, r in records.items()}, model, weights)
                  or dtype_mismatch(records.values(), model.state_dict()))
@@ -215,11 +216,11 @@ def install_kernels(model: nn.Module, *, extra_memory: bool = False) -> None:
 
 
 def _quantized_skeleton(model: nn.Module, quantization: QuantizationConfig, file: Path,
-                        kernel: str | None) -> None:
-    """``quantized_skeleton``, its errors (a group size that does not fit a layer) naming
-    ``file``."""
+                        kernel: str | None, dtype: torch.dtype) -> None:
+    """``quantized_skeleton`` for a model loaded in ``dtype``, its errors (a group size that
+    does not fit a layer) naming ``file``."""
     try:
-        quantized_skeleton(model, quantization, kernel=kernel)
+        quantized_skeleton(model, quantization, kernel=kernel, dtype=dtype)
     except (TypeError, ValueError) as error:
         raise type(error)(f"{file}: quantization: {error}") from None
 

@@ -82,8 +82,11 @@ def _place(model: nn.Module, record: StoredTensor, targets: Mapping[str, Tensor]
         consumed = quantizing is not None and quantizing.takes(name)
         # A weight about to be quantized is read in place when it needs no conversion; a
         # kept one is copied, so that no tensor of the model holds the file's mapping.
-        value = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype,
-                     copy=not consumed)
+        # int4's float16 scales and zeros (float16 in the quantized skeleton, which is
+        # otherwise in the default float32) stay float16 whatever the activations' dtype.
+        kept = t.dtype == target.dtype == torch.float16
+        value = t.to(device=device, dtype=dtype if t.is_floating_point() and not kept
+                     else t.dtype, copy=not consumed)
         if isinstance(target, nn.Parameter):
             value = nn.Parameter(value, requires_grad=target.requires_grad)
         for alias in aliases[id(target)]:

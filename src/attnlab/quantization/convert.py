@@ -8,9 +8,13 @@ becomes one quantized table that both read; skipping either of the two keeps the
 for both. The token tables (every embedding, and a head tied to one) take ``table_bits``:
 int4 keeps them in int8 by default, as llama.cpp's 4-bit files keep theirs at 8 bits (what
 that saves on a trained model: the SmolLM2 table of ``docs/tutorials/10-quantization.md``).
-int4's scales and zeros are chosen by ``fit``: ``"search"`` by default
-(``attnlab.quantization.search``), ``"nearest"`` for round-to-nearest; ``"gptq"`` is recorded
-by ``attnlab.quantization.gptq``, which computes the codes from calibration text. What is left
+int4's scales and zeros are stored in ``scale_dtype`` (float16 by default: 4.5 bits a weight in
+groups of 64, llama.cpp's Q4_0 size; the tables keep their weight's dtype) and chosen by
+``fit``: ``"search"`` by default (``attnlab.quantization.search``), ``"nearest"`` for
+round-to-nearest; ``"gptq"`` is recorded by ``attnlab.quantization.gptq``, which computes the
+codes from calibration text. The linear layers matching ``int8_layers`` (by default
+``DEFAULT_INT8_LAYERS``: every ``v_proj`` and the first three ``down_proj``) stay int8 in an
+int4 scheme, as llama.cpp's ``_M`` files give those more bits. What is left
 (norms, biases, skipped modules) keeps its dtype. The scheme is kept on the model as
 ``model.quantization``, a ``QuantizationConfig`` that ``save_pretrained`` records in
 ``config.json``.
@@ -38,12 +42,20 @@ from attnlab.kernels import InferenceLinear
 from attnlab.quantization.formats import GROUP_SIZES, QuantizedWeight
 from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
 
-__all__ = ["DEFAULT_GROUP_SIZE", "FITS", "METHODS", "QuantizationConfig", "QuantizingLoad",
-           "chosen_modules", "quantize_model", "quantized_skeleton", "weight_bytes"]
+__all__ = ["DEFAULT_GROUP_SIZE", "DEFAULT_INT8_LAYERS", "DEFAULT_SCALE_DTYPE", "FITS",
+           "METHODS", "SCALE_DTYPES", "QuantizationConfig", "QuantizingLoad", "chosen_modules",
+           "quantize_model", "quantized_skeleton", "weight_bytes"]
 
 METHODS = ("int8", "int4")
 FITS = ("nearest", "search", "gptq")
-DEFAULT_GROUP_SIZE = 64  # int4 groups: 128 divides few widths (not 576), 32 costs 0.125 bits more
+DEFAULT_GROUP_SIZE = 64  # int4 groups: 128 divides few widths (not 576), 32 costs 0.5 bits more
+DEFAULT_SCALE_DTYPE = "float16"  # int4 scales and zeros: half of float32's bytes, same KL
+SCALE_DTYPES = ("float16", "bfloat16", "float32")
+# The linear layers an int4 scheme keeps in int8 by default, as llama.cpp's Q4_K_M gives
+# attn_v and the first layers' ffn_down more bits: on the off-grid SmolLM2 (86.8 MiB against
+# Q4_0's 87) KL 0.192 against 0.280 with every layer in int4 (the quantization tutorial).
+DEFAULT_INT8_LAYERS = ("*.v_proj", "layers.0.mlp.down_proj", "layers.1.mlp.down_proj",
+                       "layers.2.mlp.down_proj")
 
 
 @dataclass(frozen=True)
@@ -51,16 +63,25 @@ class QuantizationConfig:
     """How a model's weights are quantized: ``method`` ``"int8"`` (per output row) or
     ``"int4"`` (groups of ``group_size`` inputs; None for int8), the ``skip`` patterns
     of module names left unquantized, ``table_bits`` of the token tables (8 or, for int4,
-    4; None: 8) and int4's ``fit`` (``FITS``; None: ``"search"`` for int4, ``"nearest"``
-    for int8, whose scale is a row's maximum). JSON: ``to_dict``/``from_dict``
-    (``config.json``'s ``"quantization"``; a record from before ``table_bits`` and ``fit``
-    reads as it was written: tables in ``method``'s bits, round-to-nearest)."""
+    4; None: 8), int4's ``fit`` (``FITS``; None: ``"search"`` for int4, ``"nearest"``
+    for int8, whose scale is a row's maximum) and the dtype of the int4 linear layers'
+    scales and zeros, ``scale_dtype`` (``SCALE_DTYPES``; None: ``DEFAULT_SCALE_DTYPE`` for
+    int4; int8's scales and the tables' keep their weight's dtype), and ``int8_layers``,
+    patterns (``fnmatch``) of the linear layers an int4 scheme keeps in int8 per row, as
+    llama.cpp's ``_M`` files give the sensitive tensors more bits (None:
+    ``DEFAULT_INT8_LAYERS`` for int4). JSON:
+    ``to_dict``/``from_dict`` (``config.json``'s ``"quantization"``; a record from before
+    ``table_bits``, ``fit``, ``scale_dtype`` and ``int8_layers`` reads as it was written:
+    tables in ``method``'s bits, round-to-nearest, scales in the weights' dtype
+    (``"weight"``), every layer in ``method``'s bits)."""
 
     method: str
     group_size: int | None = None
     skip: tuple[str, ...] = ()
     table_bits: int | None = None
     fit: str | None = None
+    scale_dtype: str | None = None
+    int8_layers: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -78,6 +99,17 @@ class QuantizationConfig:
             raise TypeError(f"skip: expected a list of module-name patterns (non-empty "
                             f"strings), got {self.skip!r}")
         object.__setattr__(self, "skip", tuple(self.skip))
+        if self.int8_layers is None:
+            object.__setattr__(self, "int8_layers",
+                               DEFAULT_INT8_LAYERS if self.method == "int4" else ())
+        if isinstance(self.int8_layers, str) or not isinstance(self.int8_layers, (
+                tuple, list)) or not all(isinstance(p, str) and p for p in self.int8_layers):
+            raise TypeError(f"int8_layers: expected a list of module-name patterns (non-empty "
+                            f"strings), got {self.int8_layers!r}")
+        object.__setattr__(self, "int8_layers", tuple(self.int8_layers))
+        if self.int8_layers and self.method != "int4":
+            raise ValueError(f"int8_layers: int8 quantizes every layer in 8 bits already; "
+                             f"int8_layers applies to int4, got {self.int8_layers!r}")
         if self.table_bits is None:
             object.__setattr__(self, "table_bits", 8)
         if self.table_bits not in (8, self.bits):
@@ -88,6 +120,27 @@ class QuantizationConfig:
         if self.fit not in (FITS if self.method == "int4" else ("nearest",)):
             allowed = ", ".join(FITS) if self.method == "int4" else "nearest (int8)"
             raise ValueError(f"fit: expected one of {allowed}, got {self.fit!r}")
+        if self.scale_dtype is None and self.method == "int4":
+            object.__setattr__(self, "scale_dtype", DEFAULT_SCALE_DTYPE)
+        allowed = (*SCALE_DTYPES, "weight") if self.method == "int4" else (None,)
+        if self.scale_dtype not in allowed:
+            raise ValueError(f"scale_dtype: expected one of {', '.join(map(str, allowed))} "
+                             f"for {self.method}, got {self.scale_dtype!r}")
+
+    def bits_of(self, name: str, *, table: bool) -> int:
+        """The bits of the module ``name``, a token ``table`` or not: ``table_bits`` for a
+        table, 8 for a linear layer matching one of ``int8_layers``, else ``bits``."""
+        if table:
+            return self.table_bits
+        return 8 if any(fnmatch.fnmatchcase(name, p) for p in self.int8_layers) else self.bits
+
+    def scales_for(self, weight: torch.Tensor, *, table: bool, bits: int = 4) -> torch.dtype:
+        """The dtype of the scales (and zeros) of ``weight`` quantized by this scheme in
+        ``bits``, a token ``table`` or not: ``scale_dtype`` for an int4 linear layer, else
+        the weight's dtype."""
+        if table or bits == 8 or self.scale_dtype == "weight":
+            return weight.dtype
+        return getattr(torch, self.scale_dtype)
 
     @property
     def bits(self) -> int:
@@ -104,8 +157,15 @@ class QuantizationConfig:
                 f"int{self.table_bits})")
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"method", "group_size", "skip", "table_bits", "fit"}``, JSON-ready."""
-        return {**dataclasses.asdict(self), "skip": list(self.skip)}
+        """``{"method", "group_size", "skip", "table_bits", "fit"}`` and int4's
+        ``"scale_dtype"``, JSON-ready."""
+        data = {**dataclasses.asdict(self), "skip": list(self.skip),
+                "int8_layers": list(self.int8_layers)}
+        if self.scale_dtype is None:  # int8
+            del data["scale_dtype"]
+        if not self.int8_layers:
+            del data["int8_layers"]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> QuantizationConfig:
@@ -118,19 +178,23 @@ class QuantizationConfig:
             raise ValueError(f"quantization: expected the keys {sorted(fields)} ('method' "
                              f"required), got {sorted(data)}")
         method = data["method"]
-        older = {"table_bits": 8 if method == "int8" else 4, "fit": "nearest"}
+        older = {"table_bits": 8 if method == "int8" else 4, "fit": "nearest",
+                 "scale_dtype": "weight" if method == "int4" else None, "int8_layers": ()}
         return cls(**{**older, **data})
 
 
 def quantize_model(model: nn.Module, method: str = "int8", group_size: int | None = None, *,
                    skip: Iterable[str] = (), kernel: str | None = None,
                    table_bits: int | None = None, fit: str | None = None,
+                   scale_dtype: str | None = None, int8_layers: Iterable[str] | None = None,
                    weights: Mapping[str, QuantizedWeight] | None = None) -> nn.Module:
     """``model`` with its linear layers and embeddings quantized in place (module docstring);
     returned for chaining. ``method`` ``"int8"`` or ``"int4"``; ``group_size`` (int4 only,
     default ``DEFAULT_GROUP_SIZE``) must divide every quantized layer's input size (an
     embedding's dim); a layer that it does not divide is refused by name before anything
-    changes. ``table_bits`` and ``fit`` are ``QuantizationConfig``'s. ``weights`` gives
+    changes. ``table_bits``, ``fit``, ``scale_dtype`` and ``int8_layers`` are
+    ``QuantizationConfig``'s.
+    ``weights`` gives
     the quantized weight of some linear layers by name (computed elsewhere: GPTQ's), in
     the config's bits and group size; the others are quantized here. ``kernel`` forces one
     of ``attnlab.quantization.kernels.QUANTIZED_KERNELS``. A swapped module keeps the replaced
@@ -142,7 +206,9 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int | Non
     if method == "int4" and group_size is None:
         group_size = DEFAULT_GROUP_SIZE
     config = QuantizationConfig(method, group_size, tuple(skip) if not isinstance(skip, str)
-                                else skip, table_bits, fit)
+                                else skip, table_bits, fit, scale_dtype,
+                                tuple(int8_layers) if not isinstance(int8_layers, (str, type(None)))
+                                else int8_layers)
     if getattr(model, "quantization", None) is not None:
         raise ValueError(f"model: already quantized ({model.quantization.method}); load the "
                          "float weights to quantize them another way")
@@ -153,14 +219,17 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int | Non
 
 
 def quantized_skeleton(model: nn.Module, config: QuantizationConfig, *,
-                       kernel: str | None = None) -> nn.Module:
+                       kernel: str | None = None, dtype: torch.dtype | None = None
+                       ) -> nn.Module:
     """``model`` with the modules that ``config`` quantizes replaced by quantized ones whose
     codes and scales are left unset (uninitialised memory on the modules' device), to be
     filled by ``load_state_dict`` from a quantized checkpoint: nothing is computed.
+    ``dtype``: the activations' dtype the model is filled in (default its weights').
     ``kernel`` forces one kernel, as in ``quantize_model``."""
     if not isinstance(config, QuantizationConfig):
         raise TypeError(f"config: expected a QuantizationConfig, got {type(config).__name__}")
-    _replace(model, chosen_modules(model, config), config, kernel=kernel, empty=True)
+    _replace(model, chosen_modules(model, config), config, kernel=kernel, empty=True,
+             dtype=dtype)
     model.quantization = config
     return model
 
@@ -211,9 +280,11 @@ class QuantizingLoad:
 
 def _replace(model: nn.Module, chosen: dict[str, nn.Module], config: QuantizationConfig, *,
              kernel: str | None, empty: bool,
-             weights: Mapping[str, QuantizedWeight] | None = None) -> None:
+             weights: Mapping[str, QuantizedWeight] | None = None,
+             dtype: torch.dtype | None = None) -> None:
     """Swap the ``chosen`` modules (a tied head with its embedding) for quantized ones,
-    computed from their weights (or taken from ``weights``) or ``empty``."""
+    computed from their weights (or taken from ``weights``) or ``empty`` (to be filled in
+    ``dtype``, default the weights')."""
     heads = {id(m.weight): name for name, m in chosen.items() if isinstance(m, nn.Linear)}
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     group_size, fit = config.group_size or DEFAULT_GROUP_SIZE, config.fit
@@ -222,17 +293,22 @@ def _replace(model: nn.Module, chosen: dict[str, nn.Module], config: Quantizatio
     for name, m in chosen.items():  # linear layers first: a tied table is the head's
         if not isinstance(m, nn.Linear):
             continue
-        bits = config.table_bits if id(m.weight) in tables else config.bits
+        table = id(m.weight) in tables
+        bits = config.bits_of(name, table=table)
         if empty:
+            like = m.weight if dtype is None else m.weight.new_empty(0, dtype=dtype)
             made[name] = QuantizedLinear(m.in_features, m.out_features, m.bias is not None,
                                          bits=bits, group_size=group_size,
-                                         scale_dtype=m.weight.dtype, device=m.weight.device,
+                                         scale_dtype=config.scales_for(like, table=table,
+                                                                       bits=bits),
+                                         bias_dtype=like.dtype, device=m.weight.device,
                                          kernel=kernel)
         elif name in (weights or {}):
             made[name] = QuantizedLinear.from_weight(weights[name], m.bias, kernel=kernel)
         else:
-            made[name] = QuantizedLinear.from_linear(m, bits=bits, group_size=group_size,
-                                                     kernel=kernel, fit=fit)
+            made[name] = QuantizedLinear.from_linear(
+                m, bits=bits, group_size=group_size, kernel=kernel, fit=fit,
+                scale_dtype=config.scales_for(m.weight, table=table, bits=bits))
     for name, m in chosen.items():
         if not isinstance(m, nn.Embedding):
             continue
@@ -284,7 +360,7 @@ def chosen_modules(model: nn.Module, config: QuantizationConfig) -> dict[str, nn
             continue
         embedding = isinstance(module, nn.Embedding)
         inputs = module.embedding_dim if embedding else module.in_features
-        bits = config.table_bits if id(module.weight) in tables else config.bits
+        bits = config.bits_of(name, table=id(module.weight) in tables)
         if bits == 4 and inputs % config.group_size:  # an int8 table scales whole rows
             raise ValueError(f"group_size: {config.group_size} does not divide {name}'s "
                              f"{'embedding_dim' if embedding else 'in_features'} {inputs}; "

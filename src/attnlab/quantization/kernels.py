@@ -242,9 +242,14 @@ def _int8_tiles_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
 
 def _native_codes(weight: QuantizedWeight, dtype: torch.dtype | None = None) -> tuple:
     """What the C++ kernels read: codes, scales, zeros (None for int8), group size; the same
-    for every activation dtype."""
-    zeros = None if weight.zeros is None else weight.zeros.contiguous()
-    return (weight.data.contiguous(), weight.scales.contiguous(), zeros, weight.group_size)
+    for every activation dtype. float16 scales and zeros (int4's stored kind) are widened to
+    float32 here, exactly (the loops read float32 or bfloat16): a prepared copy of 4 bytes a
+    group beside the stored 2, the codes shared."""
+    scales, zeros = weight.scales, weight.zeros
+    if scales.dtype == torch.float16:
+        scales, zeros = scales.float(), None if zeros is None else zeros.float()
+    zeros = None if zeros is None else zeros.contiguous()
+    return (weight.data.contiguous(), scales.contiguous(), zeros, weight.group_size)
 
 
 def _int4_native_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
@@ -336,7 +341,9 @@ def _int4_takes(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
 def _native_takes(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
     # The C++ loops take int8 with a scale per row only: grouped int8 runs the formula.
     return (weight.data.is_cpu and dtype in native.DTYPES
-            and (weight.bits == 4 or weight.per_row) and weight.scales.dtype in native.DTYPES
+            and (weight.bits == 4 or weight.per_row)
+            and (weight.scales.dtype in native.DTYPES
+                 or (weight.bits == 4 and weight.scales.dtype == torch.float16))
             and (weight.bits == 8 or weight.group_size % 32 == 0) and native.available())
 
 

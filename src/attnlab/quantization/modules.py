@@ -10,7 +10,7 @@ the head's buffers, and a lookup dequantizes only the rows it reads.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -33,9 +33,13 @@ class QuantizedLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, bits: int = 8,
                  group_size: int = 64, scale_dtype: torch.dtype = torch.float32,
+                 bias_dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, kernel: str | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        # The activations' dtype: the bias's (int4's float16 scales serve float32 and
+        # bfloat16 models alike); ``_apply`` keeps it with ``.to(dtype)``.
+        self.dtype = bias_dtype or scale_dtype
         self.bits, self.group_size = bits, (in_features if bits == 8 else group_size)
         self.layout, self._kernel = "plain", kernel
         rows, cols = out_features, in_features
@@ -47,34 +51,38 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("qweight", data)
         self.register_buffer("scales", torch.empty(scales, dtype=scale_dtype, device=device))
         self.register_buffer("zeros", None if bits == 8 else torch.empty_like(self.scales))
-        empty = torch.empty(rows, dtype=scale_dtype, device=device)
+        empty = torch.empty(rows, dtype=bias_dtype or scale_dtype, device=device)
         self.bias = nn.Parameter(empty) if bias else None
         self._plans: dict[torch.dtype, dict[str, Kernel]] = {}
         self._states: dict[tuple, tuple] = {}
 
     @classmethod
     def from_linear(cls, module: nn.Linear, *, bits: int, group_size: int = 64,
-                    kernel: str | None = None, fit: str = "nearest") -> QuantizedLinear:
-        """``module`` quantized (scales in its weight's dtype, its bias kept; int4's chosen
-        by ``fit``, ``formats.quantize``'s), its kernels chosen now for that dtype when it
-        lives on the CPU; ``kernel`` forces one kernel."""
-        weight = _quantized_by_rows(module.weight, bits, group_size, fit)
-        return cls.from_weight(weight, module.bias, kernel=kernel)
+                    kernel: str | None = None, fit: str = "nearest",
+                    scale_dtype: torch.dtype | None = None) -> QuantizedLinear:
+        """``module`` quantized (scales in ``scale_dtype``, default its weight's dtype; its
+        bias kept; int4's chosen by ``fit``, ``formats.quantize``'s), its kernels chosen now
+        for the weight's dtype when it lives on the CPU; ``kernel`` forces one kernel."""
+        weight = _quantized_by_rows(module.weight, bits, group_size, fit, scale_dtype)
+        return cls.from_weight(weight, module.bias, kernel=kernel, dtype=module.weight.dtype)
 
     @classmethod
     def from_weight(cls, weight: QuantizedWeight, bias: Tensor | None = None, *,
-                    kernel: str | None = None) -> QuantizedLinear:
+                    kernel: str | None = None, dtype: torch.dtype | None = None
+                    ) -> QuantizedLinear:
         """A module keeping ``weight`` (computed elsewhere: GPTQ's codes) and a copy of
-        ``bias`` (``O`` or None, trainable when it was), its kernels chosen now for the
-        scales' dtype when it lives on the CPU; ``kernel`` forces one kernel."""
+        ``bias`` (``O`` or None, trainable when it was), its kernels chosen now for
+        activations in ``dtype`` (default the scales') when it lives on the CPU; ``kernel``
+        forces one kernel."""
         rows, cols = weight.shape
         new = cls(cols, rows, bias is not None, bits=weight.bits, group_size=weight.group_size,
                   scale_dtype=weight.scales.dtype, device="meta", kernel=kernel)
         new.set_weight(weight)
         if bias is not None:
             new.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+        new.dtype = dtype or (bias.dtype if bias is not None else weight.scales.dtype)
         if weight.scales.device.type == "cpu":
-            new.plan(weight.scales.dtype)
+            new.plan(new.dtype)
         return new
 
     @property
@@ -89,6 +97,11 @@ class QuantizedLinear(nn.Module):
         self.layout, self.group_size = weight.layout, weight.group_size
         self._plans.clear()
         self._states.clear()
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> QuantizedLinear:
+        """``nn.Module._apply``, ``self.dtype`` following what ``fn`` makes of a float."""
+        self.dtype = fn(torch.empty(0, dtype=self.dtype)).dtype
+        return super()._apply(fn, recurse)
 
     def plan(self, dtype: torch.dtype) -> dict[str, Kernel]:
         """The kernel per rows bucket for activations in ``dtype`` (the rule's, or a measured
@@ -106,8 +119,8 @@ class QuantizedLinear(nn.Module):
         return kernels
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
-        """``W'`` (``O x I``) in ``dtype`` (default the scales')."""
-        return self.weight_format.dequantize(dtype)
+        """``W'`` (``O x I``) in ``dtype`` (default ``self.dtype``, the activations')."""
+        return self.weight_format.dequantize(dtype or self.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         """x ``N.. x I`` -> ``N.. x O`` in x's dtype (see the class docstring)."""
@@ -236,16 +249,17 @@ class QuantizedEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}{tied}"
 
 
-def _quantized_by_rows(weight: Tensor, bits: int, group_size: int,
-                       fit: str = "nearest") -> QuantizedWeight:
-    """``quantize(weight, bits, group_size, weight.dtype, fit)`` a block of rows at a time:
+def _quantized_by_rows(weight: Tensor, bits: int, group_size: int, fit: str = "nearest",
+                       scale_dtype: torch.dtype | None = None) -> QuantizedWeight:
+    """``quantize(weight, bits, group_size, scale_dtype or weight.dtype, fit)`` a block of
+    rows at a time:
     every scale is a row's or a row group's, so the codes are the same, while the float32
     temporaries are a block's (about 4 MiB each), not the whole weight's (an embedding of
     Qwen2.5-0.5B: 0.5 GiB each)."""
     rows, cols = weight.shape
     step = max(1, 2**20 // cols)
-    blocks = [quantize(weight[i:i + step], bits, group_size if bits == 4 else None, weight.dtype,
-                       fit if bits == 4 else "nearest")
+    blocks = [quantize(weight[i:i + step], bits, group_size if bits == 4 else None,
+                       scale_dtype or weight.dtype, fit if bits == 4 else "nearest")
               for i in range(0, max(rows, 1), step)]
     if len(blocks) == 1:
         return blocks[0]
