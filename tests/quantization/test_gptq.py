@@ -97,16 +97,16 @@ def test_each_layer_is_quantized_from_the_inputs_of_the_quantized_layers_before_
         monkeypatch):
     """The Hessian each layer got equals X^T X / n of its inputs in the finished (quantized)
     model on the calibration chunks: every layer before it was already quantized then."""
-    seen = {}
+    seen = []  # (weight, hessian): a freed weight's address may be reused, so match by value
 
     def recording(weight, hessian, group_size, **kwargs):
-        seen[weight.data_ptr()] = hessian
+        seen.append((weight.detach().clone(), hessian))
         return gptq_weight(weight, hessian, group_size, **kwargs)
 
     monkeypatch.setattr(gptq_module, "gptq_weight", recording)
     model = tiny()
-    pointers = {name: m.weight.data_ptr() for name, m in gptq_module.gptq_layers(model,
-                                                                                group_size=32).items()}
+    weights = {name: m.weight.detach().clone()
+               for name, m in gptq_module.gptq_layers(model, group_size=32).items()}
     ids = torch.randint(0, 64, (192,), generator=torch.Generator().manual_seed(7))
     gptq_quantize(model, ids, group_size=32, context=64, kernel="dequantize")
     sums = {}
@@ -118,15 +118,16 @@ def test_each_layer_is_quantized_from_the_inputs_of_the_quantized_layers_before_
             sums[name] = (total + x.T @ x, n + len(x))
         return accumulate
 
-    for name in pointers:
+    for name in weights:
         model.get_submodule(name).register_forward_pre_hook(hook(name))
     with torch.no_grad():
         for chunk in ids.split(64):
             model(chunk.view(1, -1))
-    assert len(seen) == len(pointers) == 2 * 7 - 4  # the int8 layers: read as int8
-    for name, pointer in pointers.items():
+    assert len(seen) == len(weights) == 2 * 7 - 4  # the int8 layers: read as int8
+    for name, weight in weights.items():
+        (hessian,) = [h for w, h in seen if torch.equal(w, weight)]
         total, n = sums[name]
-        torch.testing.assert_close(seen[pointer], total / n, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(hessian, total / n, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_gptq_lowers_the_models_output_error_against_round_to_nearest():

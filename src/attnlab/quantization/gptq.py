@@ -259,12 +259,13 @@ def _stages(block: nn.Module, layers: dict[str, nn.Linear], first: tuple[tuple, 
             ) -> list[dict[str, nn.Linear]]:
     """``layers`` (those of ``block``) in the order ``block`` calls them on the inputs
     ``first``, those reading one input (q/k/v) together."""
-    calls: list[tuple[str, tuple]] = []
+    # each call's input itself, kept alive until grouped: an address could be reused by a
+    # later input once the first is freed, so inputs are told apart by identity
+    calls: list[tuple[str, Tensor]] = []
 
     def record(name: str) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
-            x = args[0]
-            calls.append((name, (x.data_ptr(), x.shape)))
+            calls.append((name, args[0]))
         return hook
 
     handles = [m.register_forward_pre_hook(record(n)) for n, m in layers.items()]
@@ -280,11 +281,11 @@ def _stages(block: nn.Module, layers: dict[str, nn.Linear], first: tuple[tuple, 
                          "with kernels=False")
     stages: list[dict[str, nn.Linear]] = []
     last = None
-    for name, key in calls:
-        if key != last:
+    for name, x in calls:
+        if x is not last:
             stages.append({})
         stages[-1][name] = layers[name]
-        last = key
+        last = x
     return stages
 
 
