@@ -36,13 +36,20 @@ def _speed(task: dict) -> dict:
     prompt, long, n = task["prompt"], task["prefill"], task["new_tokens"]
     llm = _load(task, n_ctx=max(len(prompt) + n, len(long)) + 8, logits_all=False)
 
+    vocab = llm.n_vocab()
+
+    def greedy() -> int:
+        # Without logits_all, Llama.eval keeps no logits: the last position's, from llama.cpp.
+        last = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(last, shape=(vocab,))))
+
     def decode(count: int) -> list[int]:
         llm.reset()
         llm.eval(prompt)
-        out = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+        out = [greedy()]
         while len(out) < count:
             llm.eval(out[-1:])
-            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            out.append(greedy())
         return out
 
     def prefill() -> None:
