@@ -3,8 +3,9 @@
 installed package.
 
 ``attention``, ``mha``, ``gemv``, ``sampling``, ``variants`` and ``qwen2`` (the random-shape
-tables) live here; ``generate``, ``serve``, ``families`` and ``quantization`` are
-``attnlab bench``'s, which a user runs on their own model, run here with the same options.
+tables) and ``llamacpp`` (attnlab against llama.cpp on the same GGUF files) live here;
+``generate``, ``serve``, ``families`` and ``quantization`` are ``attnlab bench``'s, which a
+user runs on their own model, run here with the same options.
 Every run here writes into ``benchmarks/`` (``runs/bench-quick`` with ``--quick``) and keeps
 the runs a table held below the new one (``devbench.history``).
 """

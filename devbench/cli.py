@@ -26,6 +26,7 @@ BENCHMARKS = {
     "families": "attnlab.bench.families",
     "gemv": "devbench.gemv",
     "generate": "attnlab.bench.generate",
+    "llamacpp": "devbench.llamacpp",
     "mha": "devbench.mha",
     "quantization": "attnlab.bench.quantization",
     "qwen2": "devbench.qwen2",

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer as Backend
 from attnlab.cli import main
 from attnlab.models import export_gguf, from_pretrained
 from attnlab.models.gguf import open_gguf
-from attnlab.models.gguf_tokenizer import SPLITS
+from attnlab.models.gguf_tokenizer import SPLITS, pre_tokenizer_name
 from attnlab.tokenizer import Tokenizer
 from conftest import assert_close
 
@@ -211,3 +211,9 @@ def test_the_command_refuses_to_overwrite_what_is_not_a_gguf(tmp_path, vocabular
     assert "is not a GGUF file" in capsys.readouterr().err and notes.read_text() == "mine"
     assert main(["export-gguf", str(folder), str(notes), "--model", str(folder)]) == 2
     assert "give the paths once" in capsys.readouterr().err
+
+
+def test_a_byte_level_pre_tokenizer_is_named_as_llama_cpp_names_it():
+    """llama.cpp refuses ``tokenizer.ggml.pre = "gpt2"`` ("unknown pre-tokenizer type"): GPT-2's
+    byte-level split is ``gpt-2`` there."""
+    assert pre_tokenizer_name({"type": "ByteLevel", "add_prefix_space": False}) == "gpt-2"

@@ -236,11 +236,12 @@ def tokenizer_fields(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
 
 def pre_tokenizer_name(spec: Mapping[str, Any] | None) -> str:
     """The ``tokenizer.ggml.pre`` name of a ``tokenizer.json`` pre-tokenizer ``spec``: the
-    ``SPLITS`` entry whose regex its ``Split`` uses (``llama-bpe``, ``qwen2``), or ``gpt2``
-    for a plain byte-level one; any other raises a ``ValueError`` naming it."""
+    ``SPLITS`` entry whose regex its ``Split`` uses (``llama-bpe``, ``qwen2``), or ``gpt-2``
+    for a plain byte-level one (llama.cpp's name: it refuses a file that says ``gpt2``); any
+    other raises a ``ValueError`` naming it."""
     kind = (spec or {}).get("type")
     if kind == "ByteLevel" and spec.get("use_regex", True):
-        return "gpt2"
+        return "gpt-2"
     steps = spec.get("pretokenizers", []) if kind == "Sequence" else []
     for step in steps:
         pattern = (step.get("pattern") or {}).get("Regex") if step.get("type") == "Split" else None
