@@ -91,13 +91,14 @@ def test_the_rule_falls_back_in_order_and_names_only_real_kernels():
     assert tuple(QUANTIZED_KERNELS) == QUANTIZED_NAMES
     for cpu in (AMX, BF16, V3, BARE):
         for scheme, dtype in (("float32", F32), ("bfloat16", B16), ("int8", B16),
-                              ("int8", F32), ("int4", B16), ("int4", F32)):
+                              ("int8", F32), ("int8 grouped", B16), ("int8 grouped", F32),
+                              ("int4", B16), ("int4", F32)):
             for names in rule(scheme, dtype, cpu).values():
                 catalog = KERNELS if scheme.startswith(("float", "bfloat")) else QUANTIZED_KERNELS
                 assert names and set(names) <= set(catalog)
     assert set(KERNELS) | set(QUANTIZED_KERNELS) >= BATCH_INVARIANT
-    with pytest.raises(ValueError, match="scheme: expected 'float32', 'bfloat16', 'int8' or "
-                                         "'int4', got 'int2'"):
+    with pytest.raises(ValueError, match="scheme: expected 'float32', 'bfloat16', 'int8', "
+                                         "'int8 grouped' or 'int4', got 'int2'"):
         rule("int2", B16, BF16)
 
 
