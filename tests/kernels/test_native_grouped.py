@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_helpers import grouped_int8, thread_count
+from kernel_helpers import built_for, grouped_int8, thread_count
 
 from attnlab.kernels import native
 from attnlab.kernels.rule import DECODING, Features, rule
@@ -115,3 +115,33 @@ def test_a_quantized_linear_with_a_grouped_weight_decodes_on_the_kernel(offsets,
         y = module(x)
     assert "1=int8_grouped" in repr(module)
     _close(y, x.double() @ weight.dequantize(torch.float64).t(), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def build_for(tmp_path_factory: pytest.TempPathFactory):
+    """``build_for(target)``: the kernels built for another CPU (``kernel_helpers.built_for``)."""
+    return lambda target: built_for(target, tmp_path_factory)
+
+
+@pytest.mark.parametrize("loop", ["x86-64-v2", "x86-64-v3"])
+@pytest.mark.parametrize("offsets", [False, True])
+def test_the_loops_of_a_cpu_without_avx512_equal_the_formula_and_are_batch_invariant(
+        loop: str, offsets: bool, build_for) -> None:
+    """The plain loop (x86-64-v2's build) and the 8-lane one (v3's, blocks of 4 rows): within
+    the tolerance of the formula, groups of 16 and 32, 1-9 rows (blocks and their tails), and
+    row 0 bit for bit the same beside 1 to 32 rows."""
+    built = build_for(loop)
+    g = torch.Generator().manual_seed(7)
+    for group_size in (16, 32):
+        weight = grouped_int8(torch.randn(67, 480, generator=g), group_size, offsets=offsets)
+        args = (weight.data, weight.scales, weight.zeros, group_size, None)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(32, 480, generator=g).to(dtype)
+            with thread_count(2):
+                for rows in (1, 3, 4, 5, 9):
+                    y = built.gemv_int8_grouped(x[:rows].contiguous(), *args)
+                    _close(y, x[:rows].double() @ weight.dequantize(torch.float64).t(), dtype)
+                alone = built.gemv_int8_grouped(x[:1].contiguous(), *args)
+                for rows in range(2, 33):
+                    beside = built.gemv_int8_grouped(x[:rows].contiguous(), *args)
+                    assert torch.equal(beside[0], alone[0]), (loop, rows)

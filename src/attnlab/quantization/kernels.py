@@ -375,7 +375,7 @@ def _int4_takes(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
 
 
 def _native_takes(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
-    # The C++ loops take int8 with a scale per row only: grouped int8 runs the formula.
+    # These C++ loops take int8 with a scale per row only: grouped int8 has int8_grouped.
     return (weight.data.is_cpu and dtype in native.DTYPES
             and (weight.bits == 4 or weight.per_row) and weight.scales.dtype in native.DTYPES
             and (weight.bits == 8 or weight.group_size % 32 == 0) and native.available())
