@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from attnlab.kernels import calibration, native
+from attnlab.quantization.formats import QuantizedWeight
 
 _BUILDS: dict[str, object] = {}
 
@@ -82,3 +83,23 @@ def own_cache_fixture(tmp_path, monkeypatch):
     monkeypatch.delenv("ATTNLAB_QUANTIZED_KERNELS", raising=False)
     monkeypatch.setattr(calibration, "_TIMINGS", {})
     return tmp_path / "cache" / "kernels.json"
+
+
+def grouped_int8(w: torch.Tensor, group_size: int, *, offsets: bool,
+                 scale_dtype: torch.dtype = torch.float32) -> QuantizedWeight:
+    """``w`` (``O x I``) as a grouped int8 weight, as GGUF files hold one: without
+    ``offsets`` Q8_0's kind (``s = max |w| / 127`` per group, codes -127..127), with them
+    Q5_1's (``s = (max - min) / 31``, ``z = min``, codes 0..31)."""
+    rows, cols = w.shape
+    groups = w.float().view(rows, cols // group_size, group_size)
+    if offsets:
+        lo, hi = groups.amin(-1), groups.amax(-1)
+        scales = ((hi - lo) / 31).clamp_min(1e-8).to(scale_dtype)
+        zeros = lo.to(scale_dtype)
+        codes = ((groups - zeros.float()[..., None]) / scales.float()[..., None]).round()
+        codes = codes.clamp_(0, 31)
+    else:
+        scales = (groups.abs().amax(-1) / 127).clamp_min(1e-8).to(scale_dtype)
+        zeros = None
+        codes = (groups / scales.float()[..., None]).round().clamp_(-127, 127)
+    return QuantizedWeight(8, codes.to(torch.int8).view(rows, cols), scales, zeros)

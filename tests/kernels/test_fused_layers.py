@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_helpers import grouped_int8
 
 from attnlab.attention.kv_cache import KVCache
 from attnlab.kernels import fused_layers as fused_module
 from attnlab.kernels import native, optimize_for_inference
 from attnlab.models.decoder import DecoderLM
 from attnlab.models.families import family_for
+from attnlab.quantization import QuantizedLinear
 from conftest import native_lacks
 
 # Built by `attnlab build` before the session (conftest), else these tests skip saying so.
@@ -48,7 +50,13 @@ def model_of(model_type: str, dtype: torch.dtype, weights: str) -> DecoderLM:
     bits, kernel = weights.split(":")
     # int4 in groups of 32 (the smallest), of 64 for the integer products (the smallest they take)
     group = (64 if kernel == "int4_integers" else 32) if bits == "int4" else None
-    return optimize_for_inference(model.quantize(bits, group, kernel=kernel))
+    model = model.quantize(bits, group, kernel=kernel)
+    if kernel == "int8_grouped":  # GGUF's Q5_1 kind: a scale and an offset per 32 inputs
+        for module in model.modules():
+            if isinstance(module, QuantizedLinear):
+                module.set_weight(grouped_int8(module.dequantize(torch.float32), 32,
+                                               offsets=True, scale_dtype=module.scales.dtype))
+    return optimize_for_inference(model)
 
 
 def count_calls(monkeypatch, owner: object, name: str) -> list[int]:
@@ -95,7 +103,7 @@ def decode(model: DecoderLM, steps: int = 6) -> tuple[list[torch.Tensor], KVCach
 WEIGHTS = ["native_gemv", "native_pairs", "native_tiles", "formula", "columns",
            "int8:int8_native", "int8:int8_tiles", "int8:int8_integers", "int8:int8_mm",
            "int4:int4_native", "int4:int4_native_pairs", "int4:int4_integers", "int4:int4_mm",
-           "rows_gemv", "onednn", "int8:dequantize", "int4:native_dequantize"]
+           "int8:int8_grouped", "rows_gemv", "onednn", "int8:dequantize", "int4:native_dequantize"]
 NOT_IN_THE_STEP = {"rows_gemv", "onednn", "int8:dequantize", "int4:native_dequantize"}
 
 

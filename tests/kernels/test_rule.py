@@ -10,7 +10,11 @@ import types
 
 import pytest
 import torch
-from kernel_helpers import own_cache_fixture, thread_count  # noqa: F401 (an autouse fixture)
+from kernel_helpers import (  # noqa: F401 (an autouse fixture)
+    grouped_int8,
+    own_cache_fixture,
+    thread_count,
+)
 from torch import nn
 
 from attnlab.cli import main as cli_main
@@ -87,13 +91,14 @@ def test_the_rule_falls_back_in_order_and_names_only_real_kernels():
     assert tuple(QUANTIZED_KERNELS) == QUANTIZED_NAMES
     for cpu in (AMX, BF16, V3, BARE):
         for scheme, dtype in (("float32", F32), ("bfloat16", B16), ("int8", B16),
-                              ("int8", F32), ("int4", B16), ("int4", F32)):
+                              ("int8", F32), ("int8 grouped", B16), ("int8 grouped", F32),
+                              ("int4", B16), ("int4", F32)):
             for names in rule(scheme, dtype, cpu).values():
                 catalog = KERNELS if scheme.startswith(("float", "bfloat")) else QUANTIZED_KERNELS
                 assert names and set(names) <= set(catalog)
     assert set(KERNELS) | set(QUANTIZED_KERNELS) >= BATCH_INVARIANT
-    with pytest.raises(ValueError, match="scheme: expected 'float32', 'bfloat16', 'int8' or "
-                                         "'int4', got 'int2'"):
+    with pytest.raises(ValueError, match="scheme: expected 'float32', 'bfloat16', 'int8', "
+                                         "'int8 grouped' or 'int4', got 'int2'"):
         rule("int2", B16, BF16)
 
 
@@ -151,6 +156,8 @@ def _invariant_cases() -> list[tuple[str, torch.dtype]]:
 
 def _shape(name: str) -> tuple[int, int]:
     """The weight's shape for kernel ``name`` in the test below."""
+    if name == "int8_grouped":
+        return (40, 160)
     return (128, 192) if name.startswith("int4") else (40, 136)
 
 
@@ -166,7 +173,9 @@ def _prepared(name: str, w: torch.Tensor, dtype: torch.dtype):
 
 def _quantized(name: str, w: torch.Tensor):
     """``w`` quantized as quantized kernel ``name`` reads it (int8 per row, int4 in groups of
-    64), in the layout it needs."""
+    64, grouped int8 as GGUF's Q5_1 in groups of 32), in the layout it needs."""
+    if name == "int8_grouped":
+        return grouped_int8(w, 32, offsets=True)
     bits = 8 if name.startswith("int8") else 4
     weight = quantized_kernels.quantize(w, bits, 64 if bits == 4 else None)
     layout = QUANTIZED_KERNELS[name].layout
@@ -179,7 +188,8 @@ def test_an_invariant_kernel_gives_a_row_the_same_sums_beside_any_rows(name, dty
     """Row 0 of ``x W^T + b`` bit for bit the same with 1 to 32 rows beside it, on 1 and 2
     threads, for a shape with the remainder paths (136 inputs: 4 blocks of 32 and 8 more;
     40 outputs, not a multiple of the row groups; int4 128 x 192, 3 groups of 64, in the
-    blocks of 64 rows of PyTorch's layout)."""
+    blocks of 64 rows of PyTorch's layout; grouped int8 40 x 160, 5 groups of 32: an odd
+    count)."""
     torch.manual_seed(0)
     outputs, inputs = _shape(name)
     w, b = torch.randn(outputs, inputs), torch.randn(outputs)
@@ -196,11 +206,13 @@ def test_an_invariant_kernel_gives_a_row_the_same_sums_beside_any_rows(name, dty
                                               if not case[0].startswith("int4")])
 def test_a_wide_weight_read_in_chunks_gives_every_row_the_sums_of_one_row(name, dtype):
     """More than 8 rows of x go through a weight's rows in chunks (each read from memory
-    once): with 8,200 inputs a chunk is 12 rows of the 40, so every row of a 9- to 32-row
-    product must still equal that row alone, bit for bit."""
+    once): with 8,200 inputs a chunk is 12 rows of the 40 (grouped int8: 8,224 inputs, in
+    groups of 32, and chunks of 31 rows), so every row of a 9- to 32-row product must still
+    equal that row alone, bit for bit."""
     torch.manual_seed(0)
-    w, b = torch.randn(40, 8200), torch.randn(40)
-    x = torch.randn(DECODING_ROWS, 8200).to(dtype)
+    inputs = 8224 if name == "int8_grouped" else 8200
+    w, b = torch.randn(40, inputs), torch.randn(40)
+    x = torch.randn(DECODING_ROWS, inputs).to(dtype)
     stored, run = _prepared(name, w, dtype)
     alone = torch.cat([run(x[m:m + 1].contiguous(), stored, b.to(dtype)) for m in range(32)])
     for rows in (9, 16, 32):

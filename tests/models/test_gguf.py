@@ -17,6 +17,7 @@ import transformers as tf
 from gguf_writing import Q, bpe_vocabulary, random_blocks, tiny_model, write_gguf
 
 from attnlab.generation import generate
+from attnlab.kernels import native
 from attnlab.models import from_pretrained
 from attnlab.models.gguf import open_gguf, tensor_weight
 from attnlab.models.gguf_reader import GGUFTensor
@@ -146,7 +147,7 @@ def test_the_kernels_chosen_by_the_rule_agree_with_the_formula(tmp_path, vocabul
     assert max(err, step) <= 1e-4, (err, step)
 
 
-def test_grouped_int8_runs_the_formula_and_looks_up_rows(tmp_path, vocabulary):
+def test_grouped_int8_runs_its_own_kernel_and_looks_up_rows(tmp_path, vocabulary):
     tokens, merges = vocabulary
     file = write_gguf(tmp_path / "tiny.gguf", tiny_model("llama", len(tokens), tied=False),
                       "llama", Q.Q8_0, tokens=tokens, merges=merges)
@@ -155,9 +156,40 @@ def test_grouped_int8_runs_the_formula_and_looks_up_rows(tmp_path, vocabulary):
     assert weight.bits == 8 and weight.group_size == 32 and not weight.per_row
     for dtype in (torch.float32, torch.bfloat16):
         takers = [n for n, k in QUANTIZED_KERNELS.items() if k.takes(weight, dtype)]
-        assert takers == ["dequantize"], takers  # no int8 kernel reads grouped scales
+        # No per-row int8 kernel reads grouped scales: the formula, and the grouped GEMV
+        # where the native kernels are built.
+        assert takers == ["dequantize", *(["int8_grouped"] if native.available() else [])]
     ids = torch.tensor([[5, 0, 17], [3, 3, 1]])
     assert torch.equal(ours.embed_tokens(ids), weight.dequantize()[ids])
+
+
+def test_a_q8_0_file_decodes_on_the_grouped_kernel_with_transformers_greedy_text(
+        tmp_path, vocabulary, native_kernels, monkeypatch):
+    """The rule plans ``int8_grouped`` for every Q8_0 product (the tied embedding/output
+    table too) and ``print(model)`` names it once planned; the one-call decoding step takes
+    the model; the greedy text equals transformers' (which dequantizes the file to
+    float32)."""
+    file, theirs = make(tmp_path, vocabulary, "llama", Q.Q8_0)
+    monkeypatch.delenv("ATTNLAB_KERNELS")
+    ours = from_pretrained(file)
+    steps = [0]
+    real = native.decode_layers
+
+    def counting(*args):
+        steps[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(native, "decode_layers", counting)
+    ids = torch.randint(0, len(vocabulary[0]), (2, 11),
+                        generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = theirs.generate(input_ids=ids, max_new_tokens=12, min_new_tokens=12,
+                               do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(generate(ours, ids, 12, eos_token_id=None), want)
+    assert steps[0] == 11  # every one-token step after the prompt
+    linears = [m for m in ours.modules() if isinstance(m, QuantizedLinear)]
+    assert linears and all("1=int8_grouped 2-8=int8_grouped 9-32=int8_grouped" in repr(m)
+                           for m in linears)  # planned on their first call
 
 
 @pytest.mark.parametrize("qtype", [Q.Q3_K, Q.Q2_K], ids=lambda q: q.name)

@@ -130,10 +130,11 @@ def test_q5_1_is_bit_for_bit_whatever_its_minimum():
 
 
 @pytest.mark.parametrize("qtype", [Q.Q5_K, Q.Q5_1], ids=lambda q: q.name)
-def test_grouped_int8_with_offsets_runs_the_formula_whatever_the_kernels(
+def test_grouped_int8_with_offsets_runs_the_grouped_kernel_with_its_offsets(
         tmp_path, vocabulary, qtype, native_kernels, monkeypatch):
-    # no int8 kernel reads offsets: the rule's plan must fall to the formula, not to a kernel
-    # that would drop them
+    # no per-row int8 kernel reads offsets: the rule's plan must fall to the grouped kernel
+    # (which adds them) for decoding rows and to the formula above, never to a kernel that
+    # would drop them
     tokens, merges = vocabulary
     file = write_gguf(tmp_path / "tiny.gguf", tiny_model("llama", len(tokens), width=256),
                       "llama", qtype, tokens=tokens, merges=merges)
@@ -143,8 +144,9 @@ def test_grouped_int8_with_offsets_runs_the_formula_whatever_the_kernels(
     down = fast.layers[0].mlp.down_proj
     for dtype in (torch.float32, torch.bfloat16):
         takers = [n for n, k in QUANTIZED_KERNELS.items() if k.takes(down.weight_format, dtype)]
-        assert takers == ["dequantize"], takers
-        assert {k.name for k in down.plan(dtype).values()} == {"dequantize"}
+        assert takers == ["dequantize", "int8_grouped"], takers
+        assert [k.name for k in down.plan(dtype).values()] == [
+            "int8_grouped", "int8_grouped", "int8_grouped", "dequantize"]
     ids = torch.randint(0, len(tokens), (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():  # the other layers' fast modules round differently: a tolerance
         expected, step = formula(ids), formula(ids[:1, :1])  # step: a decoding row

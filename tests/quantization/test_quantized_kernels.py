@@ -161,22 +161,37 @@ def test_measured_plan_is_cached_per_scheme(monkeypatch: pytest.MonkeyPatch,
     assert qkernels.plan(weight, torch.bfloat16) == picks
 
 
-def test_a_weight_only_the_formula_runs_is_planned_without_measuring(
+def test_a_grouped_int8_weight_is_measured_on_random_weights_of_its_own_format(
         monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """Grouped int8 (a GGUF's Q8_0, Q5_* and Q6_K blocks; with offsets or not): ``attnlab
-    calibrate`` plans the formula for it and times nothing (there is no random weight of that
-    format for it to time, and nothing to choose)."""
+    calibrate`` times the formula and ``int8_grouped`` (where built) on random weights of the
+    same shape, groups, dtypes and offsets (``quantize`` makes only the per-row kind), and
+    plans by the timings."""
     monkeypatch.delenv("ATTNLAB_KERNELS", raising=False)
     monkeypatch.setenv("ATTNLAB_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibration, "_TIMINGS", {})
-    monkeypatch.setattr(qkernels, "_time_kernels", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(qkernels, "cold_copies", lambda size: 2)
+    seen = []
+
+    def timed(prepared, x, bias, expected, tolerance):
+        for name, (kernel, states) in prepared.items():
+            seen.append(name)
+            assert len(states) == 2
+            for state in states:  # each copy's run equals the formula on the same x
+                torch.testing.assert_close(kernel.run(x, state, bias), expected, rtol=3e-2,
+                                           atol=3e-2)
+        return {name: 10.0 if name == "dequantize" else 1.0 for name in prepared}
+
+    monkeypatch.setattr(calibration, "time_kernels", timed)
     codes = torch.randint(0, 32, (64, 128), dtype=torch.int8)
+    kernel = "int8_grouped" if native.available() else "dequantize"
     for zeros in (None, torch.rand(64, 4)):
         weight = QuantizedWeight(8, codes, torch.rand(64, 4), zeros)
         for dtype in (torch.float32, torch.bfloat16):
             picks = qkernels.plan(weight, dtype, measure_now=True)
-            assert picks == dict.fromkeys(("1", "2-8", "9-32", "33+"), "dequantize")
-    assert not (tmp_path / "kernels.json").exists()
+            assert picks == {**dict.fromkeys(("1", "2-8", "9-32"), kernel), "33+": "dequantize"}
+    assert set(seen) == {"dequantize", kernel}
+    assert (tmp_path / "kernels.json").exists()
 
 
 def test_forced_kernel_is_checked_and_falls_back_to_the_formula(

@@ -55,7 +55,8 @@ __all__ = ["ACTIVATIONS", "DTYPES", "MAX_ROWS",
            "BuildError", "MissingToolError", "activation", "activation_available", "argmax_rows",
            "available", "build", "build_flags", "build_id",
            "decode_attention", "decode_layers", "dequantize_int4", "dequantize_int8", "gemv",
-           "gemv_int4", "gemv_int8", "gemv_int8_tiles", "gemv_tiles", "integers_available",
+           "gemv_int4", "gemv_int8", "gemv_int8_grouped", "gemv_int8_tiles", "gemv_tiles",
+           "integers_available",
            "library_file", "paged_attention",
            "pairs_available", "rms_norm", "rotary", "step_block", "step_enum", "step_kind",
            "step_linear", "step_plan", "takes", "tiles_available", "unavailable_reason"]
@@ -183,6 +184,16 @@ def gemv_int8(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None = None, 
     return _require().gemv_int8(x, q, scales, bias, integers)
 
 
+def gemv_int8_grouped(x: Tensor, q: Tensor, scales: Tensor, zeros: Tensor | None,
+                      group_size: int, bias: Tensor | None = None) -> Tensor:
+    """``x (q s + z)^T + b`` per group of ``group_size`` inputs (a multiple of 16 dividing
+    ``I``): q ``O x I`` int8, scales and zeros (None: no offsets) ``O x I/g`` float32 or
+    bfloat16 (one dtype), x ``M x I`` (float32 or bfloat16) -> ``M x O`` in x's dtype. Per
+    output, ``sum_j s_j (sum_(k in j) q_k x_k) + sum_j z_j (sum_(k in j) x_k)`` in float32,
+    the groups in order whatever the rows of x (batch-invariant), rounded once."""
+    return _require().gemv_int8_grouped(x, q, scales, zeros, group_size, bias)
+
+
 def integers_available() -> bool:
     """Whether the build has the integer-product loops that ``gemv_int8`` and ``gemv_int4``
     ask for with ``integers=True`` (the integer dot product ``vpdpwssd``, built when the compiler
@@ -277,10 +288,11 @@ def step_enum(name: str) -> type:
     ``"StepKind"`` (a product's kernel, each member named as the kernel of attnlab's catalogs
     whose result it computes: ``native_gemv``, ``native_pairs``, ``native_tiles``,
     ``int8_native``, ``int8_integers``, ``int8_tiles``, ``int8_mm``, ``int4_native``,
-    ``int4_native_pairs``, ``int4_integers``, ``int4_mm``, ``formula``), ``"NormKind"``
-    (``rms``, ``rms_unit_offset``, ``layer_norm``) or ``"Activation"`` (``silu``,
-    ``gelu_tanh``, ``gelu``, ``relu``, as ``attnlab.layers.ACTIVATIONS`` names them). Defined
-    in ``native_step.cpp`` and exported from there: Python holds no copy of the codes."""
+    ``int4_native_pairs``, ``int4_integers``, ``int4_mm``, ``int8_grouped``, ``formula``),
+    ``"NormKind"`` (``rms``, ``rms_unit_offset``, ``layer_norm``) or ``"Activation"``
+    (``silu``, ``gelu_tanh``, ``gelu``, ``relu``, as ``attnlab.layers.ACTIVATIONS`` names
+    them). Defined in ``native_step.cpp`` and exported from there: Python holds no copy of
+    the codes."""
     if name not in _ENUMS:
         raise ValueError(f"name: expected one of {_ENUMS}, got {name!r}")
     return getattr(_require(), name)

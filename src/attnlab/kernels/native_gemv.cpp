@@ -3,6 +3,8 @@
 //
 //   gemv       W float32 or bfloat16 (O x K), x the same dtype (M x K)
 //   gemv_int8  W' = q * s          q int8 (O x K), s per row (O)
+//   gemv_int8_grouped              W' = q s (+ z): q int8 (O x K), s (and z) per row and
+//                                  group of g inputs (O x K/g)
 //   gemv_int4  W' = (q - 8) s + z  q 4-bit codes, two a byte, low nibble first (O x K/2),
 //                                  s and z per row and group of g inputs (O x K/g)
 //
@@ -637,6 +639,148 @@ torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& q, const to
 
 namespace {
 
+// Grouped int8 (GGUF's Q8_0, Q5_*, Q6_K): per row o and group j of g inputs,
+//   sum_k W'[o, k] x[k] = s_j sum_k q_k x_k + z_j sum_k x_k
+// (z = 0 without offsets). Each group's dot product is summed in float32 and scaled by s_j
+// into the output's sum; the z_j terms go into a second float32 sum, added at the end. The
+// order of both depends on K and g only, never on the rows of x beside it nor on the threads'
+// split of the outputs: the same sums for a row of x whatever the batch (batch invariance).
+struct GroupedArgs {
+  const int8_t* q;
+  const float* x;     // M x K, the block's first row
+  const float* xsum;  // M x groups, the block's first row; null without offsets
+  float* y;           // the block's first row of M x O
+  int64_t O, K, g;
+};
+
+#if defined(ATTNLAB_AVX512) || defined(ATTNLAB_AVX2)
+// Rows of x a block: their sums in registers, two a row (AVX-512 2 x 8 + 8 dot products of
+// 32 registers; AVX2 2 x 4 + 4 of 16).
+constexpr int kGroupedBlock = Lanes::kRegisters >= 32 ? 8 : 4;
+
+// The outputs [begin, end) for MB rows of x. Groups alternate between two vector sums (even
+// and odd j), so that a scaled group does not wait for the one before it (one chain of
+// multiply-adds a group is 4 cycles for 16 weights: slower than memory with one row of x);
+// g a multiple of the vector width.
+template <int MB, typename S>
+void grouped_rows(const GroupedArgs& a, const S* s, const S* z, int64_t begin, int64_t end) {
+  using V = Lanes::V;
+  constexpr int64_t W = Lanes::kWidth;
+  const int64_t groups = a.K / a.g;
+  for (int64_t o = begin; o < end; ++o) {
+    const int8_t* row = a.q + o * a.K;
+    V acc[2][MB];
+    float shift[MB];
+    for (int m = 0; m < MB; ++m) {
+      acc[0][m] = acc[1][m] = Lanes::zero();
+      shift[m] = 0.f;
+    }
+    for (int64_t j = 0; j < groups; ++j) {
+      V dot[MB];
+      for (int m = 0; m < MB; ++m) dot[m] = Lanes::zero();
+      for (int64_t k = j * a.g; k < (j + 1) * a.g; k += W) {
+        if (k % 64 == 0) ahead<1, kAheadManyRows>(row + k);
+        const V w = Lanes::load(row + k);
+        for (int m = 0; m < MB; ++m) dot[m] = Lanes::fmadd(w, Lanes::load(a.x + m * a.K + k), dot[m]);
+      }
+      const V scale = Lanes::set1(load(s[o * groups + j]));
+      for (int m = 0; m < MB; ++m) acc[j & 1][m] = Lanes::fmadd(scale, dot[m], acc[j & 1][m]);
+      if (z != nullptr) {
+        const float zj = load(z[o * groups + j]);
+        for (int m = 0; m < MB; ++m) shift[m] += zj * a.xsum[m * groups + j];
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      a.y[m * a.O + o] = Lanes::sum(Lanes::add(acc[0][m], acc[1][m])) + shift[m];
+  }
+}
+#else
+constexpr int kGroupedBlock = 4;
+
+template <int MB, typename S>
+void grouped_rows(const GroupedArgs& a, const S* s, const S* z, int64_t begin, int64_t end) {
+  const int64_t groups = a.K / a.g;
+  for (int64_t o = begin; o < end; ++o) {
+    const int8_t* row = a.q + o * a.K;
+    for (int m = 0; m < MB; ++m) {
+      const float* xm = a.x + m * a.K;
+      float acc = 0.f, shift = 0.f;
+      for (int64_t j = 0; j < groups; ++j) {
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t k = j * a.g; k < (j + 1) * a.g; ++k) dot += static_cast<float>(row[k]) * xm[k];
+        acc += load(s[o * groups + j]) * dot;
+        if (z != nullptr) shift += load(z[o * groups + j]) * a.xsum[m * groups + j];
+      }
+      a.y[m * a.O + o] = acc + shift;
+    }
+  }
+}
+#endif
+
+// Bytes of codes that every block of rows of x goes through before the next ones, when x has
+// more than one block (as rows_times_x's chunks): the codes are read from memory once.
+constexpr int64_t kGroupedChunkBytes = 256 * 1024;
+
+}  // namespace
+
+torch::Tensor gemv_int8_grouped(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
+                                const std::optional<torch::Tensor>& zeros_or_none, int64_t group_size,
+                                const std::optional<torch::Tensor>& bias_or_none) {
+  const torch::Tensor bias = bias_or_none.value_or(torch::Tensor());
+  const torch::Tensor zeros = zeros_or_none.value_or(torch::Tensor());
+  check_rows(x, q, x.size(1));
+  TORCH_CHECK(q.scalar_type() == torch::kChar, "q: expected int8");
+  const int64_t M = x.size(0), K = x.size(1), O = q.size(0);
+  TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && K % group_size == 0,
+              "group_size: expected a multiple of 16 dividing x's ", K, " columns, got ", group_size);
+  const int64_t groups = K / group_size;
+  TORCH_CHECK(s.is_contiguous() && s.numel() == O * groups &&
+                  (s.scalar_type() == torch::kFloat32 || s.scalar_type() == torch::kBFloat16),
+              "scales: expected ", O, " x ", groups, " contiguous float32 or bfloat16 values");
+  TORCH_CHECK(!zeros.defined() || (zeros.is_contiguous() && zeros.numel() == O * groups &&
+                                   zeros.scalar_type() == s.scalar_type()),
+              "zeros: expected None or ", O, " x ", groups, " contiguous values in the scales' dtype");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "x: expected float32 or bfloat16");
+  check_bias(bias, x, O);
+  Output y(x, bias, O);
+  const Finish finish = y.finish(bias);
+  const auto xf = as_float(x);
+  std::vector<float> xsum;  // each row's sum over each group, in order: the offsets' factor
+  if (zeros.defined()) {
+    xsum.assign(M * groups, 0.f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) xsum[m * groups + k / group_size] += xf[m * K + k];
+  }
+  const GroupedArgs args{ptr<int8_t>(q), xf.data(), xsum.empty() ? nullptr : xsum.data(), y.data(),
+                         O, K, group_size};
+  const int64_t chunk = M <= kGroupedBlock ? O : std::max<int64_t>(1, kGroupedChunkBytes / K);
+  auto run = [&](const auto* sp, const auto* zp) {
+    at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
+      for (int64_t first = b; first < e; first += chunk) {
+        const int64_t last = std::min(e, first + chunk);
+        in_row_blocks<kGroupedBlock>(M, [&](auto mb, int64_t m0) {
+          GroupedArgs rows = args;
+          rows.x += m0 * K;
+          if (rows.xsum != nullptr) rows.xsum += m0 * groups;
+          rows.y += m0 * O;
+          grouped_rows<decltype(mb)::value>(rows, sp, zp, first, last);
+        });
+      }
+      finish(b, e);
+    });
+  };
+  const bool offsets = zeros.defined();
+  if (s.scalar_type() == torch::kFloat32)
+    run(ptr<float>(s), offsets ? ptr<float>(zeros) : nullptr);
+  else
+    run(ptr<uint16_t>(s), offsets ? ptr<uint16_t>(zeros) : nullptr);
+  return y.out;
+}
+
+namespace {
+
 // The 4-bit kernels compute, per row o and group j of g inputs,
 //   sum_k W'[o, k] x[k] = s_j (sum_k q_k x_k - c sum_k x_k) + (z_j - (8 - c) s_j) sum_k x_k
 // with c = 8 (codes as they are) or c = 136 (codes read as the bfloat16 numbers 128 + q).
@@ -1142,6 +1286,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_int8_tiles", &gemv_int8_tiles, "y = x (q s)^T + b, q int8, on AMX tiles");
   m.def("gemv_int8", &gemv_int8, "y = x (q s)^T + b, q int8 with per-row scales s");
   m.def("has_integers", &has_integers, "whether this build has the integer-product loops");
+  m.def("gemv_int8_grouped", &gemv_int8_grouped,
+        "y = x (q s + z)^T + b, q int8 with scales s (and offsets z) per group of inputs");
   m.def("gemv_int4", &gemv_int4, "y = x ((q - 8) s + z)^T + b, 4-bit codes in groups");
   m.def("dequantize_int4", &dequantize_int4, "W' = (q - 8) s + z per group");
   m.def("dequantize_int8", &dequantize_int8, "W' = q s per row");

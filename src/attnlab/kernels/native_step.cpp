@@ -33,6 +33,9 @@ torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& q, const to
 torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
                         const torch::Tensor& z, int64_t group_size, const std::optional<torch::Tensor>& bias,
                         bool pairs, bool integers);
+torch::Tensor gemv_int8_grouped(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
+                                const std::optional<torch::Tensor>& z, int64_t group_size,
+                                const std::optional<torch::Tensor>& bias);
 torch::Tensor gemv_tiles(const torch::Tensor& x, const torch::Tensor& w,
                          const std::optional<torch::Tensor>& bias);
 torch::Tensor gemv_int8_tiles(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
@@ -53,7 +56,7 @@ namespace {
 // it), the formula (linear, any weight layout) and the AMX tile kernels.
 enum class StepKind : int64_t {
   kFloat, kFloatPairs, kInt8, kInt4, kInt4Pairs, kInt8Mm, kInt4Mm, kFormula, kTiles,
-  kInt8Tiles, kInt8Integers, kInt4Integers
+  kInt8Tiles, kInt8Integers, kInt4Integers, kInt8Grouped
 };
 // The block's norms, named in Python (NormKind) as attnlab.kernels.fused_layers reads them off
 // its modules: RMSNorm, RMSNorm times 1 + w (Gemma), LayerNorm.
@@ -63,7 +66,8 @@ enum class NormKind : int64_t { kRms, kRmsUnitOffset, kLayerNorm };
 enum class Activation : int64_t { kSilu = 0, kGeluTanh = 1, kGelu = 2, kRelu = 3 };
 
 // One product: kind, weight or codes, scales (int4_mm: its scale/zero pairs), zeros, group
-// size and bias, as the module's planned kernel reads them.
+// size and bias, as the module's planned kernel reads them (int8_grouped: zeros None without
+// offsets).
 struct Linear {
   StepKind kind;
   torch::Tensor w;
@@ -76,7 +80,7 @@ struct Linear {
         group(group) {
     const bool scaled = kind == StepKind::kInt8 || kind == StepKind::kInt8Integers ||
                         kind == StepKind::kInt8Mm || kind == StepKind::kInt8Tiles ||
-                        kind == StepKind::kInt4Mm;
+                        kind == StepKind::kInt4Mm || kind == StepKind::kInt8Grouped;
     const bool zeroed = kind == StepKind::kInt4 || kind == StepKind::kInt4Pairs ||
                         kind == StepKind::kInt4Integers;
     TORCH_CHECK(!(scaled || zeroed) || this->s, "s: expected the scales of this kind, got None");
@@ -99,6 +103,7 @@ struct Linear {
       case StepKind::kFormula: return at::linear(x, w, bias);
       case StepKind::kTiles: return gemv_tiles(x, w, bias);
       case StepKind::kInt8Tiles: return gemv_int8_tiles(x, w, *s, bias);
+      case StepKind::kInt8Grouped: return gemv_int8_grouped(x, w, *s, z, group, bias);
     }
     TORCH_CHECK(false, "a linear: unknown kind ", static_cast<int64_t>(kind));
   }
@@ -282,7 +287,8 @@ void bind_step(py::module_& m) {
       .value("native_tiles", StepKind::kTiles)
       .value("int8_tiles", StepKind::kInt8Tiles)
       .value("int8_integers", StepKind::kInt8Integers)
-      .value("int4_integers", StepKind::kInt4Integers);
+      .value("int4_integers", StepKind::kInt4Integers)
+      .value("int8_grouped", StepKind::kInt8Grouped);
   py::enum_<NormKind>(m, "NormKind", "a block's norm")
       .value("rms", NormKind::kRms)
       .value("rms_unit_offset", NormKind::kRmsUnitOffset)

@@ -1,5 +1,5 @@
 """The rule that chooses a kernel for ``x W^T + b``, with no timing: from the weight's scheme
-(float32, bfloat16, int8, int4), the activations' dtype, the rows bucket and the CPU's
+(float32, bfloat16, int8, grouped int8, int4), the activations' dtype, the rows bucket and the CPU's
 features as the native build reports them, as llama.cpp chooses by tensor type and CPU
 feature. One machine always runs the same kernels, so one input always gives the same
 output, across loads and processes.
@@ -46,7 +46,7 @@ DECODING_ROWS = BUCKETS["33+"][0] - 1
 # The kernels of attnlab.quantization.kernels (a layer above this package, so named here;
 # a test checks that the two lists agree): ATTNLAB_KERNELS may name any of them.
 QUANTIZED_NAMES = ("dequantize", "int8_mm", "int4_mm", "native_dequantize", "native_widened",
-                   "int8_native", "int8_integers", "int8_tiles", "int4_native",
+                   "int8_native", "int8_integers", "int8_tiles", "int8_grouped", "int4_native",
                    "int4_native_pairs", "int4_integers")
 
 # The kernels that add each row's products in the same order whatever the rows beside it: the
@@ -56,11 +56,13 @@ QUANTIZED_NAMES = ("dequantize", "int8_mm", "int4_mm", "native_dequantize", "nat
 # either; the 256-bit build's bfloat16 weights are the exception, the two halves of a load
 # summed apart or together as the registers allow, so the rule does not count on native_gemv
 # for bfloat16); x padded to a tile; PyTorch's int8/int4 ops as measured on the EPYC, 1 and 2
-# threads, 1-33 rows. Not here: BLAS (the formula, its GEMM blocking follows the rows),
-# rows_gemv and blocks_gemv (their split follows rows and threads).
+# threads, 1-33 rows; int8_grouped, each output's groups added in order into two alternating
+# sums whatever the rows (tests/kernels/test_rule.py proves it). Not here: BLAS (the formula,
+# its GEMM blocking follows the rows), rows_gemv and blocks_gemv (their split follows rows and
+# threads).
 BATCH_INVARIANT = frozenset({"native_gemv", "native_tiles", "native_pairs", "int8_native",
-                             "int8_integers", "int4_integers", "int4_native_pairs",
-                             "int4_native", "int8_mm", "int4_mm"})
+                             "int8_integers", "int8_grouped", "int4_integers",
+                             "int4_native_pairs", "int4_native", "int8_mm", "int4_mm"})
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,8 @@ def features() -> Features:
 def rule(scheme: str, dtype: torch.dtype, cpu: Features, *, extra_memory: bool = False
          ) -> dict[str, tuple[str, ...]]:
     """``{bucket: kernels}``: for a weight of ``scheme`` (``"float32"``, ``"bfloat16"``: a
-    float weight, activations in its dtype; ``"int8"``, ``"int4"``: a quantized weight) and
+    float weight, activations in its dtype; ``"int8"``, ``"int8 grouped"``, ``"int4"``: a
+    quantized weight) and
     activations in ``dtype``, on a machine with ``cpu``'s features, the kernels to run per
     rows bucket in order of preference; the caller takes the first that can run the weight's
     shape, else the formula (``formula``, or ``dequantize`` for a quantized weight).
@@ -138,15 +141,21 @@ def rule(scheme: str, dtype: torch.dtype, cpu: Features, *, extra_memory: bool =
     - int8 / int4 from 33 rows: the formula, its ``W'`` made by the C++ dequantization
       (``native_dequantize``: the same numbers, one pass) for a BLAS GEMM; for bfloat16 x
       without bfloat16 GEMM arithmetic, ``native_widened`` (float32 BLAS).
+    - grouped int8 (a scale, maybe an offset, per group: GGUF's Q8_0, Q5_*, Q6_K), native:
+      ``int8_grouped`` for 1-32 rows, batch-invariant (each output's groups summed in
+      order whatever the rows); no other kernel takes it, so the formula everywhere else.
     - ``extra_memory``: oneDNN's packed copy (``onednn_packed``) first for a float weight's
       9-32 rows (its rows in ``benchmarks/gemv.md``: the best at eight rows), giving up
       batch invariance for a server's batches; prefill keeps the formula.
     """
-    if scheme not in ("float32", "bfloat16", "int8", "int4"):
-        raise ValueError(f"scheme: expected 'float32', 'bfloat16', 'int8' or 'int4', got "
-                         f"{scheme!r}")
+    if scheme not in ("float32", "bfloat16", "int8", "int8 grouped", "int4"):
+        raise ValueError(f"scheme: expected 'float32', 'bfloat16', 'int8', 'int8 grouped' or "
+                         f"'int4', got {scheme!r}")
     if scheme in ("float32", "bfloat16"):
         return _float_rule(scheme, cpu, extra_memory)
+    if scheme == "int8 grouped":
+        decoding = ("int8_grouped",) if cpu.native else ("dequantize",)
+        return {**dict.fromkeys(DECODING, decoding), "33+": ("dequantize",)}
     return _quantized_rule(int(scheme[3:]), dtype, cpu)
 
 

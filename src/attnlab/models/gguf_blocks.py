@@ -32,8 +32,8 @@ dequantized would hold 8 times its memory: its blocks are kept, bit for bit in e
 whose ``z`` is exact and elsewhere within one float32 rounding of ``z`` and of the result:
 ``|w' - w| <= 2^-24 (|z| + 2 |w|)``.
 
-Grouped int8 has no C++ kernel: a layer holding it runs the formula (its weight dequantized at
-each call). Not kept: ``Q2_K``, ``Q3_K`` and the other types: dequantized by the loader.
+Grouped int8 runs attnlab's grouped GEMV (``int8_grouped``) for decoding rows and the formula
+(its weight dequantized at each call) for more. Not kept: ``Q2_K``, ``Q3_K`` and the other types: dequantized by the loader.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ case and is the reference the others are tested against. ``int8_mm`` is PyTorch'
 x, where BLAS has no fast bfloat16 GEMM), and
 ``int8_native``, ``int4_native``, ``int4_native_pairs`` and ``int8_integers``,
 ``int4_integers`` (x rounded to 16-bit integers, exact integer products) attnlab's C++ GEMVs
-(:mod:`attnlab.kernels.native`) for a few rows, and ``int8_tiles`` its AMX tile kernel (on
-a CPU that has AMX-BF16) for up to 32.
+(:mod:`attnlab.kernels.native`) for a few rows, ``int8_grouped`` its GEMV for grouped int8
+(GGUF's Q8_0, Q5_*, Q6_K: a scale, and maybe an offset, per group of 16 or 32 inputs), and
+``int8_tiles`` its AMX tile kernel (on a CPU that has AMX-BF16) for up to 32.
 Reading 1-2 bytes less per weight matters when a weight is read once per token (decoding);
 with many rows (prefill) the formula's one dequantization and a BLAS GEMM usually win, so the
 choice is made per rows bucket, by the same chooser as float weights' (one bucket table, one
@@ -68,7 +69,7 @@ def plan(weight: QuantizedWeight, dtype: torch.dtype, *, kernel: str | None = No
     ``measure_now`` what is missing is measured now), the fastest measured (the formula
     unless another is faster by ``_MARGIN``, or an exact kernel faster at all); else the
     rule (:func:`rule_plan`). Without ``measure_now`` nothing is timed; nor is a weight that
-    only the formula runs (grouped int8): there is nothing to choose."""
+    only the formula runs: there is nothing to choose."""
     forced = forced_quantized_kernel(kernel)
     names = [n for n, k in QUANTIZED_KERNELS.items() if k.takes(weight, dtype)]
     if forced is not None:
@@ -102,13 +103,20 @@ def plan(weight: QuantizedWeight, dtype: torch.dtype, *, kernel: str | None = No
 
 
 def rule_plan(weight: QuantizedWeight, dtype: torch.dtype) -> dict[str, str]:
-    """The rule's plan (:func:`attnlab.kernels.rule.rule` for ``int8``/``int4`` on this
-    machine's features): per bucket the first of the rule's kernels that can run ``weight``
-    with ``dtype`` activations for the bucket's every row count, else ``dequantize``."""
-    ruled = rule(f"int{weight.bits}", dtype, features())
+    """The rule's plan (:func:`attnlab.kernels.rule.rule` for ``int8``, ``int8 grouped`` or
+    ``int4`` on this machine's features): per bucket the first of the rule's kernels that can
+    run ``weight`` with ``dtype`` activations for the bucket's every row count, else
+    ``dequantize``."""
+    ruled = rule(_scheme(weight), dtype, features())
     return {b: next((n for n in names if QUANTIZED_KERNELS[n].available(weight, dtype,
                                                                        largest(b))),
                     "dequantize") for b, names in ruled.items()}
+
+
+def _scheme(weight: QuantizedWeight) -> str:
+    """The rule's scheme of ``weight``: ``int4``, ``int8`` (a scale per row) or ``int8
+    grouped`` (a scale, and maybe an offset, per group)."""
+    return "int8 grouped" if weight.bits == 8 and not weight.per_row else f"int{weight.bits}"
 
 
 def cached(weight: QuantizedWeight, dtype: torch.dtype, bucket: str, names: list[str], *,
@@ -154,8 +162,11 @@ def _time_kernels(like: QuantizedWeight, dtype: torch.dtype, rows: int,
     n_out, n_in = like.shape
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        dense = torch.randn(n_out, n_in, generator=g) / n_in**0.5
-        base = quantize(dense, like.bits, like.group_size, like.scales.dtype)
+        if like.bits == 8 and not like.per_row:
+            base = _random_grouped_int8(like, g)
+        else:
+            dense = torch.randn(n_out, n_in, generator=g) / n_in**0.5
+            base = quantize(dense, like.bits, like.group_size, like.scales.dtype)
         x = torch.randn(rows, n_in, generator=g).to(dtype)
         b = torch.randn(n_out, generator=g).to(dtype) if bias else None
         expected = QUANTIZED_KERNELS["dequantize"].run(x, _prepare("dequantize", base, dtype),
@@ -177,6 +188,18 @@ def _time_kernels(like: QuantizedWeight, dtype: torch.dtype, rows: int,
                 continue
             prepared[name] = (QUANTIZED_KERNELS[name], states)
         return calibration.time_kernels(prepared, x, b, expected, (3e-2, 3e-2))
+
+
+def _random_grouped_int8(like: QuantizedWeight, g: torch.Generator) -> QuantizedWeight:
+    """A random grouped int8 weight of ``like``'s shape, groups, dtypes and offsets (or
+    none): ``quantize`` makes only the per-row kind."""
+    n_out, n_in = like.shape
+    q = torch.randint(-127, 128, (n_out, n_in), dtype=torch.int8, generator=g)
+    scale = 1 / (127 * n_in**0.5)
+    scales = (torch.rand(like.scales.shape, generator=g) * scale).to(like.scales.dtype)
+    zeros = (None if like.zeros is None else
+             (torch.randn(like.zeros.shape, generator=g) * scale).to(like.zeros.dtype))
+    return QuantizedWeight(8, q, scales, zeros)
 
 
 def _prepare(name: str, weight: QuantizedWeight, dtype: torch.dtype) -> tuple:
@@ -250,6 +273,24 @@ def _native_codes(weight: QuantizedWeight, dtype: torch.dtype | None = None) -> 
         scales, zeros = scales.float(), None if zeros is None else zeros.float()
     zeros = None if zeros is None else zeros.contiguous()
     return (weight.data.contiguous(), scales.contiguous(), zeros, weight.group_size)
+
+
+def _int8_grouped_prepare(weight: QuantizedWeight, dtype: torch.dtype) -> tuple:
+    zeros = None if weight.zeros is None else weight.zeros.contiguous()
+    return (weight.data.contiguous(), weight.scales.contiguous(), zeros, weight.group_size)
+
+
+def _int8_grouped_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
+    """``x (q s + z)^T`` per group: attnlab's C++ GEMV, each group's float32 dot product
+    scaled into the output's sum (and ``z`` times the group's sum of x)."""
+    return native.gemv_int8_grouped(x, *state, bias)
+
+
+def _int8_grouped_takes(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
+    return (weight.bits == 8 and weight.scales.dim() == 2 and weight.data.is_cpu
+            and dtype in native.DTYPES and weight.scales.dtype in native.DTYPES
+            and (weight.zeros is None or weight.zeros.dtype == weight.scales.dtype)
+            and weight.group_size % 16 == 0 and native.available())
 
 
 def _int4_native_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
@@ -339,7 +380,7 @@ def _int4_takes(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
 
 
 def _native_takes(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
-    # The C++ loops take int8 with a scale per row only: grouped int8 runs the formula.
+    # These C++ loops take int8 with a scale per row only: grouped int8 has int8_grouped.
     return (weight.data.is_cpu and dtype in native.DTYPES
             and (weight.bits == 4 or weight.per_row)
             and (weight.scales.dtype in native.DTYPES
@@ -394,6 +435,8 @@ QUANTIZED_KERNELS: dict[str, Kernel] = {
                _bfloat16_native(8, native.integers_available), DECODING_ROWS),
         Kernel("int8_tiles", None, _int8_native_prepare, _int8_tiles_run,
                _bfloat16_native(8, native.tiles_available), DECODING_ROWS),
+        Kernel("int8_grouped", None, _int8_grouped_prepare, _int8_grouped_run,
+               _int8_grouped_takes, DECODING_ROWS),
         Kernel("int4_native", "plain", _native_codes, _int4_native_run,
                lambda w, d: w.bits == 4 and _native_takes(w, d), DECODING_ROWS),
         Kernel("int4_native_pairs", "plain", _native_codes, _int4_pairs_run,
