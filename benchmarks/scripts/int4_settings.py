@@ -34,6 +34,9 @@ from torch import nn
 # first layers' ffn_down more bits.
 V_DOWN3 = ("*.v_proj", "layers.0.mlp.down_proj", "layers.1.mlp.down_proj",
            "layers.2.mlp.down_proj")
+# ... and every down_proj of the first 28 layers (of SmolLM2's 30): what fits in Q4_K_M's
+# 101 MiB at groups of 32.
+V_DOWN28 = ("*.v_proj", *(f"layers.{i}.mlp.down_proj" for i in range(28)))
 
 
 def settings(calibration: torch.Tensor | None) -> dict[str, Callable[[nn.Module], nn.Module]]:
@@ -59,6 +62,7 @@ def settings(calibration: torch.Tensor | None) -> dict[str, Callable[[nn.Module]
         "gptq g32 f16": gptq(group_size=32, int8_layers=()),
         "gptq g64 f16 +int8 v,down0-2": gptq(group_size=64, int8_layers=V_DOWN3),
         "gptq g32 f16 +int8 v,down0-2": gptq(group_size=32, int8_layers=V_DOWN3),
+        "gptq g32 f16 +int8 v,down0-27": gptq(group_size=32, int8_layers=V_DOWN28),
     }
 
 

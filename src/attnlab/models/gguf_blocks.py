@@ -33,7 +33,8 @@ whose ``z`` is exact and elsewhere within one float32 rounding of ``z`` and of t
 ``|w' - w| <= 2^-24 (|z| + 2 |w|)``.
 
 Grouped int8 runs attnlab's grouped GEMV (``int8_grouped``) for decoding rows and the formula
-(its weight dequantized at each call) for more. Not kept: ``Q2_K``, ``Q3_K`` and the other types: dequantized by the loader.
+(its weight dequantized at each call) for more. Not kept: ``Q2_K``, ``Q3_K`` and the other
+types: dequantized by the loader.
 """
 
 from __future__ import annotations
