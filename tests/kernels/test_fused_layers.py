@@ -50,7 +50,8 @@ def model_of(model_type: str, dtype: torch.dtype, weights: str) -> DecoderLM:
     bits, kernel = weights.split(":")
     # int4 in groups of 32 (the smallest), of 64 for the integer products (the smallest they take)
     group = (64 if kernel == "int4_integers" else 32) if bits == "int4" else None
-    model = model.quantize(bits, group, kernel=kernel)
+    # every product on the kernel under test (int4's default keeps some layers in int8)
+    model = model.quantize(bits, group, kernel=kernel, int8_layers=())
     if kernel == "int8_grouped":  # GGUF's Q5_1 kind: a scale and an offset per 32 inputs
         for module in model.modules():
             if isinstance(module, QuantizedLinear):
