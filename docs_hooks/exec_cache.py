@@ -9,11 +9,13 @@ key: a SHA-256 of
   a changed comment changes nothing that runs), and
 - the library they import: every file of the ``attnlab`` package that Python imports
   (``src/attnlab`` in a checkout) and of the repository's ``devbench/``, with its path, plus
-  the Python and torch versions.
+  the Python and torch versions, and
+- the files of the repository's ``benchmarks/`` whose names the page's blocks mention (a block
+  that prints a committed table runs again when the table changes).
 
-So ``make docs`` re-runs a page only when its code or the library changed; a Japanese page,
-whose code is its English twin's with the comments translated, replays the English page's
-outputs (one whose figure labels are translated runs on its own). An entry is written
+So ``make docs`` re-runs a page only when its code, the library or a table it reads changed;
+a Japanese page, whose code is its English twin's with the comments translated, replays the
+English page's outputs (one whose figure labels are translated runs on its own). An entry is written
 only when every block of the page ran without raising: a failed check is never cached, and
 fails every build until it is fixed. Entries are JSON files (the printed text of each block)
 under ``$ATTNLAB_DOCS_CACHE``, by default ``.cache/docs-exec`` beside ``mkdocs.yml``;
@@ -52,6 +54,13 @@ def on_config(config):
     devbench = Path(config.config_file_path).parent / "devbench"
     _state["library"] = library_hash(Path(attnlab.__file__).parent) + (
         library_hash(devbench) if devbench.is_dir() else "")
+    benchmarks = Path(config.config_file_path).parent / "benchmarks"
+    tables: dict[str, list[str]] = {}
+    for path in sorted(benchmarks.rglob("*")) if benchmarks.is_dir() else []:
+        if path.is_file():
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            tables.setdefault(path.name, []).append(digest)
+    _state["tables"] = tables
     _state["hits"] = _state["runs"] = 0
     exec_python._run_python = _run_python
     return config
@@ -64,7 +73,9 @@ def on_page_markdown(markdown, page, **kwargs):
         _page = None
         return markdown
     code = [[info, without_comments(body)] for info, body in blocks]
-    key = hashlib.sha256(json.dumps([_state["library"], code]).encode()).hexdigest()
+    read = [[name, digests] for name, digests in _state["tables"].items()
+            if any(name in body for _, body in blocks)]
+    key = hashlib.sha256(json.dumps([_state["library"], code, read]).encode()).hexdigest()
     entry = _state["folder"] / f"{key}.json"
     replay = None
     if entry.is_file():

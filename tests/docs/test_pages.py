@@ -300,6 +300,27 @@ def test_the_build_replays_a_page_until_its_code_changes(tmp_path: Path):
     assert "ran again" in html.read_text()
 
 
+def test_a_page_that_prints_a_benchmark_table_runs_again_when_the_table_changes(
+        tmp_path: Path):
+    """A block that reads ``benchmarks/table.md`` (named in its code) is replayed while the
+    table is unchanged and runs again once it changes."""
+    cache, site = tmp_path / "cache", tmp_path / "site"
+    table = site / "benchmarks" / "table.md"
+    table.parent.mkdir(parents=True)
+    table.write_text("| KL | 0.098 |\n")
+    page = ('```python exec="on" result="text" session="b"\n'
+            f"print(open({str(table)!r}).read())\n```\n")
+    html = site / "site" / "index.html"
+    for _ in range(2):
+        built = build_site(site, page, cache)
+        assert built.returncode == 0, built.stderr
+    assert "1 pages replayed" in built.stderr and "0.098" in html.read_text()
+    table.write_text("| KL | 0.080 |\n")
+    built = build_site(site, page, cache)
+    assert built.returncode == 0, built.stderr
+    assert "0 pages replayed" in built.stderr and "0.080" in html.read_text()
+
+
 def test_the_cache_key_sets_comments_aside(tmp_path: Path):
     """A Japanese page whose blocks differ from the English ones only in comments replays the
     English page's outputs: the key is the same."""
