@@ -230,3 +230,16 @@ def _perturbed(cls: type, config: object, seed: int) -> nn.Module:
             if name.endswith("bias") or "norm" in name or ".ln_" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     return model
+
+
+def make(tmp_path: Path, vocabulary: tuple, arch: str, qtype: gguf.GGMLQuantizationType, *,
+         tied: bool = True, width: int = 64) -> tuple[Path, nn.Module]:
+    """``(file, theirs)``: a tiny ``arch`` model written as ``tmp_path / "tiny.gguf"`` in
+    ``qtype`` (``write_gguf``) and transformers' model read back from that file."""
+    tokens, merges = vocabulary
+    hf_model = tiny_model(arch, len(tokens), tied=tied, width=width)
+    file = write_gguf(tmp_path / "tiny.gguf", hf_model, arch, qtype, tokens=tokens,
+                      merges=merges)
+    theirs = tf.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=file.name,
+                                                     dtype=torch.float32).eval()
+    return file, theirs

@@ -13,8 +13,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-import transformers as tf
-from gguf_writing import Q, bpe_vocabulary, random_blocks, tiny_model, write_gguf
+from gguf_writing import Q, bpe_vocabulary, make, random_blocks, tiny_model, write_gguf
 
 from attnlab.generation import generate
 from attnlab.kernels import native
@@ -29,16 +28,6 @@ from attnlab.tokenizer import Tokenizer
 @pytest.fixture(scope="module")
 def vocabulary() -> tuple[list[str], list[str]]:
     return bpe_vocabulary()
-
-
-def make(tmp_path, vocabulary, arch: str, qtype: Q, *, tied: bool = True, width: int = 64):
-    tokens, merges = vocabulary
-    hf_model = tiny_model(arch, len(tokens), tied=tied, width=width)
-    file = write_gguf(tmp_path / "tiny.gguf", hf_model, arch, qtype, tokens=tokens,
-                      merges=merges)
-    theirs = tf.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=file.name,
-                                                     dtype=torch.float32).eval()
-    return file, theirs
 
 
 CASES = [("llama", Q.Q4_1), ("llama", Q.Q4_0), ("llama", Q.Q8_0), ("llama", Q.F16),

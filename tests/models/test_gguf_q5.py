@@ -9,8 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-import transformers as tf
-from gguf_writing import Q, bpe_vocabulary, random_blocks, tiny_model, write_gguf
+from gguf_writing import Q, bpe_vocabulary, make, random_blocks, tiny_model, write_gguf
 
 from attnlab.generation import generate
 from attnlab.models import from_pretrained
@@ -23,19 +22,6 @@ from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
 @pytest.fixture(scope="module")
 def vocabulary() -> tuple[list[str], list[str]]:
     return bpe_vocabulary()
-
-
-def make(tmp_path, vocabulary, arch: str, qtype: Q, *, tied: bool, width: int):
-    """A tiny GGUF of ``qtype`` (Q5_1: the model's weights quantized by ``gguf``; Q5_K:
-    random valid blocks, ``gguf`` cannot quantize to it) and transformers' model read from
-    it."""
-    tokens, merges = vocabulary
-    hf_model = tiny_model(arch, len(tokens), tied=tied, width=width)
-    file = write_gguf(tmp_path / "tiny.gguf", hf_model, arch, qtype, tokens=tokens,
-                      merges=merges)
-    theirs = tf.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=file.name,
-                                                     dtype=torch.float32).eval()
-    return file, theirs
 
 
 # Q5_1 blocks are 32 inputs, Q5_K's 256: a model 256 wide; tied and untied tables.
