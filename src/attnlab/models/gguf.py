@@ -14,9 +14,10 @@ int8 with offsets, Q4_0, Q4_1 and Q4_K as int4 groups of 32), each dequantizing 
 module states where its zero is not exact in float32). A model loaded in another dtype
 computes in it, with its scales and zeros rounded to it (bfloat16: a relative error of at most
 2^-9 on each, float16: exact ``d``). A Q4_1 tensor whose zero is not exact in float32 is
-dequantized instead (a notice says so). F32, F16 and BF16 tensors are converted to the
-model's dtype; every other type (Q2_K, Q3_K, ...) is dequantized by ``gguf`` to the model's
-dtype, with a one-line notice per type.
+dequantized instead (a notice says so). The model's dtype, unless asked, is bfloat16 for a
+file of BF16 matrices and float32 for any other (``file_dtype``). F32, F16 and BF16 tensors
+are converted to the model's dtype; every other type (Q2_K, Q3_K, ...) is dequantized by
+``gguf`` to the model's dtype, with a one-line notice per type.
 
 Architectures (``general.architecture``): llama (Mistral and SmolLM write it too), qwen2,
 qwen3, gemma (its norms, which scale by ``1 + w``, stored as ``1 + w``), phi3 and gpt2,
@@ -51,7 +52,8 @@ from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
 
 __all__ = ["ARCHITECTURES", "CONFIG_KEYS", "FUSED", "GPT2_KEYS", "KEPT_TYPES", "LAYER_NAMES",
            "NAMES", "PERMUTED", "UNIT_OFFSET_NORMS", "config_dict", "config_from_gguf",
-           "gguf_file", "load_gguf", "open_gguf", "our_names", "row_order", "tensor_weight"]
+           "file_dtype", "gguf_file", "load_gguf", "open_gguf", "our_names", "row_order",
+           "tensor_weight"]
 
 MAGIC = b"GGUF"
 Q = gguf.GGMLQuantizationType
@@ -197,10 +199,11 @@ def load_gguf(cls: type[nn.Module], file: Path, dtype: torch.dtype | None,
               device: torch.device) -> nn.Module:
     """``cls(config)`` (a ``DecoderLM``) with the weights of the GGUF ``file`` in eval mode:
     Q8_0/Q4_0/Q4_1 linear layers and embeddings as quantized modules holding the blocks'
-    numbers, the rest in ``dtype`` (default float32) on ``device`` (module docstring)."""
+    numbers, the rest in ``dtype`` (default ``file_dtype``) on ``device`` (module
+    docstring)."""
     reader = open_gguf(file)
     family, config = config_from_gguf(reader, file)
-    dtype = dtype or torch.float32
+    dtype = dtype or file_dtype(reader)
     _check_sizes(reader, config, file)
     try:
         with torch.device("meta"):  # shapes without memory, checked against the file below
@@ -243,7 +246,23 @@ def load_gguf(cls: type[nn.Module], file: Path, dtype: torch.dtype | None,
               f"{str(dtype).removeprefix('torch.')} (no attnlab format holds them)",
               file=sys.stderr)
     reader.close()
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if device.type == "cpu":  # kernels chosen now, so that print(model) shows them
+        for module in model.modules():
+            if isinstance(module, QuantizedLinear):
+                module.plan(dtype)
+    return model
+
+
+def file_dtype(reader: GGUFFile | GGUFShards) -> torch.dtype:
+    """The dtype a GGUF loads in when none is asked: bfloat16 for a file whose matrices (2-d
+    tensors) are all BF16, as a Hugging Face folder loads in its stored ``torch_dtype``;
+    float32 otherwise (F32 and F16 files: float16 has no fast CPU kernel here; quantized
+    blocks: their scales in float32 keep ``gguf``'s dequantization bit for bit)."""
+    matrices = [t for t in reader.tensors if len(t.shape) == 2]
+    if matrices and all(Q(t.tensor_type) == Q.BF16 for t in matrices):
+        return torch.bfloat16
+    return torch.float32
 
 
 def _check_sizes(reader: GGUFFile | GGUFShards, config: DecoderLMConfig, file: Path) -> None:
