@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab._checks import check_positive
+from attnlab.layers import initialisation
 
 __all__ = [
     "LearnedPositionalEmbedding",
@@ -78,7 +79,7 @@ class LearnedPositionalEmbedding(nn.Module):
         _check_dropout(dropout)
         self.max_len, self.d_model, self.dropout = max_len, d_model, dropout
         self.weight = nn.Parameter(torch.empty(max_len, d_model))
-        nn.init.normal_(self.weight, std=0.02)
+        initialisation.normal_(self.weight, std=0.02)
 
     def forward(self, x: Tensor, offset: Offset = None) -> Tensor:
         """x ``N.. x L x E`` -> ``dropout(x + W[positions])``, positions from ``offset``."""

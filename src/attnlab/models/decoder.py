@@ -40,7 +40,13 @@ from attnlab.attention.kv_cache import KVCache, LayerKVCache
 from attnlab.attention.paged import LayerPages
 from attnlab.generation import GreedyTokens, generate
 from attnlab.hook_point import HookPoint, global_hooks
-from attnlab.layers import FeedForward, GatedMLP, LearnedPositionalEmbedding, RMSNorm
+from attnlab.layers import (
+    FeedForward,
+    GatedMLP,
+    LearnedPositionalEmbedding,
+    RMSNorm,
+    initialisation,
+)
 from attnlab.layers.self_attention import SelfAttention
 from attnlab.masks import decoder_mask
 from attnlab.models.decoder_config import GATED, DecoderLMConfig, make_rotary
@@ -91,7 +97,7 @@ class DecoderLM(PreTrainedModel):
         if not isinstance(config, DecoderLMConfig):
             raise TypeError(f"config: expected a DecoderLMConfig, got {type(config).__name__}")
         c = self.config = config
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.d_model)
+        self.embed_tokens = initialisation.embedding(c.vocab_size, c.d_model)
         self.embed_positions = (LearnedPositionalEmbedding(c.max_len, c.d_model)
                                 if c.position == "learned" else None)
         self.rotary = make_rotary(c)
@@ -107,11 +113,11 @@ class DecoderLM(PreTrainedModel):
         std = self.config.initializer_range
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=std)
+                initialisation.normal_(module.weight, std=std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, LearnedPositionalEmbedding):
-                nn.init.normal_(module.weight, std=std)
+                initialisation.normal_(module.weight, std=std)
         if self.config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

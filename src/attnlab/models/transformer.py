@@ -34,7 +34,7 @@ from attnlab.attention.kv_cache import KVCache, LayerKVCache
 from attnlab.attention.multihead import MultiHeadAttention
 from attnlab.attention.sdpa import BACKENDS
 from attnlab.generation import generate_seq2seq
-from attnlab.layers import FeedForward, SinusoidalPositionalEncoding
+from attnlab.layers import FeedForward, SinusoidalPositionalEncoding, initialisation
 from attnlab.models.config import ConfigMixin
 from attnlab.models.outputs import (
     Seq2SeqLMOutput,
@@ -190,7 +190,7 @@ class _Stack(nn.Module):
         super().__init__()
         c = config
         self.scale = math.sqrt(c.d_model)
-        self.embed = nn.Embedding(vocab_size, c.d_model)
+        self.embed = initialisation.embedding(vocab_size, c.d_model)
         self.pos = SinusoidalPositionalEncoding(c.d_model, c.max_len, c.dropout)
         self.layers = nn.ModuleList(
             layer(c.d_model, c.num_heads, c.d_ff, dropout=c.dropout, activation=c.activation,
@@ -258,7 +258,7 @@ class Transformer(PreTrainedModel):
         """
         std = self.config.d_model ** -0.5
         for emb in (self.encoder.embed, self.decoder.embed):
-            nn.init.normal_(emb.weight, std=std)
+            initialisation.normal_(emb.weight, std=std)
         for name, p in self.named_parameters():
             if p.dim() > 1 and "embed" not in name and "attn" not in name:
                 nn.init.xavier_uniform_(p)

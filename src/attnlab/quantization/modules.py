@@ -50,7 +50,9 @@ class QuantizedLinear(nn.Module):
             scales = (rows, cols // group_size)
         self.register_buffer("qweight", data)
         self.register_buffer("scales", torch.empty(scales, dtype=scale_dtype, device=device))
-        self.register_buffer("zeros", None if bits == 8 else torch.empty_like(self.scales))
+        # torch.empty, not empty_like: empty_like of a meta tensor imports sympy (~20 MiB)
+        self.register_buffer("zeros", None if bits == 8 else torch.empty(
+            scales, dtype=scale_dtype, device=device))
         empty = torch.empty(rows, dtype=bias_dtype or scale_dtype, device=device)
         self.bias = nn.Parameter(empty) if bias else None
         self._plans: dict[torch.dtype, dict[str, Kernel]] = {}
