@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from step_overhead import timed  # this folder's scripts: run as python benchmarks/scripts/...
 
 from attnlab.generation import generate
 from attnlab.kernels import fused_layers as fused_module
@@ -34,21 +35,6 @@ from attnlab.models import from_pretrained
 from attnlab.threads import use_threads
 
 PROMPT = 16
-
-
-def timed(owner: object, name: str) -> list[float]:
-    """Replace ``owner.name`` by a wrapper adding its seconds into the returned one-item list."""
-    total, real = [0.0], getattr(owner, name)
-
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return real(*args, **kwargs)
-        finally:
-            total[0] += time.perf_counter() - start
-
-    setattr(owner, name, wrapper)
-    return total
 
 
 def main() -> None:

@@ -30,10 +30,10 @@ def timed(owner: object, name: str) -> list[float]:
     """Replace ``owner.name`` by a wrapper adding its seconds into the returned one-item list."""
     total, real = [0.0], getattr(owner, name)
 
-    def wrapper(*args):
+    def wrapper(*args, **kwargs):
         start = time.perf_counter()
         try:
-            return real(*args)
+            return real(*args, **kwargs)
         finally:
             total[0] += time.perf_counter() - start
 
