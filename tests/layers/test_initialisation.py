@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import torch
+from torch import nn
 
 from attnlab.layers import initialisation
 from attnlab.models import DecoderLM, DecoderLMConfig
@@ -50,3 +51,14 @@ def test_a_real_model_is_still_initialised_with_its_std():
     table = model.embed_tokens.weight
     assert table.requires_grad
     assert abs(table.std().item() - 0.05) < 0.002 and abs(table.mean().item()) < 0.002
+
+
+def test_a_real_embedding_draws_as_nn_embedding_so_seeded_models_keep_their_weights():
+    torch.manual_seed(3)
+    ours = initialisation.embedding(50, 8)
+    after_ours = torch.rand(1)
+    torch.manual_seed(3)
+    theirs = nn.Embedding(50, 8)
+    assert torch.equal(ours.weight, theirs.weight) and torch.equal(torch.rand(1), after_ours)
+    with torch.device("meta"):
+        assert initialisation.embedding(50, 8).weight.is_meta

@@ -4,8 +4,8 @@ A loader builds a model under ``torch.device("meta")`` (shapes, no memory) and p
 stored weights afterwards. Initialising a meta tensor sets nothing, yet torch's ``normal_`` on
 one imports its compiler stack on first use (``torch._dynamo``, sympy: about 70 MiB resident
 and a second or two), so ``normal_`` here leaves a meta tensor as it is, and ``embedding``
-makes an ``nn.Embedding`` without ``nn.Embedding``'s own ``N(0, 1)`` draw, which every model
-here replaces by its own initialisation anyway.
+makes a meta ``nn.Embedding`` without ``nn.Embedding``'s own ``N(0, 1)`` draw (which every
+model here replaces by its own initialisation anyway).
 """
 
 from __future__ import annotations
@@ -25,8 +25,11 @@ def normal_(weight: Tensor, std: float) -> Tensor:
 
 
 def embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
-    """An ``nn.Embedding`` of ``num_embeddings x embedding_dim`` whose weight is left
-    uninitialised (``torch.empty``, on the current default device): its model initialises it
-    (with ``normal_``)."""
-    return nn.Embedding.from_pretrained(torch.empty(num_embeddings, embedding_dim),
-                                        freeze=False)
+    """``nn.Embedding(num_embeddings, embedding_dim)`` on the current default device; on the
+    meta device without ``nn.Embedding``'s own ``N(0, 1)`` draw (module docstring). On a real
+    device the draw is kept, though its model initialises the table again, so that a seeded
+    model has the same weights as before."""
+    weight = torch.empty(num_embeddings, embedding_dim)
+    if weight.is_meta:
+        return nn.Embedding.from_pretrained(weight, freeze=False)
+    return nn.Embedding(num_embeddings, embedding_dim)
