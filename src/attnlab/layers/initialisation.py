@@ -29,7 +29,7 @@ def embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
     meta device without ``nn.Embedding``'s own ``N(0, 1)`` draw (module docstring). On a real
     device the draw is kept, though its model initialises the table again, so that a seeded
     model has the same weights as before."""
-    weight = torch.empty(num_embeddings, embedding_dim)
-    if weight.is_meta:
-        return nn.Embedding.from_pretrained(weight, freeze=False)
+    if torch.empty(0).is_meta:  # the default device, without allocating a table for it
+        return nn.Embedding.from_pretrained(torch.empty(num_embeddings, embedding_dim),
+                                            freeze=False)
     return nn.Embedding(num_embeddings, embedding_dim)
