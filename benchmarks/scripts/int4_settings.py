@@ -55,6 +55,9 @@ def settings(calibration: torch.Tensor | None) -> dict[str, Callable[[nn.Module]
     def search(**kw):
         return lambda m: quantize_model(m, "int4", fit="search", **kw)
 
+    def f16(**kw):
+        return search(scale_dtype="float16", **kw)
+
     def gptq(**kw):
         return lambda m: gptq_quantize(m, calibration, context=512, progress=True, **kw)
 
@@ -62,22 +65,35 @@ def settings(calibration: torch.Tensor | None) -> dict[str, Callable[[nn.Module]
         "nearest g64 f32, table int4": lambda m: quantize_model(
             m, "int4", 64, table_bits=4, fit="nearest", scale_dtype="float32", int8_layers=()),
         "search g64 f32": search(group_size=64, scale_dtype="float32", int8_layers=()),
-        "search g64 f16": search(group_size=64, int8_layers=()),
-        "search g32 f16": search(group_size=32, int8_layers=()),
-        "search g64 f16 +int8 v,down0-2": search(group_size=64, int8_layers=V_DOWN3),
-        "search g32 f16 +int8 v,down0-2": search(group_size=32, int8_layers=V_DOWN3),
+        "search g64 f16": f16(group_size=64, int8_layers=()),
+        "search g32 f16": f16(group_size=32, int8_layers=()),
+        "search g64 f16 +int8 v,down0-2": f16(group_size=64, int8_layers=V_DOWN3),
+        "search g32 f16 +int8 v,down0-2": f16(group_size=32, int8_layers=V_DOWN3),
+        "search g32 coded": search(group_size=32, int8_layers=()),
+        "search g32 coded +int8 v,down0-2": search(group_size=32, int8_layers=V_DOWN3),
+        "search g32 coded +int8 v,down0,1,last": search(
+            int8_layers=("*.v_proj", "layers.0.mlp.down_proj", "layers.1.mlp.down_proj",
+                         "layers.{last}.mlp.down_proj")),
+        "defaults: search g32 coded +int8 v,down last+outliers": search(),
         "gptq g64 f16": gptq(group_size=64, int8_layers=()),
         "gptq g32 f16": gptq(group_size=32, int8_layers=()),
         "gptq g64 f16 +int8 v,down0-2": gptq(group_size=64, int8_layers=V_DOWN3),
         "gptq g32 f16 +int8 v,down0-2": gptq(group_size=32, int8_layers=V_DOWN3),
         "gptq g32 f16 +int8 v,down0-27": gptq(group_size=32, int8_layers=V_DOWN28),
-        "search g64 f16 +int8 v,down2,11,29": search(group_size=64,
-                                                    int8_layers=V_DOWN_MEASURED3),
-        "search g32 f16 +int8 v,down2,11,29": search(group_size=32,
-                                                    int8_layers=V_DOWN_MEASURED3),
+        "search g64 f16 +int8 v,down2,11,29": f16(group_size=64, int8_layers=V_DOWN_MEASURED3),
+        "search g32 f16 +int8 v,down2,11,29": f16(group_size=32, int8_layers=V_DOWN_MEASURED3),
+        "search g32 coded +int8 v,down2,11,29": search(group_size=32,
+                                                      int8_layers=V_DOWN_MEASURED3),
+        "search g32 coded +int8 v,down2,11,28": search(group_size=32, int8_layers=(
+            "*.v_proj", "layers.2.mlp.down_proj", "layers.11.mlp.down_proj",
+            "layers.28.mlp.down_proj")),
         "gptq g32 f16 +int8 v,down2,11,29": gptq(group_size=32, int8_layers=V_DOWN_MEASURED3),
         "gptq g32 f16 +int8 v,down but 3,4": gptq(group_size=32,
                                                    int8_layers=V_DOWN_MEASURED28),
+        # every down_proj in int8 but the two of the smallest outliers: a rule, not a list,
+        # at V_DOWN28's bytes
+        "gptq g32 f16 +int8 v,down last+27 outliers": gptq(group_size=32, int8_outliers=27),
+        "gptq defaults (g32 f16 +int8 v,down last+outliers)": gptq(),
     }
 
 
@@ -119,7 +135,8 @@ def score(args: argparse.Namespace) -> None:
         row = {"setting": name, "MiB": weight_bytes(model) / 2**20, "ppl": r.perplexity,
                "ref_ppl": r.reference_perplexity, "kl": r.kl_mean, "kl_p99": r.kl_p99,
                "top1": r.top1, "seconds": round(time.time() - start),
-               "calibration_tokens": None if calibration is None else calibration.numel(),
+               "calibration_tokens": (calibration.numel() if calibration is not None
+                                      and name.startswith("gptq") else None),
                "text": str(args.text), "tokens": ids.numel(), "cpu": platform.processor()
                or platform.machine(), "torch": torch.__version__}
         print(json.dumps(row), flush=True)

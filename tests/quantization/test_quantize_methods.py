@@ -12,6 +12,7 @@ import pytest
 from attnlab.cli import main
 from attnlab.models.io import from_pretrained
 from attnlab.quantization import QuantizedLinear
+from attnlab.quantization.convert import last_layer
 from tiny_folders import make_folder
 
 TEXT = "once upon a time there was a fox. the fox said hello to the world. " * 40
@@ -44,7 +45,8 @@ def test_int4_options_are_recorded(folder, tmp_path, options, record):
     assert written.items() >= record.items()
     model = from_pretrained(out, kernels=False)
     table = model.embed_tokens.source
-    wide = tuple(written.get("int8_layers", ()))
+    last = str(last_layer(model))
+    wide = tuple(p.replace("{last}", last) for p in written.get("int8_layers", ()))
     bits = {name: m.bits for name, m in model.named_modules()
             if isinstance(m, QuantizedLinear) and m not in (model.lm_head, table)}
     assert bits == {name: 8 if any(fnmatch.fnmatchcase(name, p) for p in wide) else 4

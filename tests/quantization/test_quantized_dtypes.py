@@ -19,12 +19,17 @@ CONFIG = DecoderLMConfig.llama(vocab_size=64, d_model=64, d_ff=128, num_layers=1
 Q = "layers.0.self_attn.q_proj"
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
+@pytest.fixture(scope="module", params=["int8", "int4", "int4 coded"])
 def saved(request, tmp_path_factory):
     torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp(request.param) / "q"
-    DecoderLM(CONFIG).eval().quantize(request.param, 32 if request.param == "int4" else None
-                                      ).save_pretrained(folder)
+    method, _, coded = request.param.partition(" ")
+    folder = tmp_path_factory.mktemp(method) / "q"
+    model = DecoderLM(CONFIG).eval()
+    if method == "int8":
+        model.quantize("int8")
+    else:
+        model.quantize("int4", 32, scale_dtype="int8" if coded else "float16")
+    model.save_pretrained(folder)
     return folder, request.param
 
 
@@ -61,17 +66,22 @@ def test_a_qweight_of_another_dtype_is_refused_naming_it(saved, tmp_path, stored
 
 
 def test_scales_stored_as_integers_are_refused(saved, tmp_path) -> None:
-    folder, _ = damaged(saved, tmp_path,
-                        lambda t: t.update({f"{Q}.scales": t[f"{Q}.scales"].to(torch.int32)}))
+    folder, method = damaged(saved, tmp_path,
+                             lambda t: t.update({f"{Q}.scales": t[f"{Q}.scales"].to(torch.int32)}))
+    # coded scales are codes: exactly uint8, as int4's packed pairs
+    want = (r"U8 \(uint8\)" if method == "int4 coded"
+            else r"a float dtype \(F32, BF16, F16\)")
     with pytest.raises(ValueError, match=rf"tensor '{Q}\.scales' has dtype I32 and shape "
-                       r"\(.*\), expected a float dtype \(F32, BF16, F16\)"):
+                       rf"\(.*\), expected {want}"):
         from_pretrained(folder, kernels=False)
 
 
-@pytest.mark.parametrize("which", ["scales", "zeros"])
+@pytest.mark.parametrize("which", ["scales", "zeros", "steps"])
 def test_nan_scales_or_zeros_are_refused_naming_the_tensor(saved, tmp_path, which) -> None:
     if which == "zeros" and saved[1] == "int8":
         pytest.skip("int8 has no zeros")
+    if (which == "steps") != (saved[1] == "int4 coded"):
+        pytest.skip("only coded scales have steps, and their codes cannot be NaN")
 
     def change(tensors):
         tensors[f"{Q}.{which}"][1] = float("nan")

@@ -15,6 +15,7 @@ from attnlab.quantization import (
     quantize_model,
     weight_bytes,
 )
+from attnlab.quantization.convert import with_outliers
 from attnlab.quantization.formats import pack_int4
 
 
@@ -51,7 +52,9 @@ def test_quantized_model_equals_the_float_model_with_dequantized_weights(
     model = quantize_model(_Tiny(), method, group_size)
     assert isinstance(model.embed, QuantizedEmbedding) and isinstance(model.head, QuantizedLinear)
     assert isinstance(model.norm, nn.LayerNorm)
-    assert model.quantization == QuantizationConfig(method, group_size)
+    # recorded as asked, the outlier layers chosen (none: this model has no down_proj)
+    assert model.quantization == with_outliers(QuantizationConfig(method, group_size), {})
+    assert model.quantization.int8_outliers == 0
     reference = _dequantized_copy(model, _Tiny(tie=False))
     ids = torch.randint(0, 128, (3, 7))
     with torch.inference_mode():

@@ -5,8 +5,9 @@ The float model in FOLDER (float32 unless ``--dtype``) is the reference. Each ro
 of it quantized in memory: int8; int4 by round-to-nearest with every weight, token table
 included, in 4 bits and scales in the weights' dtype (attnlab's int4 before the search;
 groups of the first of ``--group-sizes``, 64 in the committed table, the old default); and
-for each of ``--group-sizes``, int4 (float16 scales and zeros) with the token table
-(embedding and tied head) in int8 by round-to-nearest, by the search
+for each of ``--group-sizes``, int4 as the defaults store it (coded scales and zeros; the
+token table, embedding and tied head, and the default int8 layers in int8) by
+round-to-nearest, by the search
 (``attnlab.quantization.search``, the default) and, with ``--calibration FILE``, by GPTQ
 (``attnlab.quantization.gptq``, layer by layer on the calibration text). Each copy is scored
 on the token ids of ``--text`` by ``attnlab.quantization.quality.measure_quality`` (chunks of
@@ -85,7 +86,7 @@ def model_rows(folder: str | Path, ids: Tensor, *, context: int,
         ("nearest", "int8", "row", lambda m: quantize_model(m, "int8")),
         ("nearest", "int4, table int4", str(group_sizes[0]),
          lambda m: quantize_model(m, "int4", group_sizes[0], table_bits=4, fit="nearest",
-                                  scale_dtype="weight")),
+                                  scale_dtype="weight", int8_layers=())),
     ]
     for g in group_sizes:
         copies += [

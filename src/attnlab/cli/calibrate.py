@@ -68,9 +68,10 @@ def calibrate(model: nn.Module, *, extra_memory: bool = False) -> int:
                                  measure_now=True)
         elif isinstance(module, QuantizedLinear) and module.qweight.is_cpu:
             weight = module.weight_format
-            # int4's float16 scales serve float32 activations (the tables' dtype)
-            dtype = torch.float32 if module.scales.dtype == torch.float16 else module.scales.dtype
-            key = (weight.bits, weight.group_size, dtype, *weight.shape, module.bias is not None)
+            # the activations' dtype (float16 scales serve float32 ones)
+            dtype = torch.float32 if module.dtype == torch.float16 else module.dtype
+            key = (weight.bits, weight.group_size, weight.coded, dtype, *weight.shape,
+                   module.bias is not None)
             if key not in seen:
                 seen.add(key)
                 quantized_kernels.plan(weight, dtype, bias=module.bias is not None,

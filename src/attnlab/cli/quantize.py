@@ -4,8 +4,11 @@
 (``attnlab.models.export_gguf``, the folder's tokenizer and chat template in its metadata).
 
 int4 keeps the token tables (the embedding, and the LM head tied to it) in int8 unless
-``--table-bits 4``, and the layers of ``--int8-layers`` (default every ``v_proj`` and the
-first three ``down_proj``) in int8; it stores each group's scale and zero as float16 and
+``--table-bits 4``, and the layers of ``--int8-layers`` (default every ``v_proj`` and the last
+layer's ``down_proj``) and ``--int8-outliers`` more ``down_proj`` (by default, with the
+default layers, one for every 15: those whose weights hold the largest outliers) in int8;
+it stores each group's scale and
+zero as 8-bit codes (4.5 bits a weight at the default groups of 32; float16 with gptq) and
 chooses them by ``--method``: ``search`` (the default: least squared error,
 ``attnlab.quantization.search``), ``nearest`` (round-to-nearest), or ``gptq`` with
 ``--calibration FILE`` (``attnlab.quantization.gptq``: the model runs on the file's text,
@@ -46,7 +49,12 @@ from attnlab.models.gguf import gguf_file
 from attnlab.models.gguf_export import TYPES, export_gguf
 from attnlab.models.hf_loading import CONFIG_NAME, WEIGHTS_NAME, check_folder, weight_files
 from attnlab.models.io import from_pretrained
-from attnlab.quantization.convert import DEFAULT_GROUP_SIZE, FITS, QuantizationConfig
+from attnlab.quantization.convert import (
+    DEFAULT_GROUP_SIZE,
+    FITS,
+    QuantizationConfig,
+    outliers_asked,
+)
 from attnlab.quantization.gptq import gptq_quantize
 from attnlab.tokenizer import Tokenizer
 
@@ -83,9 +91,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--table-bits", type=int, choices=(8, 4), default=None,
                    help="bits of the token tables, the embedding and a tied LM head (default 8)")
     p.add_argument("--int8-layers", nargs="*", default=None, metavar="PATTERN",
-                   help="int4 only: linear layers kept in int8 (fnmatch patterns; default "
-                   "every v_proj and the down_proj of layers 0-2; none given: every layer "
-                   "int4)")
+                   help="int4 only: linear layers kept in int8 (fnmatch patterns, {last} "
+                   "for the last layer's number; default every v_proj and the last layer's "
+                   "down_proj; none given: every layer int4)")
+    p.add_argument("--int8-outliers", type=int, default=None, metavar="N",
+                   help="int4 only: N more down_proj kept in int8, those of the largest "
+                   "max|W|/std(W) (default: one for every 15 with the default --int8-layers, "
+                   "else 0)")
     p.add_argument("--skip", nargs="*", default=[], metavar="PATTERN",
                    help="module names kept in float (fnmatch patterns, e.g. lm_head '*.mlp.*')")
     add_dtype_option(p, "dtype of what stays float and of the scales (default: the stored one)")
@@ -116,7 +128,8 @@ def _quantize(args: argparse.Namespace) -> int:
     if args.bits == 8:
         for flag, value in (("--group-size", args.group_size), ("--method", args.method),
                             ("--table-bits", args.table_bits),
-                            ("--int8-layers", args.int8_layers)):
+                            ("--int8-layers", args.int8_layers),
+                            ("--int8-outliers", args.int8_outliers)):
             if value is not None and not (flag == "--table-bits" and value == 8):
                 raise ValueError(f"{flag}: int8 scales whole rows by their maximum; it "
                                  "applies to --bits 4 only")
@@ -135,12 +148,15 @@ def _quantize(args: argparse.Namespace) -> int:
         model = from_pretrained(source, dtype=args.dtype, kernels=False)
         gptq_quantize(model, calibration, group_size=args.group_size, skip=args.skip,
                       table_bits=args.table_bits, int8_layers=args.int8_layers,
+                      int8_outliers=args.int8_outliers,
                       kernel="dequantize", progress=True,
                       context=min(CALIBRATION_CONTEXT, model.config.max_len))
     else:
         group_size = (args.group_size or DEFAULT_GROUP_SIZE) if args.bits == 4 else None
         scheme = QuantizationConfig(f"int{args.bits}", group_size, args.skip, args.table_bits,
-                                    args.method, int8_layers=args.int8_layers)
+                                    args.method, int8_layers=args.int8_layers,
+                                    int8_outliers=outliers_asked(args.int8_layers,
+                                                                 args.int8_outliers))
         model = from_pretrained(source, dtype=args.dtype, kernels=False, quantize=scheme,
                                 quantized_kernel="dequantize")
     tmp = new_folder(out)

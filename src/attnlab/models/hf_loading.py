@@ -79,12 +79,14 @@ class StoredTensor:
     shape: tuple[int, ...]
     dtype: str
 
-    def read(self) -> Tensor:
+    def read(self, *, checked: bool = True) -> Tensor:
         """The tensor as stored, memory-mapped through a handle of its own: the pages it
         touches stay in memory only while the tensor (or a view of it) lives. A NaN or an
-        infinity in it raises (``check_finite``)."""
+        infinity in it raises (``check_finite``) when ``checked``; unchecked, no page is read
+        until the values are."""
         with _open(self.path) as f:
-            return check_finite(self.path, self.name, f.get_tensor(self.name))
+            tensor = f.get_tensor(self.name)
+        return check_finite(self.path, self.name, tensor) if checked else tensor
 
 
 def load_tensors(folder: str | Path, expected: Mapping[str, tuple[int, ...]], *,

@@ -95,19 +95,21 @@ class PreTrainedModel(nn.Module):
                  skip: tuple[str, ...] | list[str] = (), kernel: str | None = None,
                  table_bits: int | None = None, fit: str | None = None,
                  scale_dtype: str | None = None,
-                 int8_layers: tuple[str, ...] | list[str] | None = None) -> M:
+                 int8_layers: tuple[str, ...] | list[str] | None = None,
+                 int8_outliers: int | None = None) -> M:
         """Quantize this model's weights in place and return it:
         ``attnlab.quantization.quantize_model(self, method, group_size, skip=, kernel=,
-        table_bits=, fit=, scale_dtype=, int8_layers=)`` (``"int8"`` per output row,
-        ``"int4"`` in groups of ``group_size``, default 64; ``skip``: module-name patterns
-        kept in float; the token tables in ``table_bits``, default 8; int4's ``fit`` default
-        ``"search"``, its scales and zeros in ``scale_dtype`` (default float16) and the
-        layers matching ``int8_layers`` in int8 (default ``DEFAULT_INT8_LAYERS``; ``()``:
-        none)). ``save_pretrained`` then writes the quantized weights and records the scheme
-        in ``config.json``."""
+        table_bits=, fit=, scale_dtype=, int8_layers=, int8_outliers=)`` (``"int8"`` per
+        output row, ``"int4"`` in groups of ``group_size``, default 32; ``skip``: module-name
+        patterns kept in float; the token tables in ``table_bits``, default 8; int4's ``fit``
+        default ``"search"``, its scales and zeros in ``scale_dtype`` (default ``"int8"``:
+        coded in 8 bits, 4.5 bits a weight in all) and the layers matching ``int8_layers`` in
+        int8 (default ``DEFAULT_INT8_LAYERS`` and the ``down_proj`` of the largest weight
+        outliers, ``int8_outliers``; ``()``: none)). ``save_pretrained`` then writes the
+        quantized weights and records the scheme in ``config.json``."""
         return quantize_model(self, method, group_size, skip=skip, kernel=kernel,
                               table_bits=table_bits, fit=fit, scale_dtype=scale_dtype,
-                              int8_layers=int8_layers)
+                              int8_layers=int8_layers, int8_outliers=int8_outliers)
 
     def save_pretrained(self, path: str | Path) -> Path:
         """Write ``config.json`` and ``model.safetensors`` to the folder ``path`` (made if

@@ -13,7 +13,7 @@ pages of one stored tensor, never the float model.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -48,6 +48,8 @@ def fill(model: nn.Module, records: Collection[StoredTensor], *, dtype: torch.dt
         aliases.setdefault(id(t), []).append(name)
     if announce is not None:
         print(f"attnlab: {announce} ...", file=sys.stderr, flush=True)
+    if quantizing is not None:
+        quantizing.survey(_renamed(records, rename))
     bar = tqdm(records, desc="attnlab: loading", unit="tensor", delay=1.0, leave=False,
                disable=announce is None, file=sys.stderr)
     for record in bar:
@@ -57,6 +59,16 @@ def fill(model: nn.Module, records: Collection[StoredTensor], *, dtype: torch.dt
     unfilled = [name for name, t in model.state_dict(keep_vars=True).items() if t.is_meta]
     assert not unfilled, f"checked against the file, yet never placed: {unfilled[:4]}"
     return model.to(device)  # what the modules computed when built (rotary tables) too
+
+
+def _renamed(records: Collection[StoredTensor], rename: Renaming | None
+             ) -> Iterator[tuple[str, Tensor]]:
+    """(our name, mapped values) of every stored tensor, read unchecked as iterated: a
+    quantizing load's survey touches only the pages of the weights it measures."""
+    for record in records:
+        stored = record.read(checked=False)
+        yield from ({record.name: stored} if rename is None
+                    else rename(record.name, stored)).items()
 
 
 def loading_message(model: nn.Module, folder: Path, config: QuantizationConfig, *,
@@ -83,8 +95,10 @@ def _place(model: nn.Module, record: StoredTensor, targets: Mapping[str, Tensor]
         # A weight about to be quantized is read in place when it needs no conversion; a
         # kept one is copied, so that no tensor of the model holds the file's mapping.
         # int4's float16 scales and zeros (float16 in the quantized skeleton, which is
-        # otherwise in the default float32) stay float16 whatever the activations' dtype.
-        kept = t.dtype == target.dtype == torch.float16
+        # otherwise in the default float32) stay float16 whatever the activations' dtype,
+        # and coded int4 scales' steps as stored (they are part of the codes).
+        kept = (t.dtype == target.dtype == torch.float16
+                or (name.endswith(".steps") and t.dtype == target.dtype))
         value = t.to(device=device, dtype=dtype if t.is_floating_point() and not kept
                      else t.dtype, copy=not consumed)
         if isinstance(target, nn.Parameter):

@@ -8,13 +8,20 @@ becomes one quantized table that both read; skipping either of the two keeps the
 for both. The token tables (every embedding, and a head tied to one) take ``table_bits``:
 int4 keeps them in int8 by default, as llama.cpp's 4-bit files keep theirs at 8 bits (what
 that saves on a trained model: the SmolLM2 table of ``docs/tutorials/10-quantization.md``).
-int4's scales and zeros are stored in ``scale_dtype`` (float16 by default: 4.5 bits a weight in
-groups of 64, llama.cpp's Q4_0 size; the tables keep their weight's dtype) and chosen by
+int4's scales and zeros are stored in ``scale_dtype`` (by default ``"int8"``: coded in 8 bits
+against two float32 steps per row, 4.5 bits a weight in groups of 32, llama.cpp's Q4_0 size;
+``"float16"`` for GPTQ; the tables keep their weight's dtype) and chosen by
 ``fit``: ``"search"`` by default (``attnlab.quantization.search``), ``"nearest"`` for
 round-to-nearest; ``"gptq"`` is recorded by ``attnlab.quantization.gptq``, which computes the
 codes from calibration text. The linear layers matching ``int8_layers`` (by default
-``DEFAULT_INT8_LAYERS``: every ``v_proj`` and the first three ``down_proj``) stay int8 in an
-int4 scheme, as llama.cpp's ``_M`` files give those more bits. What is left
+``DEFAULT_INT8_LAYERS``: every ``v_proj`` and the last layer's ``down_proj``; ``{last}`` in a
+pattern is the model's last layer number, ``last_layer``) stay int8 in an int4 scheme, as
+llama.cpp's ``_M`` files give those more bits; so do, with the default layers, the
+``down_proj`` whose weights hold the largest outliers (``int8_outliers``: the layers of the
+largest ``max |W| / std(W)``, one for every ``OUTLIERS_EVERY`` ``down_proj``; a "super
+weight" there makes the activations that the whole model leans on, and rounding it costs
+more than rounding any other layer). They are chosen from the weights alone and recorded in
+``int8_layers`` by name (``outlier_ratio``, ``with_outliers``). What is left
 (norms, biases, skipped modules) keeps its dtype. The scheme is kept on the model as
 ``model.quantization``, a ``QuantizationConfig`` that ``save_pretrained`` records in
 ``config.json``.
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,20 +50,43 @@ from attnlab.kernels import InferenceLinear
 from attnlab.quantization.formats import GROUP_SIZES, QuantizedWeight
 from attnlab.quantization.modules import QuantizedEmbedding, QuantizedLinear
 
-__all__ = ["DEFAULT_GROUP_SIZE", "DEFAULT_INT8_LAYERS", "DEFAULT_SCALE_DTYPE", "FITS",
-           "METHODS", "SCALE_DTYPES", "QuantizationConfig", "QuantizingLoad", "chosen_modules",
-           "quantize_model", "quantized_skeleton", "weight_bytes"]
+__all__ = [
+    "DEFAULT_GROUP_SIZE",
+    "DEFAULT_INT8_LAYERS",
+    "DEFAULT_SCALE_DTYPE",
+    "FITS",
+    "METHODS",
+    "OUTLIERS_EVERY",
+    "OUTLIER_LAYERS",
+    "SCALE_DTYPES",
+    "QuantizationConfig",
+    "QuantizingLoad",
+    "chosen_modules",
+    "last_layer",
+    "outlier_ratio",
+    "outliers_asked",
+    "outliers_chosen",
+    "quantize_model",
+    "quantized_skeleton",
+    "weight_bytes",
+    "with_outliers",
+]
 
 METHODS = ("int8", "int4")
 FITS = ("nearest", "search", "gptq")
-DEFAULT_GROUP_SIZE = 64  # int4 groups: 128 divides few widths (not 576), 32 costs 0.5 bits more
-DEFAULT_SCALE_DTYPE = "float16"  # int4 scales and zeros: half of float32's bytes, same KL
-SCALE_DTYPES = ("float16", "bfloat16", "float32")
-# The linear layers an int4 scheme keeps in int8 by default, as llama.cpp's Q4_K_M gives
-# attn_v and the first layers' ffn_down more bits: on the off-grid SmolLM2 (86.8 MiB against
-# Q4_0's 87) KL 0.192 against 0.280 with every layer in int4 (the quantization tutorial).
-DEFAULT_INT8_LAYERS = ("*.v_proj", "layers.0.mlp.down_proj", "layers.1.mlp.down_proj",
-                       "layers.2.mlp.down_proj")
+# int4 groups of 32 with coded scales (4.5 bits a weight) measure better than groups of 64
+# with float16 ones (the same bytes): the quantization tutorial's int4 table.
+DEFAULT_GROUP_SIZE = 32
+DEFAULT_SCALE_DTYPE = "int8"  # coded int4 scales and zeros (formats); GPTQ's: float16
+SCALE_DTYPES = ("int8", "float16", "bfloat16", "float32")
+# The linear layers an int4 scheme keeps in int8 by default: every v_proj, as llama.cpp's
+# Q4_K_M gives attn_v more bits, and the last layer's down_proj, as it gives the last eighth
+# of ffn_down more (``use_more_bits``); with them, the outlier down_proj (int8_outliers). The
+# quantization tutorial's table measures the choice on the off-grid SmolLM2.
+DEFAULT_INT8_LAYERS = ("*.v_proj", "layers.{last}.mlp.down_proj")
+OUTLIER_LAYERS = "*.mlp.down_proj"  # the layers int8_outliers chooses among
+OUTLIERS_EVERY = 15  # int8_outliers' default: one for every 15 of them, rounded, at least 1
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?=\.|$)")
 
 
 @dataclass(frozen=True)
@@ -65,11 +96,17 @@ class QuantizationConfig:
     of module names left unquantized, ``table_bits`` of the token tables (8 or, for int4,
     4; None: 8), int4's ``fit`` (``FITS``; None: ``"search"`` for int4, ``"nearest"``
     for int8, whose scale is a row's maximum) and the dtype of the int4 linear layers'
-    scales and zeros, ``scale_dtype`` (``SCALE_DTYPES``; None: ``DEFAULT_SCALE_DTYPE`` for
-    int4; int8's scales and the tables' keep their weight's dtype), and ``int8_layers``,
-    patterns (``fnmatch``) of the linear layers an int4 scheme keeps in int8 per row, as
+    scales and zeros, ``scale_dtype`` (``SCALE_DTYPES``, ``"int8"`` for coded scales, which
+    GPTQ does not write; None: ``DEFAULT_SCALE_DTYPE`` for int4, ``"float16"`` for GPTQ;
+    int8's scales and the tables' keep their weight's dtype), and ``int8_layers``,
+    patterns (``fnmatch``; ``{last}`` stands for the model's last layer number) of the linear
+    layers an int4 scheme keeps in int8 per row, as
     llama.cpp's ``_M`` files give the sensitive tensors more bits (None:
-    ``DEFAULT_INT8_LAYERS`` for int4). JSON:
+    ``DEFAULT_INT8_LAYERS`` for int4), and ``int8_outliers``, how many more of the int4
+    layers matching ``OUTLIER_LAYERS`` to keep in int8, those of the largest weight
+    outliers (``with_outliers`` names them; None: one for every ``OUTLIERS_EVERY`` for int4,
+    as ``quantize_model`` asks unless given ``int8_layers``, ``outliers_asked``; a quantized
+    model's config holds 0 and the names). JSON:
     ``to_dict``/``from_dict`` (``config.json``'s ``"quantization"``; a record from before
     ``table_bits``, ``fit``, ``scale_dtype`` and ``int8_layers`` reads as it was written:
     tables in ``method``'s bits, round-to-nearest, scales in the weights' dtype
@@ -82,6 +119,7 @@ class QuantizationConfig:
     fit: str | None = None
     scale_dtype: str | None = None
     int8_layers: tuple[str, ...] | None = None
+    int8_outliers: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -99,6 +137,15 @@ class QuantizationConfig:
             raise TypeError(f"skip: expected a list of module-name patterns (non-empty "
                             f"strings), got {self.skip!r}")
         object.__setattr__(self, "skip", tuple(self.skip))
+        if self.int8_outliers is None and self.method != "int4":
+            object.__setattr__(self, "int8_outliers", 0)
+        if self.int8_outliers is not None and (
+                not is_int(self.int8_outliers) or self.int8_outliers < 0):
+            raise ValueError(f"int8_outliers: expected a number of layers >= 0 (or None for "
+                             f"the default), got {self.int8_outliers!r}")
+        if self.int8_outliers and self.method != "int4":
+            raise ValueError(f"int8_outliers: int8 quantizes every layer in 8 bits already; "
+                             f"int8_outliers applies to int4, got {self.int8_outliers!r}")
         if self.int8_layers is None:
             object.__setattr__(self, "int8_layers",
                                DEFAULT_INT8_LAYERS if self.method == "int4" else ())
@@ -121,18 +168,25 @@ class QuantizationConfig:
             allowed = ", ".join(FITS) if self.method == "int4" else "nearest (int8)"
             raise ValueError(f"fit: expected one of {allowed}, got {self.fit!r}")
         if self.scale_dtype is None and self.method == "int4":
-            object.__setattr__(self, "scale_dtype", DEFAULT_SCALE_DTYPE)
+            object.__setattr__(self, "scale_dtype",
+                               "float16" if self.fit == "gptq" else DEFAULT_SCALE_DTYPE)
         allowed = (*SCALE_DTYPES, "weight") if self.method == "int4" else (None,)
         if self.scale_dtype not in allowed:
             raise ValueError(f"scale_dtype: expected one of {', '.join(map(str, allowed))} "
                              f"for {self.method}, got {self.scale_dtype!r}")
+        if self.scale_dtype == "int8" and self.fit == "gptq":
+            raise ValueError("scale_dtype: GPTQ writes float scales (float16, bfloat16 or "
+                             "float32); int8 (coded scales) is for fit search or nearest")
 
-    def bits_of(self, name: str, *, table: bool) -> int:
+    def bits_of(self, name: str, *, table: bool, last: int | None = None) -> int:
         """The bits of the module ``name``, a token ``table`` or not: ``table_bits`` for a
-        table, 8 for a linear layer matching one of ``int8_layers``, else ``bits``."""
+        table, 8 for a linear layer matching one of ``int8_layers`` (``{last}`` read as
+        ``last``, the model's last layer number: ``last_layer``), else ``bits``."""
         if table:
             return self.table_bits
-        return 8 if any(fnmatch.fnmatchcase(name, p) for p in self.int8_layers) else self.bits
+        patterns = (p.replace("{last}", str(last)) if last is not None else p
+                    for p in self.int8_layers)
+        return 8 if any(fnmatch.fnmatchcase(name, p) for p in patterns) else self.bits
 
     def scales_for(self, weight: torch.Tensor, *, table: bool, bits: int = 4) -> torch.dtype:
         """The dtype of the scales (and zeros) of ``weight`` quantized by this scheme in
@@ -165,6 +219,8 @@ class QuantizationConfig:
             del data["scale_dtype"]
         if not self.int8_layers:
             del data["int8_layers"]
+        if self.int8_outliers == 0:
+            del data["int8_outliers"]
         return data
 
     @classmethod
@@ -179,7 +235,8 @@ class QuantizationConfig:
                              f"required), got {sorted(data)}")
         method = data["method"]
         older = {"table_bits": 8 if method == "int8" else 4, "fit": "nearest",
-                 "scale_dtype": "weight" if method == "int4" else None, "int8_layers": ()}
+                 "scale_dtype": "weight" if method == "int4" else None, "int8_layers": (),
+                 "int8_outliers": 0}
         return cls(**{**older, **data})
 
 
@@ -187,12 +244,13 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int | Non
                    skip: Iterable[str] = (), kernel: str | None = None,
                    table_bits: int | None = None, fit: str | None = None,
                    scale_dtype: str | None = None, int8_layers: Iterable[str] | None = None,
+                   int8_outliers: int | None = None,
                    weights: Mapping[str, QuantizedWeight] | None = None) -> nn.Module:
     """``model`` with its linear layers and embeddings quantized in place (module docstring);
     returned for chaining. ``method`` ``"int8"`` or ``"int4"``; ``group_size`` (int4 only,
     default ``DEFAULT_GROUP_SIZE``) must divide every quantized layer's input size (an
     embedding's dim); a layer that it does not divide is refused by name before anything
-    changes. ``table_bits``, ``fit``, ``scale_dtype`` and ``int8_layers`` are
+    changes. ``table_bits``, ``fit``, ``scale_dtype``, ``int8_layers`` and ``int8_outliers`` are
     ``QuantizationConfig``'s.
     ``weights`` gives
     the quantized weight of some linear layers by name (computed elsewhere: GPTQ's), in
@@ -208,12 +266,13 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int | Non
     config = QuantizationConfig(method, group_size, tuple(skip) if not isinstance(skip, str)
                                 else skip, table_bits, fit, scale_dtype,
                                 tuple(int8_layers) if not isinstance(int8_layers, (str, type(None)))
-                                else int8_layers)
+                                else int8_layers, outliers_asked(int8_layers, int8_outliers))
     if getattr(model, "quantization", None) is not None:
         raise ValueError(f"model: already quantized ({model.quantization.method}); load the "
                          "float weights to quantize them another way")
-    _replace(model, chosen_modules(model, config), config, kernel=kernel, empty=False,
-             weights=weights or {})
+    chosen = chosen_modules(model, config)
+    config = outliers_chosen(model, config, chosen)
+    _replace(model, chosen, config, kernel=kernel, empty=False, weights=weights or {})
     model.quantization = config
     return model
 
@@ -257,6 +316,19 @@ class QuantizingLoad:
         self._waiting = {f"{name}.weight": readers[id(module.weight)]
                          for name, module in chosen.items()}
 
+    def survey(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Before anything is placed: when the scheme keeps outlier layers in int8
+        (``int8_outliers``), read the candidates' weights among ``tensors`` ((our name, its
+        mapped values) pairs, made as they are iterated; the others never touched) and name
+        the chosen ones in the config (``with_outliers``)."""
+        if self.config.int8_outliers == 0:
+            return
+        chosen = {name: m for group in self._waiting.values() for name, m in group.items()}
+        candidates = outlier_candidates(self.model, self.config, chosen)
+        ratios = {name.removesuffix(".weight"): outlier_ratio(t) for name, t in tensors
+                  if name.endswith(".weight") and name.removesuffix(".weight") in candidates}
+        self.config = with_outliers(self.config, ratios)
+
     def takes(self, name: str) -> bool:
         """Whether the state-dict tensor ``name`` is a weight still to be quantized."""
         return name in self._waiting
@@ -288,13 +360,14 @@ def _replace(model: nn.Module, chosen: dict[str, nn.Module], config: Quantizatio
     heads = {id(m.weight): name for name, m in chosen.items() if isinstance(m, nn.Linear)}
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     group_size, fit = config.group_size or DEFAULT_GROUP_SIZE, config.fit
+    last = last_layer(model)
     fit = "search" if fit == "gptq" else fit  # what GPTQ did not compute (the tables)
     made: dict[str, nn.Module] = {}
     for name, m in chosen.items():  # linear layers first: a tied table is the head's
         if not isinstance(m, nn.Linear):
             continue
         table = id(m.weight) in tables
-        bits = config.bits_of(name, table=table)
+        bits = config.bits_of(name, table=table, last=last)
         if empty:
             like = m.weight if dtype is None else m.weight.new_empty(0, dtype=dtype)
             made[name] = QuantizedLinear(m.in_features, m.out_features, m.bias is not None,
@@ -334,6 +407,84 @@ def _take_over(old: nn.Module, new: nn.Module) -> None:
     share_hooks(old, new)
 
 
+def outliers_asked(int8_layers: Iterable[str] | None, int8_outliers: int | None
+                   ) -> int | None:
+    """``int8_outliers`` as a caller asks it: as given, else the default (None) with the
+    default ``int8_layers``, else 0: a list of int8 layers given by hand is the whole list."""
+    return 0 if int8_outliers is None and int8_layers is not None else int8_outliers
+
+
+def outlier_ratio(weight: torch.Tensor) -> float:
+    """``max |W| / std(W)`` over all of ``weight``'s values (0 for a constant weight): how far
+    its largest weight stands out; summed in float64 a block of rows at a time."""
+    w = weight.detach().reshape(-1, weight.shape[-1])
+    total = squares = largest = 0.0
+    for block in w.split(max(1, 2**20 // w.shape[-1])):
+        b = block.double()
+        total += b.sum().item()
+        squares += (b * b).sum().item()
+        largest = max(largest, b.abs().max().item())
+    n = w.numel()
+    variance = (squares - total * total / n) / max(n - 1, 1)
+    return largest / variance**0.5 if variance > 0 else 0.0
+
+
+def outlier_candidates(model: nn.Module, config: QuantizationConfig,
+                       chosen: Mapping[str, nn.Module]) -> set[str]:
+    """The names of the ``chosen`` linear layers that ``int8_outliers`` chooses among: those
+    matching ``OUTLIER_LAYERS`` that ``config`` puts in int4 (none when it chooses none)."""
+    if config.int8_outliers == 0:
+        return set()
+    last = last_layer(model)
+    return {name for name, m in chosen.items() if isinstance(m, nn.Linear)
+            and fnmatch.fnmatchcase(name, OUTLIER_LAYERS)
+            and config.bits_of(name, table=False, last=last) == 4}
+
+
+def outliers_chosen(model: nn.Module, config: QuantizationConfig,
+                    chosen: Mapping[str, nn.Module] | None = None) -> QuantizationConfig:
+    """``with_outliers`` of ``config`` for ``model``, whose weights hold their values (the
+    ``chosen`` modules, default ``chosen_modules``'s)."""
+    if config.int8_outliers == 0:
+        return config
+    chosen = chosen_modules(model, config) if chosen is None else chosen
+    candidates = outlier_candidates(model, config, chosen)
+    return with_outliers(config, {name: outlier_ratio(m.weight) for name, m in chosen.items()
+                                  if name in candidates})
+
+
+def with_outliers(config: QuantizationConfig, ratios: Mapping[str, float]
+                  ) -> QuantizationConfig:
+    """``config`` with its ``int8_outliers`` layers named: of the candidates ``ratios``
+    (name -> ``outlier_ratio`` of its weight), the ``int8_outliers`` of the largest ratios
+    (None: one for every ``OUTLIERS_EVERY``, rounded, at least one when there is any) added
+    to ``int8_layers`` in the model's order, and ``int8_outliers`` 0; ``config`` itself when
+    it chooses none."""
+    if config.int8_outliers == 0:
+        return config
+    count = config.int8_outliers
+    if count is None:
+        count = max(1, round(len(ratios) / OUTLIERS_EVERY)) if ratios else 0
+    picked = sorted(ratios, key=lambda name: -ratios[name])[:count]
+    names = tuple(sorted(picked, key=_layer_order))
+    return dataclasses.replace(config, int8_layers=(*config.int8_layers, *names),
+                               int8_outliers=0)
+
+
+def _layer_order(name: str) -> tuple:
+    """A module name's sort key with its numbers as numbers (``layers.2`` before
+    ``layers.11``)."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split("."))
+
+
+def last_layer(model: nn.Module) -> int | None:
+    """The largest ``N`` among the model's modules named ``layers.N`` (a decoder stack's last
+    layer; None without one): what ``{last}`` in an ``int8_layers`` pattern stands for."""
+    numbers = [int(m.group(1)) for name, _ in model.named_modules()
+               for m in _LAYER.finditer(name)]
+    return max(numbers, default=None)
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters and persistent buffers, each tensor counted once
     (a tied table once): what one forward reads of its weights."""
@@ -352,6 +503,7 @@ def chosen_modules(model: nn.Module, config: QuantizationConfig) -> dict[str, nn
     chosen: dict[str, nn.Module] = {}
     readers: dict[int, list[str]] = {}  # the modules reading each weight (a tied table: two)
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    last = last_layer(model)
     for name, module in model.named_modules():
         if type(module) not in (nn.Linear, InferenceLinear, nn.Embedding) or not name:
             continue
@@ -360,7 +512,7 @@ def chosen_modules(model: nn.Module, config: QuantizationConfig) -> dict[str, nn
             continue
         embedding = isinstance(module, nn.Embedding)
         inputs = module.embedding_dim if embedding else module.in_features
-        bits = config.bits_of(name, table=id(module.weight) in tables)
+        bits = config.bits_of(name, table=id(module.weight) in tables, last=last)
         if bits == 4 and inputs % config.group_size:  # an int8 table scales whole rows
             raise ValueError(f"group_size: {config.group_size} does not divide {name}'s "
                              f"{'embedding_dim' if embedding else 'in_features'} {inputs}; "

@@ -22,6 +22,18 @@ The **blocked** layout is the byte order PyTorch's int4 CPU kernel reads (rows i
 and row ``r + 32`` in the high one). It holds the same codes as the plain layout, only
 permuted, so a weight is kept in one layout, never both.
 
+**Coded** int4 scales (``scale_dtype=torch.int8``; 4.5 bits a weight at groups of 32, as
+llama.cpp's Q4_0 and Q4_K, against 5.0 with float16 scales and zeros): each group's scale and
+zero are themselves stored in 8 bits, against two bfloat16 steps ``(d_s, d_z)`` per block of
+``STEP_ROWS`` (16) rows: ``s = c_s d_s`` (``c_s`` uint8 1..255) and ``z = c_z d_z`` (``c_z``
+int8 -127..127), with ``d_s = max s / 255`` and ``d_z = max |z| / 127`` over the block's
+fitted groups, rounded up to bfloat16 (so no code overflows; a code times a bfloat16 step is
+exact in float32). The formula is then the one above with those ``s`` and ``z``. Each
+group's two codes are the nearest ones, or a neighbour (+-1 each) where that lowers its
+squared error (``attnlab.quantization.search.code_scales``). A step per row would measure a
+little better and cost 4 bytes a row, 1 MiB on a 135M model: the size of a layer kept in
+int8.
+
 How an int4 group's scale and zero are chosen is the ``fit``: ``"nearest"`` (round-to-nearest,
 the formula above) or ``"search"`` (``attnlab.quantization.search``: the scale and minimum of
 least squared error among candidates, never worse than round-to-nearest's).
@@ -35,15 +47,17 @@ import torch
 from torch import Tensor
 
 from attnlab._checks import is_int
-from attnlab.quantization.search import search_int4
+from attnlab.quantization.search import code_scales, search_int4
 
 __all__ = [
     "BITS",
     "FITS",
     "GROUP_SIZES",
     "LAYOUTS",
+    "STEP_ROWS",
     "QuantizedWeight",
     "blocked_int4",
+    "decode_scales",
     "dequantize_int4",
     "dequantize_int8",
     "pack_int4",
@@ -59,6 +73,7 @@ GROUP_SIZES = (32, 64, 128, 256)
 LAYOUTS = ("plain", "blocked")
 FITS = ("nearest", "search")
 BLOCK_ROWS = 64  # rows per block of the blocked int4 layout
+STEP_ROWS = 16  # rows sharing the steps of coded int4 scales
 
 
 def quantize_int8(weight: Tensor, scale_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
@@ -184,6 +199,21 @@ class QuantizedWeight:
     scales: Tensor
     zeros: Tensor | None
     layout: str = "plain"
+    steps: Tensor | None = None
+
+    @property
+    def coded(self) -> bool:
+        """Whether int4's scales and zeros are 8-bit codes (``scales`` uint8, ``zeros`` int8,
+        ``O x I/g``) against the bfloat16 ``steps`` (``ceil(O / STEP_ROWS) x 2``: ``d_s``,
+        ``d_z`` per block of rows; module docstring)."""
+        return self.steps is not None
+
+    def group_scales(self) -> tuple[Tensor, Tensor | None]:
+        """``(scales, zeros)`` as values: the stored ones, or coded ones decoded in float32
+        (``c_s d_s``, ``c_z d_z``)."""
+        if self.steps is None:
+            return self.scales, self.zeros
+        return decode_scales(self.scales, self.zeros, self.steps)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -212,7 +242,8 @@ class QuantizedWeight:
         """``W'`` (``O x I``) in ``dtype`` (default the scales')."""
         if self.bits == 8:
             return dequantize_int8(self.data, self.scales, dtype, self.zeros)
-        return dequantize_int4(self.codes(), self.scales, self.zeros, dtype)
+        scales, zeros = self.group_scales()
+        return dequantize_int4(self.codes(), scales, zeros, dtype or scales.dtype)
 
     def rows(self, index: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """``W'[index]`` (``index`` ``N..`` of row numbers -> ``N.. x I``), dequantizing only
@@ -222,6 +253,10 @@ class QuantizedWeight:
         if self.bits == 8:
             w = dequantize_int8(self.data[flat], scales, dtype,
                                 None if self.zeros is None else self.zeros[flat])
+        elif self.steps is not None:
+            s, z = decode_scales(scales, self.zeros[flat], self.steps[flat // STEP_ROWS],
+                                 per_row=True)
+            w = dequantize_int4(self._int4_rows(flat), s, z, dtype or s.dtype)
         else:
             w = dequantize_int4(self._int4_rows(flat), scales, self.zeros[flat], dtype)
         return w.view(*index.shape, w.shape[-1])
@@ -231,7 +266,7 @@ class QuantizedWeight:
         if layout == self.layout or self.bits == 8:
             return self
         data = blocked_int4(self.codes()) if layout == "blocked" else pack_int4(self.codes())
-        return QuantizedWeight(self.bits, data, self.scales, self.zeros, layout)
+        return QuantizedWeight(self.bits, data, self.scales, self.zeros, layout, self.steps)
 
     def _int4_rows(self, flat: Tensor) -> Tensor:
         if self.layout == "plain":
@@ -243,12 +278,24 @@ class QuantizedWeight:
         return (lanes >> shift) & 15
 
 
+def decode_scales(codes: Tensor, zero_codes: Tensor, steps: Tensor, *,
+                  per_row: bool = False) -> tuple[Tensor, Tensor]:
+    """Coded int4 scales (``codes`` uint8 and ``zero_codes`` int8, ``O x G``; ``steps``
+    ``ceil(O / STEP_ROWS) x 2``, or ``O x 2`` when ``per_row``: each row's block's) ->
+    float32 ``(c_s d_s, c_z d_z)`` (``O x G`` each; module docstring)."""
+    steps = steps.float()
+    if not per_row:
+        steps = steps.repeat_interleave(STEP_ROWS, dim=0)[:codes.shape[0]]
+    return codes.float() * steps[:, :1], zero_codes.float() * steps[:, 1:]
+
+
 def quantize(weight: Tensor, bits: int, group_size: int | None = None,
              scale_dtype: torch.dtype | None = None, fit: str = "nearest") -> QuantizedWeight:
     """``weight`` (``O x I``) in the plain layout of ``bits`` (8: one scale per row, so
     ``group_size`` is None or ``I``; 4: groups of ``group_size`` along ``I``, one of
     ``GROUP_SIZES`` dividing ``I``, scales and zeros chosen by ``fit``, one of ``FITS``),
-    scales in ``scale_dtype`` (default the weight's)."""
+    scales in ``scale_dtype`` (default the weight's; ``torch.int8`` for int4: coded scales,
+    module docstring)."""
     if fit not in FITS:
         raise ValueError(f"fit: expected one of {', '.join(FITS)}, got {fit!r}")
     if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
@@ -266,5 +313,20 @@ def quantize(weight: Tensor, bits: int, group_size: int | None = None,
     if not is_int(group_size) or group_size not in GROUP_SIZES or weight.shape[1] % group_size:
         raise ValueError(f"group_size: expected one of {GROUP_SIZES} dividing the weight's "
                          f"{weight.shape[1]} inputs, got {group_size!r}")
+    if scale_dtype == torch.int8:
+        return _quantize_coded(weight, group_size, fit)
     packed, scales, zeros = quantize_int4(weight, group_size, scale_dtype, fit)
     return QuantizedWeight(4, packed, scales, zeros)
+
+
+def _quantize_coded(weight: Tensor, group_size: int, fit: str) -> QuantizedWeight:
+    """int4 with coded scales: each group fitted in float32 by ``fit``, its scale and zero
+    then coded per row (``code_scales``), the codes computed from the decoded values."""
+    rows, cols = weight.shape
+    w = weight.detach().float().view(rows, cols // group_size, group_size)
+    _, scales, zeros = quantize_int4(w.view(rows, cols), group_size, torch.float32, fit)
+    codes, zero_codes, steps = code_scales(w, scales, zeros, STEP_ROWS)
+    s, z = decode_scales(codes, zero_codes, steps)
+    q = torch.round((w - z[..., None]) / s[..., None]).add_(8).clamp_(0, 15)
+    return QuantizedWeight(4, pack_int4(q.to(torch.uint8).view(rows, cols)), codes, zero_codes,
+                           steps=steps)

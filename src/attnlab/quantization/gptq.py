@@ -50,6 +50,9 @@ from attnlab.quantization.convert import (
     DEFAULT_GROUP_SIZE,
     QuantizationConfig,
     chosen_modules,
+    last_layer,
+    outliers_asked,
+    outliers_chosen,
     quantize_model,
 )
 from attnlab.quantization.formats import QuantizedWeight, pack_int4
@@ -64,13 +67,14 @@ BLOCK = 128  # columns a block (a multiple of every group size up to 128)
 def gptq_quantize(model: nn.Module, ids: Tensor, *, group_size: int | None = None,
                   context: int = 512, skip: Iterable[str] = (), table_bits: int | None = None,
                   scale_dtype: str | None = None, int8_layers: Iterable[str] | None = None,
-                  damp: float = 0.01, act_order: bool = True,
+                  int8_outliers: int | None = None, damp: float = 0.01, act_order: bool = True,
                   kernel: str | None = None, progress: bool = False) -> nn.Module:
     """``model`` (float) quantized in place to int4 in groups of ``group_size`` (default
     ``DEFAULT_GROUP_SIZE``) by GPTQ, layer by layer in order (module docstring), on the
     calibration token ``ids`` (``T``), cut into chunks of ``context`` tokens (the last,
-    shorter one too); ``skip``, ``table_bits``, ``scale_dtype``, ``int8_layers`` (int8 by
-    round-to-nearest, read so while the others are calibrated) and ``kernel`` as in
+    shorter one too); ``skip``, ``table_bits``, ``scale_dtype``, ``int8_layers`` and
+    ``int8_outliers`` (int8 by round-to-nearest, read so while the others are calibrated)
+    and ``kernel`` as in
     ``quantize_model``, whose ``QuantizationConfig`` it records with ``fit="gptq"``.
     ``model(input_ids)`` is called on each chunk (``1 x N``). ``progress`` draws progress
     bars on stderr. Returned for chaining."""
@@ -83,8 +87,10 @@ def gptq_quantize(model: nn.Module, ids: Tensor, *, group_size: int | None = Non
     if not is_int(context) or context < 2:
         raise ValueError(f"context: expected a number of tokens >= 2, got {context!r}")
     group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
-    config = QuantizationConfig("int4", group_size, tuple(skip), table_bits, "gptq",
-                                scale_dtype, None if int8_layers is None else tuple(int8_layers))
+    config = outliers_chosen(model, QuantizationConfig(
+        "int4", group_size, tuple(skip), table_bits, "gptq", scale_dtype,
+        None if int8_layers is None else tuple(int8_layers),
+        outliers_asked(int8_layers, int8_outliers)))
     layers = gptq_layers(model, config.skip, group_size, config.int8_layers)
 
     def quantized(name: str, hessian: Tensor) -> QuantizedWeight:
@@ -98,11 +104,12 @@ def gptq_quantize(model: nn.Module, ids: Tensor, *, group_size: int | None = Non
     # The token tables (int8 by default) and the int8 layers as they will be while the
     # others are calibrated: their inputs are then the quantized model's.
     others = {name: m for name, m in chosen_modules(model, config).items()
-              if isinstance(m, nn.Embedding) or config.bits_of(name, table=False) == 8}
+              if isinstance(m, nn.Embedding)
+              or config.bits_of(name, table=False, last=last_layer(model)) == 8}
     floats = {name: m.weight for name, m in others.items()}
     try:
-        for name, m in others.items():
-            m.weight = nn.Parameter(_as_quantized(m, name, config), requires_grad=False)
+        for m in others.values():
+            m.weight = nn.Parameter(_as_quantized(m, config), requires_grad=False)
         with torch.no_grad():
             weights = _in_order(model, layers, ids.split(context), quantized, progress)
     finally:
@@ -119,25 +126,24 @@ def gptq_layers(model: nn.Module, skip: Iterable[str] = (),
                 ) -> dict[str, nn.Linear]:
     """``{name: layer}`` of the linear layers that GPTQ quantizes: those ``quantize_model``
     chooses in int4 (not skipped, not ``int8_layers``; ``group_size`` dividing their
-    inputs; ``int8_layers`` None: ``DEFAULT_INT8_LAYERS``), but for a head tied to an
-    embedding."""
+    inputs; ``int8_layers`` None: ``DEFAULT_INT8_LAYERS``, without the outlier layers that
+    ``gptq_quantize`` adds to them), but for a head tied to an embedding."""
     config = QuantizationConfig("int4", group_size, tuple(skip), int8_layers=None
                                 if int8_layers is None else tuple(int8_layers))
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     return {name: m for name, m in chosen_modules(model, config).items()
             if isinstance(m, nn.Linear) and id(m.weight) not in tables
-            and config.bits_of(name, table=False) == 4}
+            and config.bits_of(name, table=False, last=last_layer(model)) == 4}
 
 
-def _as_quantized(module: nn.Module, name: str, config: QuantizationConfig) -> Tensor:
+def _as_quantized(module: nn.Module, config: QuantizationConfig) -> Tensor:
     """The weight of ``module`` (a token table or an int8 layer) as ``config`` quantizes it
     without calibration, dequantized to its dtype."""
     if isinstance(module, nn.Embedding):
         quantized = QuantizedEmbedding.from_embedding(
             module, bits=config.table_bits, group_size=config.group_size, fit="search").source
     else:
-        quantized = QuantizedLinear.from_linear(module, bits=config.bits_of(name, table=False),
-                                                kernel="dequantize")
+        quantized = QuantizedLinear.from_linear(module, bits=8, kernel="dequantize")
     return quantized.dequantize(module.weight.dtype)
 
 

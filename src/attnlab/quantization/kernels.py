@@ -149,7 +149,8 @@ def measure(weight: QuantizedWeight, dtype: torch.dtype, bucket: str,
 def _key(weight: QuantizedWeight, dtype: torch.dtype, bucket: str, bias: bool) -> str:
     """The cache key: the scheme (``int8``, ``int4 g64``) before the float key's parts."""
     rows, cols = weight.shape
-    scheme = f"int{weight.bits}" + ("" if weight.per_row else f" g{weight.group_size}")
+    scheme = (f"int{weight.bits}" + ("" if weight.per_row else f" g{weight.group_size}")
+              + (" coded" if weight.coded else ""))
     entry = kernel_cache.entry_key(dtype, rows, cols, bucket, bias=bias, build=native.build_id())
     return f"{scheme} | {entry}"
 
@@ -166,7 +167,8 @@ def _time_kernels(like: QuantizedWeight, dtype: torch.dtype, rows: int,
             base = _random_grouped_int8(like, g)
         else:
             dense = torch.randn(n_out, n_in, generator=g) / n_in**0.5
-            base = quantize(dense, like.bits, like.group_size, like.scales.dtype)
+            base = quantize(dense, like.bits, like.group_size,
+                            torch.int8 if like.coded else like.scales.dtype)
         x = torch.randn(rows, n_in, generator=g).to(dtype)
         b = torch.randn(n_out, generator=g).to(dtype) if bias else None
         expected = QUANTIZED_KERNELS["dequantize"].run(x, _prepare("dequantize", base, dtype),
@@ -208,7 +210,8 @@ def _prepare(name: str, weight: QuantizedWeight, dtype: torch.dtype) -> tuple:
 
 def _copy(weight: QuantizedWeight) -> QuantizedWeight:
     return QuantizedWeight(weight.bits, weight.data.clone(), weight.scales.clone(),
-                           None if weight.zeros is None else weight.zeros.clone(), weight.layout)
+                           None if weight.zeros is None else weight.zeros.clone(), weight.layout,
+                           None if weight.steps is None else weight.steps.clone())
 
 
 def _dequantize_prepare(weight: QuantizedWeight, dtype: torch.dtype) -> tuple:
@@ -233,7 +236,7 @@ def _int8_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
 
 def _int4_prepare(weight: QuantizedWeight, dtype: torch.dtype) -> tuple:
     # The kernel takes (scale, zero) pairs as groups x O x 2, in the activations' dtype.
-    pairs = torch.stack((weight.scales, weight.zeros), dim=-1).transpose(0, 1)
+    pairs = torch.stack(weight.group_scales(), dim=-1).transpose(0, 1)
     return (weight.data.contiguous(), weight.group_size, pairs.to(dtype).contiguous())
 
 
@@ -265,10 +268,10 @@ def _int8_tiles_run(x: Tensor, state: tuple, bias: Tensor | None) -> Tensor:
 
 def _native_codes(weight: QuantizedWeight, dtype: torch.dtype | None = None) -> tuple:
     """What the C++ kernels read: codes, scales, zeros (None for int8), group size; the same
-    for every activation dtype. float16 scales and zeros (int4's stored kind) are widened to
-    float32 here, exactly (the loops read float32 or bfloat16): a prepared copy of 4 bytes a
-    group beside the stored 2, the codes shared."""
-    scales, zeros = weight.scales, weight.zeros
+    for every activation dtype. float16 scales and zeros are widened to float32 here,
+    exactly, and coded ones decoded to float32 (the loops read float32 or bfloat16): a
+    prepared copy of 4 bytes a group beside the stored 2 or 1, the codes shared."""
+    scales, zeros = weight.group_scales()
     if scales.dtype == torch.float16:
         scales, zeros = scales.float(), None if zeros is None else zeros.float()
     zeros = None if zeros is None else zeros.contiguous()
@@ -383,8 +386,8 @@ def _native_takes(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
     # These C++ loops take int8 with a scale per row only: grouped int8 has int8_grouped.
     return (weight.data.is_cpu and dtype in native.DTYPES
             and (weight.bits == 4 or weight.per_row)
-            and (weight.scales.dtype in native.DTYPES
-                 or (weight.bits == 4 and weight.scales.dtype == torch.float16))
+            and (weight.scales.dtype in native.DTYPES or (weight.bits == 4 and (
+                weight.scales.dtype == torch.float16 or weight.coded)))
             and (weight.bits == 8 or weight.group_size % 32 == 0) and native.available())
 
 

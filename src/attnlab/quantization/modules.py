@@ -1,7 +1,8 @@
 """``QuantizedLinear`` and ``QuantizedEmbedding``: ``nn.Linear`` / ``nn.Embedding`` with an
 int8 or int4 weight (``attnlab.quantization.formats``), swapped in for the float modules.
 
-The codes and scales are buffers (``qweight``, ``scales``, int4 ``zeros``): they move with
+The codes and scales are buffers (``qweight``, ``scales``, int4 ``zeros``, and coded int4
+scales' ``steps``): they move with
 ``.to()``, are saved in ``state_dict`` in the plain layout whatever the module keeps, and
 receive no gradient (a bias stays a trainable Parameter; the input gets its gradient through
 the formula). A tied LM head and its embedding share one quantized table: the embedding reads
@@ -17,11 +18,20 @@ from torch import Tensor, nn
 
 from attnlab.kernels import bucket_of, native
 from attnlab.kernels.catalog import Kernel
-from attnlab.quantization.formats import QuantizedWeight, pack_int4, quantize, unblocked_int4
+from attnlab.quantization.formats import (
+    STEP_ROWS,
+    QuantizedWeight,
+    pack_int4,
+    quantize,
+    unblocked_int4,
+)
 from attnlab.quantization.kernels import QUANTIZED_KERNELS, step_product
 from attnlab.quantization.kernels import plan as kernel_plan
 
 __all__ = ["QuantizedEmbedding", "QuantizedLinear"]
+
+_SAME_WIDTH = {torch.bfloat16: torch.int16, torch.float16: torch.int16,
+               torch.float32: torch.int32}
 
 
 class QuantizedLinear(nn.Module):
@@ -29,7 +39,8 @@ class QuantizedLinear(nn.Module):
     or int4 (groups of ``group_size`` inputs) weight. Without gradients, on the CPU, each call
     runs the kernel chosen for its activation dtype and row count by the rule, or by the plan
     that ``attnlab calibrate`` measured here (:mod:`attnlab.quantization.kernels`); otherwise,
-    and as the reference, the formula ``linear(x, dequantize(W'), b)``."""
+    and as the reference, the formula ``linear(x, dequantize(W'), b)``. ``scale_dtype``
+    ``torch.int8`` (int4 only) keeps coded scales (``attnlab.quantization.formats``)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, bits: int = 8,
                  group_size: int = 64, scale_dtype: torch.dtype = torch.float32,
@@ -39,7 +50,10 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         # The activations' dtype: the bias's (int4's float16 scales serve float32 and
         # bfloat16 models alike); ``_apply`` keeps it with ``.to(dtype)``.
-        self.dtype = bias_dtype or scale_dtype
+        coded = scale_dtype == torch.int8
+        if coded and bits != 4:
+            raise ValueError(f"scale_dtype: int8 (coded scales) is int4's, got bits={bits!r}")
+        self.dtype = bias_dtype or (torch.float32 if coded else scale_dtype)
         self.bits, self.group_size = bits, (in_features if bits == 8 else group_size)
         self.layout, self._kernel = "plain", kernel
         rows, cols = out_features, in_features
@@ -49,11 +63,14 @@ class QuantizedLinear(nn.Module):
             data = torch.empty(rows, cols // 2, dtype=torch.uint8, device=device)
             scales = (rows, cols // group_size)
         self.register_buffer("qweight", data)
-        self.register_buffer("scales", torch.empty(scales, dtype=scale_dtype, device=device))
+        self.register_buffer("scales", torch.empty(
+            scales, dtype=torch.uint8 if coded else scale_dtype, device=device))
         # torch.empty, not empty_like: empty_like of a meta tensor imports sympy (~20 MiB)
         self.register_buffer("zeros", None if bits == 8 else torch.empty(
             scales, dtype=scale_dtype, device=device))
-        empty = torch.empty(rows, dtype=bias_dtype or scale_dtype, device=device)
+        self.register_buffer("steps", torch.empty(
+            -(-rows // STEP_ROWS), 2, dtype=torch.bfloat16, device=device) if coded else None)
+        empty = torch.empty(rows, dtype=self.dtype, device=device)
         self.bias = nn.Parameter(empty) if bias else None
         self._plans: dict[torch.dtype, dict[str, Kernel]] = {}
         self._states: dict[tuple, tuple] = {}
@@ -77,12 +94,13 @@ class QuantizedLinear(nn.Module):
         activations in ``dtype`` (default the scales') when it lives on the CPU; ``kernel``
         forces one kernel."""
         rows, cols = weight.shape
+        scale_dtype = torch.int8 if weight.coded else weight.scales.dtype
         new = cls(cols, rows, bias is not None, bits=weight.bits, group_size=weight.group_size,
-                  scale_dtype=weight.scales.dtype, device="meta", kernel=kernel)
+                  scale_dtype=scale_dtype, device="meta", kernel=kernel)
         new.set_weight(weight)
         if bias is not None:
             new.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
-        new.dtype = dtype or (bias.dtype if bias is not None else weight.scales.dtype)
+        new.dtype = dtype or (bias.dtype if bias is not None else new.dtype)
         if weight.scales.device.type == "cpu":
             new.plan(new.dtype)
         return new
@@ -90,20 +108,29 @@ class QuantizedLinear(nn.Module):
     @property
     def weight_format(self) -> QuantizedWeight:
         """The quantized weight as stored (codes in ``self.layout``)."""
-        return QuantizedWeight(self.bits, self.qweight, self.scales, self.zeros, self.layout)
+        return QuantizedWeight(self.bits, self.qweight, self.scales, self.zeros, self.layout,
+                               self.steps)
 
     def set_weight(self, weight: QuantizedWeight) -> None:
         """Keep ``weight`` (same bits and shape; its own group size, a grouped int8 one's
         too) as this module's buffers, in its layout."""
         self.qweight, self.scales, self.zeros = weight.data, weight.scales, weight.zeros
-        self.layout, self.group_size = weight.layout, weight.group_size
+        self.steps, self.layout, self.group_size = weight.steps, weight.layout, weight.group_size
         self._plans.clear()
         self._states.clear()
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> QuantizedLinear:
-        """``nn.Module._apply``, ``self.dtype`` following what ``fn`` makes of a float."""
+        """``nn.Module._apply``, ``self.dtype`` following what ``fn`` makes of a float; coded
+        scales' ``steps`` keep their dtype (moved, never cast: they are part of the codes)."""
         self.dtype = fn(torch.empty(0, dtype=self.dtype)).dtype
-        return super()._apply(fn, recurse)
+        steps = self._buffers.get("steps")
+        if steps is not None:  # seen as integers of its width, which no dtype cast touches
+            self._buffers["steps"] = steps.view(_SAME_WIDTH[steps.dtype])
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            if steps is not None:
+                self._buffers["steps"] = self._buffers["steps"].view(steps.dtype)
 
     def plan(self, dtype: torch.dtype) -> dict[str, Kernel]:
         """The kernel per rows bucket for activations in ``dtype`` (the rule's, or a measured
@@ -166,7 +193,8 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         scheme = (f"int{self.bits}" + ("" if self.group_size == self.in_features
                                         and self.bits == 8 else f", group_size={self.group_size}")
-                  + (", offsets" if self.bits == 8 and self.zeros is not None else ""))
+                  + (", offsets" if self.bits == 8 and self.zeros is not None else "")
+                  + (", coded scales" if self.steps is not None else ""))
         plans = "; ".join(f"{str(d).removeprefix('torch.')}: "
                           + " ".join(f"{b}={k.name}" for b, k in p.items())
                           for d, p in self._plans.items())
@@ -182,7 +210,8 @@ class QuantizedLinear(nn.Module):
     def _load_from_state_dict(self, state_dict: Mapping, prefix: str, *args) -> None:
         key = prefix + "qweight"
         if self.layout == "blocked" and key in state_dict:
-            loaded = QuantizedWeight(4, state_dict[key], self.scales, self.zeros)
+            loaded = QuantizedWeight(4, state_dict[key], self.scales, self.zeros,
+                                     steps=self.steps)
             state_dict = {**state_dict, key: loaded.with_layout("blocked").data}
         self._states.clear()
         super()._load_from_state_dict(state_dict, prefix, *args)
@@ -259,12 +288,13 @@ def _quantized_by_rows(weight: Tensor, bits: int, group_size: int, fit: str = "n
     temporaries are a block's (about 4 MiB each), not the whole weight's (an embedding of
     Qwen2.5-0.5B: 0.5 GiB each)."""
     rows, cols = weight.shape
-    step = max(1, 2**20 // cols)
+    step = max(1, 2**20 // cols // STEP_ROWS) * STEP_ROWS  # coded scales' steps: whole blocks
     blocks = [quantize(weight[i:i + step], bits, group_size if bits == 4 else None,
                        scale_dtype or weight.dtype, fit if bits == 4 else "nearest")
               for i in range(0, max(rows, 1), step)]
     if len(blocks) == 1:
         return blocks[0]
     zeros = None if bits == 8 else torch.cat([b.zeros for b in blocks])
+    steps = None if blocks[0].steps is None else torch.cat([b.steps for b in blocks])
     return QuantizedWeight(bits, torch.cat([b.data for b in blocks]),
-                           torch.cat([b.scales for b in blocks]), zeros)
+                           torch.cat([b.scales for b in blocks]), zeros, steps=steps)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["REFITS", "STEPS", "search_int4"]
+__all__ = ["REFITS", "STEPS", "code_scales", "search_int4"]
 
 # Steps across a group's range tried: below 15 clips the ends (an outlier's code then
 # saturates), above 15 leaves codes unused at the ends and refines the step inside.
@@ -52,6 +52,54 @@ def search_int4(w: Tensor, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         best = torch.where(better, error, best)
         best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
     return best_s, best_z
+
+
+def code_scales(w: Tensor, scales: Tensor, zeros: Tensor, rows_per_step: int
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """The fitted ``scales`` and ``zeros`` of the groups ``w`` (``O x G x g``, float32;
+    ``O x G`` each) as 8-bit codes against two steps per block of ``rows_per_step`` rows ->
+    ``(codes, zero_codes, steps)``: ``codes`` uint8 1..255 and ``zero_codes`` int8 -127..127
+    (``O x G``), ``steps`` ``ceil(O / rows_per_step) x 2`` bfloat16 = ``(max s / 255,
+    max |z| / 127)`` over each block, rounded up (1 where that is 0). Each group takes the
+    nearest codes, or the neighbours (+-1 in either) whose decoded scale and zero give it the
+    least squared error with its nearest int4 codes."""
+    rows, groups, size = w.shape
+    scales, zeros = scales.float(), zeros.float()
+    blocks = -(-rows // rows_per_step)
+    pad = blocks * rows_per_step - rows
+
+    def step(x: Tensor, top: int) -> Tensor:
+        largest = torch.nn.functional.pad(x.abs().amax(dim=1), (0, pad))
+        d = _bfloat16_up(largest.view(blocks, rows_per_step).amax(dim=1) / top)
+        return torch.where(d > 0, d, torch.ones_like(d))
+
+    steps = torch.stack((step(scales, 255), step(zeros, 127)), dim=1)
+    d_s, d_z = steps.repeat_interleave(rows_per_step, dim=0)[:rows].unbind(dim=1)
+    near_s = torch.round(scales / d_s[:, None]).clamp_(1, 255)
+    near_z = torch.round(zeros / d_z[:, None]).clamp_(-127, 127)
+    flat = w.reshape(-1, size)
+
+    def error(c_s: Tensor, c_z: Tensor) -> Tensor:
+        return _error(flat, (c_s * d_s[:, None]).reshape(-1),
+                      (c_z * d_z[:, None]).reshape(-1)).view(rows, groups)
+
+    best_s, best_z, best = near_s, near_z, error(near_s, near_z)
+    for ds in (-1, 0, 1):
+        for dz in (-1, 0, 1):
+            if ds or dz:
+                c_s, c_z = (near_s + ds).clamp_(1, 255), (near_z + dz).clamp_(-127, 127)
+                e = error(c_s, c_z)
+                better = e < best
+                best = torch.where(better, e, best)
+                best_s, best_z = torch.where(better, c_s, best_s), torch.where(better, c_z, best_z)
+    return best_s.to(torch.uint8), best_z.to(torch.int8), steps.to(torch.bfloat16)
+
+
+def _bfloat16_up(x: Tensor) -> Tensor:
+    """Non-negative float32 ``x`` rounded up to the nearest bfloat16 (as float32): the upper
+    16 bits of the float32, plus one unit where any lower bit is set."""
+    bits = x.contiguous().view(torch.int32)
+    return ((bits + 0xFFFF) & -0x10000).view(torch.float32)
 
 
 def _fit(w: Tensor, codes: Tensor, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
