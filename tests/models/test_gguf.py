@@ -228,7 +228,9 @@ def test_a_file_of_bfloat16_matrices_loads_in_bfloat16_by_default(tmp_path, voca
 def test_a_bfloat16_load_keeps_the_blocks_with_scales_in_bfloat16(tmp_path, vocabulary):
     file, theirs = make(tmp_path, vocabulary, "llama", Q.Q4_1)
     ours = from_pretrained(file, dtype="bfloat16")
-    assert ours.layers[0].self_attn.q_proj.scales.dtype == torch.bfloat16
+    q_proj = ours.layers[0].self_attn.q_proj
+    # the module's activations' dtype is the load's: its formula's W' is made in it
+    assert q_proj.scales.dtype == q_proj.dtype == q_proj.dequantize().dtype == torch.bfloat16
     ids = torch.randint(0, len(vocabulary[0]), (2, 9), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         got, expected = ours(ids), theirs(input_ids=ids).logits

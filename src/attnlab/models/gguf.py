@@ -341,15 +341,18 @@ def _swap_quantized(model: nn.Module, name: str, module: nn.Module, weight: Quan
     parent, _, child = name.rpartition(".")
     rows, cols = weight.shape
     if isinstance(module, nn.Linear):
+        # scale_dtype: the model's dtype (the scales were cast to it), which the module
+        # then reports and computes its formula in
         new = QuantizedLinear(cols, rows, module.bias is not None, bits=weight.bits,
-                              group_size=weight.group_size, device="meta")
+                              group_size=weight.group_size, scale_dtype=weight.scales.dtype,
+                              device="meta")
         if module.bias is not None:
             new.bias = module.bias  # placed when its own tensor is read
         new.set_weight(weight)
         model.get_submodule(parent)._modules[child] = new
         return
     head = QuantizedLinear(cols, rows, False, bits=weight.bits, group_size=weight.group_size,
-                           device="meta")
+                           scale_dtype=weight.scales.dtype, device="meta")
     head.set_weight(weight)
     if tied:
         model.lm_head = head
@@ -357,7 +360,7 @@ def _swap_quantized(model: nn.Module, name: str, module: nn.Module, weight: Quan
         return
     embedding = QuantizedEmbedding(rows, cols, bits=weight.bits,
                                    group_size=weight.group_size,
-                                   device="meta")
+                                   scale_dtype=weight.scales.dtype, device="meta")
     embedding.table.set_weight(weight)
     model.get_submodule(parent)._modules[child] = embedding
 
