@@ -63,12 +63,15 @@ def test_gptq_quantize_swaps_every_linear_layer_and_keeps_the_table_int8(tmp_pat
     assert (model.quantization.fit, model.quantization.table_bits) == ("gptq", 8)
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert model.lm_head.bits == 8 and model.embed_tokens.source is model.lm_head
-    # DEFAULT_INT8_LAYERS: v_proj and the first layers' down_proj in int8, the others int4
+    # the default int8 layers: v_proj, the last down_proj and an outlier one (here layer 0's)
     wide = {"layers.0.self_attn.v_proj", "layers.1.self_attn.v_proj", "layers.0.mlp.down_proj",
             "layers.1.mlp.down_proj"}
     assert len(layers) == 1 + 2 * 7 and all(
         m.bits == (8 if name in wide else 4) for name, m in model.named_modules()
         if isinstance(m, QuantizedLinear) and m is not model.lm_head)
+    # each computes in the model's dtype: float16 scales are storage (a float16 module dtype
+    # made GPTQ's models decode 20x slower than the search's in `bench quantization --model`)
+    assert {m.dtype for m in layers} == {torch.float32}
     assert isinstance(model.embed_tokens, QuantizedEmbedding)
     model.save_pretrained(tmp_path)
     loaded = from_pretrained(tmp_path, kernels=False)

@@ -377,7 +377,8 @@ def _replace(model: nn.Module, chosen: dict[str, nn.Module], config: Quantizatio
                                          bias_dtype=like.dtype, device=m.weight.device,
                                          kernel=kernel)
         elif name in (weights or {}):
-            made[name] = QuantizedLinear.from_weight(weights[name], m.bias, kernel=kernel)
+            made[name] = QuantizedLinear.from_weight(weights[name], m.bias, kernel=kernel,
+                                                     dtype=m.weight.dtype)
         else:
             made[name] = QuantizedLinear.from_linear(
                 m, bits=bits, group_size=group_size, kernel=kernel, fit=fit,
