@@ -32,7 +32,9 @@ exact in float32). The formula is then the one above with those ``s`` and ``z``.
 group's two codes are the nearest ones, or a neighbour (+-1 each) where that lowers its
 squared error (``attnlab.quantization.search.code_scales``). A step per row would measure a
 little better and cost 4 bytes a row, 1 MiB on a 135M model: the size of a layer kept in
-int8.
+int8. Where a block's zero points are many times its scales (weights offset far from zero;
+SmolLM2's groups are not), ``d_z`` is coarse against ``s`` and the codes clip: float16 scales
+and zeros (``scale_dtype=torch.float16``) keep such weights.
 
 How an int4 group's scale and zero are chosen is the ``fit``: ``"nearest"`` (round-to-nearest,
 the formula above) or ``"search"`` (``attnlab.quantization.search``: the scale and minimum of
