@@ -70,6 +70,7 @@ def test_gptq_with_calibration_writes_a_folder_that_loads(folder, text, tmp_path
      "calibration text, got --method search (the default)"),
     (["--bits", "8", "--method", "search"], "--method: int8 scales whole rows"),
     (["--bits", "8", "--table-bits", "4"], "--table-bits: int8 scales whole rows"),
+    (["--bits", "8", "--int8-outliers", "2"], "--int8-outliers: int8 scales whole rows"),
 ])
 def test_misuse_is_refused_naming_the_option(folder, text, tmp_path, capsys, options,
                                              message):
@@ -83,6 +84,20 @@ def test_an_unknown_method_is_refused_by_argparse(folder, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["quantize", str(folder), str(tmp_path / "q"), "--bits", "4", "--method", "best"])
     assert "argument --method: invalid choice: 'best'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["quantize", str(folder), str(tmp_path / "q"), "--bits", "4", "--int8-outliers",
+              "-1"])
+    assert "argument --int8-outliers: expected an int >= 0, got '-1'" in capsys.readouterr().err
+
+
+def test_int8_outliers_from_the_command_line_are_chosen_and_recorded(folder, tmp_path):
+    out = tmp_path / "q"
+    assert main(["quantize", str(folder), str(out), "--bits", "4", "--group-size", "32",
+                 "--int8-layers", "*.v_proj", "--int8-outliers", "1"]) == 0
+    written = json.loads((out / "config.json").read_text())["quantization"]
+    assert written["int8_layers"][0] == "*.v_proj" and len(written["int8_layers"]) == 2
+    assert fnmatch.fnmatchcase(written["int8_layers"][1], "layers.*.mlp.down_proj")
+    assert from_pretrained(out, kernels=False).get_submodule(written["int8_layers"][1]).bits == 8
 
 
 def test_eval_perplexity_against_a_reference(folder, text, tmp_path, capsys):

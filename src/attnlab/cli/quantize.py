@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from attnlab.arg_types import non_negative_int
 from attnlab.cli import add_command
 from attnlab.cli.options import add_dtype_option, add_model_option, model_and_out
 from attnlab.durable import new_folder, swap_in
@@ -94,7 +95,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="int4 only: linear layers kept in int8 (fnmatch patterns, {last} "
                    "for the last layer's number; default every v_proj and the last layer's "
                    "down_proj; none given: every layer int4)")
-    p.add_argument("--int8-outliers", type=int, default=None, metavar="N",
+    p.add_argument("--int8-outliers", type=non_negative_int, default=None, metavar="N",
                    help="int4 only: N more down_proj kept in int8, those of the largest "
                    "max|W|/std(W) (default: one for every 15 with the default --int8-layers, "
                    "else 0)")
