@@ -324,7 +324,7 @@ class QuantizingLoad:
         if self.config.int8_outliers == 0:
             return
         chosen = {name: m for group in self._waiting.values() for name, m in group.items()}
-        candidates = outlier_candidates(self.model, self.config, chosen)
+        candidates = _outlier_candidates(self.model, self.config, chosen)
         ratios = {name.removesuffix(".weight"): outlier_ratio(t) for name, t in tensors
                   if name.endswith(".weight") and name.removesuffix(".weight") in candidates}
         self.config = with_outliers(self.config, ratios)
@@ -430,7 +430,7 @@ def outlier_ratio(weight: torch.Tensor) -> float:
     return largest / variance**0.5 if variance > 0 else 0.0
 
 
-def outlier_candidates(model: nn.Module, config: QuantizationConfig,
+def _outlier_candidates(model: nn.Module, config: QuantizationConfig,
                        chosen: Mapping[str, nn.Module]) -> set[str]:
     """The names of the ``chosen`` linear layers that ``int8_outliers`` chooses among: those
     matching ``OUTLIER_LAYERS`` that ``config`` puts in int4 (none when it chooses none)."""
@@ -449,7 +449,7 @@ def outliers_chosen(model: nn.Module, config: QuantizationConfig,
     if config.int8_outliers == 0:
         return config
     chosen = chosen_modules(model, config) if chosen is None else chosen
-    candidates = outlier_candidates(model, config, chosen)
+    candidates = _outlier_candidates(model, config, chosen)
     return with_outliers(config, {name: outlier_ratio(m.weight) for name, m in chosen.items()
                                   if name in candidates})
 

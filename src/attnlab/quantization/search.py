@@ -15,6 +15,9 @@ of the fitted grid and refits (``REFITS`` times), and keeps, per group, the cand
 squared error ``sum_i ((q_i - 8) s + z - w_i)^2`` is least. Round-to-nearest's own scale and
 zero are a candidate, and a candidate replaces them only when its error is smaller, so the
 search never increases a group's squared error.
+
+``code_scales`` then codes the chosen scales and zeros in 8 bits (the coded format of
+``formats``): the nearest codes, or the neighbours where those lower a group's error.
 """
 
 from __future__ import annotations
