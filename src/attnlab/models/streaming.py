@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Collection, Iterator, Mapping
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -49,7 +50,7 @@ def fill(model: nn.Module, records: Collection[StoredTensor], *, dtype: torch.dt
     if announce is not None:
         print(f"attnlab: {announce} ...", file=sys.stderr, flush=True)
     if quantizing is not None:
-        quantizing.survey(_renamed(records, rename))
+        quantizing.survey(_readers(records, rename))
     bar = tqdm(records, desc="attnlab: loading", unit="tensor", delay=1.0, leave=False,
                disable=announce is None, file=sys.stderr)
     for record in bar:
@@ -61,14 +62,24 @@ def fill(model: nn.Module, records: Collection[StoredTensor], *, dtype: torch.dt
     return model.to(device)  # what the modules computed when built (rotary tables) too
 
 
-def _renamed(records: Collection[StoredTensor], rename: Renaming | None
-             ) -> Iterator[tuple[str, Tensor]]:
-    """(our name, mapped values) of every stored tensor, read unchecked as iterated: a
-    quantizing load's survey touches only the pages of the weights it measures."""
+def _readers(records: Collection[StoredTensor], rename: Renaming | None
+             ) -> Iterator[tuple[str, Callable[[], Tensor]]]:
+    """(our name, a function reading that tensor) for every stored tensor: the names come
+    from renaming a ``meta`` stand-in of each record, so a quantizing load's survey reads only
+    the weights it measures (reading every tensor made a copy of each, the largest one the
+    load's peak)."""
     for record in records:
-        stored = record.read(checked=False)
-        yield from ({record.name: stored} if rename is None
-                    else rename(record.name, stored)).items()
+        stand_in = torch.empty(record.shape, device="meta")
+        names = [record.name] if rename is None else list(rename(record.name, stand_in))
+        for name in names:
+            yield name, partial(_read_as, record, rename, name)
+
+
+def _read_as(record: StoredTensor, rename: Renaming | None, name: str) -> Tensor:
+    """Our tensor ``name`` of ``record``, read unchecked (the load checks it when it places
+    it)."""
+    stored = record.read(checked=False)
+    return stored if rename is None else rename(record.name, stored)[name]
 
 
 def loading_message(model: nn.Module, folder: Path, config: QuantizationConfig, *,

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -316,16 +316,16 @@ class QuantizingLoad:
         self._waiting = {f"{name}.weight": readers[id(module.weight)]
                          for name, module in chosen.items()}
 
-    def survey(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def survey(self, readers: Iterable[tuple[str, Callable[[], torch.Tensor]]]) -> None:
         """Before anything is placed: when the scheme keeps outlier layers in int8
-        (``int8_outliers``), read the candidates' weights among ``tensors`` ((our name, its
-        mapped values) pairs, made as they are iterated; the others never touched) and name
-        the chosen ones in the config (``with_outliers``)."""
+        (``int8_outliers``), read the candidates' weights by ``readers`` ((our name, a
+        function returning its values) pairs; the others are never read) and name the chosen
+        ones in the config (``with_outliers``)."""
         if self.config.int8_outliers == 0:
             return
         chosen = {name: m for group in self._waiting.values() for name, m in group.items()}
         candidates = _outlier_candidates(self.model, self.config, chosen)
-        ratios = {name.removesuffix(".weight"): outlier_ratio(t) for name, t in tensors
+        ratios = {name.removesuffix(".weight"): outlier_ratio(read()) for name, read in readers
                   if name.endswith(".weight") and name.removesuffix(".weight") in candidates}
         self.config = with_outliers(self.config, ratios)
 
