@@ -125,17 +125,28 @@ def quantize_int4(weight: Tensor, group_size: int, scale_dtype: torch.dtype | No
     error is that of what is kept."""
     rows, cols = weight.shape
     w = weight.detach().float().view(rows, cols // group_size, group_size)
+    scales, zeros = _fit_int4(w, scale_dtype or weight.dtype, fit)
+    return _packed_codes(w, scales, zeros), scales, zeros
+
+
+def _fit_int4(w: Tensor, scale_dtype: torch.dtype, fit: str) -> tuple[Tensor, Tensor]:
+    """Each group's scale and zero (``O x G`` each, in ``scale_dtype``) of ``w`` (``O x G x
+    g`` float32) by ``fit``: the search, or round-to-nearest (module docstring)."""
     if fit == "search":
-        scales, zeros = (t.view(rows, -1) for t in search_int4(w.reshape(-1, group_size),
-                                                               scale_dtype or weight.dtype))
-    else:
-        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-        scales = (hi - lo) / 15
-        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-        scales = scales.to(scale_dtype or weight.dtype)
-        zeros = (lo + 8 * scales.float()).to(scales.dtype)
+        rows, _, size = w.shape
+        return tuple(t.view(rows, -1) for t in search_int4(w.reshape(-1, size), scale_dtype))
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scales = (hi - lo) / 15
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales)).to(scale_dtype)
+    return scales, (lo + 8 * scales.float()).to(scales.dtype)
+
+
+def _packed_codes(w: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
+    """The nearest int4 codes of ``w`` (``O x G x g`` float32) on the groups' ``scales`` and
+    ``zeros`` (``O x G``, as stored), packed (``O x I/2``, plain layout)."""
+    rows, groups, size = w.shape
     codes = torch.round((w - zeros.float()[..., None]) / scales.float()[..., None]) + 8
-    return pack_int4(codes.clamp_(0, 15).to(torch.uint8).view(rows, cols)), scales, zeros
+    return pack_int4(codes.clamp_(0, 15).to(torch.uint8).view(rows, groups * size))
 
 
 def dequantize_int4(codes: Tensor, scales: Tensor, zeros: Tensor,
@@ -326,9 +337,6 @@ def _quantize_coded(weight: Tensor, group_size: int, fit: str) -> QuantizedWeigh
     then coded per row (``code_scales``), the codes computed from the decoded values."""
     rows, cols = weight.shape
     w = weight.detach().float().view(rows, cols // group_size, group_size)
-    _, scales, zeros = quantize_int4(w.view(rows, cols), group_size, torch.float32, fit)
-    codes, zero_codes, steps = code_scales(w, scales, zeros, STEP_ROWS)
-    s, z = decode_scales(codes, zero_codes, steps)
-    q = torch.round((w - z[..., None]) / s[..., None]).add_(8).clamp_(0, 15)
-    return QuantizedWeight(4, pack_int4(q.to(torch.uint8).view(rows, cols)), codes, zero_codes,
-                           steps=steps)
+    codes, zero_codes, steps = code_scales(w, *_fit_int4(w, torch.float32, fit), STEP_ROWS)
+    return QuantizedWeight(4, _packed_codes(w, *decode_scales(codes, zero_codes, steps)), codes,
+                           zero_codes, steps=steps)

@@ -103,9 +103,9 @@ def gptq_quantize(model: nn.Module, ids: Tensor, *, group_size: int | None = Non
 
     # The token tables (int8 by default) and the int8 layers as they will be while the
     # others are calibrated: their inputs are then the quantized model's.
+    last = last_layer(model)
     others = {name: m for name, m in chosen_modules(model, config).items()
-              if isinstance(m, nn.Embedding)
-              or config.bits_of(name, table=False, last=last_layer(model)) == 8}
+              if isinstance(m, nn.Embedding) or config.bits_of(name, table=False, last=last) == 8}
     floats = {name: m.weight for name, m in others.items()}
     try:
         for m in others.values():
@@ -131,9 +131,10 @@ def gptq_layers(model: nn.Module, skip: Iterable[str] = (),
     config = QuantizationConfig("int4", group_size, tuple(skip), int8_layers=None
                                 if int8_layers is None else tuple(int8_layers))
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    last = last_layer(model)
     return {name: m for name, m in chosen_modules(model, config).items()
             if isinstance(m, nn.Linear) and id(m.weight) not in tables
-            and config.bits_of(name, table=False, last=last_layer(model)) == 4}
+            and config.bits_of(name, table=False, last=last) == 4}
 
 
 def _as_quantized(module: nn.Module, config: QuantizationConfig) -> Tensor:
