@@ -106,6 +106,26 @@ void in_row_blocks(int64_t M, F&& f) {
     with_rows<MAX>(std::min<int64_t>(MAX, M - m0), [&](auto mb) { f(mb, m0); });
 }
 
+// Bytes of W that every block of rows of x goes through before the next rows of W, when x has
+// more than one block: the blocks after the first read them from cache, so W is read from
+// memory once, not once a block.
+constexpr int64_t kChunkBytes = 256 * 1024;
+
+// in_row_blocks<MAX> over W's rows [begin, end) in chunks of about kChunkBytes (`row_bytes` a
+// row of W; a chunk a multiple of `multiple` rows), each chunk under every block of x before
+// the next: f(mb, m0, first, last). Every kernel here sums each output on its own, so each
+// output is the same sum, in the same order, whatever the chunks (batch invariance holds).
+template <int MAX, typename F>
+void in_chunks(int64_t M, int64_t row_bytes, int64_t multiple, int64_t begin, int64_t end, F&& f) {
+  const int64_t chunk =
+      M <= MAX ? end - begin
+               : std::max<int64_t>(multiple, kChunkBytes / row_bytes / multiple * multiple);
+  for (int64_t first = begin; first < end; first += chunk) {
+    const int64_t last = std::min(end, first + chunk);
+    in_row_blocks<MAX>(M, [&](auto mb, int64_t m0) { f(mb, m0, first, last); });
+  }
+}
+
 // x as float32 (M x K), converted once for all threads.
 std::vector<float> as_float(const torch::Tensor& x) {
   auto f = x.to(torch::kFloat32).contiguous();
@@ -322,17 +342,17 @@ void paired_x(std::vector<float>& x, int64_t M, int64_t K) {
   }
 }
 
-// Rows of W that the blocks of x go through before the next rows, when x has more than one
-// block: about this many bytes, so that the blocks after the first read them from cache.
-constexpr int64_t kChunkBytes = 256 * 1024;
 // A multiple of every R that rows_times_x uses, so that chunks keep the groups of one pass.
 constexpr int64_t kChunkRows = 12;
 
-// rows_times_x for one chunk of W's rows [begin, end): x's rows in blocks of at most 8.
+// y = row_scale * x W^T for the rows [begin, end) of W; x stored by paired_x<W>: x's rows in
+// blocks of at most 8 (their sums stay in registers), W's rows in_chunks of a multiple of
+// kChunkRows, so that a chunk starts where a group of R rows of one pass would start.
 template <typename W, typename Scale>
-void rows_in_blocks(const W* w, const float* x, float* y, int64_t M, int64_t O, int64_t K,
-                    int64_t begin, int64_t end, Scale row_scale) {
-  in_row_blocks<8>(M, [&](auto mb, int64_t m0) {
+void rows_times_x(const W* w, const float* x, float* y, int64_t M, int64_t O, int64_t K,
+                  int64_t begin, int64_t end, Scale row_scale) {
+  in_chunks<8>(M, K * int64_t(sizeof(W)), kChunkRows, begin, end,
+               [&](auto mb, int64_t m0, int64_t first, int64_t last) {
     constexpr int MB = decltype(mb)::value;
     const float* xm = x + m0 * K;
     float* ym = y + m0 * O;
@@ -346,35 +366,16 @@ void rows_in_blocks(const W* w, const float* x, float* y, int64_t M, int64_t O, 
     // On copies in anonymous 4 KiB pages four rows were faster: 11.7-12.5 against 13.6-16.0
     // ms (the two-chain one-row loop before them: 12.5-16.5 ms).
     if constexpr (MB == 1 && std::is_same_v<W, float>)
-      row_groups<1, 1, kAheadBytes>(w, xm, ym, O, K, begin, end, row_scale);
+      row_groups<1, 1, kAheadBytes>(w, xm, ym, O, K, first, last, row_scale);
     else
-      row_groups<MB, (MB <= 2 ? 4 : MB > 5 ? 3 : 4)>(w, xm, ym, O, K, begin, end, row_scale);
+      row_groups<MB, (MB <= 2 ? 4 : MB > 5 ? 3 : 4)>(w, xm, ym, O, K, first, last, row_scale);
 #else
     // bfloat16 weights: two rows of W at a time with one row of x streamed 1.25x faster than
     // six; their two parts a load (Lanes::load_parts) take twice the registers.
     constexpr int R = sizeof(W) == 2 ? (MB <= 4 ? 2 : 1) : MB == 1 ? 6 : MB == 2 ? 4 : MB <= 4 ? 2 : 1;
-    row_groups<MB, R>(w, xm, ym, O, K, begin, end, row_scale);
+    row_groups<MB, R>(w, xm, ym, O, K, first, last, row_scale);
 #endif
   });
-}
-
-// y = row_scale * x W^T for the rows [begin, end) of W; x stored by paired_x<W>.
-//
-// x's rows run in blocks of at most 8 (their sums stay in registers). With more than one
-// block, every block would read all of [begin, end) from memory in turn, so the rows of W go
-// in chunks of about kChunkBytes (a multiple of kChunkRows), each chunk under every block of
-// x before the next: W is read from memory once. A chunk starts where a group of R rows of
-// one pass would start, so each output is the same sum, in the same order, as in one pass
-// (batch invariance and bit equality hold).
-template <typename W, typename Scale>
-void rows_times_x(const W* w, const float* x, float* y, int64_t M, int64_t O, int64_t K,
-                  int64_t begin, int64_t end, Scale row_scale) {
-  const int64_t chunk =
-      M <= 8 ? end - begin
-             : std::max<int64_t>(kChunkRows,
-                                 kChunkBytes / (K * int64_t(sizeof(W))) / kChunkRows * kChunkRows);
-  for (int64_t first = begin; first < end; first += chunk)
-    rows_in_blocks(w, x, y, M, O, K, first, std::min(end, first + chunk), row_scale);
 }
 #else
 template <typename W>
@@ -564,8 +565,8 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, const std::op
   if (pairs) {
     const uint16_t *wp = ptr<uint16_t>(w), *xp = ptr<uint16_t>(x);
     at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
-      in_row_blocks<8>(M, [&](auto mb, int64_t m0) {
-        bf16_rows<decltype(mb)::value>(wp, xp + m0 * K, out + m0 * O, O, K, b, e);
+      in_chunks<8>(M, 2 * K, 1, b, e, [&](auto mb, int64_t m0, int64_t first, int64_t last) {
+        bf16_rows<decltype(mb)::value>(wp, xp + m0 * K, out + m0 * O, O, K, first, last);
       });
       finish(b, e);
     });
@@ -616,8 +617,9 @@ torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& q, const to
     at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
 #ifdef ATTNLAB_VNNI
       if (xi) {
-        in_row_blocks<8>(M, [&](auto mb, int64_t m0) {
-          int8_integer_rows<decltype(mb)::value>(qp, *xi, m0, out + m0 * O, O, K, b, e, row_scale);
+        in_chunks<8>(M, K, 1, b, e, [&](auto mb, int64_t m0, int64_t first, int64_t last) {
+          int8_integer_rows<decltype(mb)::value>(qp, *xi, m0, out + m0 * O, O, K, first, last,
+                                                 row_scale);
         });
         finish(b, e);
         return;
@@ -718,10 +720,6 @@ void grouped_rows(const GroupedArgs& a, const S* s, const S* z, int64_t begin, i
 }
 #endif
 
-// Bytes of codes that every block of rows of x goes through before the next ones, when x has
-// more than one block (as rows_times_x's chunks): the codes are read from memory once.
-constexpr int64_t kGroupedChunkBytes = 256 * 1024;
-
 }  // namespace
 
 torch::Tensor gemv_int8_grouped(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
@@ -755,19 +753,15 @@ torch::Tensor gemv_int8_grouped(const torch::Tensor& x, const torch::Tensor& q, 
   }
   const GroupedArgs args{ptr<int8_t>(q), xf.data(), xsum.empty() ? nullptr : xsum.data(), y.data(),
                          O, K, group_size};
-  const int64_t chunk = M <= kGroupedBlock ? O : std::max<int64_t>(1, kGroupedChunkBytes / K);
   auto run = [&](const auto* sp, const auto* zp) {
     at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
-      for (int64_t first = b; first < e; first += chunk) {
-        const int64_t last = std::min(e, first + chunk);
-        in_row_blocks<kGroupedBlock>(M, [&](auto mb, int64_t m0) {
-          GroupedArgs rows = args;
-          rows.x += m0 * K;
-          if (rows.xsum != nullptr) rows.xsum += m0 * groups;
-          rows.y += m0 * O;
-          grouped_rows<decltype(mb)::value>(rows, sp, zp, first, last);
-        });
-      }
+      in_chunks<kGroupedBlock>(M, K, 1, b, e, [&](auto mb, int64_t m0, int64_t first, int64_t last) {
+        GroupedArgs rows = args;
+        rows.x += m0 * K;
+        if (rows.xsum != nullptr) rows.xsum += m0 * groups;
+        rows.y += m0 * O;
+        grouped_rows<decltype(mb)::value>(rows, sp, zp, first, last);
+      });
       finish(b, e);
     });
   };
@@ -1118,12 +1112,12 @@ torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const to
           sums[m * groups + j] = xi.scales[m] * static_cast<float>(total);
         }
       at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
-        in_row_blocks<8>(M, [&](auto mb, int64_t m0) {
+        in_chunks<8>(M, K / 2, 1, b, e, [&](auto mb, int64_t m0, int64_t first, int64_t last) {
           Int4Args rows = args;
           rows.xsum = sums.data() + m0 * groups;
           rows.y += m0 * O;
           int4_integer_rows<decltype(mb)::value>(rows, sp, zp, codes.data() + m0 * K,
-                                                 xi.scales.data() + m0, b, e);
+                                                 xi.scales.data() + m0, first, last);
         });
         finish(b, e);
       });
@@ -1136,12 +1130,12 @@ torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const to
       const std::vector<uint16_t> xs = by64 ? nibble_order(ptr<uint16_t>(x), M, K) : std::vector<uint16_t>();
       const uint16_t* xp = by64 ? xs.data() : ptr<uint16_t>(x);
       at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
-        in_row_blocks<4>(M, [&](auto mb, int64_t m0) {
+        in_chunks<4>(M, K / 2, 1, b, e, [&](auto mb, int64_t m0, int64_t first, int64_t last) {
           Int4Args rows = args;
           rows.xsum += m0 * groups;
           rows.y += m0 * O;
-          if (by64) int4_bf16_rows<decltype(mb)::value, true>(rows, sp, zp, xp + m0 * K, b, e);
-          else int4_bf16_rows<decltype(mb)::value, false>(rows, sp, zp, xp + m0 * K, b, e);
+          if (by64) int4_bf16_rows<decltype(mb)::value, true>(rows, sp, zp, xp + m0 * K, first, last);
+          else int4_bf16_rows<decltype(mb)::value, false>(rows, sp, zp, xp + m0 * K, first, last);
         });
         finish(b, e);
       });
@@ -1154,12 +1148,12 @@ torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& q, const to
       xo[i] = xf[2 * i + 1];
     }
     at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
-      in_row_blocks<4>(M, [&](auto mb, int64_t m0) {
+      in_chunks<4>(M, K / 2, 1, b, e, [&](auto mb, int64_t m0, int64_t first, int64_t last) {
         Int4Args rows = args;
         rows.xsum += m0 * groups;
         rows.y += m0 * O;
         int4_widened_rows<decltype(mb)::value>(rows, sp, zp, xe.data() + m0 * K / 2,
-                                               xo.data() + m0 * K / 2, b, e);
+                                               xo.data() + m0 * K / 2, first, last);
       });
       finish(b, e);
     });
