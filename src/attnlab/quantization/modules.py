@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
+from attnlab.allocator import return_free_pages
 from attnlab.kernels import bucket_of, native
 from attnlab.kernels.catalog import Kernel
 from attnlab.quantization.formats import (
@@ -289,9 +290,11 @@ def _quantized_by_rows(weight: Tensor, bits: int, group_size: int, fit: str = "n
     Qwen2.5-0.5B: 0.5 GiB each)."""
     rows, cols = weight.shape
     step = max(1, 2**20 // cols // STEP_ROWS) * STEP_ROWS  # coded scales' steps: whole blocks
-    blocks = [quantize(weight[i:i + step], bits, group_size if bits == 4 else None,
-                       scale_dtype or weight.dtype, fit if bits == 4 else "nearest")
-              for i in range(0, max(rows, 1), step)]
+    blocks = []
+    for i in range(0, max(rows, 1), step):
+        blocks.append(quantize(weight[i:i + step], bits, group_size if bits == 4 else None,
+                               scale_dtype or weight.dtype, fit if bits == 4 else "nearest"))
+        return_free_pages()  # the block's temporaries (allocator module docstring)
     if len(blocks) == 1:
         return blocks[0]
     zeros = None if bits == 8 else torch.cat([b.zeros for b in blocks])

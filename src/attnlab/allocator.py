@@ -1,0 +1,36 @@
+"""The C allocator's free pages, given back to the system.
+
+glibc's ``malloc`` keeps freed chunks in its heaps. After it frees a chunk that it had mapped
+on its own (a float32 temporary of a few MiB is one), it raises its mapping threshold to that
+size, so later temporaries of that size come from a heap; a heap whose top is held by a live
+allocation (the codes of a block quantized just before) then keeps the freed temporaries'
+pages resident. Quantizing a model block by block, a long run of such temporaries, so grew
+the resident memory of a streamed load to 2-3x the model in some runs and not in others
+(the threads' timing picks the heap). ``malloc_trim(0)`` gives back every whole free page of
+every heap. Another C library has no such function and nothing to do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+
+__all__ = ["return_free_pages"]
+
+
+def return_free_pages() -> bool:
+    """Give the C allocator's free pages back to the system (glibc's ``malloc_trim(0)``);
+    whether any went back (``False`` also where the C library cannot trim)."""
+    trim = _trim()
+    return trim is not None and bool(trim(0))
+
+
+@functools.cache
+def _trim() -> Callable[[int], int] | None:
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the C library this process runs on
+    except (AttributeError, OSError, TypeError):  # not glibc; Windows takes no None
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
