@@ -435,6 +435,51 @@ void bf16_rows(const uint16_t* w, const uint16_t* x, float* y, int64_t O, int64_
     }
   }
 }
+// bf16_rows for two rows of W at a time (o, o + 1), so that a load of x serves both: each
+// output's two chains of sums are bf16_rows' own, added in the same order (the same bits,
+// whatever the rows of x). Four rows of x at most: 16 sums, 4 + 2 loads of 32 inputs.
+template <int MB>
+void bf16_two_rows(const uint16_t* w, const uint16_t* x, float* y, int64_t O, int64_t K,
+                   int64_t begin, int64_t end) {
+  static_assert(MB <= 4, "16 sums in registers at most");
+  int64_t o = begin;
+  for (; o + 2 <= end; o += 2) {
+    const uint16_t* rows[2] = {w + o * K, w + (o + 1) * K};
+    __m512 acc[2][MB], acc2[2][MB];
+    for (int j = 0; j < 2; ++j)
+      for (int m = 0; m < MB; ++m) acc[j][m] = acc2[j][m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+      __m512bh a[2], b[2];
+      for (int j = 0; j < 2; ++j) {
+        ahead<2, kAheadManyRows>(rows[j] + k);
+        a[j] = load32_bf16(rows[j] + k);
+        b[j] = load32_bf16(rows[j] + k + 32);
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m512bh x0 = load32_bf16(x + m * K + k), x1 = load32_bf16(x + m * K + k + 32);
+        for (int j = 0; j < 2; ++j) {
+          acc[j][m] = _mm512_dpbf16_ps(acc[j][m], a[j], x0);
+          acc2[j][m] = _mm512_dpbf16_ps(acc2[j][m], b[j], x1);
+        }
+      }
+    }
+    for (; k + 32 <= K; k += 32) {
+      const __m512bh a[2] = {load32_bf16(rows[0] + k), load32_bf16(rows[1] + k)};
+      for (int m = 0; m < MB; ++m) {
+        const __m512bh x0 = load32_bf16(x + m * K + k);
+        for (int j = 0; j < 2; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], a[j], x0);
+      }
+    }
+    for (int j = 0; j < 2; ++j)
+      for (int m = 0; m < MB; ++m) {
+        float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][m], acc2[j][m]));
+        for (int64_t t = k; t < K; ++t) sum += from_bf16(rows[j][t]) * from_bf16(x[m * K + t]);
+        y[m * O + o + j] = sum;
+      }
+  }
+  if (o < end) bf16_rows<MB>(w, x, y, O, K, o, end);
+}
 #endif
 
 #ifdef ATTNLAB_VNNI
@@ -564,10 +609,18 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, const std::op
 #ifdef ATTNLAB_AVX512BF16
   if (pairs) {
     const uint16_t *wp = ptr<uint16_t>(w), *xp = ptr<uint16_t>(x);
+    // Up to 8 rows of x (a decoding step of a few sequences) read W once with bf16_rows;
+    // more (a server's batch) go 4 at a time past two rows of W, each chunk of W from cache.
     at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
-      in_chunks<8>(M, 2 * K, 1, b, e, [&](auto mb, int64_t m0, int64_t first, int64_t last) {
-        bf16_rows<decltype(mb)::value>(wp, xp + m0 * K, out + m0 * O, O, K, first, last);
-      });
+      if (M <= 8) {
+        in_row_blocks<8>(M, [&](auto mb, int64_t m0) {
+          bf16_rows<decltype(mb)::value>(wp, xp + m0 * K, out + m0 * O, O, K, b, e);
+        });
+      } else {
+        in_chunks<4>(M, 2 * K, 2, b, e, [&](auto mb, int64_t m0, int64_t first, int64_t last) {
+          bf16_two_rows<decltype(mb)::value>(wp, xp + m0 * K, out + m0 * O, O, K, first, last);
+        });
+      }
       finish(b, e);
     });
     return y.out;
