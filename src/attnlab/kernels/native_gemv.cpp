@@ -113,8 +113,9 @@ constexpr int64_t kChunkBytes = 256 * 1024;
 
 // in_row_blocks<MAX> over W's rows [begin, end) in chunks of about kChunkBytes (`row_bytes` a
 // row of W; a chunk a multiple of `multiple` rows), each chunk under every block of x before
-// the next: f(mb, m0, first, last). Every kernel here sums each output on its own, so each
-// output is the same sum, in the same order, whatever the chunks (batch invariance holds).
+// the next: f(mb, m0, first, last). A chunk starts where a group of `multiple` rows of W in
+// one pass would start, so each output is the same sum, in the same order, as in one pass
+// (batch invariance and bit equality hold).
 template <int MAX, typename F>
 void in_chunks(int64_t M, int64_t row_bytes, int64_t multiple, int64_t begin, int64_t end, F&& f) {
   const int64_t chunk =
