@@ -202,16 +202,17 @@ def test_an_invariant_kernel_gives_a_row_the_same_sums_beside_any_rows(name, dty
             assert torch.equal(beside[0], alone[0]), f"{name} with {rows} rows"
 
 
-@pytest.mark.parametrize(("name", "dtype"), [case for case in _invariant_cases()
-                                              if not case[0].startswith("int4")])
+@pytest.mark.parametrize(("name", "dtype"), _invariant_cases())
 def test_a_wide_weight_read_in_chunks_gives_every_row_the_sums_of_one_row(name, dtype):
-    """More than 8 rows of x go through a weight's rows in chunks (each read from memory
-    once): with 8,200 inputs a chunk is 12 rows of the 40 (grouped int8: 8,224 inputs, in
-    groups of 32, and chunks of 31 rows), so every row of a 9- to 32-row product must still
-    equal that row alone, bit for bit."""
+    """More than one block of rows of x goes through a weight's rows in chunks of about
+    256 KiB (each read from memory once): with 8,200 inputs a chunk is 12 rows of the 40
+    (bfloat16 pairs: 14, two rows of W at a time; grouped int8: 8,224 inputs in groups of 32,
+    chunks of 31 rows; int4: 192 x 8,192, chunks of 64 rows), so every row of a 9- to 32-row
+    product must still equal that row alone, bit for bit."""
     torch.manual_seed(0)
-    inputs = 8224 if name == "int8_grouped" else 8200
-    w, b = torch.randn(40, inputs), torch.randn(40)
+    outputs, inputs = {"int8_grouped": (40, 8224)}.get(
+        name, (192, 8192) if name.startswith("int4") else (40, 8200))
+    w, b = torch.randn(outputs, inputs), torch.randn(outputs)
     x = torch.randn(DECODING_ROWS, inputs).to(dtype)
     stored, run = _prepared(name, w, dtype)
     alone = torch.cat([run(x[m:m + 1].contiguous(), stored, b.to(dtype)) for m in range(32)])
