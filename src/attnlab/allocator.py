@@ -14,23 +14,25 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable
 
-__all__ = ["return_free_pages"]
+__all__ = ["glibc", "return_free_pages"]
 
 
 def return_free_pages() -> bool:
     """Give the C allocator's free pages back to the system (glibc's ``malloc_trim(0)``);
-    whether any went back (``False`` also where the C library cannot trim)."""
-    trim = _trim()
-    return trim is not None and bool(trim(0))
+    whether any went back (``False`` also where the C library is not glibc)."""
+    libc = glibc()
+    return libc is not None and bool(libc.malloc_trim(0))
 
 
 @functools.cache
-def _trim() -> Callable[[int], int] | None:
+def glibc() -> ctypes.CDLL | None:
+    """The C library this process runs on when it is glibc (``malloc_trim``, ``mallopt``),
+    else None."""
     try:
-        trim = ctypes.CDLL(None).malloc_trim  # the C library this process runs on
+        libc = ctypes.CDLL(None)
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+        libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     except (AttributeError, OSError, TypeError):  # not glibc; Windows takes no None
         return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+    return libc

@@ -9,18 +9,17 @@ import sys
 
 import pytest
 
-from attnlab.allocator import _trim, return_free_pages
+from attnlab.allocator import glibc, return_free_pages
 
 CHURN = """
 import torch
-from attnlab.allocator import return_free_pages
+from attnlab.allocator import glibc, return_free_pages
 def anon():
     return next(int(line.split()[1]) for line in open("/proc/self/status")
                 if line.startswith("RssAnon")) // 1024
-import ctypes
 # glibc's mapping threshold above 4 MiB, as glibc itself sets it once it has freed a larger
 # mapped chunk (M_MMAP_THRESHOLD is -3): the temporaries below then come from the heap
-ctypes.CDLL(None).mallopt(-3, 64 * 2**20)
+glibc().mallopt(-3, 64 * 2**20)
 big, small = [], []
 for _ in range(64):  # 256 MiB of temporaries on the heap, each under a live 64 KiB tensor
     big.append(torch.ones(2**20))
@@ -35,11 +34,11 @@ print(before, held, anon())
 
 def test_the_c_library_is_asked_only_where_it_can_trim() -> None:
     assert isinstance(return_free_pages(), bool)
-    if sys.platform.startswith("linux") and _trim() is None:
+    if sys.platform.startswith("linux") and glibc() is None:
         pytest.skip("this Linux's C library has no malloc_trim (not glibc)")
 
 
-@pytest.mark.skipif(_trim() is None, reason="the C library cannot trim (not glibc)")
+@pytest.mark.skipif(glibc() is None, reason="the C library cannot trim (not glibc)")
 def test_freed_temporaries_held_in_the_heap_go_back() -> None:
     run = subprocess.run([sys.executable, "-c", CHURN], capture_output=True, text=True,
                          timeout=120)

@@ -17,7 +17,6 @@ measure the other work as much as the code.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import os
 import platform
@@ -30,6 +29,7 @@ from typing import TypeVar
 import torch
 
 from attnlab._checks import check_positive
+from attnlab.allocator import glibc, return_free_pages
 from attnlab.threads import load_average, usable_cpus
 
 __all__ = [
@@ -166,13 +166,13 @@ def peak_memory(fn: Callable[[], object], device: torch.device | None = None) ->
         return torch.cuda.max_memory_allocated(device) - before
     if not _cpu_peak_supported():
         return None
-    libc = _libc()
+    libc = glibc()
     if libc is not None:
         # Freed blocks go back to the system during the measurement, so that a reused heap
         # does not hide usage...
         libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
         libc.mallopt(_M_TRIM_THRESHOLD, 64 * 1024)
-        libc.malloc_trim(0)
+        return_free_pages()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -354,13 +354,6 @@ def _status_kib(field: str) -> int:
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-
-
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
 
 
 def _total_memory() -> int:
