@@ -4,10 +4,10 @@ glibc's ``malloc`` keeps freed chunks in its heaps. After it frees a chunk that 
 on its own (a float32 temporary of a few MiB is one), it raises its mapping threshold to that
 size, so later temporaries of that size come from a heap; a heap whose top is held by a live
 allocation (the codes of a block quantized just before) then keeps the freed temporaries'
-pages resident. Quantizing a model block by block, a long run of such temporaries, so grew
-the resident memory of a streamed load to 2-3x the model in some runs and not in others
-(the threads' timing picks the heap). ``malloc_trim(0)`` gives back every whole free page of
-every heap. Another C library has no such function and nothing to do.
+pages resident. Quantizing a model block by block, a long run of such temporaries, so
+raised the peak resident memory of a streamed load 1.6-3x in some runs of the same load and
+not in others. ``malloc_trim(0)`` gives back every whole free page of every heap. Another C
+library has no such function and nothing to do.
 """
 
 from __future__ import annotations
