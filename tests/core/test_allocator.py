@@ -9,10 +9,12 @@ import sys
 
 import pytest
 
+from attnlab import allocator
 from attnlab.allocator import glibc, return_free_pages
 
 CHURN = """
 import torch
+from attnlab import allocator
 from attnlab.allocator import glibc, return_free_pages
 def anon():
     return next(int(line.split()[1]) for line in open("/proc/self/status")
@@ -47,3 +49,19 @@ def test_freed_temporaries_held_in_the_heap_go_back() -> None:
     assert held > before - 64, f"resident {before} -> {held} MiB: the temporaries were not " \
                                "held in the heap, the case under test did not arise"
     assert after <= held - 200, f"resident {before} -> {held} -> {after} MiB"
+
+
+@pytest.mark.parametrize("library", ["missing", "not glibc"])
+def test_without_glibc_nothing_is_asked_and_false_is_returned(monkeypatch, library) -> None:
+    def load(name):
+        if library == "missing":
+            raise OSError("no C library")
+        return object()  # a C library without malloc_trim (musl, macOS)
+
+    monkeypatch.setattr(allocator.ctypes, "CDLL", load)
+    allocator.glibc.cache_clear()
+    try:
+        assert allocator.glibc() is None
+        assert return_free_pages() is False
+    finally:
+        allocator.glibc.cache_clear()
