@@ -408,78 +408,56 @@ inline __m256bh load16_bf16(const uint16_t* p) {
 }
 
 // y[m, o] = sum_k W[o, k] x[m, k] with W and x bfloat16: products of pairs summed in float32
-// by vdpbf16ps, 32 inputs an instruction.
-template <int MB>
+// by vdpbf16ps, 32 inputs an instruction, each output in two chains (even and odd blocks of
+// 32 inputs) whatever MB and R. R rows of W at a time share each load of x (R = 2 for a
+// server's batch, 4 rows of x a block); an odd last row of W goes alone. The sums of one
+// output are the same, in the same order, for any MB and R (batch invariance, same bits).
+template <int MB, int R = 1>
 void bf16_rows(const uint16_t* w, const uint16_t* x, float* y, int64_t O, int64_t K,
                int64_t begin, int64_t end) {
-  for (int64_t o = begin; o < end; ++o) {
-    const uint16_t* row = w + o * K;
-    __m512 acc[MB], acc2[MB];
-    for (int m = 0; m < MB; ++m) acc[m] = acc2[m] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64) {
-      ahead<2, (MB > 2 ? kAheadManyRows : kAheadBytes)>(row + k);
-      const __m512bh a = load32_bf16(row + k), b = load32_bf16(row + k + 32);
-      for (int m = 0; m < MB; ++m) {
-        acc[m] = _mm512_dpbf16_ps(acc[m], a, load32_bf16(x + m * K + k));
-        acc2[m] = _mm512_dpbf16_ps(acc2[m], b, load32_bf16(x + m * K + k + 32));
-      }
-    }
-    for (; k + 32 <= K; k += 32) {
-      const __m512bh a = load32_bf16(row + k);
-      for (int m = 0; m < MB; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], a, load32_bf16(x + m * K + k));
-    }
-    for (int m = 0; m < MB; ++m) {
-      float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], acc2[m]));
-      for (int64_t t = k; t < K; ++t) sum += from_bf16(row[t]) * from_bf16(x[m * K + t]);
-      y[m * O + o] = sum;
-    }
-  }
-}
-// bf16_rows for two rows of W at a time (o, o + 1), so that a load of x serves both: each
-// output's two chains of sums are bf16_rows' own, added in the same order (the same bits,
-// whatever the rows of x). Four rows of x at most: 16 sums, 4 + 2 loads of 32 inputs.
-template <int MB>
-void bf16_two_rows(const uint16_t* w, const uint16_t* x, float* y, int64_t O, int64_t K,
-                   int64_t begin, int64_t end) {
-  static_assert(MB <= 4, "16 sums in registers at most");
+  static_assert(MB * R <= 8, "16 sums in registers at most");
   int64_t o = begin;
-  for (; o + 2 <= end; o += 2) {
-    const uint16_t* rows[2] = {w + o * K, w + (o + 1) * K};
-    __m512 acc[2][MB], acc2[2][MB];
-    for (int j = 0; j < 2; ++j)
+  for (; o + R <= end; o += R) {
+    const uint16_t* rows[R];
+    __m512 acc[R][MB], acc2[R][MB];
+    for (int j = 0; j < R; ++j) {
+      rows[j] = w + (o + j) * K;
       for (int m = 0; m < MB; ++m) acc[j][m] = acc2[j][m] = _mm512_setzero_ps();
+    }
     int64_t k = 0;
     for (; k + 64 <= K; k += 64) {
-      __m512bh a[2], b[2];
-      for (int j = 0; j < 2; ++j) {
-        ahead<2, kAheadManyRows>(rows[j] + k);
+      __m512bh a[R], b[R];
+      for (int j = 0; j < R; ++j) {
+        ahead<2, (MB * R > 2 ? kAheadManyRows : kAheadBytes)>(rows[j] + k);
         a[j] = load32_bf16(rows[j] + k);
         b[j] = load32_bf16(rows[j] + k + 32);
       }
       for (int m = 0; m < MB; ++m) {
         const __m512bh x0 = load32_bf16(x + m * K + k), x1 = load32_bf16(x + m * K + k + 32);
-        for (int j = 0; j < 2; ++j) {
+        for (int j = 0; j < R; ++j) {
           acc[j][m] = _mm512_dpbf16_ps(acc[j][m], a[j], x0);
           acc2[j][m] = _mm512_dpbf16_ps(acc2[j][m], b[j], x1);
         }
       }
     }
     for (; k + 32 <= K; k += 32) {
-      const __m512bh a[2] = {load32_bf16(rows[0] + k), load32_bf16(rows[1] + k)};
+      __m512bh a[R];
+      for (int j = 0; j < R; ++j) a[j] = load32_bf16(rows[j] + k);
       for (int m = 0; m < MB; ++m) {
         const __m512bh x0 = load32_bf16(x + m * K + k);
-        for (int j = 0; j < 2; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], a[j], x0);
+        for (int j = 0; j < R; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], a[j], x0);
       }
     }
-    for (int j = 0; j < 2; ++j)
+    for (int j = 0; j < R; ++j)
       for (int m = 0; m < MB; ++m) {
         float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][m], acc2[j][m]));
         for (int64_t t = k; t < K; ++t) sum += from_bf16(rows[j][t]) * from_bf16(x[m * K + t]);
         y[m * O + o + j] = sum;
       }
   }
-  if (o < end) bf16_rows<MB>(w, x, y, O, K, o, end);
+  if constexpr (R > 1) {
+    if (o < end) bf16_rows<MB>(w, x, y, O, K, o, end);
+  }
 }
 #endif
 
@@ -610,7 +588,7 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, const std::op
 #ifdef ATTNLAB_AVX512BF16
   if (pairs) {
     const uint16_t *wp = ptr<uint16_t>(w), *xp = ptr<uint16_t>(x);
-    // Up to 8 rows of x (a decoding step of a few sequences) read W once with bf16_rows;
+    // Up to 8 rows of x (a decoding step of a few sequences) read W once, a row at a time;
     // more (a server's batch) go 4 at a time past two rows of W, each chunk of W from cache.
     at::parallel_for(0, O, kGrain, [&](int64_t b, int64_t e) {
       if (M <= 8) {
@@ -619,7 +597,7 @@ torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, const std::op
         });
       } else {
         in_chunks<4>(M, 2 * K, 2, b, e, [&](auto mb, int64_t m0, int64_t first, int64_t last) {
-          bf16_two_rows<decltype(mb)::value>(wp, xp + m0 * K, out + m0 * O, O, K, first, last);
+          bf16_rows<decltype(mb)::value, 2>(wp, xp + m0 * K, out + m0 * O, O, K, first, last);
         });
       }
       finish(b, e);
