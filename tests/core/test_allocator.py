@@ -14,7 +14,6 @@ from attnlab.allocator import glibc, return_free_pages
 
 CHURN = """
 import torch
-from attnlab import allocator
 from attnlab.allocator import glibc, return_free_pages
 def anon():
     return next(int(line.split()[1]) for line in open("/proc/self/status")

@@ -161,6 +161,13 @@ def _shape(name: str) -> tuple[int, int]:
     return (128, 192) if name.startswith("int4") else (40, 136)
 
 
+def _wide_shape(name: str) -> tuple[int, int]:
+    """A weight's shape for kernel ``name`` wide enough to be read in several chunks."""
+    if name == "int8_grouped":
+        return (40, 8224)
+    return (192, 8192) if name.startswith("int4") else (40, 8200)
+
+
 def _prepared(name: str, w: torch.Tensor, dtype: torch.dtype):
     """``(stored, run)``: ``w`` as kernel ``name`` stores it for ``dtype`` activations, and
     the kernel's ``run``."""
@@ -210,8 +217,7 @@ def test_a_wide_weight_read_in_chunks_gives_every_row_the_sums_of_one_row(name, 
     chunks of 31 rows; int4: 192 x 8,192, chunks of 64 rows), so every row of a 9- to 32-row
     product must still equal that row alone, bit for bit."""
     torch.manual_seed(0)
-    outputs, inputs = {"int8_grouped": (40, 8224)}.get(
-        name, (192, 8192) if name.startswith("int4") else (40, 8200))
+    outputs, inputs = _wide_shape(name)
     w, b = torch.randn(outputs, inputs), torch.randn(outputs)
     x = torch.randn(DECODING_ROWS, inputs).to(dtype)
     stored, run = _prepared(name, w, dtype)
